@@ -1,0 +1,71 @@
+// Argument checking shared by every backend of the rnnkern ops.
+//
+// The schemas live in ops.cpp.  Every backend implementation calls the
+// matching check_* function before touching data, so a bad call raises a
+// c10::Error that names the argument and never reaches a kernel.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+
+#include "cells.h"
+
+namespace rnnkern {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+Cell parse_cell(c10::string_view name);
+const char* cell_name(Cell cell);
+
+// Sizes of one call of the recurrence (one layer, one direction).
+struct RecurrenceSizes {
+  Cell cell;
+  int64_t T;  // time steps
+  int64_t B;  // batch
+  int64_t H;  // hidden units (cell state size for LSTM)
+  int64_t P;  // size of h: H, or proj_size for an LSTM with w_hr
+  int64_t G;  // gates per unit
+  bool has_proj;
+};
+
+// recurrence(cell, xproj[T,B,G*H], h0[B,P], c0[B,H]?, w_hh[G*H,P], b_hh[G*H]?,
+//            w_hr[P,H]?, lengths[B]?, reverse, train)
+RecurrenceSizes check_recurrence(c10::string_view cell, const Tensor& xproj, const Tensor& h0,
+                                 const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_hh,
+                                 const OptTensor& w_hr, const OptTensor& lengths);
+
+RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& grad_output,
+                                          const Tensor& grad_h_n, const OptTensor& grad_c_n,
+                                          const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
+                                          const OptTensor& w_hr, const Tensor& output,
+                                          const Tensor& workspace, const OptTensor& lengths);
+
+// Sizes of one call of the single-step op.
+struct StepSizes {
+  Cell cell;
+  int64_t B;  // batch
+  int64_t I;  // input features
+  int64_t H;  // hidden units
+  int64_t G;  // gates per unit
+};
+
+// step(cell, x[B,I], h[B,H], c[B,H]?, w_ih[G*H,I], w_hh[G*H,H], b_ih[G*H]?, b_hh[G*H]?)
+StepSizes check_step(c10::string_view cell, const Tensor& x, const Tensor& h, const OptTensor& c,
+                     const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                     const OptTensor& b_hh);
+
+StepSizes check_step_backward(c10::string_view cell, const Tensor& grad_h_new,
+                              const OptTensor& grad_c_new, const Tensor& x, const Tensor& h,
+                              const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
+                              const Tensor& h_new, const Tensor& workspace);
+
+// The dtype gate math runs in: float for half types, else the input dtype.
+at::ScalarType acc_type(at::ScalarType t);
+
+// An empty placeholder returned for outputs a cell does not have (c_n of a
+// GRU, the workspace of an inference call, ...).
+Tensor empty_like_options(const Tensor& like, at::ScalarType dtype);
+
+}  // namespace rnnkern

@@ -1,0 +1,239 @@
+"""Functional ops: one recurrent layer in one direction, and the single step.
+
+This is the only layer that knows about backends.  Modules call :func:`recurrence`
+and :func:`step`; these pick a backend and call its registered op:
+
+=============  ==========================================  ===========================
+backend        op                                          devices
+=============  ==========================================  ===========================
+``reference``  :mod:`rnnkern.reference` (autograd)          any
+``cpu``        ``torch.ops.rnnkern.*`` (C++, csrc/cpu)      CPU
+``cuda``       ``torch.ops.rnnkern.*`` (CUDA, csrc/cuda)    CUDA, when compiled in
+``triton``     ``torch.ops.rnnkern_triton.*``               CUDA; CPU with TRITON_INTERPRET=1
+=============  ==========================================  ===========================
+
+Every op family has the same four schemas (csrc/ops.cpp): ``recurrence``,
+``recurrence_backward``, ``step``, ``step_backward``.  Their fake (meta)
+implementations and their autograd formulas are registered here, once per family,
+by :func:`register_op_family`, so ``torch.compile(fullgraph=True)`` traces every
+backend without a graph break.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+from .reference import CELLS, check_cell, gate_count, workspace_width
+from . import reference
+
+BACKENDS = ("auto", "reference", "cpu", "cuda", "triton")
+
+#: True when the CUDA kernels were compiled into rnnkern._C.
+WITH_CUDA = bool(_C.WITH_CUDA)
+
+__all__ = ["BACKENDS", "CELLS", "WITH_CUDA", "recurrence", "step", "resolve_backend",
+           "register_op_family"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the gate math runs in (and the workspace is kept in)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# --------------------------------------------------------------------------
+# Fake implementations and autograd, shared by every op family.
+
+def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse, train):
+    T, B = xproj.shape[0], xproj.shape[1]
+    H = w_hh.shape[0] // gate_count(cell)
+    P = h0.shape[1]
+    output = xproj.new_empty((T, B, P))
+    h_n = xproj.new_empty((B, P))
+    c_n = xproj.new_empty((B, H)) if cell == "lstm" else xproj.new_empty((0,))
+    ws_shape = (T, B, workspace_width(cell) * H) if train else (0,)
+    workspace = xproj.new_empty(ws_shape, dtype=acc_dtype(xproj.dtype))
+    return output, h_n, c_n, workspace
+
+
+def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                              workspace, lengths, reverse):
+    T, B = output.shape[0], output.shape[1]
+    G = gate_count(cell)
+    H = w_hh.shape[0] // G
+    P = h0.shape[1]
+    new = output.new_empty
+    return (new((T, B, G * H)), new((B, P)), new((B, H)) if cell == "lstm" else new((0,)),
+            new((G * H, P)), new((G * H,)), new((P, H)) if w_hr is not None else new((0,)))
+
+
+def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh):
+    B = x.shape[0]
+    H = w_hh.shape[0] // gate_count(cell)
+    c_new = x.new_empty((B, H)) if cell == "lstm" else x.new_empty((0,))
+    workspace = x.new_empty((B, workspace_width(cell) * H), dtype=acc_dtype(x.dtype))
+    return x.new_empty((B, H)), c_new, workspace
+
+
+def _step_backward_fake(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace):
+    B, I = x.shape
+    G = gate_count(cell)
+    H = w_hh.shape[0] // G
+    new = x.new_empty
+    return (new((B, I)), new((B, H)), new((B, H)) if cell == "lstm" else new((0,)),
+            new((G * H, I)), new((G * H, H)), new((G * H,)), new((G * H,)))
+
+
+def _zeros_if_none(grad: Optional[Tensor], like: Tensor) -> Tensor:
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def _make_recurrence_autograd(backward_op):
+    def setup_context(ctx, inputs, output):
+        cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse, train = inputs
+        out, h_n, c_n, workspace = output
+        ctx.cell, ctx.reverse = cell, reverse
+        ctx.has_b_hh = b_hh is not None
+        ctx.save_for_backward(h0, c0, w_hh, w_hr, out, workspace, lengths, c_n)
+        ctx.mark_non_differentiable(workspace)
+
+    def backward(ctx, grad_output, grad_h_n, grad_c_n, _grad_workspace):
+        h0, c0, w_hh, w_hr, out, workspace, lengths, c_n = ctx.saved_tensors
+        lstm = ctx.cell == "lstm"
+        gx, gh0, gc0, gw, gb, gwr = backward_op(
+            ctx.cell, _zeros_if_none(grad_output, out), _zeros_if_none(grad_h_n, h0),
+            _zeros_if_none(grad_c_n, c_n) if lstm else None, h0, c0, w_hh, w_hr, out,
+            workspace, lengths, ctx.reverse)
+        return (None, gx, gh0, gc0 if lstm else None, gw, gb if ctx.has_b_hh else None,
+                gwr if w_hr is not None else None, None, None, None)
+
+    return setup_context, backward
+
+
+def _make_step_autograd(backward_op):
+    def setup_context(ctx, inputs, output):
+        cell, x, h, c, w_ih, w_hh, b_ih, b_hh = inputs
+        h_new, c_new, workspace = output
+        ctx.cell = cell
+        ctx.has_b_ih, ctx.has_b_hh = b_ih is not None, b_hh is not None
+        ctx.save_for_backward(x, h, c, w_ih, w_hh, h_new, c_new, workspace)
+        ctx.mark_non_differentiable(workspace)
+
+    def backward(ctx, grad_h_new, grad_c_new, _grad_workspace):
+        x, h, c, w_ih, w_hh, h_new, c_new, workspace = ctx.saved_tensors
+        lstm = ctx.cell == "lstm"
+        gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh = backward_op(
+            ctx.cell, _zeros_if_none(grad_h_new, h_new),
+            _zeros_if_none(grad_c_new, c_new) if lstm else None, x, h, c, w_ih, w_hh, h_new,
+            workspace)
+        return (None, gx, gh, gc if lstm else None, gw_ih, gw_hh,
+                gb_ih if ctx.has_b_ih else None, gb_hh if ctx.has_b_hh else None)
+
+    return setup_context, backward
+
+
+def register_op_family(namespace: str) -> None:
+    """Registers the fake implementations and the autograd formulas of
+    ``torch.ops.<namespace>.{recurrence, recurrence_backward, step, step_backward}``."""
+    ops = getattr(torch.ops, namespace)
+    torch.library.register_fake(f"{namespace}::recurrence")(_recurrence_fake)
+    torch.library.register_fake(f"{namespace}::recurrence_backward")(_recurrence_backward_fake)
+    torch.library.register_fake(f"{namespace}::step")(_step_fake)
+    torch.library.register_fake(f"{namespace}::step_backward")(_step_backward_fake)
+    setup, backward = _make_recurrence_autograd(ops.recurrence_backward.default)
+    torch.library.register_autograd(f"{namespace}::recurrence", backward, setup_context=setup)
+    setup, backward = _make_step_autograd(ops.step_backward.default)
+    torch.library.register_autograd(f"{namespace}::step", backward, setup_context=setup)
+
+
+register_op_family("rnnkern")
+
+
+# --------------------------------------------------------------------------
+# Backend choice.
+
+def _triton_ops():
+    """The Triton op family, imported on first use (Triton is optional)."""
+    try:
+        from .triton import ops as triton_ops  # noqa: F401  (defines torch.ops.rnnkern_triton)
+    except ImportError as e:
+        raise RuntimeError(f"backend='triton' needs the triton package: {e}") from e
+    return torch.ops.rnnkern_triton
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend for ``backend`` on ``device``; a clear error when it cannot run there."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if backend == "auto":
+        if device.type == "cpu":
+            return "cpu"
+        if device.type == "cuda":
+            return "cuda" if WITH_CUDA else "triton"
+        return "reference"
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend='cpu' runs on CPU tensors, got tensors on {device}; "
+                         "move them with .cpu() or choose backend='cuda' or 'triton'")
+    if backend == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"backend='cuda' runs on CUDA tensors, got tensors on {device}; "
+                             "move them with .cuda() or choose backend='cpu'")
+        if not WITH_CUDA:
+            raise RuntimeError("backend='cuda': rnnkern was built without its CUDA kernels "
+                               "(nvcc or a CUDA build of torch was missing at build time); "
+                               "rebuild, or use backend='triton'")
+    if backend == "triton" and device.type != "cuda":
+        if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' runs on CUDA tensors (or CPU tensors under "
+                             f"TRITON_INTERPRET=1), got tensors on {device}")
+    return backend
+
+
+def _op_family(backend: str):
+    return _triton_ops() if backend == "triton" else torch.ops.rnnkern
+
+
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------
+# The functional ops.
+
+def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
+               b_hh: Optional[Tensor] = None, w_hr: Optional[Tensor] = None,
+               lengths: Optional[Tensor] = None, reverse: bool = False,
+               backend: str = "auto"):
+    """The time loop of one layer in one direction (see :func:`rnnkern.reference.recurrence`).
+
+    xproj [T, B, G*H] is the input projection ``X W_ih^T + b_ih`` of all steps,
+    h0 [B, P], c0 [B, H] (LSTM only), w_hh [G*H, P], b_hh [G*H], w_hr [P, H]
+    (LSTM projection), lengths [B] int64 on the CPU.
+    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
+    """
+    check_cell(cell)
+    backend = resolve_backend(backend, xproj.device)
+    if backend == "reference":
+        return reference.recurrence(cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse)
+    train = _needs_grad(xproj, h0, c0, w_hh, b_hh, w_hr)
+    output, h_n, c_n, _ = _op_family(backend).recurrence(
+        cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse, train)
+    return output, h_n, (c_n if cell == "lstm" else None)
+
+
+def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,
+         b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None, backend: str = "auto"):
+    """One step of a cell, ``[x, h] [W_ih; W_hh]^T`` fused with the gates.
+
+    x [B, I], h [B, H], c [B, H] (LSTM only).  Returns ``(h_new, c_new or None)``.
+    """
+    check_cell(cell)
+    backend = resolve_backend(backend, x.device)
+    if backend == "reference":
+        return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+    h_new, c_new, _ = _op_family(backend).step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+    return h_new, (c_new if cell == "lstm" else None)

@@ -1,0 +1,88 @@
+"""Builds rnnkern._C from csrc/: the C++ CPU kernels always, the CUDA kernels
+whenever nvcc and a CUDA build of torch are present.
+
+Environment knobs:
+  RNNKERN_SKIP_CUDA=1      build the CPU kernels only
+  CUDA_HOME                the CUDA toolkit (default: found from the nvcc on PATH,
+                           following a wrapper script to the real toolkit)
+  TORCH_CUDA_ARCH_LIST     GPU architectures (default: recent ones, see below)
+  MAX_JOBS                 parallel compile jobs (ninja); NVCC_THREADS per nvcc call
+"""
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _toolkit_of(nvcc):
+    """The toolkit directory of an nvcc binary, following wrapper scripts."""
+    nvcc = os.path.realpath(nvcc)
+    with open(nvcc, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"#!"):  # e.g. `exec /usr/local/cuda-13.0/bin/nvcc "$@"`
+        match = re.search(rb"(/[^\s\"']+/bin/nvcc)\b", head)
+        if match is None:
+            return None
+        nvcc = os.path.realpath(match.group(1).decode())
+    toolkit = os.path.dirname(os.path.dirname(nvcc))
+    return toolkit if os.path.exists(os.path.join(toolkit, "include", "cuda_runtime.h")) else None
+
+
+def find_cuda_home():
+    if os.environ.get("RNNKERN_SKIP_CUDA", "0") == "1":
+        return None
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return _toolkit_of(os.path.join(home, "bin", "nvcc"))
+    nvcc = shutil.which("nvcc")
+    return _toolkit_of(nvcc) if nvcc else None
+
+
+CUDA_HOME = find_cuda_home()
+if CUDA_HOME:
+    # torch.utils.cpp_extension reads CUDA_HOME when it is imported.
+    os.environ["CUDA_HOME"] = CUDA_HOME
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+WITH_CUDA = CUDA_HOME is not None and torch.version.cuda is not None
+
+
+def nvcc_release():
+    out = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"],
+                         capture_output=True, text=True, check=True).stdout
+    major, minor = re.search(r"release (\d+)\.(\d+)", out).groups()
+    return int(major), int(minor)
+
+
+def extensions():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-fopenmp", "-fno-trapping-math"]
+    if not WITH_CUDA:
+        return [CppExtension("rnnkern._C", sources, extra_compile_args={"cxx": cxx},
+                             extra_link_args=["-fopenmp"])]
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        archs = ["8.0", "8.6", "8.9", "9.0"]
+        if nvcc_release() >= (12, 8):
+            archs += ["10.0", "12.0"]
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+    sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+            "--threads", os.environ.get("NVCC_THREADS", "2")]
+    return [CUDAExtension("rnnkern._C", sources,
+                          extra_compile_args={"cxx": cxx + ["-DRNNKERN_WITH_CUDA"], "nvcc": nvcc},
+                          extra_link_args=["-fopenmp", "-lcublas"])]
+
+
+setup(
+    packages=find_packages(include=["rnnkern", "rnnkern.*"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension},
+)
