@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "../cells.h"
 #include "../ops.h"
@@ -49,14 +50,6 @@ struct Positions {
   }
 };
 
-template <typename F>
-void for_each_row(int64_t rows, int64_t units_per_row, const F& f) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, units_per_row));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) f(r);
-  });
-}
-
 template <typename A>
 void copy_row(A* dst, const A* src, int64_t n) {
   std::memcpy(dst, src, sizeof(A) * n);
@@ -67,98 +60,105 @@ void zero_row(A* dst, int64_t n) {
 }
 
 // ------------------------------------------------------------------------
-// Forward row kernels: one batch row, all hidden units of one step.
-// x: xproj row (G*H), hh: hproj row (G*H), bias: b_hh (G*H).
+// Row kernels: one batch row, the hidden units [j0, j0 + n) of one step.
+// Arrays with one value per gate and unit (xproj, bias, workspace, gate
+// gradients) hold gate k of unit j at k*ld + j (ld = H; pointers offset by
+// j0); the thread's own hproj slice holds it at k*ldh + j (ldh = n).  Arrays
+// with one value per unit (h, c, dh) are plain.
 
 template <typename A, bool kRelu>
-RNNKERN_CPU_CLONES void rnn_forward_row(int64_t H, const A* __restrict x, const A* __restrict hh,
+RNNKERN_CPU_CLONES void rnn_forward_row(int64_t n, const A* __restrict x, const A* __restrict hh,
                                         const A* __restrict bias, A* __restrict h) {
-  for (int64_t j = 0; j < H; ++j) h[j] = RnnUnit<A, kRelu>::forward(x[j], hh[j] + bias[j]);
+  for (int64_t j = 0; j < n; ++j) h[j] = RnnUnit<A, kRelu>::forward(x[j], hh[j] + bias[j]);
 }
 
 template <typename A, bool kSave>
-RNNKERN_CPU_CLONES void lstm_forward_row(int64_t H, const A* __restrict x, const A* __restrict hh,
+RNNKERN_CPU_CLONES void lstm_forward_row(int64_t n, int64_t ld, int64_t ldh,
+                                         const A* __restrict x, const A* __restrict hh,
                                          const A* __restrict bias, const A* __restrict c_prev,
                                          A* __restrict c, A* __restrict h, A* __restrict ws) {
-  for (int64_t j = 0; j < H; ++j) {
-    const auto r = LstmUnit<A>::forward(
-        x[j] + hh[j] + bias[j], x[H + j] + hh[H + j] + bias[H + j],
-        x[2 * H + j] + hh[2 * H + j] + bias[2 * H + j], x[3 * H + j] + hh[3 * H + j] + bias[3 * H + j],
-        c_prev[j]);
+  for (int64_t j = 0; j < n; ++j) {
+    const auto r = LstmUnit<A>::forward(x[j] + hh[j] + bias[j],
+                                        x[ld + j] + hh[ldh + j] + bias[ld + j],
+                                        x[2 * ld + j] + hh[2 * ldh + j] + bias[2 * ld + j],
+                                        x[3 * ld + j] + hh[3 * ldh + j] + bias[3 * ld + j],
+                                        c_prev[j]);
     c[j] = r.c;
     h[j] = r.h;
     if constexpr (kSave) {
       ws[j] = r.i;
-      ws[H + j] = r.f;
-      ws[2 * H + j] = r.g;
-      ws[3 * H + j] = r.o;
-      ws[4 * H + j] = r.c;
+      ws[ld + j] = r.f;
+      ws[2 * ld + j] = r.g;
+      ws[3 * ld + j] = r.o;
+      ws[4 * ld + j] = r.c;
     }
   }
 }
 
 template <typename A, bool kSave>
-RNNKERN_CPU_CLONES void gru_forward_row(int64_t H, const A* __restrict x, const A* __restrict hh,
+RNNKERN_CPU_CLONES void gru_forward_row(int64_t n, int64_t ld, int64_t ldh,
+                                        const A* __restrict x, const A* __restrict hh,
                                         const A* __restrict bias, const A* __restrict h_prev,
                                         A* __restrict h, A* __restrict ws) {
-  for (int64_t j = 0; j < H; ++j) {
-    const A hn = hh[2 * H + j] + bias[2 * H + j];
-    const auto r = GruUnit<A>::forward(x[j], x[H + j], x[2 * H + j], hh[j] + bias[j],
-                                       hh[H + j] + bias[H + j], hn, h_prev[j]);
+  for (int64_t j = 0; j < n; ++j) {
+    const A hn = hh[2 * ldh + j] + bias[2 * ld + j];
+    const auto r = GruUnit<A>::forward(x[j], x[ld + j], x[2 * ld + j], hh[j] + bias[j],
+                                       hh[ldh + j] + bias[ld + j], hn, h_prev[j]);
     h[j] = r.h;
     if constexpr (kSave) {
       ws[j] = r.r;
-      ws[H + j] = r.z;
-      ws[2 * H + j] = r.n;
-      ws[3 * H + j] = hn;
+      ws[ld + j] = r.z;
+      ws[2 * ld + j] = r.n;
+      ws[3 * ld + j] = hn;
     }
   }
 }
 
-// Reset-before GRU, stage 1: r, z (kept in rz for stage 2) and r * h_prev.
+// Reset-before GRU, stage 1: r and z (kept in rz, stride ldh) and r * h_prev.
 template <typename A>
-RNNKERN_CPU_CLONES void gru_rb_gates_row(int64_t H, const A* __restrict x, const A* __restrict hh,
+RNNKERN_CPU_CLONES void gru_rb_gates_row(int64_t n, int64_t ld, int64_t ldh,
+                                         const A* __restrict x, const A* __restrict hh,
                                          const A* __restrict bias, const A* __restrict h_prev,
                                          A* __restrict rz, A* __restrict rh) {
-  for (int64_t j = 0; j < H; ++j) {
-    const auto g = GruResetBeforeUnit<A>::gates(x[j], x[H + j], hh[j] + bias[j],
-                                                hh[H + j] + bias[H + j], h_prev[j]);
+  for (int64_t j = 0; j < n; ++j) {
+    const auto g = GruResetBeforeUnit<A>::gates(x[j], x[ld + j], hh[j] + bias[j],
+                                                hh[ldh + j] + bias[ld + j], h_prev[j]);
     rz[j] = g.r;
-    rz[H + j] = g.z;
+    rz[ldh + j] = g.z;
     rh[j] = g.rh;
   }
 }
 
 // Stage 2: hn = (r * h_prev) W_hn^T, the candidate and h.
 template <typename A, bool kSave>
-RNNKERN_CPU_CLONES void gru_rb_candidate_row(int64_t H, const A* __restrict x,
-                                             const A* __restrict hn, const A* __restrict bias,
-                                             const A* __restrict rz, const A* __restrict h_prev,
-                                             A* __restrict h, A* __restrict ws) {
-  for (int64_t j = 0; j < H; ++j) {
-    const auto c = GruResetBeforeUnit<A>::candidate(x[2 * H + j], hn[j] + bias[2 * H + j],
-                                                    rz[H + j], h_prev[j]);
+RNNKERN_CPU_CLONES void gru_rb_candidate_row(int64_t n, int64_t ld, int64_t ldh,
+                                             const A* __restrict x, const A* __restrict hn,
+                                             const A* __restrict bias, const A* __restrict rz,
+                                             const A* __restrict h_prev, A* __restrict h,
+                                             A* __restrict ws) {
+  for (int64_t j = 0; j < n; ++j) {
+    const auto c = GruResetBeforeUnit<A>::candidate(x[2 * ld + j], hn[j] + bias[2 * ld + j],
+                                                    rz[ldh + j], h_prev[j]);
     h[j] = c.h;
     if constexpr (kSave) {
       ws[j] = rz[j];
-      ws[H + j] = rz[H + j];
-      ws[2 * H + j] = c.n;
+      ws[ld + j] = rz[ldh + j];
+      ws[2 * ld + j] = c.n;
     }
   }
 }
 
-// ------------------------------------------------------------------------
 // Backward row kernels.  dh_io holds the gradient carried from step t+1 on
-// entry (plus gout, the gradient of this step's output, when given) and the
-// direct part of dh_{t-1} on exit; the GEMM part is added afterwards.
-// dx: the xproj-gradient row (time position), da: the hproj-gradient row
-// the step's GEMM reads.
+// entry (gout, the gradient of this step's output, is added) and the direct
+// part of dh_{t-1} on exit; the GEMM part is added by the next step.
+// dx: the xproj-gradient row at the time position; da: the gradient of the
+// recurrent projection, which the next step's GEMM reads.  Both stride ld.
 
 template <typename A, bool kRelu>
-RNNKERN_CPU_CLONES void rnn_backward_row(int64_t H, A* __restrict dh_io, const A* __restrict gout,
+RNNKERN_CPU_CLONES void rnn_backward_row(int64_t n, A* __restrict dh_io, const A* __restrict gout,
                                          const A* __restrict h, A* __restrict dx,
                                          A* __restrict da) {
-  for (int64_t j = 0; j < H; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     const A g = RnnUnit<A, kRelu>::backward(dh_io[j] + gout[j], h[j]);
     dx[j] = g;
     da[j] = g;
@@ -166,20 +166,22 @@ RNNKERN_CPU_CLONES void rnn_backward_row(int64_t H, A* __restrict dh_io, const A
   }
 }
 
-// dh: gradient of the unprojected h_t (dh_io + gout without projection).
+// With a projection, dh is the gradient of the unprojected h_t (already the
+// whole of it) and h_full receives o * tanh(c) for the gradient of W_hr.
 template <typename A, bool kProj>
-RNNKERN_CPU_CLONES void lstm_backward_row(int64_t H, A* __restrict dh_io, const A* __restrict gout,
-                                          A* __restrict dc_io, const A* __restrict ws,
-                                          const A* __restrict c_prev, A* __restrict dx,
-                                          A* __restrict da, A* __restrict h_full) {
-  for (int64_t j = 0; j < H; ++j) {
+RNNKERN_CPU_CLONES void lstm_backward_row(int64_t n, int64_t ld, A* __restrict dh_io,
+                                          const A* __restrict gout, A* __restrict dc_io,
+                                          const A* __restrict ws, const A* __restrict c_prev,
+                                          A* __restrict dx, A* __restrict da,
+                                          A* __restrict h_full) {
+  for (int64_t j = 0; j < n; ++j) {
     const A dh = kProj ? dh_io[j] : dh_io[j] + gout[j];
-    const A i = ws[j], f = ws[H + j], g = ws[2 * H + j], o = ws[3 * H + j], c = ws[4 * H + j];
+    const A i = ws[j], f = ws[ld + j], g = ws[2 * ld + j], o = ws[3 * ld + j], c = ws[4 * ld + j];
     const auto r = LstmUnit<A>::backward(dh, dc_io[j], i, f, g, o, c, c_prev[j]);
     dx[j] = da[j] = r.di;
-    dx[H + j] = da[H + j] = r.df;
-    dx[2 * H + j] = da[2 * H + j] = r.dg;
-    dx[3 * H + j] = da[3 * H + j] = r.do_;
+    dx[ld + j] = da[ld + j] = r.df;
+    dx[2 * ld + j] = da[2 * ld + j] = r.dg;
+    dx[3 * ld + j] = da[3 * ld + j] = r.do_;
     dc_io[j] = r.dc_prev;
     if constexpr (kProj) {
       h_full[j] = o * Math<A>::tanh(c);
@@ -189,53 +191,100 @@ RNNKERN_CPU_CLONES void lstm_backward_row(int64_t H, A* __restrict dh_io, const 
   }
 }
 
+// dhn: the gradient of W_hn h + b_hn, kept in time order for dW_hn.
 template <typename A>
-RNNKERN_CPU_CLONES void gru_backward_row(int64_t H, A* __restrict dh_io, const A* __restrict gout,
-                                         const A* __restrict ws, const A* __restrict h_prev,
-                                         A* __restrict dx, A* __restrict da, A* __restrict dhn) {
-  for (int64_t j = 0; j < H; ++j) {
-    const auto r = GruUnit<A>::backward(dh_io[j] + gout[j], ws[j], ws[H + j], ws[2 * H + j],
-                                        ws[3 * H + j], h_prev[j]);
+RNNKERN_CPU_CLONES void gru_backward_row(int64_t n, int64_t ld, A* __restrict dh_io,
+                                         const A* __restrict gout, const A* __restrict ws,
+                                         const A* __restrict h_prev, A* __restrict dx,
+                                         A* __restrict da, A* __restrict dhn) {
+  for (int64_t j = 0; j < n; ++j) {
+    const auto r = GruUnit<A>::backward(dh_io[j] + gout[j], ws[j], ws[ld + j], ws[2 * ld + j],
+                                        ws[3 * ld + j], h_prev[j]);
     dx[j] = da[j] = r.dr;
-    dx[H + j] = da[H + j] = r.dz;
-    dx[2 * H + j] = r.dxn;
-    da[2 * H + j] = dhn[j] = r.dhn;
+    dx[ld + j] = da[ld + j] = r.dz;
+    dx[2 * ld + j] = r.dxn;
+    da[2 * ld + j] = dhn[j] = r.dhn;
     dh_io[j] = r.dh_prev;
   }
 }
 
-// Reset-before GRU, stage 1: z and the candidate.  dn goes to the GEMM
-// drh = dn W_hn; da receives dz at [H, 2H).
+// Reset-before GRU, stage 1: z and the candidate; dn (plain) feeds the GEMM
+// drh = dn W_hn between the stages.  da holds [dr, dz] (stride ld).
 template <typename A>
-RNNKERN_CPU_CLONES void gru_rb_backward_candidate_row(int64_t H, A* __restrict dh_io,
+RNNKERN_CPU_CLONES void gru_rb_backward_candidate_row(int64_t n, int64_t ld, A* __restrict dh_io,
                                                       const A* __restrict gout,
                                                       const A* __restrict ws,
                                                       const A* __restrict h_prev,
                                                       A* __restrict dx, A* __restrict da,
                                                       A* __restrict dn) {
-  for (int64_t j = 0; j < H; ++j) {
-    const auto r = GruResetBeforeUnit<A>::backward_candidate(dh_io[j] + gout[j], ws[H + j],
-                                                             ws[2 * H + j], h_prev[j]);
-    dx[H + j] = da[H + j] = r.dz;
-    dx[2 * H + j] = dn[j] = r.dn;
+  for (int64_t j = 0; j < n; ++j) {
+    const auto r = GruResetBeforeUnit<A>::backward_candidate(dh_io[j] + gout[j], ws[ld + j],
+                                                             ws[2 * ld + j], h_prev[j]);
+    dx[ld + j] = da[ld + j] = r.dz;
+    dx[2 * ld + j] = dn[j] = r.dn;
     dh_io[j] = r.dh_prev;
   }
 }
 
-// Stage 2: the reset gate, from drh = dn W_hn.  Also records r * h_prev,
-// the input of W_hn, for the weight gradient.
+// Stage 2: the reset gate from drh.  Also records r * h_prev, the input of
+// W_hn, in time order for dW_hn.
 template <typename A>
-RNNKERN_CPU_CLONES void gru_rb_backward_reset_row(int64_t H, A* __restrict dh_io,
+RNNKERN_CPU_CLONES void gru_rb_backward_reset_row(int64_t n, A* __restrict dh_io,
                                                   const A* __restrict drh, const A* __restrict ws,
                                                   const A* __restrict h_prev, A* __restrict dx,
                                                   A* __restrict da, A* __restrict rh) {
-  for (int64_t j = 0; j < H; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     const A r = ws[j];
     const auto g = GruResetBeforeUnit<A>::backward_reset(drh[j], r, h_prev[j]);
     dx[j] = da[j] = g.dr;
     dh_io[j] += g.dh_prev;
     rh[j] = r * h_prev[j];
   }
+}
+
+// ------------------------------------------------------------------------
+// Work split: each thread owns a slice of the hidden units (or of the
+// projected outputs) for the whole call, and per step runs its slice of the
+// recurrent GEMM (single-threaded) and of the gate math on data still in its
+// cache.  One parallel region per phase is the only synchronisation: threads
+// read the full state of the previous step from ping-pong buffers.
+
+struct Slice {
+  int64_t j0, n;  // units [j0, j0 + n)
+};
+
+// At most one slice per thread, each at least 32 units, boundaries on
+// multiples of 16 so each slice starts on a vector boundary.
+std::vector<Slice> split_units(int64_t H) {
+  const int64_t parts = std::clamp<int64_t>(H / 32, 1, at::get_num_threads());
+  std::vector<Slice> slices;
+  int64_t j0 = 0;
+  for (int64_t t = 0; t < parts; ++t) {
+    const int64_t j1 = t + 1 == parts ? H : (H * (t + 1) / parts) / 16 * 16;
+    slices.push_back({j0, j1 - j0});
+    j0 = j1;
+  }
+  return slices;
+}
+
+template <typename F>
+void for_each_slice(const std::vector<Slice>& slices, const F& f) {
+  if (slices.size() == 1) return f(size_t(0));
+  at::parallel_for(0, static_cast<int64_t>(slices.size()), 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) f(static_cast<size_t>(t));
+  });
+}
+
+// Rows of a [G*H, K] gate-stacked weight for the units of one slice: [G*n, K].
+Tensor gate_rows(const Tensor& w, int64_t G, const Slice& s) {
+  return w.view({G, w.size(0) / G, w.size(1)}).narrow(1, s.j0, s.n).reshape({G * s.n, w.size(1)});
+}
+// Columns of a weight for one slice, contiguous: [rows, n].
+Tensor cols(const Tensor& w, const Slice& s) { return w.narrow(1, s.j0, s.n).contiguous(); }
+
+template <typename A>
+A* ptr(const Tensor& t) {
+  return t.defined() ? t.template data_ptr<A>() : nullptr;
 }
 
 // ------------------------------------------------------------------------
@@ -253,105 +302,153 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
                   Tensor& ws) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
+  const int64_t GH = G * H;
   const int64_t W = workspace_width(z.cell) * H;
+  const int64_t nsave = workspace_width(z.cell);
   const auto opt = a.xproj.options();
   const bool lstm = z.cell == Cell::Lstm;
   const bool reset_before = z.cell == Cell::GruResetBefore;
+  const bool save = a.train;
 
-  // State ping-pong buffers and per-step scratch, allocated once.
+  // Per-slice weights and scratch, allocated once.
+  const std::vector<Slice> units = split_units(H);
+  const std::vector<Slice> outs = z.has_proj ? split_units(P) : std::vector<Slice>{};
+  std::vector<Tensor> w_slice, w_n_slice, hproj, hn, w_r_slice, hq;
+  for (const Slice& sl : units) {
+    // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
+    const Tensor w = gate_rows(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
+                               reset_before ? 2 : G, sl);
+    w_slice.push_back(w.t());
+    hproj.push_back(at::empty({B, w.size(0)}, opt));
+    if (reset_before) {
+      w_n_slice.push_back(a.w_hh.narrow(0, 2 * H + sl.j0, sl.n).t());
+      hn.push_back(at::empty({B, sl.n}, opt));
+    }
+  }
+  for (const Slice& sl : outs) {
+    w_r_slice.push_back(a.w_hr.narrow(0, sl.j0, sl.n).t());
+    hq.push_back(at::empty({B, sl.n}, opt));
+  }
   Tensor h_buf[2] = {a.h0.clone(), at::empty({B, P}, opt)};
   Tensor c_buf[2];
   if (lstm) c_buf[0] = a.c0.clone(), c_buf[1] = at::empty({B, H}, opt);
-  Tensor hproj = at::empty({B, reset_before ? 2 * H : G * H}, opt);
-  Tensor rz, rh, hn;
-  if (reset_before) rz = at::empty({B, 2 * H}, opt), rh = at::empty({B, H}, opt), hn = at::empty({B, H}, opt);
-  Tensor h_full = z.has_proj ? at::empty({B, H}, opt) : Tensor();
-  const Tensor w_gemm = reset_before ? a.w_hh.narrow(0, 0, 2 * H).t() : a.w_hh.t();
-  const Tensor w_hn_t = reset_before ? a.w_hh.narrow(0, 2 * H, H).t() : Tensor();
-  const Tensor w_hr_t = z.has_proj ? a.w_hr.t() : Tensor();
+  const Tensor rh = reset_before ? at::empty({B, H}, opt) : Tensor();
+  const Tensor h_full = z.has_proj ? at::empty({B, H}, opt) : Tensor();
 
-  const A* xp = a.xproj.template data_ptr<A>();
-  const A* bias = a.bias.template data_ptr<A>();
-  A* out = output.template data_ptr<A>();
-  A* wsp = a.train ? ws.template data_ptr<A>() : nullptr;
-  const bool save = a.train;
+  const A* xp = ptr<A>(a.xproj);
+  const A* bias = ptr<A>(a.bias);
+  A* out = ptr<A>(output);
+  A* wsp = save ? ptr<A>(ws) : nullptr;
 
   for (int64_t s = 0; s < T; ++s) {
     const Tensor& h_prev_t = h_buf[s & 1];
-    Tensor& h_next_t = h_buf[(s + 1) & 1];
-    const A* h_prev = h_prev_t.template data_ptr<A>();
-    A* h_next = h_next_t.template data_ptr<A>();
-    const A* c_prev = lstm ? c_buf[s & 1].template data_ptr<A>() : nullptr;
-    A* c_next = lstm ? c_buf[(s + 1) & 1].template data_ptr<A>() : nullptr;
-    A* hf = z.has_proj ? h_full.template data_ptr<A>() : nullptr;
+    const A* h_prev = ptr<A>(h_prev_t);
+    A* h_next = ptr<A>(h_buf[(s + 1) & 1]);
+    const A* c_prev = lstm ? ptr<A>(c_buf[s & 1]) : nullptr;
+    A* c_next = lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr;
 
-    at::mm_out(hproj, h_prev_t, w_gemm);
-    const A* hp = hproj.template data_ptr<A>();
+    // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
+    for_each_slice(units, [&](size_t t) {
+      const int64_t j0 = units[t].j0, n = units[t].n;
+      at::mm_out(hproj[t], h_prev_t, w_slice[t]);
+      const A* hp = ptr<A>(hproj[t]);
+      const int64_t ldh = n;
+      const int64_t hrow = hproj[t].size(1);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t p = a.pos.at(b, s);
+        if (p < 0) {
+          // Finished sequence: state unchanged, zeros at the padding position s.
+          if (!z.has_proj) {
+            copy_row(h_next + b * H + j0, h_prev + b * H + j0, n);
+            zero_row(out + (s * B + b) * H + j0, n);
+          }
+          if (lstm) copy_row(c_next + b * H + j0, c_prev + b * H + j0, n);
+          if (reset_before) zero_row(ptr<A>(rh) + b * H + j0, n);
+          for (int64_t k = 0; k < nsave && save; ++k) zero_row(wsp + (s * B + b) * W + k * H + j0, n);
+          continue;
+        }
+        const int64_t row = p * B + b;
+        const A* x = xp + row * GH + j0;
+        const A* hh = hp + b * hrow;
+        A* w = save ? wsp + row * W + j0 : nullptr;
+        A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;
+        switch (z.cell) {
+          case Cell::RnnTanh: rnn_forward_row<A, false>(n, x, hh, bias + j0, h); break;
+          case Cell::RnnRelu: rnn_forward_row<A, true>(n, x, hh, bias + j0, h); break;
+          case Cell::Lstm:
+            if (save)
+              lstm_forward_row<A, true>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
+                                        c_next + b * H + j0, h, w);
+            else
+              lstm_forward_row<A, false>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
+                                         c_next + b * H + j0, h, w);
+            break;
+          case Cell::Gru:
+            if (save)
+              gru_forward_row<A, true>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0, h, w);
+            else
+              gru_forward_row<A, false>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0, h, w);
+            break;
+          case Cell::GruResetBefore:
+            gru_rb_gates_row<A>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0,
+                                ptr<A>(hproj[t]) + b * hrow, ptr<A>(rh) + b * H + j0);
+            continue;  // h comes in phase 2
+        }
+        if (!z.has_proj) copy_row(out + row * H + j0, h, n);
+      }
+    });
 
     if (reset_before) {
-      A* rzp = rz.template data_ptr<A>();
-      A* rhp = rh.template data_ptr<A>();
-      for_each_row(B, 2 * H, [&](int64_t b) {
-        if (a.pos.at(b, s) < 0) return zero_row(rhp + b * H, H);
-        gru_rb_gates_row<A>(H, xp + (a.pos.at(b, s) * B + b) * G * H, hp + b * 2 * H, bias,
-                            h_prev + b * H, rzp + b * 2 * H, rhp + b * H);
-      });
-      at::mm_out(hn, rh, w_hn_t);
-      const A* hnp = hn.template data_ptr<A>();
-      for_each_row(B, H, [&](int64_t b) {
-        const int64_t p = a.pos.at(b, s);
-        if (p < 0) return;
-        const A* x = xp + (p * B + b) * G * H;
-        A* w = save ? wsp + (p * B + b) * W : nullptr;
-        if (save)
-          gru_rb_candidate_row<A, true>(H, x, hnp + b * H, bias, rzp + b * 2 * H, h_prev + b * H,
-                                        h_next + b * H, w);
-        else
-          gru_rb_candidate_row<A, false>(H, x, hnp + b * H, bias, rzp + b * 2 * H, h_prev + b * H,
-                                         h_next + b * H, w);
-      });
-    } else {
-      for_each_row(B, G * H, [&](int64_t b) {
-        const int64_t p = a.pos.at(b, s);
-        if (p < 0) return;
-        const A* x = xp + (p * B + b) * G * H;
-        const A* hh = hp + b * G * H;
-        A* w = save ? wsp + (p * B + b) * W : nullptr;
-        switch (z.cell) {
-          case Cell::RnnTanh: return rnn_forward_row<A, false>(H, x, hh, bias, h_next + b * H);
-          case Cell::RnnRelu: return rnn_forward_row<A, true>(H, x, hh, bias, h_next + b * H);
-          case Cell::Lstm: {
-            A* h_dst = z.has_proj ? hf + b * H : h_next + b * P;
-            if (save)
-              return lstm_forward_row<A, true>(H, x, hh, bias, c_prev + b * H, c_next + b * H, h_dst, w);
-            return lstm_forward_row<A, false>(H, x, hh, bias, c_prev + b * H, c_next + b * H, h_dst, w);
-          }
-          case Cell::Gru:
-            if (save) return gru_forward_row<A, true>(H, x, hh, bias, h_prev + b * H, h_next + b * H, w);
-            return gru_forward_row<A, false>(H, x, hh, bias, h_prev + b * H, h_next + b * H, w);
-          case Cell::GruResetBefore: return;  // handled above
+      // Phase 2: the candidate's GEMM on r * h (all units), then h.
+      for_each_slice(units, [&](size_t t) {
+        const int64_t j0 = units[t].j0, n = units[t].n;
+        at::mm_out(hn[t], rh, w_n_slice[t]);
+        const A* rz = ptr<A>(hproj[t]);  // r, z of the slice, from phase 1
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t p = a.pos.at(b, s);
+          if (p < 0) continue;
+          const int64_t row = p * B + b;
+          A* h = h_next + b * H + j0;
+          A* w = save ? wsp + row * W + j0 : nullptr;
+          if (save)
+            gru_rb_candidate_row<A, true>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + b * n,
+                                          bias + j0, rz + b * 2 * n, h_prev + b * H + j0, h, w);
+          else
+            gru_rb_candidate_row<A, false>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + b * n,
+                                           bias + j0, rz + b * 2 * n, h_prev + b * H + j0, h, w);
+          copy_row(out + row * H + j0, h, n);
         }
       });
     }
-    if (z.has_proj) at::mm_out(h_next_t, h_full, w_hr_t);
 
-    // Outputs at each row's time position; finished rows keep their state and
-    // write zeros at the padding position s.
-    for_each_row(B, P, [&](int64_t b) {
-      const int64_t p = a.pos.at(b, s);
-      if (p >= 0) return copy_row(out + (p * B + b) * P, h_next + b * P, P);
-      copy_row(h_next + b * P, h_prev + b * P, P);
-      if (lstm) copy_row(c_next + b * H, c_prev + b * H, H);
-      zero_row(out + (s * B + b) * P, P);
-      if (save) zero_row(wsp + (s * B + b) * W, W);
-    });
+    if (z.has_proj) {
+      // Phase 2, per output slice: h_t = (o * tanh c) W_hr^T.
+      for_each_slice(outs, [&](size_t t) {
+        const int64_t k0 = outs[t].j0, n = outs[t].n;
+        at::mm_out(hq[t], h_full, w_r_slice[t]);
+        const A* q = ptr<A>(hq[t]);
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t p = a.pos.at(b, s);
+          if (p < 0) {
+            copy_row(h_next + b * P + k0, h_prev + b * P + k0, n);
+            zero_row(out + (s * B + b) * P + k0, n);
+            continue;
+          }
+          copy_row(h_next + b * P + k0, q + b * n, n);
+          copy_row(out + (p * B + b) * P + k0, q + b * n, n);
+        }
+      });
+    }
   }
   h_n.copy_(h_buf[T & 1]);
   if (lstm) c_n.copy_(c_buf[T & 1]);
 }
 
 // ------------------------------------------------------------------------
-// Backward driver.
+// Backward driver.  Per step, each unit slice first adds the GEMM part of
+// its carried dh (from the previous step's gate gradients, ping-pong
+// buffered so no thread overwrites what another still reads), then runs its
+// pointwise backward.
 template <typename A>
 struct BackwardArgs {
   const RecurrenceSizes& z;
@@ -364,129 +461,187 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
                    Tensor& d_w_hh, Tensor& d_b_hh, Tensor& d_w_hr) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
+  const int64_t GH = G * H;
   const int64_t W = workspace_width(z.cell) * H;
   const auto opt = a.output.options();
   const bool lstm = z.cell == Cell::Lstm;
   const bool gru = z.cell == Cell::Gru;
   const bool reset_before = z.cell == Cell::GruResetBefore;
 
-  // Carried gradients (the outputs d_h0 / d_c0 are used as the carry).
-  d_h0.copy_(a.grad_h_n);
+  // The carried dh lives in per-slice buffers: over hidden units, or over
+  // the projected outputs with a projection.
+  const std::vector<Slice> units = split_units(H);
+  const std::vector<Slice> carry = z.has_proj ? split_units(P) : units;
+  // Rows of W_hh whose gradient feeds dh through the per-step GEMM: all, or
+  // r, z for reset-before (the candidate's part goes through drh).
+  const Tensor w_dh = reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh;
+  std::vector<Tensor> dh, w_dh_cols, w_n_cols, drh, w_r_cols, dh_full;
+  for (const Slice& sl : carry) {
+    dh.push_back(a.grad_h_n.narrow(1, sl.j0, sl.n).contiguous());
+    w_dh_cols.push_back(cols(w_dh, sl));
+  }
+  for (const Slice& sl : units) {
+    if (reset_before) {
+      w_n_cols.push_back(cols(a.w_hh.narrow(0, 2 * H, H), sl));
+      drh.push_back(at::empty({B, sl.n}, opt));
+    }
+    if (z.has_proj) {
+      w_r_cols.push_back(cols(a.w_hr, sl));
+      dh_full.push_back(at::empty({B, sl.n}, opt));
+    }
+  }
   if (lstm) d_c0.copy_(a.grad_c_n);
-  // Per-step GEMM input, and time-ordered inputs of the final weight GEMMs.
-  Tensor da = at::empty({B, G * H}, opt);
+  // Gate gradients of the step, the next step's GEMM input (ping-pong).
+  const int64_t da_width = reset_before ? 2 * H : GH;
+  Tensor da[2] = {at::zeros({B, da_width}, opt), at::zeros({B, da_width}, opt)};
+  // Time-ordered inputs of the final weight GEMMs.
   Tensor h_prev_all = at::empty({T, B, P}, opt);
   Tensor dhn_all = gru ? at::empty({T, B, H}, opt) : Tensor();
   Tensor rh_all = reset_before ? at::empty({T, B, H}, opt) : Tensor();
   Tensor dn = reset_before ? at::empty({B, H}, opt) : Tensor();
-  Tensor drh = reset_before ? at::empty({B, H}, opt) : Tensor();
   Tensor dh_tot = z.has_proj ? at::empty({B, P}, opt) : Tensor();
-  Tensor dh_full = z.has_proj ? at::empty({B, H}, opt) : Tensor();
   Tensor dh_tot_all = z.has_proj ? at::empty({T, B, P}, opt) : Tensor();
   Tensor h_full_all = z.has_proj ? at::empty({T, B, H}, opt) : Tensor();
 
-  A* dh = d_h0.template data_ptr<A>();
-  A* dc = lstm ? d_c0.template data_ptr<A>() : nullptr;
-  A* dap = da.template data_ptr<A>();
-  A* dx = d_xproj.template data_ptr<A>();
-  A* hprev_all = h_prev_all.template data_ptr<A>();
-  const A* gout = a.grad_output.template data_ptr<A>();
-  const A* out = a.output.template data_ptr<A>();
-  const A* wsp = W > 0 ? a.ws.template data_ptr<A>() : nullptr;
-  const A* h0 = a.h0.template data_ptr<A>();
-  const A* c0 = lstm ? a.c0.template data_ptr<A>() : nullptr;
+  A* dc = lstm ? ptr<A>(d_c0) : nullptr;
+  A* dx = ptr<A>(d_xproj);
+  A* hprev_all = ptr<A>(h_prev_all);
+  const A* gout = ptr<A>(a.grad_output);
+  const A* out = ptr<A>(a.output);
+  const A* wsp = W > 0 ? ptr<A>(a.ws) : nullptr;
+  const A* h0 = ptr<A>(a.h0);
+  const A* c0 = lstm ? ptr<A>(a.c0) : nullptr;
+
+  // h_{t-1} of row b at step s: its state one step earlier (c_{t-1} likewise).
+  auto prev_pos = [&](int64_t b, int64_t s) { return s == 0 ? -1 : a.pos.at(b, s - 1); };
+  auto h_prev_of = [&](int64_t b, int64_t s) {
+    const int64_t q = prev_pos(b, s);
+    return q < 0 ? h0 + b * P : out + (q * B + b) * P;
+  };
+  // dh += (gate gradients of step s + 1) W_hh[:, slice]
+  auto add_gemm_part = [&](size_t t, int64_t s) {
+    if (s + 1 < T) dh[t].addmm_(da[(s + 1) & 1], w_dh_cols[t]);
+  };
 
   for (int64_t s = T - 1; s >= 0; --s) {
-    // h_{t-1} (and c_{t-1}) of row b: its state one step earlier.
-    auto prev_pos = [&](int64_t b) { return s == 0 ? -1 : a.pos.at(b, s - 1); };
-    auto h_prev_of = [&](int64_t b) {
-      const int64_t q = prev_pos(b);
-      return q < 0 ? h0 + b * P : out + (q * B + b) * P;
-    };
+    A* da_s = ptr<A>(da[s & 1]);
 
     if (z.has_proj) {
-      // dh of the projected output, then through W_hr to the cell's h.
-      A* dt = dh_tot.template data_ptr<A>();
-      A* dt_all = dh_tot_all.template data_ptr<A>();
-      for_each_row(B, P, [&](int64_t b) {
-        const int64_t p = a.pos.at(b, s);
-        if (p < 0) {
-          zero_row(dt + b * P, P);
-          return zero_row(dt_all + (s * B + b) * P, P);
+      // Phase 0, per output slice: the total gradient of the projected h_t.
+      for_each_slice(carry, [&](size_t t) {
+        add_gemm_part(t, s);
+        const int64_t k0 = carry[t].j0, n = carry[t].n;
+        A* d = ptr<A>(dh[t]);
+        A* dt = ptr<A>(dh_tot);
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t p = a.pos.at(b, s);
+          if (p < 0) {
+            zero_row(dt + b * P + k0, n);
+            zero_row(ptr<A>(dh_tot_all) + (s * B + b) * P + k0, n);
+            continue;
+          }
+          for (int64_t k = 0; k < n; ++k) dt[b * P + k0 + k] = d[b * n + k] + gout[(p * B + b) * P + k0 + k];
+          copy_row(ptr<A>(dh_tot_all) + (p * B + b) * P + k0, dt + b * P + k0, n);
+          zero_row(d + b * n, n);  // LSTM: no direct path from h_t to h_{t-1}
         }
-        for (int64_t k = 0; k < P; ++k) dt[b * P + k] = dh[b * P + k] + gout[(p * B + b) * P + k];
-        copy_row(dt_all + (p * B + b) * P, dt + b * P, P);
       });
-      at::mm_out(dh_full, dh_tot, a.w_hr);
     }
 
-    for_each_row(B, G * H, [&](int64_t b) {
-      const int64_t p = a.pos.at(b, s);
-      if (p < 0) {
-        zero_row(dap + b * G * H, G * H);
-        zero_row(dx + (s * B + b) * G * H, G * H);
-        zero_row(hprev_all + (s * B + b) * P, P);
-        if (gru) zero_row(dhn_all.template data_ptr<A>() + (s * B + b) * H, H);
-        if (reset_before) {
-          zero_row(dn.template data_ptr<A>() + b * H, H);
-          zero_row(rh_all.template data_ptr<A>() + (s * B + b) * H, H);
-        }
-        if (z.has_proj) zero_row(h_full_all.template data_ptr<A>() + (s * B + b) * H, H);
-        return;
+    // Phase 1, per unit slice: the pointwise backward of the step.
+    for_each_slice(units, [&](size_t t) {
+      const int64_t j0 = units[t].j0, n = units[t].n;
+      if (z.has_proj) {
+        at::mm_out(dh_full[t], dh_tot, w_r_cols[t]);
+      } else {
+        add_gemm_part(t, s);
       }
-      const int64_t row = p * B + b;
-      const A* hprev = h_prev_of(b);
-      copy_row(hprev_all + row * P, hprev, P);
-      const A* g = gout + row * P;
-      switch (z.cell) {
-        case Cell::RnnTanh:
-          return rnn_backward_row<A, false>(H, dh + b * H, g, out + row * H, dx + row * H, dap + b * H);
-        case Cell::RnnRelu:
-          return rnn_backward_row<A, true>(H, dh + b * H, g, out + row * H, dx + row * H, dap + b * H);
-        case Cell::Lstm: {
-          const int64_t q = prev_pos(b);
-          const A* c_prev = q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H;
-          if (z.has_proj) {
-            // The carried dh is already folded into dh_full; LSTM has no direct
-            // path from h_t to h_{t-1}, so the carry restarts at 0.
-            lstm_backward_row<A, true>(H, dh_full.template data_ptr<A>() + b * H, nullptr, dc + b * H,
-                                       wsp + row * W, c_prev, dx + row * 4 * H, dap + b * 4 * H,
-                                       h_full_all.template data_ptr<A>() + row * H);
-            return zero_row(dh + b * P, P);
+      A* dht = z.has_proj ? ptr<A>(dh_full[t]) : ptr<A>(dh[t]);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t p = a.pos.at(b, s);
+        if (p < 0) {
+          // Finished sequence: no gradient here, the carry passes through.
+          for (int64_t k = 0; k < G; ++k) {
+            if (k < da_width / H) zero_row(da_s + b * da_width + k * H + j0, n);
+            zero_row(dx + (s * B + b) * GH + k * H + j0, n);
           }
-          return lstm_backward_row<A, false>(H, dh + b * H, g, dc + b * H, wsp + row * W, c_prev,
-                                             dx + row * 4 * H, dap + b * 4 * H, nullptr);
+          if (!z.has_proj) zero_row(hprev_all + (s * B + b) * P + j0, n);
+          if (gru) zero_row(ptr<A>(dhn_all) + (s * B + b) * H + j0, n);
+          if (reset_before) {
+            zero_row(ptr<A>(dn) + b * H + j0, n);
+            zero_row(ptr<A>(rh_all) + (s * B + b) * H + j0, n);
+          }
+          if (z.has_proj) zero_row(ptr<A>(h_full_all) + (s * B + b) * H + j0, n);
+          continue;
         }
-        case Cell::Gru:
-          return gru_backward_row<A>(H, dh + b * H, g, wsp + row * W, hprev, dx + row * 3 * H,
-                                     dap + b * 3 * H, dhn_all.template data_ptr<A>() + row * H);
-        case Cell::GruResetBefore:
-          return gru_rb_backward_candidate_row<A>(H, dh + b * H, g, wsp + row * W, hprev,
-                                                  dx + row * 3 * H, dap + b * 3 * H,
-                                                  dn.template data_ptr<A>() + b * H);
+        const int64_t row = p * B + b;
+        const A* hprev = h_prev_of(b, s) + j0;
+        if (!z.has_proj) copy_row(hprev_all + row * P + j0, hprev, n);
+        A* d = dht + b * n;
+        const A* g = gout + row * P + j0;
+        const A* w = wsp + row * W + j0;
+        A* dxr = dx + row * GH + j0;
+        A* dar = da_s + b * da_width + j0;
+        switch (z.cell) {
+          case Cell::RnnTanh: rnn_backward_row<A, false>(n, d, g, out + row * H + j0, dxr, dar); break;
+          case Cell::RnnRelu: rnn_backward_row<A, true>(n, d, g, out + row * H + j0, dxr, dar); break;
+          case Cell::Lstm: {
+            const int64_t q = prev_pos(b, s);
+            const A* c_prev = (q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H) + j0;
+            if (z.has_proj)
+              lstm_backward_row<A, true>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dxr, dar,
+                                         ptr<A>(h_full_all) + row * H + j0);
+            else
+              lstm_backward_row<A, false>(n, H, d, g, dc + b * H + j0, w, c_prev, dxr, dar, nullptr);
+            break;
+          }
+          case Cell::Gru:
+            gru_backward_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dhn_all) + row * H + j0);
+            break;
+          case Cell::GruResetBefore:
+            gru_rb_backward_candidate_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0);
+            break;
+        }
       }
     });
 
-    if (reset_before) {
-      at::mm_out(drh, dn, a.w_hh.narrow(0, 2 * H, H));
-      const A* drhp = drh.template data_ptr<A>();
-      for_each_row(B, H, [&](int64_t b) {
-        const int64_t p = a.pos.at(b, s);
-        if (p < 0) return;
-        const int64_t row = p * B + b;
-        gru_rb_backward_reset_row<A>(H, dh + b * H, drhp + b * H, wsp + row * W, h_prev_of(b),
-                                     dx + row * 3 * H, dap + b * 3 * H,
-                                     rh_all.template data_ptr<A>() + row * H);
+    if (z.has_proj) {
+      // h_{t-1} in time order for dW_hh (rows of the projected state).
+      for_each_slice(carry, [&](size_t t) {
+        const int64_t k0 = carry[t].j0, n = carry[t].n;
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t p = a.pos.at(b, s);
+          if (p < 0) zero_row(hprev_all + (s * B + b) * P + k0, n);
+          else copy_row(hprev_all + (p * B + b) * P + k0, h_prev_of(b, s) + k0, n);
+        }
       });
-      // dh_{t-1} += [dr, dz] [W_hr; W_hz]
-      d_h0.addmm_(da.narrow(1, 0, 2 * H), a.w_hh.narrow(0, 0, 2 * H));
-    } else {
-      d_h0.addmm_(da, a.w_hh);
+    }
+
+    if (reset_before) {
+      // Phase 2: drh = dn W_hn (all units of dn), then the reset gate.
+      for_each_slice(units, [&](size_t t) {
+        const int64_t j0 = units[t].j0, n = units[t].n;
+        at::mm_out(drh[t], dn, w_n_cols[t]);
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t p = a.pos.at(b, s);
+          if (p < 0) continue;
+          const int64_t row = p * B + b;
+          gru_rb_backward_reset_row<A>(n, ptr<A>(dh[t]) + b * n, ptr<A>(drh[t]) + b * n,
+                                       wsp + row * W + j0, h_prev_of(b, s) + j0,
+                                       dx + row * GH + j0, da_s + b * da_width + j0,
+                                       ptr<A>(rh_all) + row * H + j0);
+        }
+      });
     }
   }
 
+  // The GEMM part of dh_0, then the carry into d_h0.
+  for_each_slice(carry, [&](size_t t) {
+    if (T > 0) dh[t].addmm_(da[0], w_dh_cols[t]);
+    d_h0.narrow(1, carry[t].j0, carry[t].n).copy_(dh[t]);
+  });
+
   // Weight gradients: one GEMM over all T*B rows each.
-  const Tensor dx2 = d_xproj.view({T * B, G * H});
+  const Tensor dx2 = d_xproj.view({T * B, GH});
   const Tensor hp2 = h_prev_all.view({T * B, P});
   static const int64_t kRows[] = {0};
   const at::IntArrayRef rows_dim(kRows);
@@ -593,6 +748,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
     c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_hh, const OptTensor& w_hr, const OptTensor& lengths,
     bool reverse, bool train) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths);
   LengthsHolder holder;
   auto [output, h_n, c_n, ws] = run_forward(z, xproj, h0, c0, w_hh, b_hh, w_hr,
@@ -606,6 +762,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_c
     const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
     const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
     const OptTensor& lengths, bool reverse) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0,
                                                       c0, w_hh, w_hr, output, workspace, lengths);
   LengthsHolder holder;
@@ -628,6 +785,7 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
                                             const Tensor& h, const OptTensor& c,
                                             const Tensor& w_ih, const Tensor& w_hh,
                                             const OptTensor& b_ih, const OptTensor& b_hh) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
@@ -643,6 +801,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward
     c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
     const Tensor& h, const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
     const Tensor& h_new, const Tensor& workspace) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const StepSizes s =
       check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace);
   const auto dtype = x.scalar_type();
