@@ -2,11 +2,13 @@
 //
 // The ops work on one layer in one direction; modules (rnnkern/modules.py)
 // stack them.  Conventions (torch.nn's):
-//   xproj     [T, B, G*H]  X_t W_ih^T + b_ih for every step: the time-independent
-//                          half of [X_t, H_{t-1}] [W_ih; W_hh]^T, one GEMM outside
+//   xproj     [T, B, G*H]  X_t W_ih^T for every step: the time-independent half
+//                          of [X_t, H_{t-1}] [W_ih; W_hh]^T, one GEMM outside;
+//                          the biases are added inside (b_in must stay apart
+//                          from b_hn in the GRU candidate)
 //   h0        [B, P]       P = H, or proj_size for an LSTM with w_hr
 //   c0        [B, H]       LSTM only
-//   w_hh      [G*H, P], b_hh [G*H], w_hr [P, H] (LSTM projection)
+//   w_hh      [G*H, P], b_ih [G*H], b_hh [G*H], w_hr [P, H] (LSTM projection)
 //   lengths   [B] int64 on the CPU: steps of each sequence; a finished
 //             sequence keeps its state and its outputs are 0.  With reverse,
 //             each sequence runs from its own last step back to 0.
@@ -122,8 +124,9 @@ void sizes_from_weights(const char* op, Cell cell, const Tensor& w_hh, const Opt
 }  // namespace
 
 RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj, const Tensor& h0,
-                                 const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_hh,
-                                 const OptTensor& w_hr, const OptTensor& lengths) {
+                                 const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
+                                 const OptTensor& b_hh, const OptTensor& w_hr,
+                                 const OptTensor& lengths) {
   const char* op = "rnnkern.recurrence";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
@@ -145,6 +148,7 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
     TORCH_CHECK_VALUE(!c0.has_value(), op, ": c0 is only defined for lstm, got one for ",
                       cell_name(s.cell));
   }
+  if (b_ih.has_value()) check_arg(op, "b_ih", *b_ih, {s.G * s.H}, xproj);
   if (b_hh.has_value()) check_arg(op, "b_hh", *b_hh, {s.G * s.H}, xproj);
   if (w_hr.has_value()) check_arg(op, "w_hr", *w_hr, {s.P, s.H}, xproj);
   check_lengths(op, lengths, s.T, s.B);
@@ -247,15 +251,15 @@ StepSizes check_step_backward(c10::string_view cell_str, const Tensor& grad_h_ne
 
 TORCH_LIBRARY(rnnkern, m) {
   m.def(
-      "recurrence(str cell, Tensor xproj, Tensor h0, Tensor? c0, Tensor w_hh, Tensor? b_hh, "
-      "Tensor? w_hr, Tensor? lengths, bool reverse, bool train) "
+      "recurrence(str cell, Tensor xproj, Tensor h0, Tensor? c0, Tensor w_hh, Tensor? b_ih, "
+      "Tensor? b_hh, Tensor? w_hr, Tensor? lengths, bool reverse, bool train) "
       "-> (Tensor output, Tensor h_n, Tensor c_n, Tensor workspace)");
   m.def(
       "recurrence_backward(str cell, Tensor grad_output, Tensor grad_h_n, Tensor? grad_c_n, "
       "Tensor h0, Tensor? c0, Tensor w_hh, Tensor? w_hr, Tensor output, Tensor workspace, "
       "Tensor? lengths, bool reverse) "
       "-> (Tensor grad_xproj, Tensor grad_h0, Tensor grad_c0, Tensor grad_w_hh, "
-      "Tensor grad_b_hh, Tensor grad_w_hr)");
+      "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_w_hr)");
   m.def(
       "step(str cell, Tensor x, Tensor h, Tensor? c, Tensor w_ih, Tensor w_hh, Tensor? b_ih, "
       "Tensor? b_hh) -> (Tensor h_new, Tensor c_new, Tensor workspace)");

@@ -30,11 +30,12 @@ struct RecurrenceSizes {
   bool has_proj;
 };
 
-// recurrence(cell, xproj[T,B,G*H], h0[B,P], c0[B,H]?, w_hh[G*H,P], b_hh[G*H]?,
-//            w_hr[P,H]?, lengths[B]?, reverse, train)
+// recurrence(cell, xproj[T,B,G*H], h0[B,P], c0[B,H]?, w_hh[G*H,P], b_ih[G*H]?,
+//            b_hh[G*H]?, w_hr[P,H]?, lengths[B]?, reverse, train)
 RecurrenceSizes check_recurrence(c10::string_view cell, const Tensor& xproj, const Tensor& h0,
-                                 const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_hh,
-                                 const OptTensor& w_hr, const OptTensor& lengths);
+                                 const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
+                                 const OptTensor& b_hh, const OptTensor& w_hr,
+                                 const OptTensor& lengths);
 
 RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& grad_output,
                                           const Tensor& grad_h_n, const OptTensor& grad_c_n,

@@ -1,1 +1,15 @@
+"""rnnkern: fused recurrent kernels (tanh/ReLU RNN, GRU, LSTM) as drop-in
+replacements for torch.nn.RNN / GRU / LSTM and their cells.
 
+    import rnnkern
+    lstm = rnnkern.LSTM(256, 512, num_layers=2, batch_first=True)   # like torch.nn.LSTM
+    model = rnnkern.convert(model)   # swap every torch.nn RNN/GRU/LSTM in a model
+
+Functional ops (one layer, one direction) are in :mod:`rnnkern.ops`, the
+pure-PyTorch ground truth in :mod:`rnnkern.reference`.
+"""
+from . import ops, reference
+from .modules import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell, convert
+
+__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "ops", "reference"]
+__version__ = "0.1.0"

@@ -47,7 +47,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------
 # Fake implementations and autograd, shared by every op family.
 
-def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse, train):
+def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train):
     T, B = xproj.shape[0], xproj.shape[1]
     H = w_hh.shape[0] // gate_count(cell)
     P = h0.shape[1]
@@ -67,7 +67,8 @@ def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
     P = h0.shape[1]
     new = output.new_empty
     return (new((T, B, G * H)), new((B, P)), new((B, H)) if cell == "lstm" else new((0,)),
-            new((G * H, P)), new((G * H,)), new((P, H)) if w_hr is not None else new((0,)))
+            new((G * H, P)), new((G * H,)), new((G * H,)),
+            new((P, H)) if w_hr is not None else new((0,)))
 
 
 def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh):
@@ -93,22 +94,26 @@ def _zeros_if_none(grad: Optional[Tensor], like: Tensor) -> Tensor:
 
 def _make_recurrence_autograd(backward_op):
     def setup_context(ctx, inputs, output):
-        cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse, train = inputs
+        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train = inputs
         out, h_n, c_n, workspace = output
         ctx.cell, ctx.reverse = cell, reverse
-        ctx.has_b_hh = b_hh is not None
+        ctx.has_b_ih, ctx.has_b_hh = b_ih is not None, b_hh is not None
         ctx.save_for_backward(h0, c0, w_hh, w_hr, out, workspace, lengths, c_n)
         ctx.mark_non_differentiable(workspace)
+        # Unused outputs get no zero-filled gradient (the workspace alone would
+        # cost a pass over T*B*W*H values); missing ones are made below.
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_output, grad_h_n, grad_c_n, _grad_workspace):
         h0, c0, w_hh, w_hr, out, workspace, lengths, c_n = ctx.saved_tensors
         lstm = ctx.cell == "lstm"
-        gx, gh0, gc0, gw, gb, gwr = backward_op(
+        gx, gh0, gc0, gw, gbi, gbh, gwr = backward_op(
             ctx.cell, _zeros_if_none(grad_output, out), _zeros_if_none(grad_h_n, h0),
             _zeros_if_none(grad_c_n, c_n) if lstm else None, h0, c0, w_hh, w_hr, out,
             workspace, lengths, ctx.reverse)
-        return (None, gx, gh0, gc0 if lstm else None, gw, gb if ctx.has_b_hh else None,
-                gwr if w_hr is not None else None, None, None, None)
+        return (None, gx, gh0, gc0 if lstm else None, gw, gbi if ctx.has_b_ih else None,
+                gbh if ctx.has_b_hh else None, gwr if w_hr is not None else None,
+                None, None, None)
 
     return setup_context, backward
 
@@ -121,6 +126,7 @@ def _make_step_autograd(backward_op):
         ctx.has_b_ih, ctx.has_b_hh = b_ih is not None, b_hh is not None
         ctx.save_for_backward(x, h, c, w_ih, w_hh, h_new, c_new, workspace)
         ctx.mark_non_differentiable(workspace)
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_h_new, grad_c_new, _grad_workspace):
         x, h, c, w_ih, w_hh, h_new, c_new, workspace = ctx.saved_tensors
@@ -205,23 +211,23 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
 # The functional ops.
 
 def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
-               b_hh: Optional[Tensor] = None, w_hr: Optional[Tensor] = None,
-               lengths: Optional[Tensor] = None, reverse: bool = False,
-               backend: str = "auto"):
+               b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
+               w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
+               reverse: bool = False, backend: str = "auto"):
     """The time loop of one layer in one direction (see :func:`rnnkern.reference.recurrence`).
 
-    xproj [T, B, G*H] is the input projection ``X W_ih^T + b_ih`` of all steps,
-    h0 [B, P], c0 [B, H] (LSTM only), w_hh [G*H, P], b_hh [G*H], w_hr [P, H]
-    (LSTM projection), lengths [B] int64 on the CPU.
-    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
+    xproj [T, B, G*H] is the input projection ``X W_ih^T`` of all steps (without
+    its bias: ``b_ih`` is added inside), h0 [B, P], c0 [B, H] (LSTM only),
+    w_hh [G*H, P], b_ih, b_hh [G*H], w_hr [P, H] (LSTM projection), lengths [B]
+    int64 on the CPU.  Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
     """
     check_cell(cell)
     backend = resolve_backend(backend, xproj.device)
     if backend == "reference":
-        return reference.recurrence(cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse)
-    train = _needs_grad(xproj, h0, c0, w_hh, b_hh, w_hr)
+        return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse)
+    train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr)
     output, h_n, c_n, _ = _op_family(backend).recurrence(
-        cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths, reverse, train)
+        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train)
     return output, h_n, (c_n if cell == "lstm" else None)
 
 

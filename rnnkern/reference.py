@@ -127,12 +127,14 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
 
 
 def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
-               b_hh: Optional[Tensor] = None, w_hr: Optional[Tensor] = None,
-               lengths: Optional[Tensor] = None, reverse: bool = False):
+               b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
+               w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
+               reverse: bool = False):
     """The time loop of one layer in one direction.
 
-    xproj [T, B, G*H] (``X W_ih^T + b_ih``), h0 [B, P], c0 [B, H] (LSTM),
-    w_hh [G*H, P], b_hh [G*H], w_hr [P, H] (LSTM projection), lengths [B] int64:
+    xproj [T, B, G*H] (``X W_ih^T``, the bias ``b_ih`` is added here), h0 [B, P],
+    c0 [B, H] (LSTM), w_hh [G*H, P], b_ih, b_hh [G*H], w_hr [P, H] (LSTM
+    projection), lengths [B] int64:
     sequence b has ``lengths[b]`` steps; after them its state stays and its
     outputs are 0.  With ``reverse`` each sequence runs from its own last step
     back to step 0.  Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
@@ -140,6 +142,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     check_cell(cell)
     T, B = xproj.shape[0], xproj.shape[1]
     P = h0.shape[1]
+    if b_ih is not None:
+        xproj = xproj + b_ih
     rows = torch.arange(B, device=xproj.device)
     if lengths is None:
         lens = torch.full((B,), T, dtype=torch.long, device=xproj.device)
@@ -164,4 +168,4 @@ def layer(cell: str, x: Tensor, h0: Tensor, c0: Optional[Tensor], w_ih: Tensor, 
           w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None, reverse: bool = False):
     """One layer on the input sequence ``x`` [T, B, I]: the input projection as one
     GEMM over all steps, then :func:`recurrence`."""
-    return recurrence(cell, F.linear(x, w_ih, b_ih), h0, c0, w_hh, b_hh, w_hr, lengths, reverse)
+    return recurrence(cell, F.linear(x, w_ih), h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse)

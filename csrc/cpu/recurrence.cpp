@@ -25,6 +25,7 @@
 
 #include "../cells.h"
 #include "../ops.h"
+#include "gemm.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define RNNKERN_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
@@ -95,15 +96,18 @@ RNNKERN_CPU_CLONES void lstm_forward_row(int64_t n, int64_t ld, int64_t ldh,
   }
 }
 
+// The candidate keeps b_in (bx) and b_hn (bh) apart: n = tanh(xn + b_in + r * (hn + b_hn)).
 template <typename A, bool kSave>
 RNNKERN_CPU_CLONES void gru_forward_row(int64_t n, int64_t ld, int64_t ldh,
                                         const A* __restrict x, const A* __restrict hh,
-                                        const A* __restrict bias, const A* __restrict h_prev,
-                                        A* __restrict h, A* __restrict ws) {
+                                        const A* __restrict bx, const A* __restrict bh,
+                                        const A* __restrict h_prev, A* __restrict h,
+                                        A* __restrict ws) {
   for (int64_t j = 0; j < n; ++j) {
-    const A hn = hh[2 * ldh + j] + bias[2 * ld + j];
-    const auto r = GruUnit<A>::forward(x[j], x[ld + j], x[2 * ld + j], hh[j] + bias[j],
-                                       hh[ldh + j] + bias[ld + j], hn, h_prev[j]);
+    const A hn = hh[2 * ldh + j] + bh[2 * ld + j];
+    const auto r = GruUnit<A>::forward(x[j] + bx[j], x[ld + j] + bx[ld + j],
+                                       x[2 * ld + j] + bx[2 * ld + j], hh[j] + bh[j],
+                                       hh[ldh + j] + bh[ld + j], hn, h_prev[j]);
     h[j] = r.h;
     if constexpr (kSave) {
       ws[j] = r.r;
@@ -277,14 +281,36 @@ void for_each_slice(const std::vector<Slice>& slices, const F& f) {
 
 // Rows of a [G*H, K] gate-stacked weight for the units of one slice: [G*n, K].
 Tensor gate_rows(const Tensor& w, int64_t G, const Slice& s) {
-  return w.view({G, w.size(0) / G, w.size(1)}).narrow(1, s.j0, s.n).reshape({G * s.n, w.size(1)});
+  return w.view({G, w.size(0) / G, w.size(1)}).narrow(1, s.j0, s.n).reshape({G * s.n, w.size(1)}).contiguous();
 }
-// Columns of a weight for one slice, contiguous: [rows, n].
-Tensor cols(const Tensor& w, const Slice& s) { return w.narrow(1, s.j0, s.n).contiguous(); }
 
 template <typename A>
 A* ptr(const Tensor& t) {
   return t.defined() ? t.template data_ptr<A>() : nullptr;
+}
+
+// The per-step product C[M, N] (+)= A[M, K] W, W packed once per call.
+template <typename A>
+RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const gemm::PackedB<A>& w,
+                                  A* c, bool accumulate) {
+  gemm::multiply(M, a, gemm::StridesA{lda, 1}, w, c, w.N, accumulate);
+}
+
+// Packs rows [r0, r0 + n) of each gate block of a [G*H, K] weight, transposed:
+// the B of  hproj = h W^T  for one slice (N = G*n, gates of the slice in order).
+template <typename A>
+gemm::PackedB<A> pack_gate_rows_t(const Tensor& w, int64_t G, const Slice& sl) {
+  gemm::PackedB<A> p;
+  p.pack(ptr<A>(gate_rows(w, G, sl)), w.size(1), G * sl.n, 1, w.size(1));
+  return p;
+}
+
+// Packs columns [j0, j0 + n) of a [K, C] weight: the B of  dh = da W[:, slice].
+template <typename A>
+gemm::PackedB<A> pack_cols(const Tensor& w, const Slice& sl) {
+  gemm::PackedB<A> p;
+  p.pack(ptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
+  return p;
 }
 
 // ------------------------------------------------------------------------
@@ -292,7 +318,7 @@ A* ptr(const Tensor& t) {
 template <typename A>
 struct ForwardArgs {
   const RecurrenceSizes& z;
-  Tensor xproj, h0, c0, w_hh, bias, w_hr;  // bias: b_hh or zeros
+  Tensor xproj, h0, c0, w_hh, b_x, b_h, w_hr;  // b_x, b_h: b_ih, b_hh or zeros
   Positions pos;
   bool train;
 };
@@ -313,20 +339,20 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // Per-slice weights and scratch, allocated once.
   const std::vector<Slice> units = split_units(H);
   const std::vector<Slice> outs = z.has_proj ? split_units(P) : std::vector<Slice>{};
-  std::vector<Tensor> w_slice, w_n_slice, hproj, hn, w_r_slice, hq;
+  std::vector<gemm::PackedB<A>> w_slice, w_n_slice, w_r_slice;
+  std::vector<Tensor> hproj, hn, hq;
   for (const Slice& sl : units) {
     // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
-    const Tensor w = gate_rows(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
-                               reset_before ? 2 : G, sl);
-    w_slice.push_back(w.t());
-    hproj.push_back(at::empty({B, w.size(0)}, opt));
+    w_slice.push_back(pack_gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
+                                          reset_before ? 2 : G, sl));
+    hproj.push_back(at::empty({B, w_slice.back().N}, opt));
     if (reset_before) {
-      w_n_slice.push_back(a.w_hh.narrow(0, 2 * H + sl.j0, sl.n).t());
+      w_n_slice.push_back(pack_gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl));
       hn.push_back(at::empty({B, sl.n}, opt));
     }
   }
   for (const Slice& sl : outs) {
-    w_r_slice.push_back(a.w_hr.narrow(0, sl.j0, sl.n).t());
+    w_r_slice.push_back(pack_gate_rows_t<A>(a.w_hr, 1, sl));
     hq.push_back(at::empty({B, sl.n}, opt));
   }
   Tensor h_buf[2] = {a.h0.clone(), at::empty({B, P}, opt)};
@@ -336,13 +362,16 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const Tensor h_full = z.has_proj ? at::empty({B, H}, opt) : Tensor();
 
   const A* xp = ptr<A>(a.xproj);
-  const A* bias = ptr<A>(a.bias);
+  // Every cell but the GRU candidate needs only the sum of the two biases.
+  const Tensor bias_sum = a.b_x + a.b_h;
+  const A* bias = ptr<A>(bias_sum);
+  const A* bx = ptr<A>(a.b_x);
+  const A* bh = ptr<A>(a.b_h);
   A* out = ptr<A>(output);
   A* wsp = save ? ptr<A>(ws) : nullptr;
 
   for (int64_t s = 0; s < T; ++s) {
-    const Tensor& h_prev_t = h_buf[s & 1];
-    const A* h_prev = ptr<A>(h_prev_t);
+    const A* h_prev = ptr<A>(h_buf[s & 1]);
     A* h_next = ptr<A>(h_buf[(s + 1) & 1]);
     const A* c_prev = lstm ? ptr<A>(c_buf[s & 1]) : nullptr;
     A* c_next = lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr;
@@ -350,7 +379,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
     for_each_slice(units, [&](size_t t) {
       const int64_t j0 = units[t].j0, n = units[t].n;
-      at::mm_out(hproj[t], h_prev_t, w_slice[t]);
+      step_gemm<A>(B, h_prev, P, w_slice[t], ptr<A>(hproj[t]), false);
       const A* hp = ptr<A>(hproj[t]);
       const int64_t ldh = n;
       const int64_t hrow = hproj[t].size(1);
@@ -385,9 +414,9 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
             break;
           case Cell::Gru:
             if (save)
-              gru_forward_row<A, true>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0, h, w);
+              gru_forward_row<A, true>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
             else
-              gru_forward_row<A, false>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0, h, w);
+              gru_forward_row<A, false>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
             break;
           case Cell::GruResetBefore:
             gru_rb_gates_row<A>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0,
@@ -402,7 +431,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       // Phase 2: the candidate's GEMM on r * h (all units), then h.
       for_each_slice(units, [&](size_t t) {
         const int64_t j0 = units[t].j0, n = units[t].n;
-        at::mm_out(hn[t], rh, w_n_slice[t]);
+        step_gemm<A>(B, ptr<A>(rh), H, w_n_slice[t], ptr<A>(hn[t]), false);
         const A* rz = ptr<A>(hproj[t]);  // r, z of the slice, from phase 1
         for (int64_t b = 0; b < B; ++b) {
           const int64_t p = a.pos.at(b, s);
@@ -425,7 +454,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       // Phase 2, per output slice: h_t = (o * tanh c) W_hr^T.
       for_each_slice(outs, [&](size_t t) {
         const int64_t k0 = outs[t].j0, n = outs[t].n;
-        at::mm_out(hq[t], h_full, w_r_slice[t]);
+        step_gemm<A>(B, ptr<A>(h_full), H, w_r_slice[t], ptr<A>(hq[t]), false);
         const A* q = ptr<A>(hq[t]);
         for (int64_t b = 0; b < B; ++b) {
           const int64_t p = a.pos.at(b, s);
@@ -444,6 +473,32 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   if (lstm) c_n.copy_(c_buf[T & 1]);
 }
 
+// dW = sum over steps and rows of d[p, b]^T h_{t-1}[p, b], where h_{t-1} of
+// position p is the output one step earlier (p - 1, or p + 1 in reverse) and
+// h0 at each sequence's first position.  Padding positions have d = 0 and
+// output 0, so two GEMMs cover every case without gathering h_{t-1}:
+//   forward:  d[1:]^T out[:-1] + d[0]^T h0
+//   reverse:  d[:-1]^T out[1:] + sum_b d[len_b - 1, b]^T h0[b]
+// d: [T, B, N] (may be a column slice), out: [T, B, P], h0: [B, P].
+void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, const Tensor& h0,
+                               const Positions& pos) {
+  const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
+  dw.zero_();
+  if (T == 0 || B == 0) return;
+  const Tensor d_later = pos.reverse ? d.narrow(0, 0, T - 1) : d.narrow(0, 1, T - 1);
+  const Tensor out_earlier = pos.reverse ? out.narrow(0, 1, T - 1) : out.narrow(0, 0, T - 1);
+  dw.addmm_(d_later.reshape({(T - 1) * B, N}).t(), out_earlier.reshape({(T - 1) * B, P}));
+  Tensor d_first;  // [B, N]: each sequence's gradient at its first step
+  if (!pos.reverse) {
+    d_first = d[0];
+  } else {
+    d_first = at::zeros({B, N}, d.options());
+    for (int64_t b = 0; b < B; ++b)
+      if (pos.length(b) > 0) d_first[b].copy_(d[pos.length(b) - 1][b]);
+  }
+  dw.addmm_(d_first.t(), h0);
+}
+
 // ------------------------------------------------------------------------
 // Backward driver.  Per step, each unit slice first adds the GEMM part of
 // its carried dh (from the previous step's gate gradients, ping-pong
@@ -458,7 +513,7 @@ struct BackwardArgs {
 
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
-                   Tensor& d_w_hh, Tensor& d_b_hh, Tensor& d_w_hr) {
+                   Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t GH = G * H;
@@ -475,18 +530,19 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // Rows of W_hh whose gradient feeds dh through the per-step GEMM: all, or
   // r, z for reset-before (the candidate's part goes through drh).
   const Tensor w_dh = reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh;
-  std::vector<Tensor> dh, w_dh_cols, w_n_cols, drh, w_r_cols, dh_full;
+  std::vector<Tensor> dh, drh, dh_full;
+  std::vector<gemm::PackedB<A>> w_dh_cols, w_n_cols, w_r_cols;
   for (const Slice& sl : carry) {
-    dh.push_back(a.grad_h_n.narrow(1, sl.j0, sl.n).contiguous());
-    w_dh_cols.push_back(cols(w_dh, sl));
+    dh.push_back(a.grad_h_n.narrow(1, sl.j0, sl.n).clone(at::MemoryFormat::Contiguous));  // a carry we update
+    w_dh_cols.push_back(pack_cols<A>(w_dh, sl));
   }
   for (const Slice& sl : units) {
     if (reset_before) {
-      w_n_cols.push_back(cols(a.w_hh.narrow(0, 2 * H, H), sl));
+      w_n_cols.push_back(pack_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl));
       drh.push_back(at::empty({B, sl.n}, opt));
     }
     if (z.has_proj) {
-      w_r_cols.push_back(cols(a.w_hr, sl));
+      w_r_cols.push_back(pack_cols<A>(a.w_hr, sl));
       dh_full.push_back(at::empty({B, sl.n}, opt));
     }
   }
@@ -495,7 +551,6 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const int64_t da_width = reset_before ? 2 * H : GH;
   Tensor da[2] = {at::zeros({B, da_width}, opt), at::zeros({B, da_width}, opt)};
   // Time-ordered inputs of the final weight GEMMs.
-  Tensor h_prev_all = at::empty({T, B, P}, opt);
   Tensor dhn_all = gru ? at::empty({T, B, H}, opt) : Tensor();
   Tensor rh_all = reset_before ? at::empty({T, B, H}, opt) : Tensor();
   Tensor dn = reset_before ? at::empty({B, H}, opt) : Tensor();
@@ -505,7 +560,6 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   A* dc = lstm ? ptr<A>(d_c0) : nullptr;
   A* dx = ptr<A>(d_xproj);
-  A* hprev_all = ptr<A>(h_prev_all);
   const A* gout = ptr<A>(a.grad_output);
   const A* out = ptr<A>(a.output);
   const A* wsp = W > 0 ? ptr<A>(a.ws) : nullptr;
@@ -520,7 +574,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   };
   // dh += (gate gradients of step s + 1) W_hh[:, slice]
   auto add_gemm_part = [&](size_t t, int64_t s) {
-    if (s + 1 < T) dh[t].addmm_(da[(s + 1) & 1], w_dh_cols[t]);
+    if (s + 1 < T) step_gemm<A>(B, ptr<A>(da[(s + 1) & 1]), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
   };
 
   for (int64_t s = T - 1; s >= 0; --s) {
@@ -551,7 +605,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     for_each_slice(units, [&](size_t t) {
       const int64_t j0 = units[t].j0, n = units[t].n;
       if (z.has_proj) {
-        at::mm_out(dh_full[t], dh_tot, w_r_cols[t]);
+        step_gemm<A>(B, ptr<A>(dh_tot), P, w_r_cols[t], ptr<A>(dh_full[t]), false);
       } else {
         add_gemm_part(t, s);
       }
@@ -564,7 +618,6 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
             if (k < da_width / H) zero_row(da_s + b * da_width + k * H + j0, n);
             zero_row(dx + (s * B + b) * GH + k * H + j0, n);
           }
-          if (!z.has_proj) zero_row(hprev_all + (s * B + b) * P + j0, n);
           if (gru) zero_row(ptr<A>(dhn_all) + (s * B + b) * H + j0, n);
           if (reset_before) {
             zero_row(ptr<A>(dn) + b * H + j0, n);
@@ -575,7 +628,6 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         }
         const int64_t row = p * B + b;
         const A* hprev = h_prev_of(b, s) + j0;
-        if (!z.has_proj) copy_row(hprev_all + row * P + j0, hprev, n);
         A* d = dht + b * n;
         const A* g = gout + row * P + j0;
         const A* w = wsp + row * W + j0;
@@ -604,23 +656,11 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       }
     });
 
-    if (z.has_proj) {
-      // h_{t-1} in time order for dW_hh (rows of the projected state).
-      for_each_slice(carry, [&](size_t t) {
-        const int64_t k0 = carry[t].j0, n = carry[t].n;
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t p = a.pos.at(b, s);
-          if (p < 0) zero_row(hprev_all + (s * B + b) * P + k0, n);
-          else copy_row(hprev_all + (p * B + b) * P + k0, h_prev_of(b, s) + k0, n);
-        }
-      });
-    }
-
     if (reset_before) {
       // Phase 2: drh = dn W_hn (all units of dn), then the reset gate.
       for_each_slice(units, [&](size_t t) {
         const int64_t j0 = units[t].j0, n = units[t].n;
-        at::mm_out(drh[t], dn, w_n_cols[t]);
+        step_gemm<A>(B, ptr<A>(dn), H, w_n_cols[t], ptr<A>(drh[t]), false);
         for (int64_t b = 0; b < B; ++b) {
           const int64_t p = a.pos.at(b, s);
           if (p < 0) continue;
@@ -636,29 +676,32 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   // The GEMM part of dh_0, then the carry into d_h0.
   for_each_slice(carry, [&](size_t t) {
-    if (T > 0) dh[t].addmm_(da[0], w_dh_cols[t]);
+    if (T > 0) step_gemm<A>(B, ptr<A>(da[0]), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
     d_h0.narrow(1, carry[t].j0, carry[t].n).copy_(dh[t]);
   });
 
-  // Weight gradients: one GEMM over all T*B rows each.
-  const Tensor dx2 = d_xproj.view({T * B, GH});
-  const Tensor hp2 = h_prev_all.view({T * B, P});
-  static const int64_t kRows[] = {0};
-  const at::IntArrayRef rows_dim(kRows);
+  // Weight gradients: one GEMM over all steps each.
+  const Tensor dx3 = d_xproj.view({T, B, GH});
+  static const int64_t kRows[] = {0, 1};
+  const at::IntArrayRef steps_and_rows(kRows);
+  at::sum_out(d_b_ih, dx3, steps_and_rows);
   if (gru || reset_before) {
     // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
-    // (reset after) or r * h_{t-1} (reset before), with their own gradient.
+    // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
     Tensor db_rz = d_b_hh.narrow(0, 0, 2 * H), db_n = d_b_hh.narrow(0, 2 * H, H);
-    const Tensor dn2 = gru ? dhn_all.view({T * B, H}) : dx2.narrow(1, 2 * H, H);
-    const Tensor in2 = gru ? hp2 : rh_all.view({T * B, H});
-    at::mm_out(dw_rz, dx2.narrow(1, 0, 2 * H).t(), hp2);
-    at::mm_out(dw_n, dn2.t(), in2);
-    at::sum_out(db_rz, dx2.narrow(1, 0, 2 * H), rows_dim);
-    at::sum_out(db_n, dn2, rows_dim);
+    const Tensor d_rz = dx3.narrow(2, 0, 2 * H);
+    weight_grad_by_prev_state(dw_rz, d_rz, a.output, a.h0, a.pos);
+    if (gru) {
+      weight_grad_by_prev_state(dw_n, dhn_all, a.output, a.h0, a.pos);
+    } else {
+      at::mm_out(dw_n, dx3.narrow(2, 2 * H, H).reshape({T * B, H}).t(), rh_all.view({T * B, H}));
+    }
+    at::sum_out(db_rz, d_rz, steps_and_rows);
+    at::sum_out(db_n, gru ? dhn_all : dx3.narrow(2, 2 * H, H), steps_and_rows);
   } else {
-    at::mm_out(d_w_hh, dx2.t(), hp2);
-    at::sum_out(d_b_hh, dx2, rows_dim);
+    weight_grad_by_prev_state(d_w_hh, dx3, a.output, a.h0, a.pos);
+    d_b_hh.copy_(d_b_ih);
   }
   if (z.has_proj) {
     at::mm_out(d_w_hr, dh_tot_all.view({T * B, P}).t(), h_full_all.view({T * B, H}));
@@ -683,13 +726,15 @@ struct LengthsHolder {
   }
 };
 
+Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt) {
+  return b.has_value() ? to_acc(*b, opt.dtype().toScalarType()) : at::zeros({n}, opt);
+}
+
 // Forward on tensors of any floating dtype; results in the accumulate dtype.
-std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(const RecurrenceSizes& z,
-                                                       const Tensor& xproj, const Tensor& h0,
-                                                       const OptTensor& c0, const Tensor& w_hh,
-                                                       const OptTensor& b_hh,
-                                                       const OptTensor& w_hr,
-                                                       const Positions& pos, bool train) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
+    const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
+    const Positions& pos, bool train) {
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
   const bool lstm = z.cell == Cell::Lstm;
@@ -704,7 +749,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(const RecurrenceSizes& z,
                             to_acc(h0, acc),
                             to_acc(c0, acc),
                             to_acc(w_hh, acc),
-                            b_hh.has_value() ? to_acc(*b_hh, acc) : at::zeros({z.G * z.H}, opt),
+                            bias_or_zeros(b_ih, z.G * z.H, opt),
+                            bias_or_zeros(b_hh, z.G * z.H, opt),
                             to_acc(w_hr, acc),
                             pos,
                             train};
@@ -713,20 +759,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(const RecurrenceSizes& z,
   return {output, h_n, c_n, ws};
 }
 
+struct BackwardResult {
+  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr;
+};
+
 // Backward on tensors of any floating dtype; results in the accumulate dtype.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> run_backward(
-    const RecurrenceSizes& z, const Tensor& grad_output, const Tensor& grad_h_n,
-    const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
-    const OptTensor& w_hr, const Tensor& output, const Tensor& workspace, const Positions& pos) {
+BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
+                            const Tensor& grad_h_n, const OptTensor& grad_c_n, const Tensor& h0,
+                            const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
+                            const Tensor& output, const Tensor& workspace,
+                            const Positions& pos) {
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
   const bool lstm = z.cell == Cell::Lstm;
-  Tensor d_xproj = at::empty({z.T, z.B, z.G * z.H}, opt);
-  Tensor d_h0 = at::empty({z.B, z.P}, opt);
-  Tensor d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
-  Tensor d_w_hh = at::empty({z.G * z.H, z.P}, opt);
-  Tensor d_b_hh = at::empty({z.G * z.H}, opt);
-  Tensor d_w_hr = z.has_proj ? at::empty({z.P, z.H}, opt) : empty_like_options(h0, acc);
+  BackwardResult r;
+  r.d_xproj = at::empty({z.T, z.B, z.G * z.H}, opt);
+  r.d_h0 = at::empty({z.B, z.P}, opt);
+  r.d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
+  r.d_w_hh = at::empty({z.G * z.H, z.P}, opt);
+  r.d_b_ih = at::empty({z.G * z.H}, opt);
+  r.d_b_hh = at::empty({z.G * z.H}, opt);
+  r.d_w_hr = z.has_proj ? at::empty({z.P, z.H}, opt) : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
     BackwardArgs<scalar_t> a{z,
                              to_acc(grad_output, acc),
@@ -739,25 +792,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> run_backward(
                              to_acc(output, acc),
                              workspace.contiguous(),
                              pos};
-    backward_impl<scalar_t>(a, d_xproj, d_h0, d_c0, d_w_hh, d_b_hh, d_w_hr);
+    backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
+                            r.d_w_hr);
   });
-  return {d_xproj, d_h0, d_c0, d_w_hh, d_b_hh, d_w_hr};
+  return r;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
     c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
-    const Tensor& w_hh, const OptTensor& b_hh, const OptTensor& w_hr, const OptTensor& lengths,
-    bool reverse, bool train) {
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
+    const OptTensor& lengths, bool reverse, bool train) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
-  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_hh, w_hr, lengths);
+  const RecurrenceSizes z =
+      check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths);
   LengthsHolder holder;
-  auto [output, h_n, c_n, ws] = run_forward(z, xproj, h0, c0, w_hh, b_hh, w_hr,
+  auto [output, h_n, c_n, ws] = run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
                                             holder.positions(lengths, z.T, reverse), train);
   const auto dtype = xproj.scalar_type();
   return {output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_cpu(
     c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
     const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
     const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
@@ -766,12 +821,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_c
   const RecurrenceSizes z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0,
                                                       c0, w_hh, w_hr, output, workspace, lengths);
   LengthsHolder holder;
-  auto [d_xproj, d_h0, d_c0, d_w_hh, d_b_hh, d_w_hr] =
-      run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
-                   holder.positions(lengths, z.T, reverse));
+  const BackwardResult r = run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
+                                        output, workspace, holder.positions(lengths, z.T, reverse));
   const auto dtype = output.scalar_type();
-  return {d_xproj.to(dtype), d_h0.to(dtype), d_c0.to(dtype),
-          d_w_hh.to(dtype),  d_b_hh.to(dtype), d_w_hr.to(dtype)};
+  return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),  r.d_w_hh.to(dtype),
+          r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype)};
 }
 
 RecurrenceSizes step_as_recurrence(const StepSizes& s) {
@@ -779,8 +833,8 @@ RecurrenceSizes step_as_recurrence(const StepSizes& s) {
 }
 
 // The single step: the product [x, h] [W_ih; W_hh]^T is split along K into
-// x W_ih^T (+ b_ih) and h W_hh^T, two GEMMs whose sum the gate pass forms:
-// the recurrence above with T = 1 and xproj = x W_ih^T + b_ih.
+// x W_ih^T and h W_hh^T, two GEMMs whose sum (with the biases) the gate pass
+// forms: the recurrence above with T = 1 and xproj = x W_ih^T.
 std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor& x,
                                             const Tensor& h, const OptTensor& c,
                                             const Tensor& w_ih, const Tensor& w_hh,
@@ -789,11 +843,10 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
-  const Tensor xa = x.to(acc), wa = w_ih.to(acc).t();
-  const Tensor xproj = b_ih.has_value() ? at::addmm(b_ih->to(acc), xa, wa) : at::mm(xa, wa);
+  const Tensor xproj = at::mm(x.to(acc), w_ih.to(acc).t());
   auto [output, h_new, c_new, ws] =
-      run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_hh, std::nullopt,
-                  Positions{nullptr, 1, false}, true);
+      run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
+                  std::nullopt, Positions{nullptr, 1, false}, true);
   return {h_new.to(dtype), c_new.to(dtype), ws.view({s.B, workspace_width(s.cell) * s.H})};
 }
 
@@ -808,17 +861,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward
   const auto acc = acc_type(dtype);
   // The step's single output is also its final state: its gradient enters
   // once, as grad_h_n, with a zero grad_output.
-  auto [d_xproj, d_h, d_c, d_w_hh, d_b_hh, d_w_hr] = run_backward(
+  const BackwardResult r = run_backward(
       step_as_recurrence(s), at::zeros({1, s.B, s.H}, h.options().dtype(acc)), grad_h_new,
       grad_c_new, h, c, w_hh, std::nullopt, h_new.unsqueeze(0),
       workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false});
-  (void)d_w_hr;
-  const Tensor dxp = d_xproj.squeeze(0);
+  const Tensor dxp = r.d_xproj.squeeze(0);
   const Tensor d_x = at::mm(dxp, w_ih.to(acc));
   const Tensor d_w_ih = at::mm(dxp.t(), x.to(acc));
-  const Tensor d_b_ih = dxp.sum(0);
-  return {d_x.to(dtype),    d_h.to(dtype),      d_c.to(dtype),   d_w_ih.to(dtype),
-          d_w_hh.to(dtype), d_b_ih.to(dtype), d_b_hh.to(dtype)};
+  return {d_x.to(dtype),      r.d_h0.to(dtype),    r.d_c0.to(dtype),  d_w_ih.to(dtype),
+          r.d_w_hh.to(dtype), r.d_b_ih.to(dtype), r.d_b_hh.to(dtype)};
 }
 
 }  // namespace

@@ -1,0 +1,141 @@
+"""Shared test machinery: NaN poisoning, the tolerance table, input builders.
+
+Conventions (see ../shared/GUIDE.md section 4):
+- the reference (float64, or float32 for the half types) is the truth;
+- every test draws fresh random inputs from a seeded generator, never zeros;
+- every tensor allocated without being written is NaN (fixture below), so an
+  output element that a kernel forgets to write fails the comparison;
+- GPU tests carry the ``gpu`` marker and skip, with the reason, without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+# Without a GPU, the Triton kernels run on the CPU through Triton's interpreter
+# (it must be chosen before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import rnnkern  # noqa: E402
+from rnnkern import reference  # noqa: E402
+
+CELLS = reference.CELLS
+
+#: Relative tolerance per dtype, against a reference in the same dtype.  Half
+#: types are judged against the reference's own error instead (assert_low_precision).
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+HAS_GPU = torch.cuda.is_available()
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def poison_uninitialized_memory():
+    """Makes torch.empty (also inside the C++ kernels, which allocate through
+    aten::empty) return NaN-filled memory for the duration of each test."""
+    det, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(det, warn_only=warn)
+
+
+def generator(*key) -> torch.Generator:
+    """A generator seeded from the test's parameters: fresh data per case, reproducible."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(g: torch.Generator, *shape, dtype=torch.float64, scale=1.0, requires_grad=False):
+    t = (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def assert_close(actual, expected, dtype=None, what=""):
+    """|actual - expected| <= tol * max(1, max|expected|), tol from TOL."""
+    tol = TOL[dtype or expected.dtype]
+    scale = max(1.0, expected.detach().abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * scale, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def assert_low_precision(actual, reference_lp, reference_hp, what="", factor=2.0):
+    """Half-precision result against a float32/64 reference: its error may be at
+    most `factor` times the error of the reference itself run in low precision
+    (flash-attention's criterion).  Errors are Frobenius norms: one rounding that
+    flips a ReLU mask moves a single element a lot in either computation."""
+    actual, reference_lp, reference_hp = (t.detach().double() for t in (actual, reference_lp, reference_hp))
+    own = (reference_lp - reference_hp).norm().item()
+    err = (actual - reference_hp).norm().item()
+    floor = 2 ** -9 * reference_hp.norm().item() * 1e-2  # far below one bf16 ulp of the result
+    assert err <= factor * own + floor, f"{what}: error {err:.3e} > {factor} x reference's own {own:.3e}"
+
+
+def recurrence_inputs(cell, T, B, H, *, dtype=torch.float64, proj=0, bias=True,
+                      requires_grad=False, key=()):
+    """Random arguments for rnnkern.ops.recurrence: a dict of tensors.
+
+    Weights are scaled by 1/sqrt(H) (torch.nn's init range) so that long
+    sequences stay in a numerically meaningful regime; states are non-zero."""
+    g = generator(cell, T, B, H, str(dtype), proj, bias, *key)
+    G = reference.gate_count(cell)
+    P = proj or H
+    s = H ** -0.5
+    rg = requires_grad
+    return dict(
+        xproj=randn(g, T, B, G * H, dtype=dtype, requires_grad=rg),
+        h0=randn(g, B, P, dtype=dtype, scale=0.5, requires_grad=rg),
+        c0=randn(g, B, H, dtype=dtype, scale=0.5, requires_grad=rg) if cell == "lstm" else None,
+        w_hh=randn(g, G * H, P, dtype=dtype, scale=s, requires_grad=rg),
+        b_ih=randn(g, G * H, dtype=dtype, scale=s, requires_grad=rg) if bias else None,
+        b_hh=randn(g, G * H, dtype=dtype, scale=s, requires_grad=rg) if bias else None,
+        w_hr=randn(g, P, H, dtype=dtype, scale=s, requires_grad=rg) if proj else None,
+    )
+
+
+def step_inputs(cell, B, I, H, *, dtype=torch.float64, bias=True, requires_grad=False, key=()):
+    """Random arguments for rnnkern.ops.step."""
+    g = generator("step", cell, B, I, H, str(dtype), bias, *key)
+    G = reference.gate_count(cell)
+    s = H ** -0.5
+    rg = requires_grad
+    return dict(
+        x=randn(g, B, I, dtype=dtype, requires_grad=rg),
+        h=randn(g, B, H, dtype=dtype, scale=0.5, requires_grad=rg),
+        c=randn(g, B, H, dtype=dtype, scale=0.5, requires_grad=rg) if cell == "lstm" else None,
+        w_ih=randn(g, G * H, I, dtype=dtype, scale=s, requires_grad=rg),
+        w_hh=randn(g, G * H, H, dtype=dtype, scale=s, requires_grad=rg),
+        b_ih=randn(g, G * H, dtype=dtype, scale=s, requires_grad=rg) if bias else None,
+        b_hh=randn(g, G * H, dtype=dtype, scale=s, requires_grad=rg) if bias else None,
+    )
+
+
+def torch_module(cell, input_size, hidden_size, **kwargs):
+    """The torch.nn module computing `cell` (None for gru_reset_before, which torch lacks)."""
+    if cell == "lstm":
+        return torch.nn.LSTM(input_size, hidden_size, **kwargs)
+    if cell == "gru":
+        return torch.nn.GRU(input_size, hidden_size, **kwargs)
+    if cell in ("rnn_tanh", "rnn_relu"):
+        return torch.nn.RNN(input_size, hidden_size, nonlinearity=cell[4:], **kwargs)
+    return None
+
+
+def rnnkern_module(cell, input_size, hidden_size, **kwargs):
+    if cell == "lstm":
+        return rnnkern.LSTM(input_size, hidden_size, **kwargs)
+    if cell in ("gru", "gru_reset_before"):
+        return rnnkern.GRU(input_size, hidden_size, reset_after=cell == "gru", **kwargs)
+    return rnnkern.RNN(input_size, hidden_size, nonlinearity=cell[4:], **kwargs)

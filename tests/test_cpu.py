@@ -1,0 +1,234 @@
+"""The C++ CPU kernels (backend="cpu") against the reference and torch.nn."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnkern
+from rnnkern import ops, reference
+from conftest import (CELLS, assert_close, assert_low_precision, generator, randn,
+                      recurrence_inputs, rnnkern_module, step_inputs, torch_module)
+
+# (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
+CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
+CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
+
+
+def run_recurrence(backend, cell, args, lengths=None, reverse=False):
+    return ops.recurrence(cell, args["xproj"], args["h0"], args["c0"], args["w_hh"], args["b_ih"],
+                          args["b_hh"], args["w_hr"], lengths, reverse, backend=backend)
+
+
+def differentiable(args):
+    return [name for name, t in args.items() if t is not None]
+
+
+# ------------------------------------------------------------- gradcheck ----
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("B", [1, 3])
+def test_recurrence_gradcheck(backend, cell, proj, T, B):
+    """float64 gradcheck w.r.t. xproj, h0, c0 and every weight and bias, with
+    non-zero random states; the checked function returns the outputs and the
+    final states, so gradients flow from both."""
+    H = 6 if proj else 4
+    args = recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True)
+    names = differentiable(args)
+
+    def f(*tensors):
+        out, h_n, c_n = run_recurrence(backend, cell, {**args, **dict(zip(names, tensors))})
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_recurrence_gradcheck_lengths(backend, cell, proj, reverse):
+    """Variable lengths (one sequence empty) in both directions."""
+    H = 6 if proj else 4
+    args = recurrence_inputs(cell, 5, 4, H, proj=proj, requires_grad=True, key=("lengths",))
+    lengths = torch.tensor([5, 2, 0, 4])
+    names = differentiable(args)
+
+    def f(*tensors):
+        out, h_n, c_n = run_recurrence(backend, cell, {**args, **dict(zip(names, tensors))},
+                                       lengths, reverse)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_step_gradcheck(backend, cell, B, bias):
+    args = step_inputs(cell, B, 3, 4, bias=bias, requires_grad=True)
+    names = differentiable(args)
+
+    def f(*tensors):
+        kw = {**args, **dict(zip(names, tensors))}
+        h, c = ops.step(cell, kw["x"], kw["h"], kw["c"], kw["w_ih"], kw["w_hh"], kw["b_ih"],
+                        kw["b_hh"], backend=backend)
+        return h if c is None else (h, c)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names])
+
+
+# ------------------------------------------------- CPU against reference ----
+
+def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
+    """Outputs, final states and the gradients of every input under a random
+    linear functional of all outputs."""
+    out = [t for t in run_recurrence(backend, cell, args, lengths, reverse) if t is not None]
+    g = generator("cotangent", *key)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
+    names = differentiable(args)
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
+
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("H", [16, 70, 257])
+@pytest.mark.parametrize("variant", ["plain", "reverse", "lengths", "lengths-reverse"])
+def test_cpu_matches_reference_float64(cell, proj, H, variant):
+    """Sizes that split across threads (the kernel gives each thread a slice of
+    units), odd sizes, and every direction / length combination."""
+    T, B = 9, 5
+    args = recurrence_inputs(cell, T, B, H, proj=proj and H // 2 + 1, requires_grad=True,
+                             key=(variant,))
+    lengths = torch.tensor([9, 3, 0, 7, 1]) if "lengths" in variant else None
+    reverse = "reverse" in variant
+    want = outputs_and_grads("reference", cell, args, lengths, reverse, key=(cell, H, variant))
+    got = outputs_and_grads("cpu", cell, args, lengths, reverse, key=(cell, H, variant))
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_step_matches_reference(cell, bias):
+    args = step_inputs(cell, 5, 7, 33, bias=bias, requires_grad=True)
+    names = differentiable(args)
+    results = []
+    for backend in ("reference", "cpu"):
+        h, c = ops.step(cell, *args.values(), backend=backend)
+        outs = [h] if c is None else [h, c]
+        g = generator("step-cotangent", cell)
+        loss = sum((o * randn(g, *o.shape)).sum() for o in outs)
+        results.append(outs + list(torch.autograd.grad(loss, [args[n] for n in names])))
+    for got, want in zip(results[1], results[0]):
+        assert_close(got, want)
+
+
+def test_no_workspace_without_grad():
+    """Inference keeps no workspace; training does."""
+    args = recurrence_inputs("lstm", 4, 2, 8)
+    cpu_args = [args[k] for k in ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh", "w_hr")]
+    *_, ws = torch.ops.rnnkern.recurrence("lstm", *cpu_args, None, False, False)
+    assert ws.numel() == 0
+    *_, ws = torch.ops.rnnkern.recurrence("lstm", *cpu_args, None, False, True)
+    assert ws.shape == (4, 2, 5 * 8)
+
+
+# ------------------------------------------------------ torch.nn parity ----
+
+TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
+
+
+def paired_modules(cell, I, H, dtype, **kwargs):
+    theirs = torch_module(cell, I, H, **kwargs).to(dtype)
+    ours = rnnkern_module(cell, I, H, backend="cpu", **kwargs).to(dtype)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def random_hx(cell, B, H, dtype, g, P=None):
+    h = randn(g, 1, B, P or H, dtype=dtype, scale=0.5, requires_grad=True)
+    if cell != "lstm":
+        return (h,)
+    return (h, randn(g, 1, B, H, dtype=dtype, scale=0.5, requires_grad=True))
+
+
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+@pytest.mark.parametrize("H", [24, 256])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_matches_torch_nn_float32(cell, H, bias):
+    """Outputs, final states and every gradient (input, h0, c0, all weights) of
+    the CPU kernels against torch.nn with the same weights, float32."""
+    T, B, I = 20, 6, 10
+    torch.manual_seed(H)
+    theirs, ours = paired_modules(cell, I, H, torch.float32, bias=bias)
+    g = generator("nn-parity", cell, H, bias)
+    x = randn(g, T, B, I, dtype=torch.float32, requires_grad=True)
+    hx = random_hx(cell, B, H, torch.float32, g)
+    arg = hx if cell == "lstm" else hx[0]
+    out_t, hid_t = theirs(x, arg)
+    out_o, hid_o = ours(x, arg)
+    hid_t = hid_t if isinstance(hid_t, tuple) else (hid_t,)
+    hid_o = hid_o if isinstance(hid_o, tuple) else (hid_o,)
+    g2 = generator("nn-parity-cotangent", cell, H)
+    cot = [randn(g2, *t.shape, dtype=torch.float32) for t in (out_t, *hid_t)]
+    inputs_t = [x, *hx, *theirs.parameters()]
+    inputs_o = [x, *hx, *ours.parameters()]
+    grads_t = torch.autograd.grad(sum((t * c).sum() for t, c in zip((out_t, *hid_t), cot)), inputs_t)
+    grads_o = torch.autograd.grad(sum((t * c).sum() for t, c in zip((out_o, *hid_o), cot)), inputs_o)
+    names = ["output"] + [f"hidden{i}" for i in range(len(hid_t))]
+    for name, a, b in zip(names, (out_o, *hid_o), (out_t, *hid_t)):
+        assert_close(a, b, what=name)
+    param_names = ["input", *[f"hx{i}" for i in range(len(hx))], *[n for n, _ in theirs.named_parameters()]]
+    for name, a, b in zip(param_names, grads_o, grads_t):
+        assert_close(a, b, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_bfloat16_within_reference_error(cell):
+    """bfloat16 results against the float32 reference on the same (bf16-valued)
+    inputs: no worse than twice the reference's own bfloat16 error (outputs,
+    states, gradients)."""
+    T, B, H = 16, 4, 64
+    args = recurrence_inputs(cell, T, B, H, dtype=torch.bfloat16, key=("bf16",))
+    args16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    args32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("bf16-cot", cell)
+    want = outputs_and_grads("reference", cell, args32, key=key)
+    ref16 = outputs_and_grads("reference", cell, args16, key=key)
+    got = outputs_and_grads("cpu", cell, args16, key=key)
+    for name in want:
+        assert got[name].dtype == torch.bfloat16, name
+        assert_low_precision(got[name], ref16[name], want[name], what=name)
+
+
+# --------------------------------------------------------------- opcheck ----
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
+def test_opcheck_recurrence(cell, proj, lengths):
+    args = recurrence_inputs(cell, 4, 3, 6, proj=proj and 4, requires_grad=True, key=("opcheck",))
+    lens = torch.tensor([4, 1, 3]) if lengths else None
+    torch.library.opcheck(torch.ops.rnnkern.recurrence.default,
+                          (cell, *args.values(), lens, lengths, True))
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_opcheck_step(cell):
+    args = step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",))
+    torch.library.opcheck(torch.ops.rnnkern.step.default, (cell, *args.values()))
+
+
+def test_opcheck_backward_ops():
+    args = recurrence_inputs("gru", 4, 3, 6, key=("opcheck-bwd",))
+    out, h_n, c_n, ws = torch.ops.rnnkern.recurrence("gru", *args.values(), None, False, True)
+    g = generator("opcheck-bwd")
+    torch.library.opcheck(torch.ops.rnnkern.recurrence_backward.default,
+                          ("gru", randn(g, *out.shape), randn(g, *h_n.shape), None, args["h0"], None,
+                           args["w_hh"], None, out, ws, None, False))
+    s = step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",))
+    h, c, ws = torch.ops.rnnkern.step("lstm", *s.values())
+    torch.library.opcheck(torch.ops.rnnkern.step_backward.default,
+                          ("lstm", randn(g, *h.shape), randn(g, *c.shape), s["x"], s["h"], s["c"],
+                           s["w_ih"], s["w_hh"], h, ws))
