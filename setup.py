@@ -62,6 +62,25 @@ def nvcc_release():
     return int(major), int(minor)
 
 
+def pip_cuda_libraries():
+    """Headers and cuBLAS from the nvidia-* wheels a CUDA build of torch brings
+    (a toolkit installed for nvcc alone may lack cuBLAS)."""
+    try:
+        import nvidia
+    except ImportError:
+        return [], [], []
+    include_dirs, library_dirs, link = [], [], []
+    for base in nvidia.__path__:
+        for pkg in sorted(glob.glob(os.path.join(base, "*"))):
+            if os.path.isdir(os.path.join(pkg, "include")):
+                include_dirs.append(os.path.join(pkg, "include"))
+            cublas = sorted(glob.glob(os.path.join(pkg, "lib", "libcublas.so*")))
+            if cublas and not link:
+                library_dirs.append(os.path.join(pkg, "lib"))
+                link.append("-l:" + os.path.basename(cublas[0]))
+    return include_dirs, library_dirs, link
+
+
 def extensions():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cxx = ["-O3", "-fopenmp", "-fno-trapping-math"]
@@ -76,9 +95,12 @@ def extensions():
     sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
             "--threads", os.environ.get("NVCC_THREADS", "2")]
-    return [CUDAExtension("rnnkern._C", sources,
+    include_dirs, library_dirs, link = pip_cuda_libraries()
+    has_cublas = bool(link) or os.path.exists(os.path.join(CUDA_HOME, "lib64", "libcublas.so"))
+    return [CUDAExtension("rnnkern._C", sources, include_dirs=include_dirs,
+                          library_dirs=library_dirs,
                           extra_compile_args={"cxx": cxx + ["-DRNNKERN_WITH_CUDA"], "nvcc": nvcc},
-                          extra_link_args=["-fopenmp", "-lcublas"])]
+                          extra_link_args=["-fopenmp"] + (link or (["-lcublas"] if has_cublas else [])))]
 
 
 setup(
