@@ -311,6 +311,8 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
     every case (as csrc/cpu/recurrence.cpp)."""
     T, B, N = d.shape
     P = output.shape[2]
+    if T == 0:
+        return d.new_zeros((N, P))
     if reverse:
         later, earlier = d[:-1], output[1:]
         if lens is None:

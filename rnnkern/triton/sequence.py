@@ -19,7 +19,7 @@ from .cells import (GRU, GRU_RESET_BEFORE, LSTM, RNN_RELU, gru_backward, gru_for
                     gru_rb_backward_candidate, gru_rb_backward_reset, gru_rb_candidate,
                     gru_rb_gates, lstm_backward, lstm_forward, lstm_hidden, rnn_backward,
                     rnn_forward)
-from .tiles import dot, load_rows, load_vector, load_weight, positions, previous_position, store_rows
+from .tiles import load_gate_vectors, load_rows, load_weight, positions, previous_position, store_rows
 from .tuning import MIN_DOT, loop_configs
 
 #: Bytes of weights (W_hh, plus W_hr with a projection, in their storage dtype,
@@ -44,9 +44,10 @@ def on_chip_bytes(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool = Fa
 
 def fits_on_chip(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool = False) -> bool:
     """Whether the in-kernel time loop serves these sizes: the padded weights
-    take at most ON_CHIP_BYTES.  With 128 KiB, for float16 / bfloat16:
-    LSTM and GRU up to H = 128, RNN up to H = 256; for float32 half of that
-    (LSTM, GRU H <= 64, RNN H <= 128); for float64 a quarter."""
+    take at most ON_CHIP_BYTES.  With 128 KiB (blocks are powers of two): for
+    float16 / bfloat16 LSTM and GRU up to H = 128, RNN up to H = 256; for
+    float32 and float64 LSTM and GRU up to H = 64, RNN up to H = 128.  An LSTM
+    projection adds one more [H, P] block."""
     return on_chip_bytes(cell, H, P, dtype, proj) <= ON_CHIP_BYTES
 
 
@@ -86,16 +87,12 @@ def forward_loop_kernel(
     if HAS_PROJ:
         # W_hr^T [BLOCK_H, BLOCK_P]: element (j, p) = w_hr[p, j].
         b_wr = load_weight(p_w_hr, o_h, m_h, 1, o_p, m_p, H, DOT)
-    bi0 = load_vector(p_b_ih, o_h, m_h, HAS_B_IH, ACC)[None, :]
-    bh0 = load_vector(p_b_hh, o_h, m_h, HAS_B_HH, ACC)[None, :]
-    if G > 1:
-        bi1 = load_vector(p_b_ih + H, o_h, m_h, HAS_B_IH, ACC)[None, :]
-        bh1 = load_vector(p_b_hh + H, o_h, m_h, HAS_B_HH, ACC)[None, :]
-        bi2 = load_vector(p_b_ih + 2 * H, o_h, m_h, HAS_B_IH, ACC)[None, :]
-        bh2 = load_vector(p_b_hh + 2 * H, o_h, m_h, HAS_B_HH, ACC)[None, :]
-    if G > 3:
-        bi3 = load_vector(p_b_ih + 3 * H, o_h, m_h, HAS_B_IH, ACC)[None, :]
-        bh3 = load_vector(p_b_hh + 3 * H, o_h, m_h, HAS_B_HH, ACC)[None, :]
+    bi0, bi1, bi2, bi3 = load_gate_vectors(p_b_ih, o_h, m_h, H, G, HAS_B_IH, ACC)
+    bh0, bh1, bh2, bh3 = load_gate_vectors(p_b_hh, o_h, m_h, H, G, HAS_B_HH, ACC)
+    # Every gate but the GRU candidate takes the sum of the two biases.
+    b0, b1, b2, b3 = bi0 + bh0, bi1 + bh1, bi2 + bh2, bi3 + bh3
+    WS_DTYPE = p_ws.dtype.element_ty
+    OUT_DTYPE = p_out.dtype.element_ty
 
     # The state, on chip for the whole sequence.
     b_h = load_rows(p_h0, row_b, P, o_p, m_bp, ACC)
@@ -106,54 +103,58 @@ def forward_loop_kernel(
         active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
         act = active[:, None]
         m_act = act & m_h[None, :]
-        row = t.to(tl.int64) * B + o_b
+        row = t.to(tl.int64)[:, None] * B + o_b[:, None]
+        # Pointers of this step's rows: xproj and the workspace (gate k at + k*H), the output.
+        p_x = p_xproj + row * GH + o_h[None, :]
+        p_w = p_ws + row * WS + o_h[None, :]
         zero = tl.zeros([BLOCK_B, BLOCK_H], ACC)
-        x0 = load_rows(p_xproj, row, GH, o_h, m_act, ACC)
-        hp0 = dot(b_h, b_w0, zero, DOT)
+        b_hd = b_h.to(DOT)
+        x0 = tl.load(p_x, mask=m_act, other=0.0).to(ACC)
+        hp0 = tl.dot(b_hd, b_w0, zero, input_precision="ieee")
         if CELL == LSTM:
-            x1 = load_rows(p_xproj + H, row, GH, o_h, m_act, ACC)
-            x2 = load_rows(p_xproj + 2 * H, row, GH, o_h, m_act, ACC)
-            x3 = load_rows(p_xproj + 3 * H, row, GH, o_h, m_act, ACC)
-            hp1 = dot(b_h, b_w1, zero, DOT)
-            hp2 = dot(b_h, b_w2, zero, DOT)
-            hp3 = dot(b_h, b_w3, zero, DOT)
-            i, f, g, o, c, h = lstm_forward(x0 + hp0 + bi0 + bh0, x1 + hp1 + bi1 + bh1,
-                                            x2 + hp2 + bi2 + bh2, x3 + hp3 + bi3 + bh3, b_c)
+            x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
+            x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
+            x3 = tl.load(p_x + 3 * H, mask=m_act, other=0.0).to(ACC)
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
+            hp2 = tl.dot(b_hd, b_w2, zero, input_precision="ieee")
+            hp3 = tl.dot(b_hd, b_w3, zero, input_precision="ieee")
+            i, f, g, o, c, h = lstm_forward(x0 + hp0 + b0, x1 + hp1 + b1, x2 + hp2 + b2,
+                                            x3 + hp3 + b3, b_c)
             b_c = tl.where(act, c, b_c)
             if TRAIN:
-                store_rows(p_ws, row, WS, o_h, m_bh, tl.where(act, i, 0.0))
-                store_rows(p_ws + H, row, WS, o_h, m_bh, tl.where(act, f, 0.0))
-                store_rows(p_ws + 2 * H, row, WS, o_h, m_bh, tl.where(act, g, 0.0))
-                store_rows(p_ws + 3 * H, row, WS, o_h, m_bh, tl.where(act, o, 0.0))
-                store_rows(p_ws + 4 * H, row, WS, o_h, m_bh, tl.where(act, c, 0.0))
+                tl.store(p_w, tl.where(act, i, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + H, tl.where(act, f, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 2 * H, tl.where(act, g, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 3 * H, tl.where(act, o, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 4 * H, tl.where(act, c, 0.0).to(WS_DTYPE), mask=m_bh)
             if HAS_PROJ:
-                h = dot(h, b_wr, tl.zeros([BLOCK_B, BLOCK_P], ACC), DOT)
+                h = tl.dot(h.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_P], ACC), input_precision="ieee")
         elif CELL == GRU:
-            x1 = load_rows(p_xproj + H, row, GH, o_h, m_act, ACC)
-            x2 = load_rows(p_xproj + 2 * H, row, GH, o_h, m_act, ACC)
-            hp1 = dot(b_h, b_w1, zero, DOT)
-            hn = dot(b_h, b_w2, zero, DOT) + bh2
+            x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
+            x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
+            hn = tl.dot(b_hd, b_w2, zero, input_precision="ieee") + bh2
             r, z, n, h = gru_forward(x0 + bi0, x1 + bi1, x2 + bi2, hp0 + bh0, hp1 + bh1, hn, b_h)
             if TRAIN:
-                store_rows(p_ws, row, WS, o_h, m_bh, tl.where(act, r, 0.0))
-                store_rows(p_ws + H, row, WS, o_h, m_bh, tl.where(act, z, 0.0))
-                store_rows(p_ws + 2 * H, row, WS, o_h, m_bh, tl.where(act, n, 0.0))
-                store_rows(p_ws + 3 * H, row, WS, o_h, m_bh, tl.where(act, hn, 0.0))
+                tl.store(p_w, tl.where(act, r, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + H, tl.where(act, z, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 2 * H, tl.where(act, n, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 3 * H, tl.where(act, hn, 0.0).to(WS_DTYPE), mask=m_bh)
         elif CELL == GRU_RESET_BEFORE:
-            x1 = load_rows(p_xproj + H, row, GH, o_h, m_act, ACC)
-            x2 = load_rows(p_xproj + 2 * H, row, GH, o_h, m_act, ACC)
-            hp1 = dot(b_h, b_w1, zero, DOT)
+            x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
+            x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
             r, z, rh = gru_rb_gates(x0 + bi0, x1 + bi1, hp0 + bh0, hp1 + bh1, b_h)
-            hn = dot(rh, b_w2, zero, DOT) + bh2
+            hn = tl.dot(rh.to(DOT), b_w2, zero, input_precision="ieee") + bh2
             n, h = gru_rb_candidate(x2 + bi2, hn, z, b_h)
             if TRAIN:
-                store_rows(p_ws, row, WS, o_h, m_bh, tl.where(act, r, 0.0))
-                store_rows(p_ws + H, row, WS, o_h, m_bh, tl.where(act, z, 0.0))
-                store_rows(p_ws + 2 * H, row, WS, o_h, m_bh, tl.where(act, n, 0.0))
+                tl.store(p_w, tl.where(act, r, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + H, tl.where(act, z, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 2 * H, tl.where(act, n, 0.0).to(WS_DTYPE), mask=m_bh)
         else:
-            h = rnn_forward(x0 + hp0 + bi0 + bh0, CELL == RNN_RELU)
+            h = rnn_forward(x0 + hp0 + b0, CELL == RNN_RELU)
         b_h = tl.where(act, h, b_h)
-        store_rows(p_out, row, P, o_p, m_bp, tl.where(act, h, 0.0))
+        tl.store(p_out + row * P + o_p[None, :], tl.where(act, h, 0.0).to(OUT_DTYPE), mask=m_bp)
 
     store_rows(p_h_n, row_b, P, o_p, m_bp, b_h)
     if CELL == LSTM:
@@ -202,87 +203,99 @@ def backward_loop_kernel(
         b_dc = load_rows(p_dc_n, row_b, H, o_h, m_bh, ACC)
         b_c0 = load_rows(p_c0, row_b, H, o_h, m_bh, ACC)
 
+    DX_DTYPE = p_dx.dtype.element_ty
+    AUX_DTYPE = p_aux_all.dtype.element_ty
     for i_s in range(0, T):
         s = T - 1 - i_s
         active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
         act = active[:, None]
         m_act = act & m_h[None, :]
         m_actp = act & m_p[None, :]
-        row = t.to(tl.int64) * B + o_b
+        row = t.to(tl.int64)[:, None] * B + o_b[:, None]
         # h_{t-1} of an active row: the output one step earlier, or h0 at its first step.
-        row_q = previous_position(t, s, REVERSE).to(tl.int64) * B + o_b
+        row_q = previous_position(t, s, REVERSE).to(tl.int64)[:, None] * B + o_b[:, None]
+        has_prev = s > 0
+        p_w = p_ws + row * WS + o_h[None, :]
+        p_d = p_dx + row * GH + o_h[None, :]
+        p_a = p_aux_all + row * H + o_h[None, :]
         zero_p = tl.zeros([BLOCK_B, BLOCK_P], ACC)
 
-        d = b_dh + load_rows(p_gout, row, P, o_p, m_actp, ACC)
+        d = b_dh + tl.load(p_gout + row * P + o_p[None, :], mask=m_actp, other=0.0).to(ACC)
         if HAS_PROJ:
             d = tl.where(act, d, 0.0)
-            store_rows(p_dh_tot_all, row, P, o_p, m_bp, d)
-            d = dot(d, b_wr, tl.zeros([BLOCK_B, BLOCK_H], ACC), DOT)
+            tl.store(p_dh_tot_all + row * P + o_p[None, :], d.to(p_dh_tot_all.dtype.element_ty),
+                     mask=m_bp)
+            d = tl.dot(d.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_H], ACC), input_precision="ieee")
 
         if CELL == LSTM:
-            i = load_rows(p_ws, row, WS, o_h, m_act, ACC)
-            f = load_rows(p_ws + H, row, WS, o_h, m_act, ACC)
-            g = load_rows(p_ws + 2 * H, row, WS, o_h, m_act, ACC)
-            o = load_rows(p_ws + 3 * H, row, WS, o_h, m_act, ACC)
-            c = load_rows(p_ws + 4 * H, row, WS, o_h, m_act, ACC)
-            c_prev = tl.where(s > 0, load_rows(p_ws + 4 * H, row_q, WS, o_h, m_act & (s > 0), ACC),
-                              b_c0)
+            i = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
+            f = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
+            g = tl.load(p_w + 2 * H, mask=m_act, other=0.0).to(ACC)
+            o = tl.load(p_w + 3 * H, mask=m_act, other=0.0).to(ACC)
+            c = tl.load(p_w + 4 * H, mask=m_act, other=0.0).to(ACC)
+            c_prev = tl.load(p_ws + row_q * WS + 4 * H + o_h[None, :], mask=m_act & has_prev,
+                             other=0.0).to(ACC)
+            c_prev = tl.where(has_prev, c_prev, b_c0)
             di, df, dg, do, dc_prev = lstm_backward(d, b_dc, i, f, g, o, c, c_prev)
             di = tl.where(act, di, 0.0)
             df = tl.where(act, df, 0.0)
             dg = tl.where(act, dg, 0.0)
             do = tl.where(act, do, 0.0)
-            store_rows(p_dx, row, GH, o_h, m_bh, di)
-            store_rows(p_dx + H, row, GH, o_h, m_bh, df)
-            store_rows(p_dx + 2 * H, row, GH, o_h, m_bh, dg)
-            store_rows(p_dx + 3 * H, row, GH, o_h, m_bh, do)
+            tl.store(p_d, di.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + H, df.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + 2 * H, dg.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + 3 * H, do.to(DX_DTYPE), mask=m_bh)
             if HAS_PROJ:
-                store_rows(p_aux_all, row, H, o_h, m_bh, tl.where(act, lstm_hidden(o, c), 0.0))
+                tl.store(p_a, tl.where(act, lstm_hidden(o, c), 0.0).to(AUX_DTYPE), mask=m_bh)
             b_dc = tl.where(act, dc_prev, b_dc)
-            dh_prev = dot(di, b_w0, zero_p, DOT)
-            dh_prev = dot(df, b_w1, dh_prev, DOT)
-            dh_prev = dot(dg, b_w2, dh_prev, DOT)
-            dh_prev = dot(do, b_w3, dh_prev, DOT)
+            dh_prev = tl.dot(di.to(DOT), b_w0, zero_p, input_precision="ieee")
+            dh_prev = tl.dot(df.to(DOT), b_w1, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(dg.to(DOT), b_w2, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(do.to(DOT), b_w3, dh_prev, input_precision="ieee")
         elif CELL == GRU:
-            r = load_rows(p_ws, row, WS, o_h, m_act, ACC)
-            z = load_rows(p_ws + H, row, WS, o_h, m_act, ACC)
-            n = load_rows(p_ws + 2 * H, row, WS, o_h, m_act, ACC)
-            hn = load_rows(p_ws + 3 * H, row, WS, o_h, m_act, ACC)
-            h_prev = tl.where(s > 0, load_rows(p_out, row_q, P, o_p, m_actp & (s > 0), ACC), b_h0)
+            r = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
+            z = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
+            n = tl.load(p_w + 2 * H, mask=m_act, other=0.0).to(ACC)
+            hn = tl.load(p_w + 3 * H, mask=m_act, other=0.0).to(ACC)
+            h_prev = tl.load(p_out + row_q * P + o_p[None, :], mask=m_actp & has_prev,
+                             other=0.0).to(ACC)
+            h_prev = tl.where(has_prev, h_prev, b_h0)
             dr, dz, dxn, dhn, dh_direct = gru_backward(d, r, z, n, hn, h_prev)
             dr = tl.where(act, dr, 0.0)
             dz = tl.where(act, dz, 0.0)
             dxn = tl.where(act, dxn, 0.0)
             dhn = tl.where(act, dhn, 0.0)
-            store_rows(p_dx, row, GH, o_h, m_bh, dr)
-            store_rows(p_dx + H, row, GH, o_h, m_bh, dz)
-            store_rows(p_dx + 2 * H, row, GH, o_h, m_bh, dxn)
-            store_rows(p_aux_all, row, H, o_h, m_bh, dhn)
-            dh_prev = dot(dr, b_w0, dh_direct, DOT)
-            dh_prev = dot(dz, b_w1, dh_prev, DOT)
-            dh_prev = dot(dhn, b_w2, dh_prev, DOT)
+            tl.store(p_d, dr.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + H, dz.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + 2 * H, dxn.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_a, dhn.to(AUX_DTYPE), mask=m_bh)
+            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct, input_precision="ieee")
+            dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(dhn.to(DOT), b_w2, dh_prev, input_precision="ieee")
         elif CELL == GRU_RESET_BEFORE:
-            r = load_rows(p_ws, row, WS, o_h, m_act, ACC)
-            z = load_rows(p_ws + H, row, WS, o_h, m_act, ACC)
-            n = load_rows(p_ws + 2 * H, row, WS, o_h, m_act, ACC)
-            h_prev = tl.where(s > 0, load_rows(p_out, row_q, P, o_p, m_actp & (s > 0), ACC), b_h0)
+            r = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
+            z = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
+            n = tl.load(p_w + 2 * H, mask=m_act, other=0.0).to(ACC)
+            h_prev = tl.load(p_out + row_q * P + o_p[None, :], mask=m_actp & has_prev,
+                             other=0.0).to(ACC)
+            h_prev = tl.where(has_prev, h_prev, b_h0)
             dz, dn, dh_direct = gru_rb_backward_candidate(d, z, n, h_prev)
             dn = tl.where(act, dn, 0.0)
-            drh = dot(dn, b_w2, zero_p, DOT)
+            drh = tl.dot(dn.to(DOT), b_w2, zero_p, input_precision="ieee")
             dr, dh_reset = gru_rb_backward_reset(drh, r, h_prev)
             dr = tl.where(act, dr, 0.0)
             dz = tl.where(act, dz, 0.0)
-            store_rows(p_dx, row, GH, o_h, m_bh, dr)
-            store_rows(p_dx + H, row, GH, o_h, m_bh, dz)
-            store_rows(p_dx + 2 * H, row, GH, o_h, m_bh, dn)
-            store_rows(p_aux_all, row, H, o_h, m_bh, tl.where(act, r * h_prev, 0.0))
-            dh_prev = dot(dr, b_w0, dh_direct + dh_reset, DOT)
-            dh_prev = dot(dz, b_w1, dh_prev, DOT)
+            tl.store(p_d, dr.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + H, dz.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + 2 * H, dn.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_a, tl.where(act, r * h_prev, 0.0).to(AUX_DTYPE), mask=m_bh)
+            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct + dh_reset, input_precision="ieee")
+            dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee")
         else:
-            h = load_rows(p_out, row, P, o_p, m_actp, ACC)
+            h = tl.load(p_out + row * P + o_p[None, :], mask=m_actp, other=0.0).to(ACC)
             da = tl.where(act, rnn_backward(d, h, CELL == RNN_RELU), 0.0)
-            store_rows(p_dx, row, GH, o_h, m_bh, da)
-            dh_prev = dot(da, b_w0, zero_p, DOT)
+            tl.store(p_d, da.to(DX_DTYPE), mask=m_bh)
+            dh_prev = tl.dot(da.to(DOT), b_w0, zero_p, input_precision="ieee")
         b_dh = tl.where(act, dh_prev, b_dh)
 
     store_rows(p_dh0, row_b, P, o_p, m_bp, b_dh)

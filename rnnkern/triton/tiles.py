@@ -33,6 +33,22 @@ def load_vector(p, o, m, HAS: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def load_gate_vectors(p, o, m, H, G: tl.constexpr, HAS: tl.constexpr, ACC: tl.constexpr):
+    """The slices o of the G gate blocks of a bias ([G*H]), as [1, N] rows; zeros
+    when the bias is absent or the gate does not exist."""
+    v0 = load_vector(p, o, m, HAS, ACC)[None, :]
+    v1 = v0 * 0
+    v2 = v0 * 0
+    v3 = v0 * 0
+    if G > 1:
+        v1 = load_vector(p + H, o, m, HAS, ACC)[None, :]
+        v2 = load_vector(p + 2 * H, o, m, HAS, ACC)[None, :]
+    if G > 3:
+        v3 = load_vector(p + 3 * H, o, m, HAS, ACC)[None, :]
+    return v0, v1, v2, v3
+
+
+@triton.jit
 def load_weight(p, o_k, m_k, stride_k, o_n, m_n, stride_n, DOT: tl.constexpr):
     """Block [K, N] of a weight, element (k, n) at p + k*stride_k + n*stride_n."""
     b_w = tl.load(p + o_k[:, None] * stride_k + o_n[None, :] * stride_n,
