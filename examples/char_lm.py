@@ -43,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--backend", choices=char_lm.BACKENDS, default=d.backend,
                    help="rnnkern backend, or 'torch' for torch.nn's modules (the baseline)")
     m.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
-    m.add_argument("--dtype", choices=list(char_lm.DTYPES), default=d.dtype)
+    m.add_argument("--dtype", choices=list(char_lm.DTYPES), default=d.dtype,
+                   help="bfloat16/float16 train in mixed precision (float32 parameters, autocast)")
     m.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (default: torch's; torchrun sets 1)")
     t = p.add_argument_group("training")

@@ -396,7 +396,7 @@ class Config:
     embed: int = 64              # 0: one-hot input
     backend: str = "auto"        # rnnkern backend, or "torch" for the torch.nn baseline
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"       # bfloat16 / float16: mixed precision (see train())
     bptt: int = 64               # truncated-BPTT chunk length
     batch: int = 32              # streams per process (x world size in total under DDP)
     epochs: int = 10             # total, counting epochs already in a resumed checkpoint
@@ -469,6 +469,15 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # half types: softmax in float32
 
 
+def _precision(dtype: torch.dtype) -> Tuple[torch.dtype, Optional[torch.dtype]]:
+    """(parameter dtype, autocast dtype or None).  Half types train in mixed
+    precision: float32 parameters and optimizer state (Adam's moments and epsilon
+    underflow in float16), the layers computing in the half type under autocast."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32, dtype
+    return dtype, None
+
+
 def _detach(state: Optional[State]) -> Optional[State]:
     return None if state is None else tuple(s.detach() for s in state)
 
@@ -487,11 +496,13 @@ def _eval_streams(ids: Tensor, streams: int) -> Tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model: CharLM, ids: Tensor, batch: int, bptt: int) -> float:
+def evaluate(model: CharLM, ids: Tensor, batch: int, bptt: int,
+             autocast: Optional[torch.dtype] = None) -> float:
     """Mean cross-entropy (nats) of predicting every character of ``ids`` from the
     ones before it: the text is cut into ``batch * world`` contiguous streams (rank
     ``r`` runs its ``batch`` of them) read in chunks of ``bptt`` with the state
-    carried across chunks; every one of the ``len(ids) - 1`` predictions counts once."""
+    carried across chunks; every one of the ``len(ids) - 1`` predictions counts once.
+    ``autocast``: compute in this half type (as in mixed-precision training)."""
     if len(ids) < 2:
         raise ValueError(f"ids: expected at least 2 characters to evaluate, got {len(ids)}")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -502,7 +513,8 @@ def evaluate(model: CharLM, ids: Tensor, batch: int, bptt: int) -> float:
     model.eval()
     nll, count, state = 0.0, 0, None
     for t0 in range(0, x.size(0), bptt):
-        logits, state = model(x[t0: t0 + bptt], state)
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            logits, state = model(x[t0: t0 + bptt], state)
         target = y[t0: t0 + bptt]
         nll += F.cross_entropy(logits.flatten(0, 1).to(_loss_dtype(logits.dtype)), target.flatten(),
                                ignore_index=-100, reduction="sum").item()
@@ -516,10 +528,15 @@ def train(cfg: Config, text: Optional[str] = None) -> Trained:
     """Trains (or resumes training of) a :class:`CharLM` as ``cfg`` says and returns
     it with its per-epoch history.  ``text`` overrides ``cfg.text``.  Under
     ``torchrun`` it trains data-parallel (DDP) on every rank; rank 0 writes the
-    checkpoint and the plot."""
+    checkpoint and the plot.
+
+    ``float32`` / ``float64`` train in that type throughout; ``bfloat16`` / ``float16``
+    in mixed precision: float32 parameters, the forward under ``torch.autocast``
+    (rnnkern's modules and cells honour it), float16 with a gradient scaler."""
     cfg.check()
     rank, world = init_distributed(torch.device(cfg.device).type)
-    device, dtype = _device(cfg.device, world), DTYPES[cfg.dtype]
+    device = _device(cfg.device, world)
+    dtype, autocast = _precision(DTYPES[cfg.dtype])
     lead = rank == 0
 
     ckpt = load_checkpoint(cfg.checkpoint) if cfg.resume else None
@@ -535,12 +552,15 @@ def train(cfg: Config, text: Optional[str] = None) -> Trained:
     torch.manual_seed(cfg.seed)
     model = CharLM(len(vocab), **spec, backend=cfg.backend, device=device, dtype=dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast == torch.float16)
     batches = make_batches(cfg.sampler, train_ids, cfg.batch, cfg.bptt, rank, world, cfg.seed)
     history: List[EpochStats] = []
     state: Optional[State] = None
     if ckpt:
         model.load_state_dict(ckpt["state_dict"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
         if ckpt["sampler"]["kind"] == cfg.sampler:
             batches.load_state_dict(ckpt["sampler"])
         history = [EpochStats(**e) for e in ckpt["history"]]
@@ -553,9 +573,9 @@ def train(cfg: Config, text: Optional[str] = None) -> Trained:
     step_losses: List[float] = []
     for epoch in range(len(history), cfg.epochs):
         mean_loss, seconds, tokens, state, losses = _train_epoch(
-            net, model, optimizer, batches, state, cfg, epoch, device, world, lead)
+            net, model, optimizer, scaler, autocast, batches, state, cfg, epoch, device, world, lead)
         step_losses += losses
-        held = evaluate(model, held_ids, cfg.batch, cfg.bptt) if len(held_ids) else None
+        held = evaluate(model, held_ids, cfg.batch, cfg.bptt, autocast) if len(held_ids) else None
         stats = EpochStats(epoch + 1, perplexity(mean_loss),
                            None if held is None else perplexity(held), seconds, tokens)
         history.append(stats)
@@ -565,14 +585,15 @@ def train(cfg: Config, text: Optional[str] = None) -> Trained:
                   f"  {seconds:6.1f} s  {stats.tokens_per_s / 1e3:7.1f}k tok/s", flush=True)
         all_states = _gather_streams(state if batches.stateful else None)
         if lead and cfg.checkpoint:
-            save_checkpoint(cfg.checkpoint, model, vocab, optimizer, batches, history, all_states, cfg)
+            save_checkpoint(cfg.checkpoint, model, vocab, optimizer, batches, history, all_states, cfg,
+                            scaler)
         if lead and cfg.plot:
             plot_perplexity(history, cfg.plot, title=_plot_title(model, cfg, world))
     return Trained(model, vocab, history, step_losses)
 
 
-def _train_epoch(net, model: CharLM, optimizer, batches, state, cfg: Config, epoch: int,
-                 device: torch.device, world: int, lead: bool):
+def _train_epoch(net, model: CharLM, optimizer, scaler, autocast: Optional[torch.dtype], batches,
+                 state, cfg: Config, epoch: int, device: torch.device, world: int, lead: bool):
     steps = len(batches) if cfg.steps_per_epoch is None else min(len(batches), cfg.steps_per_epoch)
     bar = None
     if lead and cfg.progress:
@@ -581,6 +602,7 @@ def _train_epoch(net, model: CharLM, optimizer, batches, state, cfg: Config, epo
                    file=sys.stderr, dynamic_ncols=True, leave=False)
     tokens_per_step = cfg.batch * cfg.bptt * world
     loss_dtype = _loss_dtype(DTYPES[cfg.dtype])
+    amp = autocast is not None
     model.train()
     losses = []
     _sync(device)
@@ -589,13 +611,18 @@ def _train_epoch(net, model: CharLM, optimizer, batches, state, cfg: Config, epo
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if not batches.stateful:
             state = None
-        logits, state = net(x, state)
+        with torch.autocast(device.type, dtype=autocast, enabled=amp):
+            logits, state = net(x, state)
         loss = F.cross_entropy(logits.flatten(0, 1).to(loss_dtype), y.flatten())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # under DDP the gradients arrive averaged over the ranks
+        # Under DDP the gradients arrive averaged over the ranks.  The scaler is a
+        # no-op except in float16 (where small gradients would underflow).
+        scaler.scale(loss).backward()
         if cfg.clip > 0:
+            scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         state = _detach(state)  # truncated BPTT: the next chunk starts from this state
         losses.append(loss.detach())
         if bar is not None and (step % 10 == 9 or step + 1 == steps):
@@ -675,7 +702,8 @@ CHECKPOINT_FORMAT = "rnnkern.char_lm/1"
 
 
 def save_checkpoint(path: str, model: CharLM, vocab: Vocab, optimizer, batches,
-                    history: List[EpochStats], hidden: Optional[State], cfg: Config) -> None:
+                    history: List[EpochStats], hidden: Optional[State], cfg: Config,
+                    scaler=None) -> None:
     """Everything to resume exactly where training stopped: weights, optimizer
     moments, the sampler's position and the streams' hidden states (so that the
     next chunk continues from the state the last one left).  Written to a temporary
@@ -686,6 +714,7 @@ def save_checkpoint(path: str, model: CharLM, vocab: Vocab, optimizer, batches,
         "model": model.spec(),
         "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "sampler": batches.state_dict(),
         "hidden": None if hidden is None else tuple(h.cpu() for h in hidden),
         "history": [dataclasses.asdict(e) for e in history],
@@ -705,7 +734,8 @@ def load_checkpoint(path: str) -> dict:
 
 def load_model(path: str, backend: str = "auto", device: str = "cpu",
                dtype: str = "float32") -> Tuple[CharLM, Vocab, List[EpochStats]]:
-    """The trained model of a checkpoint (for sampling), its vocabulary and history."""
+    """The trained model of a checkpoint (for sampling), its vocabulary and history,
+    with its parameters in ``dtype`` (half types too: inference needs no float32 copy)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     ckpt = load_checkpoint(path)
@@ -721,21 +751,32 @@ def load_model(path: str, backend: str = "auto", device: str = "cpu",
 def _plot_title(model: CharLM, cfg: Config, world: int) -> str:
     input_txt = "one-hot" if model.embed == 0 else f"embed {model.embed}"
     streams = f"{cfg.batch}x{world}" if world > 1 else f"{cfg.batch}"
-    return (f"{model.cell}, {model.layers} layer(s) x {model.hidden}, {input_txt}, "
+    layers = f"{model.layers} layer{'s' if model.layers > 1 else ''}"
+    return (f"{model.cell} ({cfg.backend}), {layers} x {model.hidden}, {input_txt}, "
             f"{cfg.sampler} batches of {streams} x {cfg.bptt}, {cfg.dtype}")
 
 
 def plot_perplexity(history: List[EpochStats], path: str, title: str = "") -> None:
     """A PNG of training and held-out perplexity per epoch (log scale)."""
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig = Figure(figsize=(6.4, 4.0), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     epochs = [e.epoch for e in history]
     ax.plot(epochs, [e.train_ppl for e in history], "o-", label="training")
-    if any(e.held_out_ppl is not None for e in history):
-        ax.plot(epochs, [e.held_out_ppl for e in history], "s-", label="held-out")
+    held = [(e.held_out_ppl, e.epoch) for e in history if e.held_out_ppl is not None]
+    if held:
+        ax.plot([e for _, e in held], [p for p, _ in held], "s-", label="held-out")
+        best, at = min(held)
+        ax.annotate(f"best held-out {best:.3f} (epoch {at})", (at, best), xytext=(0, 14),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8,
+                    arrowprops={"arrowstyle": "-", "lw": 0.5})
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("perplexity (exp of mean cross-entropy)")
     ax.grid(True, which="both", alpha=0.3)
