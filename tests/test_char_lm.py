@@ -10,6 +10,8 @@ import importlib.util
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -349,8 +351,10 @@ def test_mixed_precision(dtype, backend):
     half = lm.DTYPES[dtype]
     exact = first_step_gradients("reference", None, text)
     own = first_step_gradients("reference", half, text)
-    for i, (got, ref_lp, ref) in enumerate(zip(first_step_gradients(backend, half, text), own, exact)):
-        assert_low_precision(got, ref_lp, ref, what=f"{backend} {dtype}: {'loss' if i == 0 else f'gradient {i}'}")
+    got = first_step_gradients(backend, half, text)
+    for i, (value, ref_lp, ref) in enumerate(zip(got, own, exact)):
+        what = "loss" if i == 0 else f"gradient of parameter {i - 1}"
+        assert_low_precision(value, ref_lp, ref, what=f"{backend} {dtype}: {what}")
     if backend != "cpu":
         return
     cfg = lm.Config(cell="lstm", hidden=16, embed=8, batch=4, bptt=8, epochs=1, steps_per_epoch=8,
@@ -471,3 +475,22 @@ def test_ddp_two_processes_keep_replicas_identical(tmp_path):
     for got, want in zip(ckpt["hidden"], single_ckpt["hidden"]):
         assert got.shape == (1, 6, 12)
         assert_close(got, want, what="DDP vs single process: hidden state of the streams")
+
+
+def test_command_line_under_torchrun(tmp_path):
+    """The documented launch: torchrun with 2 CPU processes runs the command line
+    data-parallel (gloo); rank 0 alone prints, checkpoints (the states of all 2 x 3
+    streams) and samples."""
+    ckpt = tmp_path / "lm.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "char_lm.py"), "--cell", "gru", "--hidden", "12", "--embed", "6",
+           "--batch", "3", "--bptt", "8", "--max-chars", "8000", "--epochs", "1",
+           "--steps-per-epoch", "5", "--checkpoint", str(ckpt), "--sample", "The ", "--length", "20",
+           "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("epoch   1/1") == 1, run.stdout  # rank 0 only
+    assert "\nThe " in run.stdout, run.stdout  # the sample, after the epoch line
+    saved = lm.load_checkpoint(str(ckpt))
+    assert saved["hidden"][0].shape == (1, 6, 12) and saved["history"][0]["tokens"] == 5 * 6 * 8
