@@ -582,8 +582,9 @@ def test_gpu_matches_torch_nn(cell, H, dtype, monkeypatch):
     cot = [randn(g, T, B, H).cuda(), randn(g, L, B, H).cuda()] + ([randn(g, L, B, H).cuda()] if cell == "lstm" else [])
 
     def run(module, dt):
-        xx = x.to(dt).requires_grad_()
-        hx = tuple(h.to(dt).requires_grad_() for h in hx64) if cell == "lstm" else hx64.to(dt).requires_grad_()
+        xx = x.detach().to(dt).requires_grad_()
+        hx = (tuple(h.detach().to(dt).requires_grad_() for h in hx64) if cell == "lstm"
+              else hx64.detach().to(dt).requires_grad_())
         outs, grads = module_outputs_and_grads(module, xx, hx, [c.to(dt) for c in cot])
         return list(outs) + list(grads)
 

@@ -97,8 +97,9 @@ def _empty(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     return like.new_empty((0,), dtype=dtype or like.dtype)
 
 
-class _Launch:
-    """Constexpr arguments shared by every kernel of one call."""
+class _Call:
+    """What every kernel launch of one op call shares: the cell's sizes and the
+    dtypes of the gate math (ACC) and of the tl.dot operands (DOT)."""
 
     def __init__(self, cell: str, dtype: torch.dtype):
         self.cell = cell
@@ -131,7 +132,7 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     _check_device("rnnkern_triton.recurrence", xproj)
     T, B, H, P = z.T, z.B, z.H, z.P
     lstm = cell == "lstm"
-    k = _Launch(cell, xproj.dtype)
+    k = _Call(cell, xproj.dtype)
     path = choose_path(cell, H, P, xproj.dtype, z.has_proj)
     xproj, h0, c0, w_hh, b_ih, b_hh, w_hr = _contiguous(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr)
 
@@ -145,7 +146,7 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
             c_n.copy_(c0)
         return output, h_n, c_n, ws
 
-    lens = None if lengths is None else lengths.to(xproj.device, non_blocking=True)
+    lens = None if lengths is None else lengths.to(xproj.device)
     dummy = xproj
     flags = dict(CELL=CELL_IDS[cell], G=k.G, WS=k.W * H, HAS_B_IH=b_ih is not None,
                  HAS_B_HH=b_hh is not None, HAS_LENGTHS=lens is not None, REVERSE=bool(reverse),
@@ -208,7 +209,7 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     T, B, H, P, G = z.T, z.B, z.H, z.P, z.G
     lstm, proj = cell == "lstm", z.has_proj
     dtype = output.dtype
-    k = _Launch(cell, dtype)
+    k = _Call(cell, dtype)
     path = choose_path(cell, H, P, dtype, proj)
     grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace = _contiguous(
         grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace)
@@ -223,7 +224,7 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     # Time-ordered extras of the weight gradients (see backward_loop_kernel).
     aux_all = acc_empty(T, B, H) if (cell in ("gru", "gru_reset_before") or proj) else None
     dh_tot_all = acc_empty(T, B, P) if proj else None
-    lens = None if lengths is None else lengths.to(device, non_blocking=True)
+    lens = None if lengths is None else lengths.to(device)
     if T == 0 or B == 0:
         grad_h0.copy_(grad_h_n)
         if lstm:
@@ -360,7 +361,7 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
     _check_device("rnnkern_triton.step", x)
     B, I, H, G = z.B, z.I, z.H, z.G
     lstm, rb = cell == "lstm", cell == "gru_reset_before"
-    k = _Launch(cell, x.dtype)
+    k = _Call(cell, x.dtype)
     x, h, c, w_ih, w_hh, b_ih, b_hh = _contiguous(x, h, c, w_ih, w_hh, b_ih, b_hh)
     h_new = x.new_empty((B, H))
     c_new = x.new_empty((B, H)) if lstm else _empty(x)
@@ -395,7 +396,7 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
     GH = G * H
     DA = 2 * H if rb else GH
     dtype = x.dtype
-    k = _Launch(cell, dtype)
+    k = _Call(cell, dtype)
     grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace = _contiguous(
         grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace)
     device = x.device

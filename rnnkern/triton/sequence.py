@@ -1,10 +1,12 @@
 """Sequence kernels: the whole time loop inside one launch.
 
 One program owns BLOCK_B batch rows and every hidden unit.  It loads W_hh (and
-W_hr) once, keeps h (and c) on chip in the accumulate dtype for all T steps,
-and per step runs the recurrent product ``h W_hh^T`` as one tl.dot per gate,
-fused with the gates; only xproj is read and the outputs and the workspace
-written.  The backward runs BPTT the same way, carrying dh and dc on chip.
+W_hr) once into shared memory, keeps h (and c) in registers in the accumulate
+dtype for all T steps, and per step runs the recurrent product ``h W_hh^T`` as
+one tl.dot per gate, fused with the gates; only xproj is read and the outputs
+and the workspace written.  The backward runs BPTT the same way, carrying dh
+and dc on chip.  The programs are independent (no grid-wide barrier), so the
+interpreter, which runs them one after another, computes the same thing.
 
 That needs the weights to fit on chip: :func:`fits_on_chip` states the limit
 and the host wrapper (:mod:`.ops`) takes the per-step kernels of :mod:`.step`
@@ -24,8 +26,11 @@ from .tuning import MIN_DOT, loop_configs
 
 #: Bytes of weights (W_hh, plus W_hr with a projection, in their storage dtype,
 #: padded to powers of two) a loop kernel keeps on chip for a whole sequence.
-#: 128 KiB fits in the shared memory of an A100 / H100 SM (164 / 227 KiB) with
-#: room for the dot operands; beyond it the per-step kernels run.
+#: Triton places them in shared memory once, before the time loop (checked in
+#: the sm_90 TTGIR: the local_alloc of the W tiles is hoisted, each step only
+#: reads them into the mma operands).  128 KiB fits the shared memory of an
+#: A100 / H100 SM (164 / 227 KiB) with room for the rest; beyond it the
+#: per-step kernels run.
 ON_CHIP_BYTES = 128 * 1024
 
 

@@ -5,6 +5,13 @@ Naming (as fla-org/flash-linear-attention): ``p_`` pointers, ``b_`` blocks,
 ``i_`` program ids, ``o_`` offsets, ``m_`` masks.  Matrices are row-major with
 the row stride given in elements; row offsets are int64 (T*B*G*H can pass 2^31).
 Masked-off elements load as 0, so padding never carries NaN into a product.
+Every tl.dot takes its operands in the weight dtype (``DOT``) and accumulates
+in float32 (float64 for float64); float32 operands multiply in IEEE float32,
+not TF32 (input_precision="ieee").
+
+The kernels index their per-step rows with pointer blocks built once per step
+rather than through these helpers: under the interpreter each call of a
+jitted helper costs about as much as ten block operations.
 """
 import triton
 import triton.language as tl
@@ -54,13 +61,6 @@ def load_weight(p, o_k, m_k, stride_k, o_n, m_n, stride_n, DOT: tl.constexpr):
     b_w = tl.load(p + o_k[:, None] * stride_k + o_n[None, :] * stride_n,
                   mask=m_k[:, None] & m_n[None, :], other=0.0)
     return b_w.to(DOT)
-
-
-@triton.jit
-def dot(b_a, b_w, acc, DOT: tl.constexpr):
-    """acc + b_a @ b_w with operands in DOT (the weight dtype) and acc in float32
-    (float64 for float64).  float32 operands multiply in IEEE float32, not TF32."""
-    return tl.dot(b_a.to(DOT), b_w, acc, input_precision="ieee")
 
 
 @triton.jit
