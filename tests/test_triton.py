@@ -9,19 +9,25 @@ LSTM projection, lengths and reverse.  The interpreter's blocks are 4 wide
 masked tails.  The interpreter costs ~0.3 ms per block operation: sizes are
 small and gradcheck runs in fast mode on all inputs at once.
 
-GPU tests (marker ``gpu``) compare with torch.nn (cuDNN) in float32, float16
-and bfloat16 and skip without a GPU.
+Triton's GPU compiler is exercised without a GPU too: every kernel is compiled
+for sm_90 (test_kernels_compile_for_sm90, rnnkern/triton/aot.py).  GPU tests
+(marker ``gpu``) compare with torch.nn (cuDNN) in float32, float16 and bfloat16
+and skip without a GPU.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import rnnkern
-from rnnkern import ops, reference
+from rnnkern import ops
 from rnnkern.triton import ops as triton_ops
 from rnnkern.triton import sequence
-from conftest import (CELLS, HAS_GPU, TRITON_INTERPRET, assert_close, assert_low_precision,
+from conftest import (CELLS, HAS_GPU, assert_close, assert_low_precision,
                       generator, randn, recurrence_inputs, rnnkern_module, step_inputs,
                       torch_module)
 
@@ -416,6 +422,17 @@ def test_torch_compile_fullgraph():
     assert_close(got, want, what="loss")
     for i, (a, b) in enumerate(zip(got_grads, want_grads)):
         assert_close(a, b, what=f"grad {i}")
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter does not run Triton's GPU compiler: compile every kernel
+    for sm_90 (to a cubin, with Triton's ptxas) so one that would not build on a
+    GPU fails in CI too.  In a subprocess, without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "rnnkern.triton.aot", "--arch", "90"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 failures" in done.stdout and done.stdout.count("ok ") >= 11, done.stdout
 
 
 # ------------------------------------------------------------ path choice ----
