@@ -11,4 +11,9 @@ Importing :mod:`rnnkern.triton.ops` defines and registers the ops
   checks.py    argument checks (twin of the check_* functions of csrc/ops.cpp)
   tuning.py    autotuning configurations
   ops.py       host wrappers, path choice, op registration
+  aot.py       compiles every kernel for a GPU target without a GPU
+               (``python -m rnnkern.triton.aot``)
+
+Without a GPU the kernels run on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported).
 """
