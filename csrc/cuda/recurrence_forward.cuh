@@ -20,9 +20,10 @@ enum class ForwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbGates, GruRbCandidat
 
 // One grid-stride pass of a phase over (b, j), j < H (the projection: j < P).
 // hh comes from the step's GEMM output, a row of G*H (reset-before: 2H) values.
+// hproj is not __restrict__: the reset-before gates overwrite it (st.rz).
 template <typename S, ForwardPhase kPhase>
 __global__ void __launch_bounds__(kPointwiseThreads)
-    forward_pointwise_kernel(const ForwardStep<S> st, const acc_t<S>* __restrict__ hproj) {
+    forward_pointwise_kernel(const ForwardStep<S> st, const acc_t<S>* hproj) {
   using A = acc_t<S>;
   const int64_t H = st.H;
   const int64_t width = kPhase == ForwardPhase::Projection ? st.P : H;
