@@ -17,7 +17,7 @@ import torch
 
 import rnnkern
 from rnnkern import ops, reference
-from conftest import (CELLS, HAS_GPU, assert_close, assert_low_precision, generator, randn,
+from conftest import (CELLS, assert_close, assert_low_precision, generator, randn,
                       recurrence_inputs, rnnkern_module, step_inputs, torch_module)
 
 OPS = ("recurrence", "recurrence_backward", "step", "step_backward")
