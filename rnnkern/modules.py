@@ -11,26 +11,128 @@ Extra keyword arguments: ``backend`` (see :data:`rnnkern.ops.BACKENDS`) on every
 class, ``reset_after`` on :class:`GRU` and :class:`GRUCell` (``False`` selects the
 classic GRU of seed 000, ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``), and
 ``lengths=`` on the sequence modules' ``forward`` for padded batches.
+
+``torch.compile``: Dynamo refuses every instance of torch.nn.RNN/GRU/LSTM
+(subclasses included) unless ``torch._dynamo.config.allow_rnn = True``; with that
+flag set, these modules compile with ``fullgraph=True`` (padded input, with or
+without ``lengths=``, and PackedSequence input).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence
 
 from . import ops
 
-__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert"]
+__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "UNSUPPORTED"]
+
+
+# ------------------------------------------------------ backend coverage ----
+
+#: What each backend cannot do (yet), as the option's user-facing name: the one
+#: place that says so.  Every module checks its call against it before running
+#: and raises NotImplementedError naming the option and the backends that can.
+#: Option names: "reset_after=False", "nonlinearity='relu'", "proj_size",
+#: "variable lengths", "cells", and dtypes as "torch.float64" etc.
+UNSUPPORTED: dict[str, frozenset] = {
+    "reference": frozenset(),
+    "cpu": frozenset(),
+    "cuda": frozenset(),
+    "triton": frozenset(),
+}
+
+
+def _check_supported(name: str, backend: str, cell: str, dtype: torch.dtype, *,
+                     proj: bool = False, lengths: bool = False, step: bool = False) -> None:
+    used = [str(dtype)]
+    if cell == "gru_reset_before":
+        used.append("reset_after=False")
+    if cell == "rnn_relu":
+        used.append("nonlinearity='relu'")
+    if proj:
+        used.append("proj_size")
+    if lengths:
+        used.append("variable lengths")
+    if step:
+        used.append("cells")
+    for option in used:
+        if option in UNSUPPORTED.get(backend, ()):
+            able = [b for b, gaps in UNSUPPORTED.items() if option not in gaps]
+            raise NotImplementedError(
+                f"{name}: backend={backend!r} does not support {option}; "
+                f"backends that do: {', '.join(able) or 'none'}")
 
 
 def _check_backend(backend: str) -> str:
     if backend not in ops.BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(ops.BACKENDS)}")
     return backend
+
+
+# -------------------------------------------------------------- autocast ----
+
+def _autocast_dtype(device_type: str, weight: Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast runs this module in, or None when autocast is off for
+    it (autocast leaves float64 alone, as torch.nn's ops do)."""
+    if not torch.is_autocast_enabled(device_type) or weight.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return torch.promote_types(a, b)
+
+
+# ------------------------------------------------------ sequence modules ----
+
+class _Packing(NamedTuple):
+    """Where each row of a packed batch lives in the time-major padded tensor."""
+    time: Tensor   # [N] step of each packed row
+    batch: Tensor  # [N] column of each packed row
+
+
+def _packing_from_batch_sizes(batch_sizes: Tensor, rows: int, device) -> _Packing:
+    """Rows of a PackedSequence (sorted by length) -> positions in [T, B]; sizes
+    come from shapes only, so this traces under torch.compile."""
+    steps = torch.arange(batch_sizes.numel())
+    time = torch.repeat_interleave(steps, batch_sizes, output_size=rows)
+    starts = torch.cumsum(batch_sizes, 0) - batch_sizes
+    batch = torch.arange(rows) - starts[time]
+    return _Packing(time.to(device), batch.to(device))
+
+
+def _packing_of_padded(lengths: Tensor, T: int, device) -> _Packing:
+    """The rows torch.nn sees for a padded batch with ``lengths``:
+    ``pack_padded_sequence(x, lengths, enforce_sorted=False)`` (same sort call,
+    so the same order; zero lengths simply contribute no rows)."""
+    sorted_lengths, sorted_indices = torch.sort(lengths, descending=True)
+    batch_sizes = (sorted_lengths.unsqueeze(0) > torch.arange(T).unsqueeze(1)).sum(1)
+    time, column = _packing_from_batch_sizes(batch_sizes, int(sorted_lengths.sum()), "cpu")
+    return _Packing(time.to(device), sorted_indices[column].to(device))
+
+
+def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.size(0) != B:
+        raise ValueError(f"{name}: expected lengths of shape [{B}] (one per sequence), got {list(lengths.shape)}")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"{name}: expected integer lengths, got {lengths.dtype}")
+    lengths = lengths.to(device="cpu", dtype=torch.int64)
+    # Value checks read the data: eager only (the CPU and CUDA ops check again
+    # inside; under torch.compile they are the only check).
+    if not torch.compiler.is_compiling() and B and (int(lengths.min()) < 0 or int(lengths.max()) > T):
+        raise ValueError(f"{name}: lengths must lie in [0, {T}] (the sequence length), got "
+                         f"{lengths.tolist()}")
+    return lengths
 
 
 class _RecurrentMixin:
@@ -43,6 +145,7 @@ class _RecurrentMixin:
         if not isinstance(reset_after, bool):
             raise TypeError(f"reset_after should be of type bool, got: {type(reset_after).__name__}")
         self.reset_after = reset_after
+        self.cell  # noqa: B018  (validates the nonlinearity)
 
     @property
     def cell(self) -> str:
@@ -53,6 +156,14 @@ class _RecurrentMixin:
             return "gru" if self.reset_after else "gru_reset_before"
         return "rnn_tanh" if self.mode == "RNN_TANH" else "rnn_relu"
 
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if not self.reset_after:
+            s += ", reset_after=False"
+        if self.backend != "auto":
+            s += f", backend={self.backend!r}"
+        return s
+
     def _layer_weights(self, layer: int, direction: int):
         suffix = "_reverse" if direction == 1 else ""
 
@@ -61,24 +172,26 @@ class _RecurrentMixin:
 
         return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh"), get("weight_hr")
 
-    def _autocast(self, x: Tensor, weights, hx):
-        """Under torch.autocast, run in the autocast dtype as torch.nn does."""
-        device_type = x.device.type
-        if not torch.is_autocast_enabled(device_type):
-            return x, weights, hx
-        dtype = torch.get_autocast_dtype(device_type)
+    # ---- the layer stack
 
-        def cast(t):
-            return None if t is None else t.to(dtype)
-
-        return cast(x), [tuple(cast(w) for w in ws) for ws in weights], tuple(cast(h) for h in hx)
-
-    def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor]):
-        """x [T, B, I], hx: (h0[, c0]) of shape [L*D, B, *] -> output [T, B, D*P], (h_n[, c_n])."""
+    def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing]):
+        """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
+        or None -> output [T, B, D*P], (h_n[, c_n]).  ``packing`` (variable
+        lengths only) says which rows torch.nn would see packed: dropout draws
+        its mask over them, in that order, as torch.nn does."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
+        backend = ops.resolve_backend(self.backend, x.device)
+        name = type(self).__name__
         weights = [self._layer_weights(layer, d) for layer in range(self.num_layers) for d in range(D)]
-        x, weights, hx = self._autocast(x, weights, hx)
+        packed = lengths is not None
+        result_dtypes = None
+        dtype = _autocast_dtype(x.device.type, weights[0][0])
+        if dtype is not None:
+            result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
+            x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
+            weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
+        _check_supported(name, backend, self.cell, x.dtype, proj=self.proj_size > 0, lengths=packed)
         h0 = hx[0]
         c0 = hx[1] if lstm else None
         h_n, c_n = [], []
@@ -89,102 +202,200 @@ class _RecurrentMixin:
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
                 out, h, c = ops.recurrence(
                     self.cell, F.linear(x, w_ih), h0[idx], c0[idx] if lstm else None, w_hh,
-                    b_ih, b_hh, w_hr, lengths, reverse=d == 1, backend=self.backend)
+                    b_ih, b_hh, w_hr, lengths, reverse=d == 1, backend=backend)
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:
                     c_n.append(c)
             x = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
             if self.dropout > 0 and self.training and layer + 1 < self.num_layers:
-                x = F.dropout(x, self.dropout, training=True)
+                x = self._dropout(x, packing)
         hidden = (torch.stack(h_n), torch.stack(c_n)) if lstm else (torch.stack(h_n),)
+        if result_dtypes is not None:
+            x = x.to(result_dtypes[0])
+            hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
         return x, hidden
 
-    def _zeros_hidden(self, batch: int, like: Tensor):
+    def _dropout(self, x: Tensor, packing: Optional[_Packing]) -> Tensor:
+        """Dropout between layers with torch.nn's RNG use: one mask over the
+        layer's output, drawn over the packed rows when lengths vary (torch.nn
+        drops out PackedSequence.data), so a seeded run draws the same masks."""
+        if packing is None:
+            return F.dropout(x, self.dropout, training=True)
+        rows = F.dropout(x[packing.time, packing.batch], self.dropout, training=True)
+        return x.new_zeros(x.shape).index_put((packing.time, packing.batch), rows)
+
+    def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
+        """The dtypes torch.nn returns under autocast for (output, h_n[, c_n]).
+
+        On CUDA, torch.nn runs cuDNN wholly in the autocast dtype.  On the CPU,
+        torch.nn autocasts only its matrix products, and a float32 state mixed
+        into the pointwise math promotes the result: RNN stays in the autocast
+        dtype; GRU follows h0; LSTM through oneDNN (no projection, not packed,
+        float32/bfloat16 input) stays in the autocast dtype, otherwise c follows
+        c0 and h follows c (or stays in the autocast dtype with a projection,
+        whose product is autocast)."""
+        if x.device.type != "cpu" or self.mode in ("RNN_TANH", "RNN_RELU"):
+            return (dtype,) * (1 + len(hx))
+        if self.mode == "GRU":
+            h = _promote(dtype, hx[0].dtype)
+            return h, h
+        onednn = (not packed and self.proj_size == 0 and x.numel() > 0
+                  and x.dtype in (torch.float32, torch.bfloat16)
+                  and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+        if onednn:
+            return dtype, dtype, dtype
+        c = _promote(dtype, hx[1].dtype)
+        h = dtype if self.proj_size > 0 else c
+        return h, h, c
+
+    # ---- argument handling
+
+    def _state_sizes(self):
         D = 2 if self.bidirectional else 1
-        real_hidden = self.proj_size if self.proj_size > 0 else self.hidden_size
-        h = torch.zeros(self.num_layers * D, batch, real_hidden, dtype=like.dtype, device=like.device)
+        P = self.proj_size if self.proj_size > 0 else self.hidden_size
+        return self.num_layers * D, P
+
+    def _zeros_hidden(self, batch: int, like: Tensor):
+        LD, P = self._state_sizes()
+        h = torch.zeros(LD, batch, P, dtype=like.dtype, device=like.device)
         if self.mode != "LSTM":
             return (h,)
-        c = torch.zeros(self.num_layers * D, batch, self.hidden_size, dtype=like.dtype,
-                        device=like.device)
-        return (h, c)
+        return (h, torch.zeros(LD, batch, self.hidden_size, dtype=like.dtype, device=like.device))
+
+    def _hx_parts(self, hx) -> tuple:
+        """hx as a tuple of tensors, its type checked."""
+        name = type(self).__name__
+        if self.mode == "LSTM":
+            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+                raise TypeError(f"{name}: hx must be a tuple (h_0, c_0) of two tensors, got "
+                                f"{type(hx).__name__}")
+            parts = tuple(hx)
+        else:
+            parts = (hx,)
+        for i, h in enumerate(parts):
+            if not isinstance(h, Tensor):
+                label = f"hx[{i}]" if self.mode == "LSTM" else "hx"
+                raise TypeError(f"{name}: {label} must be a Tensor, got {type(h).__name__}")
+        return parts
+
+    def _check_hidden(self, parts, batch: int, input: Tensor) -> None:
+        """torch.nn's hidden-state checks (same messages), plus the dtype."""
+        LD, P = self._state_sizes()
+        if self.mode == "LSTM":
+            self.check_hidden_size(parts[0], (LD, batch, P), "Expected hidden[0] size {}, got {}")
+            self.check_hidden_size(parts[1], (LD, batch, self.hidden_size),
+                                   "Expected hidden[1] size {}, got {}")
+        else:
+            self.check_hidden_size(parts[0], (LD, batch, P))
+        if not torch._C._is_any_autocast_enabled():
+            for i, h in enumerate(parts):
+                if h.dtype != input.dtype:
+                    label = f"hx[{i}]" if self.mode == "LSTM" else "hx"
+                    raise ValueError(f"{type(self).__name__}: {label} dtype ({h.dtype}) does not "
+                                     f"match input dtype ({input.dtype})")
+
+    # ---- forward
 
     def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None):
-        """As torch.nn's forward.  ``lengths`` ([B] int64, CPU) marks the valid steps
+        """As torch.nn's forward.  ``lengths`` ([B] integers) marks the valid steps
         of each sequence of a padded batch: later steps leave the state alone and
-        output zeros, and the reverse direction starts at each sequence's end."""
-        lstm = self.mode == "LSTM"
+        output zeros, and the reverse direction starts at each sequence's end --
+        what torch.nn computes on ``pack_padded_sequence(input, lengths,
+        enforce_sorted=False)``, without packing."""
         name = type(self).__name__
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError(f"{name}: lengths= is for padded input; a PackedSequence carries its own")
-            data, batch_sizes, sorted_indices, unsorted_indices = input
-            # Sequences in the packed (length-sorted) order, as torch.nn runs them.
-            padded, seq_lengths = pad_packed_sequence(PackedSequence(data, batch_sizes))
-            if hx is None:
-                hx = self._zeros_hidden(padded.size(1), data)
-            else:
-                hx = self.permute_hidden(hx, sorted_indices)
-                hx = hx if lstm else (hx,)
-                self.check_forward_args(data, hx if lstm else hx[0], batch_sizes)
-            self.check_input(data, batch_sizes)
-            out, hidden = self._run_layers(padded, hx, seq_lengths)
-            out_data = pack_padded_sequence(out, seq_lengths).data
-            hidden = hidden if lstm else hidden[0]
-            return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
-                    self.permute_hidden(hidden, unsorted_indices))
+            return self._forward_packed(input, hx)
 
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
+                            f"{type(input).__name__}")
         if input.dim() not in (2, 3):
-            raise ValueError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D tensor instead")
+            raise ValueError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D instead")
         batched = input.dim() == 3
         batch_dim = 0 if self.batch_first else 1
         if not batched:
-            input = input.unsqueeze(batch_dim)
             if lengths is not None:
                 raise ValueError(f"{name}: lengths= needs batched (3-D) input")
+            input = input.unsqueeze(batch_dim)
+        B = input.size(batch_dim)
         if hx is None:
-            hx = self._zeros_hidden(input.size(batch_dim), input)
-            self.check_forward_args(input, hx if lstm else hx[0], None)
+            hx = self._zeros_hidden(B, input)
+            self.check_input(input, None)
         else:
-            parts = hx if lstm else (hx,)
+            parts = self._hx_parts(hx)
             want = 3 if batched else 2
-            if any(not isinstance(h, Tensor) for h in parts):
-                raise TypeError(f"{name}: hx must be a Tensor{' or a tuple of two' if lstm else ''}")
             if any(h.dim() != want for h in parts):
                 kind = "batched 3-D" if batched else "unbatched 2-D"
-                got = ", ".join(f"{h.dim()}-D" for h in parts)
-                raise RuntimeError(f"For {kind} input, hx should also be {want}-D but got ({got}) tensor")
+                if self.mode == "LSTM":
+                    got = f"({parts[0].dim()}-D, {parts[1].dim()}-D) tensors"
+                    raise RuntimeError(f"For {kind} input, hx and cx should also be {want}-D but got {got}")
+                raise RuntimeError(f"For {kind} input, hx should also be {want}-D but got "
+                                   f"{parts[0].dim()}-D tensor")
             if not batched:
                 parts = tuple(h.unsqueeze(1) for h in parts)
-            self.check_forward_args(input, parts if lstm else parts[0], None)
+            self.check_input(input, None)
+            self._check_hidden(parts, B, input)
             hx = parts
         if self.batch_first:
             input = input.transpose(0, 1)
-        if input.size(0) == 0:
+        T = input.size(0)
+        if T == 0:
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
+        packing = None
         if lengths is not None:
-            lengths = _check_lengths(lengths, input.size(0), input.size(1), name)
-        out, hidden = self._run_layers(input, hx, lengths)
+            lengths = _check_lengths(lengths, T, B, name)
+            if self.dropout > 0 and self.training and self.num_layers > 1 \
+                    and not torch.compiler.is_compiling():
+                # The packed rows' count is data-dependent: eager only.  Under
+                # torch.compile dropout draws over the padded tensor (its random
+                # stream differs from eager's anyway).
+                packing = _packing_of_padded(lengths, T, input.device)
+        out, hidden = self._run_layers(input, hx, lengths, packing)
         if self.batch_first:
             out = out.transpose(0, 1)
         if not batched:
             out = out.squeeze(batch_dim)
             hidden = tuple(h.squeeze(1) for h in hidden)
-        return out, (hidden if lstm else hidden[0])
+        return out, (hidden if self.mode == "LSTM" else hidden[0])
 
-
-def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
-    lengths = torch.as_tensor(lengths)
-    if lengths.dim() != 1 or lengths.size(0) != B:
-        raise ValueError(f"{name}: expected lengths of shape [{B}] (one per sequence), got {list(lengths.shape)}")
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise TypeError(f"{name}: expected integer lengths, got {lengths.dtype}")
-    lengths = lengths.to(device="cpu", dtype=torch.int64)
-    if B and (int(lengths.min()) < 0 or int(lengths.max()) > T):
-        raise ValueError(f"{name}: lengths must lie in [0, {T}] (the sequence length), got "
-                         f"{lengths.tolist()}")
-    return lengths
+    def _forward_packed(self, input: PackedSequence, hx):
+        """A PackedSequence runs as one padded, length-sorted batch with per-sequence
+        lengths (one kernel call per layer and direction, padding never computed)."""
+        name = type(self).__name__
+        data, batch_sizes, sorted_indices, unsorted_indices = input
+        self.check_input(data, batch_sizes)
+        T, N = batch_sizes.numel(), data.size(0)
+        if not torch.compiler.is_compiling() and int(batch_sizes.sum()) != N:
+            raise RuntimeError(f"{name}: PackedSequence data has {N} rows but its batch_sizes "
+                               f"sum to {int(batch_sizes.sum())}")
+        # The batch size, from shapes where possible (a data-dependent size
+        # would break a torch.compile graph): the permutation of an unsorted
+        # pack, else hx under compile, else the first batch size.
+        if sorted_indices is not None:
+            B = sorted_indices.numel()
+        elif hx is not None and torch.compiler.is_compiling():
+            B = self._hx_parts(hx)[0].size(1)
+        else:
+            B = int(batch_sizes[0])
+        if hx is None:
+            hx = self._zeros_hidden(B, data)
+        else:
+            parts = self._hx_parts(hx)
+            self._check_hidden(parts, B, data)
+            hx = self.permute_hidden(hx, sorted_indices)
+            hx = tuple(hx) if self.mode == "LSTM" else (hx,)
+        packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
+        # Sequence b of the sorted pack has as many steps as batch sizes above b.
+        lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
+        padded = data.new_zeros((T, B, data.size(1))).index_put((packing.time, packing.batch), data)
+        out, hidden = self._run_layers(padded, hx, lengths, packing)
+        out_data = out[packing.time, packing.batch]
+        hidden = hidden if self.mode == "LSTM" else hidden[0]
+        return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
+                self.permute_hidden(hidden, unsorted_indices))
 
 
 class RNN(_RecurrentMixin, nn.RNN):
@@ -213,13 +424,27 @@ class LSTM(_RecurrentMixin, nn.LSTM):
 
 # ---------------------------------------------------------------- cells ----
 
+def _check_cell_sizes(input_size, hidden_size) -> None:
+    # torch.nn's cells do not check these (hidden_size=0 fails inside init with
+    # an AttributeError); the sequence modules' messages, before any allocation.
+    for arg, value in (("input_size", input_size), ("hidden_size", hidden_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{arg} should be of type int, got: {type(value).__name__}")
+        if value <= 0:
+            raise ValueError(f"{arg} must be greater than zero")
+
+
 class _CellMixin:
     """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`)."""
 
     backend: str
 
     def _init_rnnkern(self, backend: str = "auto", reset_after: bool = True) -> None:
-        _RecurrentMixin._init_rnnkern(self, backend, reset_after)
+        self.backend = _check_backend(backend)
+        if not isinstance(reset_after, bool):
+            raise TypeError(f"reset_after should be of type bool, got: {type(reset_after).__name__}")
+        self.reset_after = reset_after
+        self.cell  # noqa: B018  (validates the nonlinearity)
 
     @property
     def cell(self) -> str:
@@ -227,73 +452,117 @@ class _CellMixin:
             return "lstm"
         if isinstance(self, nn.GRUCell):
             return "gru" if self.reset_after else "gru_reset_before"
-        return "rnn_tanh" if self.nonlinearity == "tanh" else "rnn_relu"
+        if self.nonlinearity not in ("tanh", "relu"):
+            # torch.nn.RNNCell finds out only in forward; nn.RNN's message.
+            raise ValueError(f"Unknown nonlinearity '{self.nonlinearity}'. Select from 'tanh' or 'relu'.")
+        return "rnn_" + self.nonlinearity
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if not self.reset_after:
+            s += ", reset_after=False"
+        if self.backend != "auto":
+            s += f", backend={self.backend!r}"
+        return s
 
     def forward(self, input: Tensor, hx=None):
         lstm = self.cell == "lstm"
         name = type(self).__name__
         if input.dim() not in (1, 2):
             raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
-        if input.dtype != self.weight_ih.dtype and not torch._C._is_any_autocast_enabled():
-            raise ValueError(f"{name}: input dtype ({input.dtype}) does not match weight dtype "
-                             f"({self.weight_ih.dtype})")
-        if input.size(-1) != self.input_size:
-            raise ValueError(f"{name}: input has inconsistent input_size: got {input.size(-1)}, "
-                             f"expected {self.input_size}")
+        if hx is not None:
+            if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+                raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
+            parts = tuple(hx) if lstm else (hx,)
+            labels = ("hx[0]", "hx[1]") if lstm else ("hx",)
+            for label, h in zip(labels, parts):
+                if not isinstance(h, Tensor):
+                    raise TypeError(f"{name}: {label} must be a Tensor, got {type(h).__name__}")
+                if h.dim() not in (1, 2):
+                    raise ValueError(f"{name}: Expected {label} to be 1D or 2D, got {h.dim()}D instead")
+                if h.dim() != input.dim():
+                    raise ValueError(f"{name}: Expected {label} to be {input.dim()}D like the input, "
+                                     f"got {h.dim()}D instead")
         batched = input.dim() == 2
         x = input if batched else input.unsqueeze(0)
         B = x.size(0)
+        # torch.nn's checks (aten's rnn cell checks), with the argument's name.
+        if x.size(1) != self.input_size:
+            raise RuntimeError(f"{name}: input has inconsistent input_size: got {x.size(1)} "
+                               f"expected {self.input_size}")
+        autocast = _autocast_dtype(x.device.type, self.weight_ih)
+        if autocast is None and x.dtype != self.weight_ih.dtype:
+            raise ValueError(f"{name}: input dtype ({x.dtype}) does not match weight dtype "
+                             f"({self.weight_ih.dtype})")
         if hx is None:
             zeros = torch.zeros(B, self.hidden_size, dtype=x.dtype, device=x.device)
             parts = (zeros, zeros) if lstm else (zeros,)
         else:
-            parts = tuple(hx) if lstm else (hx,)
-            for i, h in enumerate(parts):
-                label = f"hx[{i}]" if lstm else "hx"
-                if h.dim() != input.dim():
-                    raise ValueError(f"{name}: Expected {label} to be {input.dim()}D like the input, "
-                                     f"got {h.dim()}D instead")
-                if not batched:
-                    h = h.unsqueeze(0)
-                if tuple(h.shape) != (B, self.hidden_size):
-                    raise ValueError(f"{name}: expected {label} of shape {(B, self.hidden_size)}, "
-                                     f"got {tuple(h.shape)}")
             if not batched:
                 parts = tuple(h.unsqueeze(0) for h in parts)
+            for label, h in zip(labels, parts):
+                if h.size(0) != B:
+                    raise RuntimeError(f"{name}: Input batch size {B} doesn't match {label} batch "
+                                       f"size {h.size(0)}")
+                if h.size(1) != self.hidden_size:
+                    raise RuntimeError(f"{name}: {label} has inconsistent hidden_size: got "
+                                       f"{h.size(1)}, expected {self.hidden_size}")
+                if autocast is None and h.dtype != x.dtype:
+                    raise ValueError(f"{name}: {label} dtype ({h.dtype}) does not match input "
+                                     f"dtype ({x.dtype})")
         weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, parts = x.to(dtype), tuple(h.to(dtype) for h in parts)
-            weights = tuple(None if w is None else w.to(dtype) for w in weights)
+        result_dtypes = None
+        if autocast is not None:
+            result_dtypes = self._autocast_result_dtypes(x, parts, autocast)
+            x, parts = x.to(autocast), tuple(h.to(autocast) for h in parts)
+            weights = tuple(_cast(w, autocast) for w in weights)
+        backend = ops.resolve_backend(self.backend, x.device)
+        _check_supported(name, backend, self.cell, x.dtype, step=True)
         h, c = ops.step(self.cell, x, parts[0], parts[1] if lstm else None, *weights,
-                        backend=self.backend)
+                        backend=backend)
+        if result_dtypes is not None:
+            h = h.to(result_dtypes[0])
+            c = c.to(result_dtypes[1]) if lstm else None
         if not batched:
             h = h.squeeze(0)
             c = c.squeeze(0) if lstm else None
         return (h, c) if lstm else h
 
+    def _autocast_result_dtypes(self, x: Tensor, parts, dtype: torch.dtype):
+        """The dtypes torch.nn's cells return under autocast: on CUDA the cell ops
+        are autocast whole; on the CPU only their products are, so a float32
+        state promotes GRU's h (h0's dtype) and LSTM's h and c (c0's dtype)."""
+        if x.device.type != "cpu" or self.cell.startswith("rnn"):
+            return (dtype,) * len(parts)
+        state = _promote(dtype, parts[-1].dtype)
+        return (state,) * len(parts)
+
 
 class RNNCell(_CellMixin, nn.RNNCell):
     """Drop-in for :class:`torch.nn.RNNCell`, plus ``backend=``."""
 
-    def __init__(self, *args, backend: str = "auto", **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto", **kwargs):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, *args, **kwargs)
         self._init_rnnkern(backend)
 
 
 class GRUCell(_CellMixin, nn.GRUCell):
     """Drop-in for :class:`torch.nn.GRUCell`, plus ``backend=`` and ``reset_after=``."""
 
-    def __init__(self, *args, backend: str = "auto", reset_after: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 reset_after: bool = True, **kwargs):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, *args, **kwargs)
         self._init_rnnkern(backend, reset_after)
 
 
 class LSTMCell(_CellMixin, nn.LSTMCell):
     """Drop-in for :class:`torch.nn.LSTMCell`, plus ``backend=``."""
 
-    def __init__(self, *args, backend: str = "auto", **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto", **kwargs):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, *args, **kwargs)
         self._init_rnnkern(backend)
 
 
@@ -308,11 +577,20 @@ _REPLACEMENTS = {
 def convert(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Turns every torch.nn RNN/GRU/LSTM (and cell) inside ``model`` into its rnnkern
     twin, in place: the same module objects and the same parameters, so the model
-    computes the same function.  Returns ``model``."""
+    computes the same function.  Returns ``model``.
+
+    Only modules whose type is exactly a torch.nn recurrent class change (a
+    subclass may override ``forward``); modules that already are rnnkern's are
+    left as they are, so converting twice changes nothing."""
     _check_backend(backend)
     for module in model.modules():
-        replacement = _REPLACEMENTS.get(type(module))
+        original = type(module)
+        replacement = _REPLACEMENTS.get(original)
         if replacement is not None:
             module.__class__ = replacement
-            module._init_rnnkern(backend)
+            try:
+                module._init_rnnkern(backend)
+            except ValueError:  # an RNNCell with an unknown nonlinearity: leave it as it was
+                module.__class__ = original
+                raise
     return model

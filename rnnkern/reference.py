@@ -159,7 +159,9 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
         h = torch.where(keep, h_new, h)
         if c is not None:
             c = torch.where(keep, c_new, c)
-        output = output.index_put((t_of_row[active], rows[active]), h_new[active])
+        # Rows that have ended write back what their position already holds
+        # (no boolean-mask indexing: its data-dependent shape trips inductor).
+        output = output.index_put((t_of_row, rows), torch.where(keep, h_new, output[t_of_row, rows]))
     return output, h, c
 
 

@@ -1,0 +1,243 @@
+"""What a run shows: the terminal tables, the markdown summary, the JSON and the plots."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .candidates import BASELINE
+
+PHASE_LABEL = {"forward": "fwd", "forward_backward": "fwd+bwd"}
+STATUS_MARK = {"disagrees": "DISAGREES", "error": "error", "skipped": "-"}
+
+
+def _num(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+def _case_label(r) -> str:
+    return f"{r['cell']} B{r['B']} T{r['T']} H{r['H']} {r['dtype']}"
+
+
+def _device_line(doc) -> str:
+    m, p = doc["meta"], doc["peaks"]
+    dev = m["device"]
+    where = dev["name"] + (f", {dev['threads']} threads" if dev["type"] == "cpu" else "")
+    gemm = ", ".join(f"{k} {v:.3g}" for k, v in p["gemm_tflops"].items())
+    return (f"{where}; torch {m['versions']['torch']}; measured peaks: GEMM TFLOP/s {gemm}; "
+            f"copy {p['copy_gbps']:.3g} GB/s")
+
+
+def table(doc) -> str:
+    """Every case, phase and candidate with every figure."""
+    gpu = doc["meta"]["device"]["type"] == "cuda"
+    head = (f"{'case':34} {'phase':7} {'candidate':14} {'ms':>9} {'vs torch':>8} {'us/step':>8} "
+            f"{'TFLOP/s':>8} {'%peak':>6} {'GB/s':>7} {'%peak':>6}" + (f" {'mem MB':>8} {'mem/torch':>9}" if gpu else ""))
+    lines = [_device_line(doc), head, "-" * len(head)]
+    last = None
+    for r in doc["results"]:
+        case = _case_label(r)
+        if last is not None and case != last:
+            lines.append("")
+        last = case
+        for name, e in r["candidates"].items():
+            pre = f"{case:34} {PHASE_LABEL[r['phase']]:7} {e['label']:14} "
+            if e["status"] == "timed":
+                lines.append(pre + f"{e['median_ms']:9.3f} {e['speedup_vs_torch']:7.2f}x {e['us_per_step']:8.2f} "
+                             f"{e['tflops']:8.3f} {_num(e['pct_peak_flops'], '6.1f')} {e['gbps']:7.2f} "
+                             f"{_num(e['pct_peak_bw'], '6.1f')}"
+                             + (f" {_num(e.get('peak_mem_mb'), '8.1f')} {_num(e.get('mem_vs_torch'), '9.2f')}"
+                                if gpu else ""))
+            else:
+                note = e.get("note") or ""
+                if e["status"] == "disagrees":
+                    a = e["agreement"]
+                    note = (f"{a['worst']}: rel. error {_num(a['rel_err'], '.2e')} > allowed "
+                            f"{a['allowed']:.2e} (torch.nn's own {_num(a['torch_rel_err'], '.2e')})")
+                lines.append(pre + f"{STATUS_MARK[e['status']]:>9} {note[:110]}")
+    return "\n".join(lines)
+
+
+def _summary(doc, phase):
+    """Header and rows of the ratio table of one phase (torch.nn time, then speed ratios)."""
+    names = []
+    for r in doc["results"]:
+        for n in r["candidates"]:
+            if n != BASELINE and n not in names:
+                names.append(n)
+    labels = {}
+    for r in doc["results"]:
+        for n, e in r["candidates"].items():
+            labels[n] = e["label"]
+    header = ["cell", "dtype", "B", "T", "H", "torch.nn ms"] + [labels[n] for n in names]
+    rows = []
+    for r in doc["results"]:
+        if r["phase"] != phase:
+            continue
+        base = r["candidates"][BASELINE]
+        row = [r["cell"], r["dtype"], str(r["B"]), str(r["T"]), str(r["H"]),
+               f"{base['median_ms']:.3g}" if base["status"] == "timed" else base["status"]]
+        for n in names:
+            e = r["candidates"].get(n)
+            if e is None:
+                row.append("")
+            elif e["status"] == "timed":
+                row.append(f"{e['speedup_vs_torch']:.2f}x")
+            else:
+                row.append(STATUS_MARK[e["status"]])
+        rows.append(row)
+    return header, rows
+
+
+def summary(doc) -> str:
+    """Speed ratios against torch.nn (> 1: faster than torch.nn), one table per phase."""
+    out = []
+    for phase in ("forward", "forward_backward"):
+        header, rows = _summary(doc, phase)
+        if not rows:
+            continue
+        widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+        out.append(f"speed vs torch.nn, {PHASE_LABEL[phase]} (torch.nn time / candidate time; "
+                   f"'-' not run, DISAGREES: not timed)")
+        out.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+        out += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def markdown(doc) -> str:
+    """The summary as markdown tables, with the command and the machine."""
+    m = doc["meta"]
+    out = [f"`{m['command']}` on {_device_line(doc)}, {m['date']}.", "",
+           "Speed ratio = torch.nn time / candidate time, measured interleaved in one process "
+           "on the same inputs (> 1: faster than torch.nn).", ""]
+    for phase in ("forward", "forward_backward"):
+        header, rows = _summary(doc, phase)
+        if not rows:
+            continue
+        out.append(f"**{'forward' if phase == 'forward' else 'forward + backward'}**")
+        out.append("")
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---" for _ in header) + "|")
+        out += ["| " + " | ".join(row) + " |" for row in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def write_json(doc, path) -> None:
+    """Strict JSON: a NaN or infinity anywhere is a bug and raises here."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------- plots ----
+
+def _middle(values):
+    values = sorted(set(values))
+    return values[len(values) // 2]
+
+
+def _series(results, phase, family, x_key, fixed):
+    """{candidate label: [(x, ms)]} over the results of one family, other sizes fixed."""
+    out = {}
+    for r in results:
+        if r["phase"] != phase or family not in r["families"]:
+            continue
+        if any(r[k] != v for k, v in fixed.items()):
+            continue
+        for e in r["candidates"].values():
+            if e["status"] == "timed":
+                out.setdefault(e["label"], []).append((r[x_key], e["median_ms"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def plots(doc, outdir) -> list[str]:
+    """Time against batch, hidden size and sequence length per cell and dtype, and the
+    speed ratio against torch.nn per dtype.  Returns the files written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    results = doc["results"]
+    dev = doc["meta"]["device"]
+    baseline = "torch.nn (cuDNN)" if dev["type"] == "cuda" else "torch.nn (oneDNN/ATen)"
+    written = []
+    cells = sorted({r["cell"] for r in results})
+    dtypes = sorted({r["dtype"] for r in results})
+    phases = ("forward", "forward_backward")
+
+    for cell in cells:
+        for dtype in dtypes:
+            rs = [r for r in results if r["cell"] == cell and r["dtype"] == dtype]
+            lat = [r for r in rs if "latency" in r["families"]]
+            longs = [r for r in rs if "long" in r["families"]]
+            panels = []
+            if lat:
+                H0, B0 = _middle(r["H"] for r in lat), _middle(r["B"] for r in lat)
+                T0 = lat[0]["T"]
+                panels.append(("latency", "B", {"H": H0, "T": T0}, f"batch (H={H0}, T={T0})"))
+                panels.append(("latency", "H", {"B": B0, "T": T0}, f"hidden size (B={B0}, T={T0})"))
+            if longs:
+                panels.append(("long", "T", {"B": longs[0]["B"], "H": longs[0]["H"]},
+                               f"sequence length (B={longs[0]['B']}, H={longs[0]['H']})"))
+            if not panels:
+                continue
+            fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 8), squeeze=False)
+            for i, phase in enumerate(phases):
+                for j, (family, x_key, fixed, xlabel) in enumerate(panels):
+                    ax = axes[i][j]
+                    for label, pts in _series(rs, phase, family, x_key, fixed).items():
+                        xs, ys = zip(*pts)
+                        style = "-o" if label.startswith("rnnkern") else "--o" if label == "torch.nn" else ":o"
+                        ax.plot(xs, ys, style, label=label, markersize=4)
+                    ax.set_xscale("log", base=2)
+                    ax.set_yscale("log")
+                    ax.set_xlabel(xlabel)
+                    ax.set_ylabel("median time (ms)")
+                    ax.set_title(f"{cell} {dtype} {PHASE_LABEL[phase]}")
+                    ax.grid(True, which="both", alpha=0.3)
+                    ax.legend(fontsize=7)
+            fig.suptitle(f"{cell}, {dtype}: time per call on {dev['name']}")
+            fig.tight_layout()
+            path = outdir / f"time-{cell}-{dtype}.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            written.append(str(path))
+
+    for dtype in dtypes:
+        rows = [(cell, phase) for cell in cells for phase in phases]
+        fig, axes = plt.subplots(len(rows), 1, figsize=(14, 3.2 * len(rows)), squeeze=False)
+        for ax, (cell, phase) in zip(axes[:, 0], rows):
+            rs = [r for r in results if r["cell"] == cell and r["dtype"] == dtype and r["phase"] == phase]
+            labels = [f"B{r['B']} T{r['T']} H{r['H']}" for r in rs]
+            names = []
+            for r in rs:
+                for n, e in r["candidates"].items():
+                    if n != BASELINE and e["status"] == "timed" and e["label"] not in names:
+                        names.append(e["label"])
+            width = 0.8 / max(1, len(names))
+            for k, label in enumerate(names):
+                ys = []
+                for r in rs:
+                    e = next((e for e in r["candidates"].values() if e["label"] == label), None)
+                    ys.append(e["speedup_vs_torch"] if e and e["status"] == "timed" else math.nan)
+                ax.bar([x + k * width for x in range(len(rs))], ys, width, label=label)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_yscale("log")
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rs))])
+            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel(f"speed vs {baseline}")
+            ax.set_title(f"{cell} {dtype} {PHASE_LABEL[phase]}: torch.nn time / candidate time (> 1 is faster)")
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+            if names:
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = outdir / f"speedup-{dtype}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(str(path))
+    return written

@@ -1,0 +1,220 @@
+"""Argument checks of the Triton ops: the Python twin of the check_* functions
+of csrc/ops.cpp, with the same rules and messages (op name, argument name,
+expected shape).  TORCH_CHECK_VALUE becomes ValueError, TORCH_CHECK_TYPE
+TypeError.  Every Triton op calls its check first, before any allocation or
+launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..reference import CELLS, gate_count, workspace_width
+
+FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the gate math runs in and the workspace is kept in."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class RecurrenceSizes:
+    cell: str
+    T: int  # time steps
+    B: int  # batch
+    H: int  # hidden units (cell state size for LSTM)
+    P: int  # size of h: H, or proj_size for an LSTM with w_hr
+    G: int  # gates per unit
+    has_proj: bool
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    cell: str
+    B: int
+    I: int
+    H: int
+    G: int
+
+
+def parse_cell(cell: str) -> str:
+    if cell not in CELLS:
+        raise ValueError(f"rnnkern: unknown cell '{cell}'; expected one of {', '.join(CELLS)}")
+    return cell
+
+
+def _shape(t: Tensor) -> str:
+    return str(list(t.shape))
+
+
+def check_arg(op: str, name: str, t: Optional[Tensor], sizes: Sequence[int], ref: Tensor) -> None:
+    """Dimensionality, sizes, dtype and device of one tensor argument."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{op}: {name} must be a tensor")
+    if list(t.shape) != list(sizes):
+        raise ValueError(f"{op}: expected {name} of shape {list(sizes)}, got {_shape(t)}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: expected {name} of dtype {ref.dtype} (the dtype of the input), "
+                        f"got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{op}: expected {name} on {ref.device} (the device of the input), "
+                         f"got {t.device}")
+
+
+def check_floating(op: str, name: str, t: Tensor) -> None:
+    if t.dtype not in FLOATING:
+        raise TypeError(f"{op}: expected {name} of a floating dtype (float64, float32, float16, "
+                        f"bfloat16), got {t.dtype}")
+
+
+def check_lengths(op: str, lengths: Optional[Tensor], T: int, B: int) -> None:
+    if lengths is None:
+        return
+    if lengths.dim() != 1 or lengths.size(0) != B:
+        raise ValueError(f"{op}: expected lengths of shape [{B}] (one per sequence), got "
+                         f"{_shape(lengths)}")
+    if lengths.dtype != torch.int64:
+        raise TypeError(f"{op}: expected lengths of dtype int64, got {lengths.dtype}")
+    if lengths.device.type != "cpu":
+        raise ValueError(f"{op}: expected lengths on the CPU (as "
+                         f"torch.nn.utils.rnn.pack_padded_sequence), got {lengths.device}")
+    bad = ((lengths < 0) | (lengths > T)).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"{op}: lengths[{b}] = {int(lengths[b])} is outside [0, {T}] "
+                         f"(T = xproj.size(0))")
+
+
+def sizes_from_weights(op: str, cell: str, w_hh: Tensor, w_hr: Optional[Tensor]):
+    """H from the gate rows of w_hh, P from its columns; (H, P, G)."""
+    G = gate_count(cell)
+    if w_hh.dim() != 2:
+        raise ValueError(f"{op}: expected w_hh to be 2-D [G*H, P], got {_shape(w_hh)}")
+    if w_hh.size(0) % G != 0 or w_hh.size(0) == 0:
+        raise ValueError(f"{op}: w_hh has {w_hh.size(0)} rows, expected a positive multiple of "
+                         f"{G} (the gates of {cell})")
+    H, P = w_hh.size(0) // G, w_hh.size(1)
+    if w_hr is not None:
+        if cell != "lstm":
+            raise ValueError(f"{op}: w_hr (projection) is only defined for lstm, got {cell}")
+        if w_hr.dim() != 2 or list(w_hr.shape) != [P, H]:
+            raise ValueError(f"{op}: expected w_hr of shape [{P}, {H}], got {_shape(w_hr)}")
+    elif P != H:
+        raise ValueError(f"{op}: expected w_hh of shape [{G * H}, {H}], got {_shape(w_hh)}")
+    return H, P, G
+
+
+def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths) -> RecurrenceSizes:
+    op = "rnnkern_triton.recurrence"
+    parse_cell(cell)
+    check_floating(op, "xproj", xproj)
+    if xproj.dim() != 3:
+        raise ValueError(f"{op}: expected xproj to be 3-D [T, B, G*H], got {_shape(xproj)}")
+    H, P, G = sizes_from_weights(op, cell, w_hh, w_hr)
+    T, B = xproj.size(0), xproj.size(1)
+    if xproj.size(2) != G * H:
+        raise ValueError(f"{op}: expected xproj.size(2) == {G * H} ({G} gates x hidden size "
+                         f"{H}), got {xproj.size(2)}")
+    check_arg(op, "w_hh", w_hh, [G * H, P], xproj)
+    check_arg(op, "h0", h0, [B, P], xproj)
+    if cell == "lstm":
+        if c0 is None:
+            raise ValueError(f"{op}: lstm needs c0")
+        check_arg(op, "c0", c0, [B, H], xproj)
+    elif c0 is not None:
+        raise ValueError(f"{op}: c0 is only defined for lstm, got one for {cell}")
+    if b_ih is not None:
+        check_arg(op, "b_ih", b_ih, [G * H], xproj)
+    if b_hh is not None:
+        check_arg(op, "b_hh", b_hh, [G * H], xproj)
+    if w_hr is not None:
+        check_arg(op, "w_hr", w_hr, [P, H], xproj)
+    check_lengths(op, lengths, T, B)
+    return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None)
+
+
+def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                              workspace, lengths) -> RecurrenceSizes:
+    op = "rnnkern_triton.recurrence_backward"
+    parse_cell(cell)
+    check_floating(op, "output", output)
+    if output.dim() != 3:
+        raise ValueError(f"{op}: expected output to be 3-D [T, B, P], got {_shape(output)}")
+    H, P, G = sizes_from_weights(op, cell, w_hh, w_hr)
+    T, B = output.size(0), output.size(1)
+    check_arg(op, "output", output, [T, B, P], output)
+    check_arg(op, "grad_output", grad_output, [T, B, P], output)
+    check_arg(op, "grad_h_n", grad_h_n, [B, P], output)
+    check_arg(op, "h0", h0, [B, P], output)
+    check_arg(op, "w_hh", w_hh, [G * H, P], output)
+    if w_hr is not None:
+        check_arg(op, "w_hr", w_hr, [P, H], output)
+    if cell == "lstm":
+        if c0 is None or grad_c_n is None:
+            raise ValueError(f"{op}: lstm needs c0 and grad_c_n")
+        check_arg(op, "c0", c0, [B, H], output)
+        check_arg(op, "grad_c_n", grad_c_n, [B, H], output)
+    W = workspace_width(cell)
+    if W > 0:
+        if workspace.dim() != 3:
+            raise ValueError(f"{op}: the workspace is empty; the forward ran with train=False")
+        if list(workspace.shape) != [T, B, W * H]:
+            raise ValueError(f"{op}: expected workspace of shape [{T}, {B}, {W * H}], got "
+                             f"{_shape(workspace)}")
+        if workspace.dtype != acc_dtype(output.dtype):
+            raise TypeError(f"{op}: expected workspace of dtype {acc_dtype(output.dtype)}, got "
+                            f"{workspace.dtype}")
+        if workspace.device != output.device:
+            raise ValueError(f"{op}: expected workspace on {output.device}, got {workspace.device}")
+    check_lengths(op, lengths, T, B)
+    return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None)
+
+
+def check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, op="rnnkern_triton.step") -> StepSizes:
+    parse_cell(cell)
+    check_floating(op, "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: expected x to be 2-D [B, I], got {_shape(x)}")
+    H, _, G = sizes_from_weights(op, cell, w_hh, None)
+    B, I = x.size(0), x.size(1)
+    check_arg(op, "w_ih", w_ih, [G * H, I], x)
+    check_arg(op, "w_hh", w_hh, [G * H, H], x)
+    check_arg(op, "h", h, [B, H], x)
+    if cell == "lstm":
+        if c is None:
+            raise ValueError(f"{op}: lstm needs c")
+        check_arg(op, "c", c, [B, H], x)
+    elif c is not None:
+        raise ValueError(f"{op}: c is only defined for lstm, got one for {cell}")
+    if b_ih is not None:
+        check_arg(op, "b_ih", b_ih, [G * H], x)
+    if b_hh is not None:
+        check_arg(op, "b_hh", b_hh, [G * H], x)
+    return StepSizes(cell, B, I, H, G)
+
+
+def check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
+                        workspace) -> StepSizes:
+    op = "rnnkern_triton.step_backward"
+    s = check_step(cell, x, h, c, w_ih, w_hh, None, None, op=op)
+    check_arg(op, "grad_h_new", grad_h_new, [s.B, s.H], x)
+    check_arg(op, "h_new", h_new, [s.B, s.H], x)
+    if cell == "lstm":
+        if grad_c_new is None:
+            raise ValueError(f"{op}: lstm needs grad_c_new")
+        check_arg(op, "grad_c_new", grad_c_new, [s.B, s.H], x)
+    W = workspace_width(cell)
+    if list(workspace.shape) != [s.B, W * s.H]:
+        raise ValueError(f"{op}: expected workspace of shape [{s.B}, {W * s.H}], got "
+                         f"{_shape(workspace)}")
+    if workspace.dtype != acc_dtype(x.dtype):
+        raise TypeError(f"{op}: expected workspace of dtype {acc_dtype(x.dtype)}, got "
+                        f"{workspace.dtype}")
+    if workspace.device != x.device:
+        raise ValueError(f"{op}: expected workspace on {x.device}, got {workspace.device}")
+    return s

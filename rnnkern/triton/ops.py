@@ -1,0 +1,462 @@
+"""The Triton op family ``torch.ops.rnnkern_triton``: host wrappers and registration.
+
+The four ops have the schemas of the C++ ops (csrc/ops.cpp), read from
+``torch.ops.rnnkern`` so there is one source, and the same semantics: outputs,
+workspace layout and dtype (float32 for half inputs), lengths, reverse, the
+LSTM projection, both GRU forms, empty ``[0]`` placeholders.  They are defined
+with ``torch.library.Library`` and implemented for CUDA and, under
+``TRITON_INTERPRET=1``, for CPU tensors; :func:`rnnkern.ops.register_op_family`
+adds the fake implementations and the autograd formulas shared with the C++ ops.
+
+Each wrapper checks its arguments (:mod:`.checks`), then picks how to run the
+recurrence:
+
+``loop``  the whole time loop in one launch (:mod:`.sequence`), where the
+          weights fit on chip (:func:`.sequence.fits_on_chip`);
+``step``  one fused launch per step (:mod:`.step`) from a Python loop that never
+          synchronises with the host, for any size.
+
+:data:`PATH` (initialised from the environment variable ``RNNKERN_TRITON_PATH``)
+forces one: ``"auto"`` (default), ``"loop"`` or ``"step"``.  Forcing ``"loop"``
+for sizes that do not fit raises instead of running.  The weight gradients
+are one large GEMM each over all steps, after the time loop (torch.matmul on
+tensors the kernels saved in time order).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import ops as rnnkern_ops
+from ..reference import gate_count, workspace_width
+from . import sequence, step as step_kernels
+from .cells import CELL_IDS
+from .checks import (acc_dtype, check_recurrence, check_recurrence_backward, check_step,
+                     check_step_backward)
+from .sequence import block_size, fits_on_chip
+from .tuning import INTERPRET
+
+NAMESPACE = "rnnkern_triton"
+PATHS = ("auto", "loop", "step")
+
+#: How the recurrence runs: "auto", or forced to "loop" / "step" (see the module docstring).
+PATH = os.environ.get("RNNKERN_TRITON_PATH", "auto")
+
+_TL_DTYPE = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16,
+             torch.bfloat16: tl.bfloat16}
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """The dtype of the tl.dot operands: the storage dtype.  Under the interpreter
+    bfloat16 products run in float32 (Triton 3.8's interpreter computes tl.dot on
+    bfloat16 operands wrongly)."""
+    if INTERPRET and dtype == torch.bfloat16:
+        return tl.float32
+    return _TL_DTYPE[dtype]
+
+
+def _check_device(op: str, t: Tensor) -> None:
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu":
+        if INTERPRET:
+            return
+        raise RuntimeError(
+            f"{op}: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton "
+            f"is imported, or move the tensors to a CUDA device")
+    raise ValueError(f"{op}: runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), "
+                     f"got tensors on {t.device}")
+
+
+def choose_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool) -> str:
+    """"loop" or "step" for these sizes, following :data:`PATH`."""
+    if PATH not in PATHS:
+        raise ValueError(f"rnnkern_triton: RNNKERN_TRITON_PATH / PATH is {PATH!r}; "
+                         f"expected one of {', '.join(PATHS)}")
+    fits = fits_on_chip(cell, H, P, dtype, proj)
+    if PATH == "loop" and not fits:
+        raise ValueError(
+            f"rnnkern_triton: the in-kernel time loop was forced (PATH='loop') but {cell} with "
+            f"H={H}, P={P} in {dtype} needs {sequence.on_chip_bytes(cell, H, P, dtype, proj)} "
+            f"bytes of weights on chip, more than {sequence.ON_CHIP_BYTES}; use 'auto' or 'step'")
+    if PATH == "auto":
+        return "loop" if fits else "step"
+    return PATH
+
+
+def _contiguous(*tensors: Optional[Tensor]):
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+def _empty(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return like.new_empty((0,), dtype=dtype or like.dtype)
+
+
+class _Call:
+    """What every kernel launch of one op call shares: the cell's sizes and the
+    dtypes of the gate math (ACC) and of the tl.dot operands (DOT)."""
+
+    def __init__(self, cell: str, dtype: torch.dtype):
+        self.cell = cell
+        self.G = gate_count(cell)
+        self.W = workspace_width(cell)
+        self.acc = acc_dtype(dtype)
+        self.consts = dict(ACC=_TL_DTYPE[self.acc], DOT=_dot_dtype(dtype))
+
+
+def _grid(B: int, N: int):
+    return lambda meta: (triton.cdiv(B, meta["BLOCK_B"]), triton.cdiv(N, meta["BLOCK_H"]))
+
+
+def _loop_grid(B: int):
+    return lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),)
+
+
+def _input_grad_grid(B: int, I: int, P: int):
+    """input_grad_kernel: the column tiles of grad_x, then those of grad_h."""
+    return lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),
+                         triton.cdiv(I, meta["BLOCK_H"]) + triton.cdiv(P, meta["BLOCK_H"]))
+
+
+# ------------------------------------------------------------- recurrence ----
+
+def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
+               b_ih: Optional[Tensor], b_hh: Optional[Tensor], w_hr: Optional[Tensor],
+               lengths: Optional[Tensor], reverse: bool, train: bool):
+    z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths)
+    _check_device("rnnkern_triton.recurrence", xproj)
+    T, B, H, P = z.T, z.B, z.H, z.P
+    lstm = cell == "lstm"
+    k = _Call(cell, xproj.dtype)
+    path = choose_path(cell, H, P, xproj.dtype, z.has_proj)
+    xproj, h0, c0, w_hh, b_ih, b_hh, w_hr = _contiguous(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr)
+
+    output = xproj.new_empty((T, B, P))
+    h_n = xproj.new_empty((B, P))
+    c_n = xproj.new_empty((B, H)) if lstm else _empty(xproj)
+    ws = xproj.new_empty((T, B, k.W * H), dtype=k.acc) if train else _empty(xproj, k.acc)
+    if T == 0 or B == 0:
+        h_n.copy_(h0)
+        if lstm:
+            c_n.copy_(c0)
+        return output, h_n, c_n, ws
+
+    lens = None if lengths is None else lengths.to(xproj.device)
+    dummy = xproj
+    flags = dict(CELL=CELL_IDS[cell], G=k.G, WS=k.W * H, HAS_B_IH=b_ih is not None,
+                 HAS_B_HH=b_hh is not None, HAS_LENGTHS=lens is not None, REVERSE=bool(reverse),
+                 TRAIN=bool(train), HAS_PROJ=z.has_proj, **k.consts)
+    args = [b if b is not None else dummy for b in (b_ih, b_hh, w_hr, lens)]
+    if path == "loop":
+        sequence.forward_loop_kernel[_loop_grid(B)](
+            xproj, h0, c0 if lstm else dummy, w_hh, *args, output, h_n,
+            c_n if lstm else dummy, ws if train else dummy, T, B, H, P,
+            BLOCK_H=block_size(H), BLOCK_P=block_size(P), **flags)
+    else:
+        _forward_by_steps(k, flags, xproj, h0, c0, w_hh, *args, output, h_n, c_n, ws, T, B, H, P)
+    return output, h_n, c_n, ws
+
+
+def _forward_by_steps(k, flags, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, output, h_n, c_n,
+                      ws, T, B, H, P):
+    """The per-step path: the states ping-pong between two buffers in the
+    accumulate dtype; nothing waits for the GPU, so the loop can be captured."""
+    cell, dummy = k.cell, xproj
+    lstm, rb, proj = cell == "lstm", cell == "gru_reset_before", flags["HAS_PROJ"]
+    h = [torch.empty((B, P), dtype=k.acc, device=xproj.device) for _ in range(2)]
+    h[0].copy_(h0)
+    c = [torch.empty((B, H), dtype=k.acc, device=xproj.device) for _ in range(2)] if lstm else [dummy] * 2
+    if lstm:
+        c[0].copy_(c0)
+    aux = dummy
+    if rb:
+        aux = torch.empty((B, 4 * H), dtype=k.acc, device=xproj.device)
+    elif proj:
+        aux = torch.empty((B, H), dtype=k.acc, device=xproj.device)
+    ws_ = ws if flags["TRAIN"] else dummy
+    common = dict(HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **k.consts)
+    for s in range(T):
+        step_kernels.gates_forward_kernel[_grid(B, H)](
+            dummy, dummy, xproj, h[0], c[0], w_hh, b_ih, b_hh, lens,
+            output, h[1], c[1], ws_, aux, s, T, B, 0, H, P,
+            HAS_X=False, STORE_STATE=True, **flags)
+        if rb:
+            step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
+                aux, h[0], w_hh, b_hh, lens, output, h[1], ws_, s, T, B, H,
+                HAS_B_HH=flags["HAS_B_HH"], TRAIN=flags["TRAIN"], STORE_STATE=True, **common)
+        if proj:
+            step_kernels.projection_forward_kernel[_grid(B, P)](
+                aux, w_hr, h[0], lens, output, h[1], s, T, B, H, P, **common)
+        h.reverse()
+        c.reverse()
+    h_n.copy_(h[0])
+    if lstm:
+        c_n.copy_(c[0])
+
+
+def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
+                        grad_c_n: Optional[Tensor], h0: Tensor, c0: Optional[Tensor],
+                        w_hh: Tensor, w_hr: Optional[Tensor], output: Tensor, workspace: Tensor,
+                        lengths: Optional[Tensor], reverse: bool):
+    z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
+                                  output, workspace, lengths)
+    _check_device("rnnkern_triton.recurrence_backward", output)
+    T, B, H, P, G = z.T, z.B, z.H, z.P, z.G
+    lstm, proj = cell == "lstm", z.has_proj
+    dtype = output.dtype
+    k = _Call(cell, dtype)
+    path = choose_path(cell, H, P, dtype, proj)
+    grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace = _contiguous(
+        grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace)
+    device = output.device
+
+    def acc_empty(*shape):
+        return torch.empty(shape, dtype=k.acc, device=device)
+
+    dx = acc_empty(T, B, G * H)
+    grad_h0 = output.new_empty((B, P))
+    grad_c0 = output.new_empty((B, H)) if lstm else _empty(output)
+    # Time-ordered extras of the weight gradients (see backward_loop_kernel).
+    aux_all = acc_empty(T, B, H) if (cell in ("gru", "gru_reset_before") or proj) else None
+    dh_tot_all = acc_empty(T, B, P) if proj else None
+    lens = None if lengths is None else lengths.to(device)
+    if T == 0 or B == 0:
+        grad_h0.copy_(grad_h_n)
+        if lstm:
+            grad_c0.copy_(grad_c_n)
+    else:
+        dummy = output
+        flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.W * H, HAS_PROJ=proj,
+                     HAS_LENGTHS=lens is not None, REVERSE=bool(reverse), **k.consts)
+        if path == "loop":
+            sequence.backward_loop_kernel[_loop_grid(B)](
+                grad_output, grad_h_n, grad_c_n if lstm else dummy, h0, c0 if lstm else dummy,
+                w_hh, w_hr if proj else dummy, output, workspace if k.W else dummy,
+                lens if lens is not None else dummy, dx, grad_h0, grad_c0 if lstm else dummy,
+                aux_all if aux_all is not None else dummy,
+                dh_tot_all if proj else dummy, T, B, H, P,
+                BLOCK_H=block_size(H), BLOCK_P=block_size(P), **flags)
+        else:
+            _backward_by_steps(k, flags, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
+                               output, workspace, lens, dx, grad_h0, grad_c0, aux_all,
+                               dh_tot_all, T, B, H, P)
+    grads = _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, output, h0, lens, reverse,
+                                     H, P)
+    return (dx.to(dtype), grad_h0, grad_c0) + tuple(g.to(dtype) for g in grads)
+
+
+def _backward_by_steps(k, flags, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                       workspace, lens, dx, grad_h0, grad_c0, aux_all, dh_tot_all, T, B, H, P):
+    """The per-step BPTT: per step, one launch adds the GEMM part of the carried
+    gradient (dA_{s+1} W_hh) for its columns and runs the step's backward
+    (two launches for the reset-before GRU and the LSTM projection).  Carries
+    and gate gradients ping-pong between two buffers; grad_h0 is finished by
+    input_grad_kernel."""
+    cell, dummy, device = k.cell, output, output.device
+    lstm, rb, proj = cell == "lstm", cell == "gru_reset_before", flags["HAS_PROJ"]
+    GH = k.G * H
+    DA = 2 * H if rb else GH
+
+    def acc_empty(*shape):
+        return torch.empty(shape, dtype=k.acc, device=device)
+
+    da = [acc_empty(B, DA), acc_empty(B, DA)]
+    dh = [acc_empty(B, P), acc_empty(B, P)]
+    dh[0].copy_(grad_h_n)
+    dc = [acc_empty(B, H), acc_empty(B, H)] if lstm else [dummy] * 2
+    if lstm:
+        dc[0].copy_(grad_c_n)
+    dh_mid = acc_empty(B, H) if rb else dummy  # between the two stages of the reset-before GRU
+    dn = acc_empty(B, H) if rb else dummy
+    dh_tot = acc_empty(B, P) if proj else dummy
+    lens_ = lens if lens is not None else dummy
+    ws = workspace if k.W else dummy
+    aux_all_ = aux_all if aux_all is not None else dummy
+    common = dict(HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **k.consts)
+    for s in reversed(range(T)):
+        da_next, da_now = da[(s + 1) & 1], da[s & 1]
+        has_next = s + 1 < T
+        if proj:
+            step_kernels.projection_backward_kernel[_grid(B, P)](
+                grad_output, dh[0], da_next, w_hh, lens_, dh_tot, dh[1], dh_tot_all,
+                s, T, B, H, P, HAS_NEXT=has_next, **common)
+        step_kernels.gates_backward_kernel[_grid(B, H)](
+            grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h0, c0 if lstm else dummy,
+            lens_, dh_tot, w_hr if proj else dummy,
+            dx, da_now, dh_mid if rb else dh[1], dc[1], dn, aux_all_,
+            s, T, B, H, P, HAS_GOUT=True, HAS_NEXT=has_next, **flags)
+        if rb:
+            step_kernels.gru_rb_reset_kernel[_grid(B, H)](
+                dn, w_hh, ws, output, h0, lens_, dh_mid, dx, da_now, dh[1], aux_all_,
+                s, T, B, H, **common)
+        dh.reverse()
+        dc.reverse()
+    # grad_h0 = dh + dA_0 W_hh (the GEMM part of the carry at the first step).
+    step_kernels.input_grad_kernel[_input_grad_grid(B, 0, P)](
+        dummy, dummy, da[0], w_hh, dh[0], dummy, grad_h0, B, 0, GH, DA, P, **k.consts)
+    if lstm:
+        grad_c0.copy_(dc[0])
+
+
+def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optional[Tensor],
+                            reverse: bool) -> Tensor:
+    """sum over steps and rows of d[t, b]^T h_{t-1}[t, b]: d [T, B, N], output
+    [T, B, P], h0 [B, P] -> [N, P].  h_{t-1} of position t is the output one
+    step earlier (t - 1, or t + 1 in reverse), or h0 at each sequence's first
+    position; padding positions have d = 0 and output 0, so two GEMMs cover
+    every case (as csrc/cpu/recurrence.cpp)."""
+    T, B, N = d.shape
+    P = output.shape[2]
+    if T == 0:
+        return d.new_zeros((N, P))
+    if reverse:
+        later, earlier = d[:-1], output[1:]
+        if lens is None:
+            first = d[T - 1]
+        else:
+            first = d[(lens - 1).clamp(min=0), torch.arange(B, device=d.device)]
+            first = first * (lens > 0).unsqueeze(1).to(d.dtype)
+    else:
+        later, earlier = d[1:], output[:-1]
+        first = d[0]
+    dw = later.reshape(-1, N).t() @ earlier.reshape(-1, P)
+    return dw.addmm_(first.t(), h0)
+
+
+def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, output, h0, lens, reverse, H, P):
+    """grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr, one GEMM or sum each over all steps."""
+    T, B, GH = dx.shape
+    acc = dx.dtype
+    out, h0 = output.to(acc), h0.to(acc)
+    grad_b_ih = dx.sum((0, 1))
+    if cell in ("gru", "gru_reset_before"):
+        dw_rz = _grad_by_previous_state(dx[:, :, :2 * H], out, h0, lens, reverse)
+        if cell == "gru":  # n multiplies h_{t-1}; its gradient is dhn
+            dw_n = _grad_by_previous_state(aux_all, out, h0, lens, reverse)
+            grad_b_hh = torch.cat([grad_b_ih[:2 * H], aux_all.sum((0, 1))])
+        else:  # n multiplies r * h_{t-1} (aux_all); its gradient is dn
+            dw_n = dx[:, :, 2 * H:].reshape(-1, H).t() @ aux_all.reshape(-1, H)
+            grad_b_hh = grad_b_ih.clone()
+        grad_w_hh = torch.cat([dw_rz, dw_n])
+    else:
+        grad_w_hh = _grad_by_previous_state(dx, out, h0, lens, reverse)
+        grad_b_hh = grad_b_ih.clone()
+    if dh_tot_all is not None:
+        grad_w_hr = dh_tot_all.reshape(-1, P).t() @ aux_all.reshape(-1, H)
+    else:
+        grad_w_hr = _empty(dx)
+    return grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr
+
+
+# ------------------------------------------------------------------- step ----
+
+def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,
+         b_ih: Optional[Tensor], b_hh: Optional[Tensor]):
+    z = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+    _check_device("rnnkern_triton.step", x)
+    B, I, H, G = z.B, z.I, z.H, z.G
+    lstm, rb = cell == "lstm", cell == "gru_reset_before"
+    k = _Call(cell, x.dtype)
+    x, h, c, w_ih, w_hh, b_ih, b_hh = _contiguous(x, h, c, w_ih, w_hh, b_ih, b_hh)
+    h_new = x.new_empty((B, H))
+    c_new = x.new_empty((B, H)) if lstm else _empty(x)
+    ws = x.new_empty((B, k.W * H), dtype=k.acc)
+    if B == 0:
+        return h_new, c_new, ws
+    dummy = x
+    aux = torch.empty((B, 4 * H), dtype=k.acc, device=x.device) if rb else dummy
+    flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.W * H, HAS_B_IH=b_ih is not None,
+                 HAS_B_HH=b_hh is not None, HAS_LENGTHS=False, REVERSE=False, TRAIN=True,
+                 HAS_PROJ=False, **k.consts)
+    b_hh_ = b_hh if b_hh is not None else dummy
+    step_kernels.gates_forward_kernel[_grid(B, H)](
+        x, w_ih, dummy, h, c if lstm else dummy, w_hh, b_ih if b_ih is not None else dummy, b_hh_,
+        dummy, h_new, dummy, c_new if lstm else dummy, ws if k.W else dummy, aux,
+        0, 1, B, I, H, H, HAS_X=True, STORE_STATE=False, **flags)
+    if rb:
+        step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
+            aux, h, w_hh, b_hh_, dummy, h_new, dummy, ws, 0, 1, B, H,
+            HAS_B_HH=b_hh is not None, HAS_LENGTHS=False, REVERSE=False, TRAIN=True,
+            STORE_STATE=False, **k.consts)
+    return h_new, c_new, ws
+
+
+def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x: Tensor,
+                  h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor, h_new: Tensor,
+                  workspace: Tensor):
+    z = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace)
+    _check_device("rnnkern_triton.step_backward", x)
+    B, I, H, G = z.B, z.I, z.H, z.G
+    lstm, rb = cell == "lstm", cell == "gru_reset_before"
+    GH = G * H
+    DA = 2 * H if rb else GH
+    dtype = x.dtype
+    k = _Call(cell, dtype)
+    grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace = _contiguous(
+        grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace)
+    device = x.device
+
+    def acc_empty(*shape):
+        return torch.empty(shape, dtype=k.acc, device=device)
+
+    grad_x = x.new_empty((B, I))
+    grad_h = x.new_empty((B, H))
+    grad_c = x.new_empty((B, H)) if lstm else _empty(x)
+    dx = acc_empty(B, GH)  # the gradient of x W_ih^T (+ b_ih)
+    da = acc_empty(B, DA)  # the gradients that multiply W_hh
+    aux_all = acc_empty(B, H) if cell in ("gru", "gru_reset_before") else None
+    if B > 0:
+        dummy = x
+        dh = acc_empty(B, H)
+        dh_mid = acc_empty(B, H) if rb else dummy
+        dn = acc_empty(B, H) if rb else dummy
+        flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.W * H, HAS_GOUT=False, HAS_NEXT=False,
+                     HAS_LENGTHS=False, REVERSE=False, HAS_PROJ=False, **k.consts)
+        step_kernels.gates_backward_kernel[_grid(B, H)](
+            dummy, grad_h_new, dummy, w_hh, grad_c_new if lstm else dummy,
+            workspace if k.W else dummy, h_new, h, c if lstm else dummy, dummy, dummy, dummy,
+            dx, da, dh_mid if rb else dh, grad_c if lstm else dummy, dn,
+            aux_all if aux_all is not None else dummy, 0, 1, B, H, H, **flags)
+        if rb:
+            step_kernels.gru_rb_reset_kernel[_grid(B, H)](
+                dn, w_hh, workspace, h_new, h, dummy, dh_mid, dx, da, dh, aux_all, 0, 1, B, H,
+                HAS_LENGTHS=False, REVERSE=False, **k.consts)
+        # [grad_x | grad_h] = [dx W_ih | dh + dA W_hh], one launch.
+        step_kernels.input_grad_kernel[_input_grad_grid(B, I, H)](
+            dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts)
+    xa, ha = x.to(k.acc), h.to(k.acc)
+    grad_w_ih = dx.t() @ xa
+    grad_b_ih = dx.sum(0)
+    if rb:  # rows r, z multiply h; row n multiplies r * h (aux_all), with gradient dn
+        grad_w_hh = torch.cat([da.t() @ ha, dx[:, 2 * H:].t() @ aux_all])
+        grad_b_hh = grad_b_ih.clone()
+    else:  # dA = [dr, dz, dhn] for the GRU, the gate gradients otherwise
+        grad_w_hh = da.t() @ ha
+        grad_b_hh = da.sum(0)
+    return (grad_x, grad_h, grad_c, grad_w_ih.to(dtype), grad_w_hh.to(dtype), grad_b_ih.to(dtype),
+            grad_b_hh.to(dtype))
+
+
+# ----------------------------------------------------------- registration ----
+
+def _define_ops() -> torch.library.Library:
+    """Defines the four ops with the schemas of torch.ops.rnnkern (one source)
+    and implements them for CUDA and CPU (the interpreter)."""
+    lib = torch.library.Library(NAMESPACE, "DEF")
+    impls = dict(recurrence=recurrence, recurrence_backward=recurrence_backward, step=step,
+                 step_backward=step_backward)
+    for name, fn in impls.items():
+        schema = str(getattr(torch.ops.rnnkern, name).default._schema)
+        lib.define(schema.split("::", 1)[1])
+        lib.impl(name, fn, "CUDA")
+        lib.impl(name, fn, "CPU")
+    return lib
+
+
+_lib = _define_ops()
+rnnkern_ops.register_op_family(NAMESPACE)

@@ -1,0 +1,192 @@
+"""torch.compile(fullgraph=True) of the drop-in modules, forward and backward.
+
+Dynamo refuses every instance of torch.nn.RNN/GRU/LSTM -- subclasses such as
+rnnkern's included -- unless ``torch._dynamo.config.allow_rnn`` is set
+(torch/_dynamo/variables/builder.py, torch 2.14); every test here sets it.
+With it, padded input (with or without ``lengths=``) and PackedSequence input
+compile into one graph: the ops have fake implementations and registered
+autograd, and the modules read no data-dependent sizes under compile.
+
+Two tests go through inductor (torch.compile's default) end to end; the others
+use aot_eager, which runs the same Dynamo capture (fullgraph) and AOTAutograd
+forward/backward tracing without inductor's code generation, to keep CI fast.
+The reference backend is a Python loop over time steps, unrolled by Dynamo:
+tiny sizes only.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+import rnnkern
+from conftest import HAS_GPU, assert_close, generator, randn
+
+HAS_TRITON_OPS = importlib.util.find_spec("rnnkern.triton.ops") is not None
+
+
+@pytest.fixture(autouse=True)
+def dynamo_allows_rnn():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        yield
+    torch._dynamo.reset()
+
+
+def leaves(result):
+    return [t.data if isinstance(t, PackedSequence) else t
+            for t in torch.utils._pytree.tree_leaves(result, is_leaf=lambda t: isinstance(t, PackedSequence))]
+
+
+def compare_with_eager(m, make_args, backend="aot_eager", calls=1):
+    """Compiled (fullgraph) and eager forward and backward agree: results and the
+    gradients of the input, hx and every parameter."""
+    compiled = torch.compile(m, fullgraph=True, backend=backend)
+    for k in range(calls):
+        results = []
+        for fn in (compiled, m):
+            args, kwargs, grad_leaves = make_args(k)
+            out = leaves(fn(*args, **kwargs))
+            g = generator("compile-cotangent", k)
+            loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
+            grads = torch.autograd.grad(loss, [*grad_leaves, *m.parameters()])
+            results.append(out + list(grads))
+        for i, (got, want) in enumerate(zip(*results)):
+            assert_close(got, want, what=f"call {k} result {i}")
+
+
+def padded_args(T, B, I, hx_shapes=(), batch_first=False, lengths=None):
+    def make(k):
+        g = generator("compile-padded", T, B, I, k)
+        x = randn(g, *((B, T, I) if batch_first else (T, B, I)), requires_grad=True)
+        hx = [randn(g, *s, scale=0.5, requires_grad=True) for s in hx_shapes]
+        args = (x,) if not hx else (x, tuple(hx) if len(hx) == 2 else hx[0])
+        kwargs = {} if lengths is None else {"lengths": lengths}
+        return args, kwargs, [x, *hx]
+    return make
+
+
+def packed_args(lengths_per_call, I, enforce_sorted, hx_shape=None):
+    def make(k):
+        lengths = torch.tensor(lengths_per_call[k])
+        g = generator("compile-packed", k)
+        x = randn(g, int(lengths.max()), lengths.numel(), I, requires_grad=True)
+        packed = pack_padded_sequence(x, lengths, enforce_sorted=enforce_sorted)
+        if hx_shape is None:
+            return (packed,), {}, [x]
+        h = randn(g, *hx_shape, scale=0.5, requires_grad=True)
+        return (packed, h), {}, [x, h]
+    return make
+
+
+# ---------------------------------------------------------------- CPU ops ----
+
+def test_lstm_padded_cpu():
+    m = rnnkern.LSTM(3, 6, num_layers=2, bidirectional=True, proj_size=4, batch_first=True,
+                     backend="cpu", dtype=torch.float64)
+    compare_with_eager(m, padded_args(5, 3, 3, [(4, 3, 4), (4, 3, 6)], batch_first=True),
+                       backend="inductor")
+
+
+def test_gru_lengths_cpu():
+    m = rnnkern.GRU(3, 6, num_layers=2, bidirectional=True, backend="cpu", dtype=torch.float64)
+    compare_with_eager(m, padded_args(5, 4, 3, lengths=torch.tensor([5, 2, 0, 4])), backend="inductor")
+
+
+def test_rnn_unbatched_cpu():
+    m = rnnkern.RNN(3, 6, nonlinearity="relu", backend="cpu", dtype=torch.float64)
+    compare_with_eager(m, lambda k: ((randn(generator("unbatched"), 5, 3, requires_grad=True),), {}, []))
+
+
+def test_lstm_packed_unsorted_cpu_recompiles_for_new_lengths():
+    """A pack's batch size comes from its permutation's shape; a second batch
+    with other lengths runs through the graph's guards and still agrees."""
+    m = rnnkern.LSTM(3, 6, num_layers=2, backend="cpu", dtype=torch.float64)
+    compare_with_eager(m, packed_args([[5, 2, 4], [3, 6, 1]], 3, enforce_sorted=False), calls=2)
+
+
+def test_gru_packed_sorted_cpu():
+    m = rnnkern.GRU(3, 6, bidirectional=True, backend="cpu", dtype=torch.float64)
+    compare_with_eager(m, packed_args([[5, 4, 2], [6, 3, 3]], 3, enforce_sorted=True), calls=2)
+
+
+def test_gru_packed_sorted_with_hx_cpu():
+    m = rnnkern.GRU(3, 6, num_layers=2, backend="cpu", dtype=torch.float64)
+    compare_with_eager(m, packed_args([[5, 4, 2]], 3, enforce_sorted=True, hx_shape=(2, 3, 6)))
+
+
+def test_dropout_in_training_compiles():
+    """Training mode with dropout between layers (masks come from the compiled
+    graph's random stream, so only shapes and the zero fraction are compared)."""
+    m = rnnkern.LSTM(4, 8, num_layers=3, dropout=0.5, backend="cpu").train()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(6, 5, 4, requires_grad=True)
+    out, (h, c) = compiled(x, lengths=torch.tensor([6, 1, 3, 6, 2]))
+    (out.sum() + h.sum() + c.sum()).backward()
+    assert out.shape == (6, 5, 8) and x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("cls", [rnnkern.LSTMCell, rnnkern.GRUCell])
+def test_cells_cpu(cls):
+    m = cls(3, 6, backend="cpu", dtype=torch.float64)
+    shapes = [(4, 6), (4, 6)] if cls is rnnkern.LSTMCell else [(4, 6)]
+
+    def make(k):
+        g = generator("compile-cell", k)
+        x = randn(g, 4, 3, requires_grad=True)
+        hx = [randn(g, *s, scale=0.5, requires_grad=True) for s in shapes]
+        return (x, tuple(hx) if len(hx) == 2 else hx[0]), {}, [x, *hx]
+
+    compare_with_eager(m, make)
+
+
+# -------------------------------------------------------- other backends ----
+
+def test_reference_padded_and_lengths():
+    m = rnnkern.GRU(2, 3, bidirectional=True, reset_after=False, backend="reference",
+                    dtype=torch.float64)
+    compare_with_eager(m, padded_args(3, 2, 2, lengths=torch.tensor([3, 1])))
+
+
+def test_reference_packed():
+    m = rnnkern.LSTM(2, 3, backend="reference", dtype=torch.float64)
+    compare_with_eager(m, packed_args([[3, 1]], 2, enforce_sorted=False))
+
+
+def test_triton_interpreter():
+    if not HAS_TRITON_OPS:
+        pytest.skip("rnnkern.triton.ops is absent (the Triton backend is not in this tree)")
+    if HAS_GPU:
+        pytest.skip("the interpreter runs where there is no GPU; test_triton_cuda covers the GPU")
+    m = rnnkern.LSTM(2, 4, bidirectional=True, backend="triton", dtype=torch.float64)
+    compare_with_eager(m, padded_args(3, 2, 2, lengths=torch.tensor([3, 1])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_backends(backend):
+    m = rnnkern.LSTM(8, 16, num_layers=2, bidirectional=True, backend=backend, device="cuda")
+    x = torch.randn(7, 4, 8, device="cuda", requires_grad=True)
+    lengths = torch.tensor([7, 3, 1, 5])
+    compiled = torch.compile(m, fullgraph=True)
+    got = compiled(x, lengths=lengths)
+    want = m(x, lengths=lengths)
+    for a, b in zip(leaves(got), leaves(want)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    sum(t.sum() for t in leaves(got)).backward()
+    assert x.grad is not None
+
+
+# ------------------------------------------------------- the Dynamo flag ----
+
+def test_dynamo_refuses_rnn_modules_without_allow_rnn():
+    """Why the flag is needed: Dynamo's isinstance check on torch.nn.RNN/GRU/LSTM.
+    When a torch release lifts it (pytorch PR 185163), this test fails: drop the
+    flag from the docs."""
+    m = rnnkern.GRU(3, 4, backend="cpu")
+    with torch._dynamo.config.patch(allow_rnn=False):
+        compiled = torch.compile(m, fullgraph=True)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="allow_rnn"):
+            compiled(torch.randn(2, 1, 3))

@@ -1,0 +1,960 @@
+"""The drop-in modules against torch.nn: a parity grid over every option, dropout,
+convert(), serialisation and construction, autocast, bad input, backend coverage.
+
+The grid compares outputs, final states and every gradient (input, initial
+states, all parameters) in float64.  Its combinations (cell x layers x
+directions x batch_first x bias x input form x hx) are too many to run whole in
+CI: a seeded sample covers every (cell, input form) pair several times with the
+other options drawn at random; ``RNNKERN_FULL_GRID=1`` runs the whole product.
+``gru_reset_before`` has no torch.nn twin: it is compared with
+:mod:`rnnkern.reference` run layer by layer.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+import itertools
+import os
+import pickle
+import random
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+import rnnkern
+from rnnkern import modules, ops, reference
+from conftest import HAS_GPU, assert_close, assert_low_precision, generator, randn
+
+HAS_TRITON_OPS = importlib.util.find_spec("rnnkern.triton.ops") is not None
+NO_TRITON_OPS = "rnnkern.triton.ops is absent (the Triton backend is not in this tree)"
+
+
+# --------------------------------------------------------------- the grid ----
+
+FORMS = ("padded", "lengths", "packed_sorted", "packed_unsorted", "unbatched")
+# (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
+CELL_VARIANTS = (("rnn_tanh", 0), ("rnn_relu", 0), ("gru", 0), ("gru_reset_before", 0),
+                 ("lstm", 0), ("lstm", 3))
+T, B, I, H = 6, 4, 3, 5
+LENGTHS = {  # per input form; the unsorted ones have ties
+    "lengths": [5, 2, 6, 2],
+    "packed_sorted": [6, 5, 2, 1],
+    "packed_unsorted": [5, 2, 6, 2],
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    cell: str
+    proj: int
+    layers: int
+    bidirectional: bool
+    batch_first: bool
+    bias: bool
+    form: str
+    hx: bool
+
+    @property
+    def id(self) -> str:
+        return "-".join([self.cell + (f"_proj{self.proj}" if self.proj else ""), f"L{self.layers}",
+                         "bi" if self.bidirectional else "uni", "bf" if self.batch_first else "tf",
+                         "bias" if self.bias else "nobias", self.form, "hx" if self.hx else "nohx"])
+
+
+def grid(per_stratum: int, seed: int) -> list[Case]:
+    """Every (cell, form) pair `per_stratum` times, the other options drawn from
+    a seeded generator; the whole product with RNNKERN_FULL_GRID=1."""
+    rest = list(itertools.product((1, 3), (False, True), (False, True), (False, True), (False, True)))
+    rng = random.Random(seed)
+    full = os.environ.get("RNNKERN_FULL_GRID") == "1"
+    cases = []
+    for (cell, proj), form in itertools.product(CELL_VARIANTS, FORMS):
+        chosen = rest if full else rng.sample(rest, per_stratum)
+        cases += [Case(cell, proj, *options[:4], form, options[4]) for options in chosen]
+    return cases
+
+
+def make_pair(case: Case, dtype=torch.float64, device="cpu", backend="cpu"):
+    """(ours, twin): the rnnkern module and the module it must agree with --
+    torch.nn's with the same parameters, or for gru_reset_before a
+    rnnkern.reference stack over the same module."""
+    kwargs = dict(num_layers=case.layers, bias=case.bias, batch_first=case.batch_first,
+                  bidirectional=case.bidirectional, dtype=dtype, device=device)
+    if case.proj:
+        kwargs["proj_size"] = case.proj
+    torch.manual_seed(zlib.crc32(case.id.encode()))
+    if case.cell == "lstm":
+        ours = rnnkern.LSTM(I, H, backend=backend, **kwargs)
+    elif case.cell in ("gru", "gru_reset_before"):
+        ours = rnnkern.GRU(I, H, backend=backend, reset_after=case.cell == "gru", **kwargs)
+    else:
+        ours = rnnkern.RNN(I, H, nonlinearity=case.cell[4:], backend=backend, **kwargs)
+    if case.cell == "gru_reset_before":
+        return ours, ReferenceTwin(ours)
+    twin = {"lstm": nn.LSTM, "gru": nn.GRU}.get(case.cell, nn.RNN)
+    extra = {"nonlinearity": case.cell[4:]} if case.cell.startswith("rnn") else {}
+    theirs = twin(I, H, **kwargs, **extra)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+class ReferenceTwin:
+    """torch.nn's forward contract (every input form) computed by
+    rnnkern.reference.layer, one (layer, direction) at a time, with the
+    parameters of an rnnkern module."""
+
+    def __init__(self, module):
+        self.m = module
+
+    def named_parameters(self):
+        return self.m.named_parameters()
+
+    def __call__(self, input, hx=None, lengths=None):
+        m = self.m
+        lstm = m.mode == "LSTM"
+        packed = isinstance(input, PackedSequence)
+        if packed:
+            x, lengths = pad_packed_sequence(input)  # original batch order
+        else:
+            batched = input.dim() == 3
+            x = input if batched else input.unsqueeze(1 - int(m.batch_first))
+            x = x.transpose(0, 1) if m.batch_first else x
+        D = 2 if m.bidirectional else 1
+        P = m.proj_size or m.hidden_size
+        if hx is None:
+            hx = (x.new_zeros(m.num_layers * D, x.size(1), P),
+                  x.new_zeros(m.num_layers * D, x.size(1), m.hidden_size))
+        else:
+            hx = tuple(hx) if lstm else (hx,)
+            if not packed and not batched:
+                hx = tuple(h.unsqueeze(1) for h in hx)
+        h_n, c_n = [], []
+        for layer in range(m.num_layers):
+            outs = []
+            for d in range(D):
+                sfx = f"_l{layer}" + ("_reverse" if d else "")
+                w = lambda n: getattr(m, n + sfx, None)  # noqa: E731
+                i = layer * D + d
+                out, h, c = reference.layer(m.cell, x, hx[0][i], hx[1][i] if lstm else None,
+                                            w("weight_ih"), w("weight_hh"), w("bias_ih"), w("bias_hh"),
+                                            w("weight_hr"), lengths, reverse=d == 1)
+                outs.append(out)
+                h_n.append(h)
+                c_n.append(c)
+            x = torch.cat(outs, 2)
+        hidden = (torch.stack(h_n), torch.stack(c_n)) if lstm else torch.stack(h_n)
+        if packed:
+            repacked = pack_padded_sequence(x, lengths, enforce_sorted=input.sorted_indices is None)
+            return PackedSequence(repacked.data, input.batch_sizes, input.sorted_indices,
+                                  input.unsorted_indices), hidden
+        x = x.transpose(0, 1) if m.batch_first else x
+        if not batched:
+            x = x.squeeze(1 - int(m.batch_first))
+            hidden = tuple(h.squeeze(1) for h in hidden) if lstm else hidden.squeeze(1)
+        return x, hidden
+
+
+def case_inputs(case: Case, dtype=torch.float64, device="cpu"):
+    """Input leaf x (padded layout of the form) and hx leaves (or None)."""
+    g = generator("grid", case.id)
+    D = 2 if case.bidirectional else 1
+    P = case.proj or H
+    shape = (T, I) if case.form == "unbatched" else ((B, T, I) if case.batch_first else (T, B, I))
+    x = randn(g, *shape, dtype=dtype).to(device).requires_grad_()
+    if not case.hx:
+        return x, None
+    batch = () if case.form == "unbatched" else (B,)
+    h = randn(g, case.layers * D, *batch, P, dtype=dtype, scale=0.5).to(device).requires_grad_()
+    if case.cell != "lstm":
+        return x, (h,)
+    c = randn(g, case.layers * D, *batch, H, dtype=dtype, scale=0.5).to(device).requires_grad_()
+    return x, (h, c)
+
+
+def call(module, case: Case, x, hx, is_twin: bool):
+    """Runs `module` on the case's input form; returns the tensors to compare:
+    (output or packed data, *final states)."""
+    lstm = case.cell == "lstm"
+    arg = None if hx is None else (hx if lstm else hx[0])
+    if case.form in ("packed_sorted", "packed_unsorted"):
+        lengths = torch.tensor(LENGTHS[case.form])
+        packed = pack_padded_sequence(x, lengths, batch_first=case.batch_first,
+                                      enforce_sorted=case.form == "packed_sorted")
+        out, hidden = module(packed, arg)
+        assert isinstance(out, PackedSequence)
+        assert torch.equal(out.batch_sizes, packed.batch_sizes)
+        out = out.data
+    elif case.form == "lengths":
+        lengths = torch.tensor(LENGTHS["lengths"])
+        if is_twin and isinstance(module, nn.Module):  # torch.nn: the equivalent PackedSequence
+            packed = pack_padded_sequence(x, lengths, batch_first=case.batch_first, enforce_sorted=False)
+            out, hidden = module(packed, arg)
+            out = pad_packed_sequence(out, batch_first=case.batch_first, total_length=T)[0]
+        else:
+            out, hidden = module(x, arg, lengths=lengths)
+    else:
+        out, hidden = module(x, arg)
+    return (out, *(hidden if lstm else (hidden,)))
+
+
+def outputs_and_grads(module, case, x, hx, is_twin):
+    """The compared tensors, then the gradients of a random linear functional of
+    them w.r.t. the input, hx and every parameter (by name)."""
+    results = call(module, case, x, hx, is_twin)
+    g = generator("grid-cotangent", case.id)
+    loss = sum((r * randn(g, *r.shape, dtype=r.dtype).to(r.device)).sum() for r in results)
+    names, params = zip(*module.named_parameters())
+    leaves = [x, *(hx or ()), *params]
+    grads = torch.autograd.grad(loss, leaves)
+    labels = ["output"] + [f"hidden[{i}]" for i in range(len(results) - 1)]
+    labels += ["grad input"] + [f"grad hx[{i}]" for i in range(len(hx or ()))]
+    labels += [f"grad {n}" for n in names]
+    return dict(zip(labels, [*results, *grads]))
+
+
+def check_case(case: Case, backend: str, device="cpu"):
+    ours, twin = make_pair(case, backend=backend, device=device)
+    x, hx = case_inputs(case, device=device)
+    got = outputs_and_grads(ours, case, x, hx, is_twin=False)
+    want = outputs_and_grads(twin, case, x, hx, is_twin=True)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        assert_close(got[name], want[name], what=f"{case.id} {name}")
+
+
+@pytest.mark.parametrize("case", grid(per_stratum=4, seed=1), ids=lambda c: c.id)
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_parity_grid(backend, case):
+    check_case(case, backend)
+
+
+@pytest.mark.parametrize("case", grid(per_stratum=1, seed=2), ids=lambda c: c.id)
+def test_parity_grid_triton_interpreter(case):
+    if not HAS_TRITON_OPS:
+        pytest.skip(NO_TRITON_OPS)
+    if HAS_GPU:
+        pytest.skip("the interpreter grid runs where there is no GPU; the GPU grid covers triton on CUDA")
+    check_case(case, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", grid(per_stratum=1, seed=3), ids=lambda c: c.id)
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_parity_grid_gpu(backend, case):
+    check_case(case, backend, device="cuda")
+
+
+def test_grid_sample_covers_every_option():
+    """The CI sample holds every value of every option, and every (cell, form) pair."""
+    cases = grid(per_stratum=4, seed=1)
+    for field in ("cell", "proj", "layers", "bidirectional", "batch_first", "bias", "form", "hx"):
+        values = {getattr(c, field) for c in cases}
+        assert len(values) >= 2, field
+    assert {(c.cell, c.proj, c.form) for c in cases} == {
+        (cell, proj, form) for (cell, proj), form in itertools.product(CELL_VARIANTS, FORMS)}
+
+
+@pytest.mark.parametrize("cell,proj", CELL_VARIANTS, ids=[f"{c}_proj{p}" if p else c for c, p in CELL_VARIANTS])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_lengths_with_empty_sequences(backend, cell, proj):
+    """lengths= accepts zero lengths (no torch.nn twin: a PackedSequence cannot
+    hold an empty sequence): their state stays h0 and their output is zero."""
+    case = Case(cell, proj, 2, True, False, True, "lengths", True)
+    ours, _ = make_pair(case, backend=backend)
+    x, hx = case_inputs(case)
+    lengths = torch.tensor([4, 0, 6, 1])
+    arg = hx if cell == "lstm" else hx[0]
+    got = ours(x, arg, lengths=lengths)
+    want = ReferenceTwin(ours)(x, arg, lengths=lengths)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert_close(a, b)
+    assert (got[0][:, 1] == 0).all()
+    h_n = got[1][0] if cell == "lstm" else got[1]
+    assert torch.equal(h_n[:, 1], hx[0][:, 1])
+
+
+def test_lengths_forms_agree():
+    """lengths as a list, an int32 tensor or full lengths: same as the int64 tensor
+    (and full lengths the same as none)."""
+    m = rnnkern.GRU(I, H, num_layers=2, bidirectional=True, backend="cpu", dtype=torch.float64)
+    x = randn(generator("lengths-forms"), T, B, I)
+    want, _ = m(x, lengths=torch.tensor([6, 2, 5, 1]))
+    for lengths in ([6, 2, 5, 1], torch.tensor([6, 2, 5, 1], dtype=torch.int32)):
+        got, _ = m(x, lengths=lengths)
+        assert torch.equal(got, want)
+    assert_close(m(x, lengths=[T] * B)[0], m(x)[0])
+
+
+# ------------------------------------------------------------- no Python per step ----
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("form", ["padded", "lengths", "packed_unsorted"])
+def test_one_op_call_per_layer_and_direction(monkeypatch, bidirectional, form):
+    """However long the sequence, each (layer, direction) is one recurrence call."""
+    calls = []
+    real = ops.recurrence
+    monkeypatch.setattr(ops, "recurrence", lambda *a, **k: calls.append(1) or real(*a, **k))
+    case = Case("lstm", 0, 3, bidirectional, False, True, form, False)
+    ours, _ = make_pair(case)
+    x, hx = case_inputs(case)
+    call(ours, case, x, hx, is_twin=False)
+    assert len(calls) == 3 * (2 if bidirectional else 1)
+
+
+# ---------------------------------------------------------------- dropout ----
+
+class DropoutSpy:
+    """Records every F.dropout call (input, p, training, output)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = torch.nn.functional.dropout
+
+        def spy(input, p=0.5, training=True, inplace=False):
+            out = real(input, p, training, inplace)
+            self.calls.append((input.detach(), p, training, out.detach()))
+            return out
+
+        monkeypatch.setattr(modules.F, "dropout", spy)
+
+
+@pytest.mark.parametrize("form", ["padded", "lengths", "packed_unsorted"])
+def test_dropout_statistics_in_training(monkeypatch, form):
+    """Between layers only (L-1 times), over the valid steps only, each element
+    zeroed with probability p and the others scaled by 1/(1-p)."""
+    p, L = 0.3, 3
+    spy = DropoutSpy(monkeypatch)
+    m = rnnkern.GRU(8, 32, num_layers=L, dropout=p, backend="cpu", dtype=torch.float64).train()
+    g = generator("dropout-stats", form)
+    x = randn(g, 40, 16, 8)
+    lengths = torch.randint(1, 41, (16,), generator=g)
+    if form == "padded":
+        m(x)
+    elif form == "lengths":
+        m(x, lengths=lengths)
+    else:
+        m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+    assert len(spy.calls) == L - 1
+    rows = 40 * 16 if form == "padded" else int(lengths.sum())
+    for inp, prob, training, out in spy.calls:
+        assert prob == p and training
+        assert inp.shape == (rows, 32) if form != "padded" else inp.shape == (40, 16, 32)
+        assert (inp != 0).all()  # tanh outputs of the valid steps are never exactly 0
+        dropped = (out == 0).double().mean().item()
+        n = inp.numel()
+        assert abs(dropped - p) < 5 * (p * (1 - p) / n) ** 0.5, dropped
+        kept = out != 0
+        torch.testing.assert_close(out[kept], inp[kept] / (1 - p), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("form", ["padded", "lengths", "packed_sorted"])
+def test_dropout_off_in_eval_and_deterministic(monkeypatch, form):
+    spy = DropoutSpy(monkeypatch)
+    case = Case("lstm", 0, 3, True, False, True, form, True)
+    ours, _ = make_pair(case)
+    plain, _ = make_pair(case)
+    ours.dropout = 0.5
+    x, hx = case_inputs(case)
+    ours.eval()
+    first = call(ours, case, x, hx, is_twin=False)
+    second = call(ours, case, x, hx, is_twin=False)
+    without = call(plain, case, x, hx, is_twin=False)
+    assert spy.calls == []
+    for a, b, c in zip(first, second, without):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    ours.train()
+    assert not torch.equal(call(ours, case, x, hx, False)[0], call(ours, case, x, hx, False)[0])
+
+
+@pytest.mark.parametrize("form", ["padded", "lengths", "packed_sorted", "packed_unsorted"])
+@pytest.mark.parametrize("cell,proj", [("lstm", 0), ("gru", 0), ("rnn_tanh", 0), ("lstm", 3)],
+                         ids=["lstm", "gru", "rnn_tanh", "lstm_proj3"])
+@pytest.mark.parametrize("p", [0.4, 1.0])
+def test_dropout_masks_match_torch_nn_cpu(form, cell, proj, p):
+    """With the same seed, torch.nn's native CPU path and rnnkern draw the same
+    masks (torch.nn drops out the packed rows, rnnkern does too), so outputs,
+    states and every gradient agree in training mode."""
+    case = Case(cell, proj, 3, True, form == "packed_sorted", True, form, True)
+    ours, theirs = make_pair(case)
+    ours.dropout = theirs.dropout = p
+    ours.train(), theirs.train()
+    x, hx = case_inputs(case)
+    torch.manual_seed(7)
+    got = outputs_and_grads(ours, case, x, hx, is_twin=False)
+    torch.manual_seed(7)
+    want = outputs_and_grads(theirs, case, x, hx, is_twin=True)
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+# ---------------------------------------------------------------- convert ----
+
+class MyLSTM(nn.LSTM):
+    """A user subclass: may override forward, so convert() leaves it alone."""
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2)
+        self.cell = nn.GRUCell(3, 5)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return out, h, c, self.cell(x[0])
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.blocks = nn.ModuleList([nn.GRU(3, 5, batch_first=True), nn.RNN(3, 5, nonlinearity="relu")])
+        self.inner = nn.Sequential(Inner())
+        self.cells = nn.ModuleDict({"rnn": nn.RNNCell(3, 5), "lstm": nn.LSTMCell(3, 5)})
+        self.custom = MyLSTM(3, 5)
+
+    def forward(self, x):
+        x = self.proj(x)
+        results = [self.blocks[0](x.transpose(0, 1))[0], self.blocks[1](x)[0]]
+        results += list(self.inner(x))
+        results.append(self.cells["rnn"](x[0]))
+        results += list(self.cells["lstm"](x[0]))
+        results.append(self.custom(x)[0])
+        return results
+
+
+TORCH_TO_OURS = {nn.RNN: rnnkern.RNN, nn.GRU: rnnkern.GRU, nn.LSTM: rnnkern.LSTM,
+                 nn.RNNCell: rnnkern.RNNCell, nn.GRUCell: rnnkern.GRUCell, nn.LSTMCell: rnnkern.LSTMCell}
+
+
+def test_convert_replaces_shares_and_computes_the_same():
+    torch.manual_seed(0)
+    model = Model().double()
+    x = randn(generator("convert"), 6, 2, 4)
+    before = model(x)
+    types = {name: type(m) for name, m in model.named_modules()}
+    params = {name: p for name, p in model.named_parameters()}
+    keys = list(model.state_dict())
+
+    assert rnnkern.convert(model, backend="cpu") is model
+
+    for name, m in model.named_modules():
+        want = TORCH_TO_OURS.get(types[name], types[name])
+        assert type(m) is want, name
+        if want in TORCH_TO_OURS.values():
+            assert m.backend == "cpu"
+    assert type(model.custom) is MyLSTM
+    assert all(p is params[name] for name, p in model.named_parameters())  # the same objects
+    assert list(model.state_dict()) == keys
+    for a, b in zip(model(x), before):
+        assert_close(a, b)
+
+    # Idempotent: a second conversion changes nothing.
+    assert rnnkern.convert(model) is model
+    assert all(type(m) is TORCH_TO_OURS.get(types[n], types[n]) for n, m in model.named_modules())
+    assert model.blocks[0].backend == "cpu"
+    assert all(p is params[name] for name, p in model.named_parameters())
+    for a, b in zip(model(x), before):
+        assert_close(a, b)
+
+
+def test_convert_a_bare_module_and_training_continues():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(3, 5, num_layers=2).double()
+    opt = torch.optim.SGD(lstm.parameters(), lr=0.1)  # made before the conversion
+    x = randn(generator("convert-bare"), 4, 2, 3)
+    assert rnnkern.convert(lstm) is lstm and type(lstm) is rnnkern.LSTM
+    before = lstm.weight_hh_l1.detach().clone()
+    lstm(x)[0].sum().backward()
+    opt.step()
+    assert not torch.equal(lstm.weight_hh_l1, before)
+
+
+def test_convert_rejects_bad_arguments_and_changes_nothing():
+    model = nn.Sequential(nn.GRU(3, 4))
+    with pytest.raises(ValueError, match="fortran"):
+        rnnkern.convert(model, backend="fortran")
+    assert type(model[0]) is nn.GRU
+    cell = nn.RNNCell(3, 4, nonlinearity="sigmoid")  # torch.nn finds out only in forward
+    with pytest.raises(ValueError, match="nonlinearity 'sigmoid'"):
+        rnnkern.convert(cell)
+    assert type(cell) is nn.RNNCell
+
+
+# --------------------------------------------- construction, serialisation ----
+
+CONSTRUCTIONS = [
+    (nn.RNN, rnnkern.RNN, (3, 5), dict(num_layers=2, nonlinearity="relu", bidirectional=True)),
+    (nn.RNN, rnnkern.RNN, (3, 5, 2, "tanh", False, True, 0.5, True), {}),  # positional, as torch
+    (nn.GRU, rnnkern.GRU, (3, 5), dict(num_layers=3, bias=False, dropout=0.2)),
+    (nn.LSTM, rnnkern.LSTM, (3, 5), dict(num_layers=2, proj_size=2, bidirectional=True, batch_first=True)),
+    (nn.RNNCell, rnnkern.RNNCell, (3, 5), dict(nonlinearity="relu")),
+    (nn.GRUCell, rnnkern.GRUCell, (3, 5), dict(bias=False)),
+    (nn.LSTMCell, rnnkern.LSTMCell, (3, 5), {}),
+]
+CONSTRUCTION_IDS = [f"{c[0].__name__}-{i}" for i, c in enumerate(CONSTRUCTIONS)]
+
+
+@pytest.mark.parametrize("theirs_cls,ours_cls,args,kwargs", CONSTRUCTIONS, ids=CONSTRUCTION_IDS)
+def test_same_parameters_init_and_repr(theirs_cls, ours_cls, args, kwargs):
+    """Seeded construction gives torch.nn's parameters exactly (names, shapes,
+    values: the same initialisation), the same repr, and isinstance holds."""
+    torch.manual_seed(3)
+    theirs = theirs_cls(*args, **kwargs)
+    torch.manual_seed(3)
+    ours = ours_cls(*args, **kwargs)
+    assert isinstance(ours, theirs_cls)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(a, b), name
+    assert repr(ours) == repr(theirs)
+    assert ours.extra_repr() == theirs.extra_repr()
+
+
+def test_repr_shows_non_default_rnnkern_options():
+    assert repr(rnnkern.GRU(3, 5, reset_after=False)) == "GRU(3, 5, reset_after=False)"
+    assert repr(rnnkern.LSTM(3, 5, backend="reference")) == "LSTM(3, 5, backend='reference')"
+    assert repr(rnnkern.GRUCell(3, 5, reset_after=False, backend="cpu")) == \
+        "GRUCell(3, 5, reset_after=False, backend='cpu')"
+
+
+@pytest.mark.parametrize("theirs_cls,ours_cls,args,kwargs", CONSTRUCTIONS, ids=CONSTRUCTION_IDS)
+def test_factory_kwargs(theirs_cls, ours_cls, args, kwargs):
+    ours = ours_cls(*args, **kwargs, dtype=torch.float64, device="cpu")
+    assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in ours.parameters())
+    meta = ours_cls(*args, **kwargs, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+
+
+def _run_module(m, x):
+    out = m(x if not isinstance(m, nn.RNNCellBase) else x[0])
+    return torch.utils._pytree.tree_leaves(out)
+
+
+@pytest.mark.parametrize("theirs_cls,ours_cls,args,kwargs", CONSTRUCTIONS, ids=CONSTRUCTION_IDS)
+def test_state_dict_round_trips_with_torch_nn(theirs_cls, ours_cls, args, kwargs):
+    torch.manual_seed(4)
+    theirs = theirs_cls(*args, **kwargs).double().eval()
+    ours = ours_cls(*args, **kwargs, backend="cpu").double().eval()
+    x = randn(generator("state-dict", theirs_cls.__name__), 5, 2, 3)
+    ours.load_state_dict(theirs.state_dict())  # torch.nn -> rnnkern
+    for a, b in zip(_run_module(ours, x), _run_module(theirs, x)):
+        assert_close(a, b)
+    torch.manual_seed(5)
+    source = ours_cls(*args, **kwargs, backend="cpu").double().eval()
+    theirs.load_state_dict(source.state_dict())  # rnnkern -> torch.nn
+    for a, b in zip(_run_module(source, x), _run_module(theirs, x)):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("theirs_cls,ours_cls,args,kwargs", CONSTRUCTIONS, ids=CONSTRUCTION_IDS)
+def test_pickle_deepcopy_torch_save(theirs_cls, ours_cls, args, kwargs):
+    extra = {"reset_after": False} if ours_cls in (rnnkern.GRU, rnnkern.GRUCell) else {}
+    m = ours_cls(*args, **kwargs, **extra, backend="reference").double().eval()
+    x = randn(generator("pickle", theirs_cls.__name__), 5, 2, 3)
+    want = _run_module(m, x)
+    buffer = io.BytesIO()
+    torch.save(m, buffer)
+    buffer.seek(0)
+    copies = [pickle.loads(pickle.dumps(m)), copy.deepcopy(m), torch.load(buffer, weights_only=False)]
+    for c in copies:
+        assert type(c) is ours_cls and c.backend == "reference" and c.reset_after == (not extra)
+        assert repr(c) == repr(m)
+        for a, b in zip(_run_module(c, x), want):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [rnnkern.RNN, rnnkern.GRU, rnnkern.LSTM])
+def test_flatten_parameters_is_accepted(cls):
+    m = cls(3, 5, num_layers=2, backend="cpu").double()
+    x = randn(generator("flatten", cls.__name__), 4, 2, 3)
+    want = _run_module(m, x)
+    assert m.flatten_parameters() is None
+    for a, b in zip(_run_module(m, x), want):
+        assert torch.equal(a, b)
+
+
+def test_functional_call_uses_the_given_parameters():
+    m = rnnkern.LSTM(3, 5, num_layers=2, backend="cpu").double()
+    other = rnnkern.LSTM(3, 5, num_layers=2, backend="cpu").double()
+    x = randn(generator("functional-call"), 4, 2, 3)
+    got = torch.func.functional_call(m, dict(other.named_parameters()), (x,))
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), _run_module(other, x)):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------- autocast ----
+
+AUTOCAST_MODULES = [("RNN", {}), ("GRU", {}), ("LSTM", {}), ("LSTM", {"proj_size": 3})]
+AUTOCAST_IDS = ["RNN", "GRU", "LSTM", "LSTM_proj3"]
+
+
+def _autocast_pair(name, kwargs, device="cpu"):
+    torch.manual_seed(11)
+    theirs = getattr(nn, name)(I, H, num_layers=2, bidirectional=True, **kwargs).to(device)
+    ours = getattr(rnnkern, name)(I, H, num_layers=2, bidirectional=True, **kwargs).to(device)
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+def _autocast_run(m, form, x, hx, is_twin):
+    lengths = torch.tensor([5, 2, 6, 2])
+    if form == "packed":
+        out, hidden = m(pack_padded_sequence(x, lengths, enforce_sorted=False), hx)
+        out = out.data
+    elif form == "lengths" and is_twin:
+        out, hidden = m(pack_padded_sequence(x, lengths, enforce_sorted=False), hx)
+        out = pad_packed_sequence(out, total_length=T)[0]
+    elif form == "lengths":
+        out, hidden = m(x, hx, lengths=lengths)
+    elif form == "unbatched":
+        out, hidden = m(x[:, 0], None if hx is None else torch.utils._pytree.tree_map(lambda h: h[:, 0], hx))
+    else:
+        out, hidden = m(x, hx)
+    return [out, *(hidden if isinstance(hidden, tuple) else (hidden,))]
+
+
+@pytest.mark.parametrize("name,kwargs", AUTOCAST_MODULES, ids=AUTOCAST_IDS)
+@pytest.mark.parametrize("form", ["padded", "lengths", "packed", "unbatched"])
+@pytest.mark.parametrize("hx_dtype", [None, torch.float32, torch.bfloat16], ids=["nohx", "hx32", "hx16"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x32", "x16"])
+def test_autocast_cpu_bfloat16_dtypes_and_values(name, kwargs, form, hx_dtype, x_dtype):
+    """Under CPU bf16 autocast, every result has the dtype torch.nn gives it
+    (torch.nn's CPU kernels mix float32 states into their math: see
+    _autocast_result_dtypes), and its error against float32 is no worse than
+    twice torch.nn's own autocast error."""
+    ours, theirs = _autocast_pair(name, kwargs)
+    g = generator("autocast", name, form, str(hx_dtype), str(x_dtype))
+    x = randn(g, T, B, I, dtype=torch.float32)
+    hx = None
+    if hx_dtype is not None:
+        P = kwargs.get("proj_size") or H
+        h = randn(g, 4, B, P, dtype=torch.float32, scale=0.5)
+        hx = (h, randn(g, 4, B, H, dtype=torch.float32, scale=0.5)) if name == "LSTM" else h
+    full = _autocast_run(theirs, form, x, hx, True)  # float32, no autocast
+    cast = lambda t: t.to(hx_dtype)  # noqa: E731
+    hx_lp = None if hx is None else torch.utils._pytree.tree_map(cast, hx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _autocast_run(theirs, form, x.to(x_dtype), hx_lp, True)
+        got = _autocast_run(ours, form, x.to(x_dtype), hx_lp, False)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    for i, (a, b, c) in enumerate(zip(got, want, full)):
+        assert_low_precision(a, b, c, what=f"result {i}")
+
+
+@pytest.mark.parametrize("name", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("hx_dtype", [None, torch.float32, torch.bfloat16], ids=["nohx", "hx32", "hx16"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x32", "x16"])
+def test_autocast_cpu_bfloat16_cells(name, hx_dtype, x_dtype):
+    torch.manual_seed(12)
+    theirs = getattr(nn, name)(I, H)
+    ours = getattr(rnnkern, name)(I, H)
+    ours.load_state_dict(theirs.state_dict())
+    g = generator("autocast-cell", name, str(hx_dtype), str(x_dtype))
+    x = randn(g, B, I, dtype=x_dtype)
+    hx = None
+    if hx_dtype is not None:
+        hx = randn(g, B, H, dtype=hx_dtype, scale=0.5)
+        hx = (hx, randn(g, B, H, dtype=hx_dtype, scale=0.5)) if name == "LSTMCell" else hx
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.utils._pytree.tree_leaves(theirs(x, hx))
+        got = torch.utils._pytree.tree_leaves(ours(x, hx))
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+
+
+def test_autocast_backward_gives_parameter_dtype_gradients():
+    ours, theirs = _autocast_pair("GRU", {})
+    x = randn(generator("autocast-bwd"), T, B, I, dtype=torch.float32)
+    for m in (ours, theirs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, h = m(x)
+        (out.float().sum() + h.float().sum()).backward()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert a.grad.dtype == b.grad.dtype == torch.float32, name
+        rel = (a.grad - b.grad).norm() / b.grad.norm()
+        assert rel < 0.05, (name, rel.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name,kwargs", AUTOCAST_MODULES, ids=AUTOCAST_IDS)
+@pytest.mark.parametrize("form", ["padded", "packed"])
+def test_autocast_cuda_dtypes(dtype, name, kwargs, form):
+    ours, theirs = _autocast_pair(name, kwargs, device="cuda")
+    x = torch.randn(T, B, I, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        want = _autocast_run(theirs, form, x, None, True)
+        got = _autocast_run(ours, form, x, None, False)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["RNNCell", "GRUCell", "LSTMCell"])
+def test_autocast_cuda_cells(dtype, name):
+    theirs = getattr(nn, name)(I, H).cuda()
+    ours = getattr(rnnkern, name)(I, H).cuda()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(B, I, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        want = torch.utils._pytree.tree_leaves(theirs(x))
+        got = torch.utils._pytree.tree_leaves(ours(x))
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+
+
+# -------------------------------------------------------------- bad input ----
+
+def _raises_like_torch(theirs_call, ours_call, *words):
+    """torch.nn raises; rnnkern raises the same exception type with a message
+    holding `words` (the argument's name and what was expected)."""
+    with pytest.raises(Exception) as want:
+        theirs_call()
+    with pytest.raises(type(want.value)) as got:
+        ours_call()
+    for w in words:
+        assert w in str(got.value), (w, str(got.value))
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(hidden_size=0), ["hidden_size", "greater than zero"]),
+    (dict(input_size=0), ["input_size", "greater than zero"]),
+    (dict(num_layers=0), ["num_layers", "greater than zero"]),
+    (dict(dropout=-0.1), ["dropout", "[0, 1]"]),
+    (dict(dropout=1.5), ["dropout", "[0, 1]"]),
+    (dict(dropout=True), ["dropout", "[0, 1]"]),
+    (dict(bias="yes"), ["bias", "bool"]),
+], ids=["hidden0", "input0", "layers0", "dropout-neg", "dropout-big", "dropout-bool", "bias-str"])
+def test_bad_constructor_arguments(cls, kwargs, words):
+    args = dict(input_size=3, hidden_size=5) | kwargs
+    _raises_like_torch(lambda: getattr(nn, cls)(**args), lambda: getattr(rnnkern, cls)(**args), *words)
+
+
+@pytest.mark.parametrize("proj", [5, 7, -1])
+def test_bad_proj_size(proj):
+    _raises_like_torch(lambda: nn.LSTM(3, 5, proj_size=proj), lambda: rnnkern.LSTM(3, 5, proj_size=proj),
+                       "proj_size")
+
+
+def test_proj_size_only_for_lstm():
+    _raises_like_torch(lambda: nn.GRU(3, 5, proj_size=2), lambda: rnnkern.GRU(3, 5, proj_size=2), "proj_size")
+
+
+def test_unknown_nonlinearity():
+    _raises_like_torch(lambda: nn.RNN(3, 5, nonlinearity="gelu"),
+                       lambda: rnnkern.RNN(3, 5, nonlinearity="gelu"), "gelu", "tanh", "relu")
+    # torch.nn.RNNCell only fails in forward (RuntimeError); rnnkern at construction.
+    with pytest.raises(ValueError, match="nonlinearity 'gelu'. Select from 'tanh' or 'relu'"):
+        rnnkern.RNNCell(3, 5, nonlinearity="gelu")
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("args,exc,words", [
+    ((3, 0), ValueError, ["hidden_size", "greater than zero"]),
+    ((0, 5), ValueError, ["input_size", "greater than zero"]),
+    ((3, 5.0), TypeError, ["hidden_size", "int"]),
+], ids=["hidden0", "input0", "hidden-float"])
+def test_bad_cell_sizes(cls, args, exc, words):
+    """torch.nn's cells fail here with an AttributeError from inside their init;
+    rnnkern's say what is wrong."""
+    with pytest.raises(exc) as e:
+        getattr(rnnkern, cls)(*args)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell"])
+def test_bad_rnnkern_arguments(cls):
+    with pytest.raises(ValueError) as e:
+        getattr(rnnkern, cls)(3, 5, backend="fortran")
+    assert "fortran" in str(e.value) and all(b in str(e.value) for b in ops.BACKENDS)
+    if cls.startswith("GRU"):
+        for bad in ("yes", 1, None):
+            with pytest.raises(TypeError, match="reset_after should be of type bool"):
+                getattr(rnnkern, cls)(3, 5, reset_after=bad)
+    else:
+        with pytest.raises(TypeError, match="reset_after"):
+            getattr(rnnkern, cls)(3, 5, reset_after=False)  # GRU only
+
+
+def _pair(cls, **kwargs):
+    torch.manual_seed(0)
+    theirs = getattr(nn, cls)(4, 5, **kwargs)
+    ours = getattr(rnnkern, cls)(4, 5, backend="cpu", **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def _hx(cls, *shape, c_shape=None, dtype=torch.float32):
+    h = torch.randn(*shape, dtype=dtype)
+    return (h, torch.randn(*(c_shape or shape), dtype=dtype)) if cls.startswith("LSTM") else h
+
+
+_PACK = pack_padded_sequence(torch.randn(5, 3, 4), torch.tensor([5, 2, 4]), enforce_sorted=False)
+
+
+def _packed_data(data):
+    return PackedSequence(data, _PACK.batch_sizes, _PACK.sorted_indices, _PACK.unsorted_indices)
+
+
+# (name, call(module, cls), words): torch.nn raises an explicit error; so do we.
+LIKE_TORCH = [
+    ("input-4d", lambda m, c: m(torch.randn(3, 2, 4, 1)), ["input", "2D or 3D", "4D"]),
+    ("input-1d", lambda m, c: m(torch.randn(4)), ["input", "2D or 3D", "1D"]),
+    ("input-size", lambda m, c: m(torch.randn(3, 2, 7)), ["input_size", "4", "7"]),
+    ("input-size-unbatched", lambda m, c: m(torch.randn(3, 7)), ["input_size", "4", "7"]),
+    ("input-dtype", lambda m, c: m(torch.randn(3, 2, 4, dtype=torch.float64)), ["dtype", "float64"]),
+    ("seq-len-0", lambda m, c: m(torch.randn(0, 2, 4)), ["sequence length"]),
+    ("hx-batch", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 1, 3, 5)), ["hidden", "(1, 2, 5)", "[1, 3, 5]"]),
+    ("hx-layers", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 2, 2, 5)), ["hidden", "(1, 2, 5)", "[2, 2, 5]"]),
+    ("hx-rank", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 2, 5)), ["hx", "3-D", "2-D"]),
+    ("hx-rank-unbatched", lambda m, c: m(torch.randn(3, 4), _hx(c, 1, 1, 5)), ["hx", "2-D", "3-D"]),
+    ("packed-data-3d", lambda m, c: m(_packed_data(torch.randn(11, 2, 4))), ["input", "2 dimensions", "3"]),
+    ("packed-hx-layers", lambda m, c: m(_PACK, _hx(c, 2, 3, 5)), ["hidden", "(1, 3, 5)", "[2, 3, 5]"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("name,bad,words", LIKE_TORCH, ids=[c[0] for c in LIKE_TORCH])
+def test_bad_input_like_torch(cls, name, bad, words):
+    theirs, ours = _pair(cls)
+    if cls == "LSTM" and name == "packed-hx-layers":
+        # torch.nn.LSTM fails here with "Expected more hidden states in stacked_rnn".
+        with pytest.raises(RuntimeError, match=r"Expected hidden\[0\] size \(1, 3, 5\), got \[2, 3, 5\]"):
+            ours(_PACK, _hx(cls, 2, 3, 5))
+        return
+    _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
+
+
+def test_lstm_cell_state_shape_like_torch():
+    theirs, ours = _pair("LSTM")
+    hx = (torch.randn(1, 2, 5), torch.randn(1, 2, 6))
+    _raises_like_torch(lambda: theirs(torch.randn(3, 2, 4), hx), lambda: ours(torch.randn(3, 2, 4), hx),
+                       "hidden[1]", "(1, 2, 5)", "[1, 2, 6]")
+
+
+# (name, call(module, cls), exception, words): torch.nn fails obscurely or not at all.
+CLEARER_THAN_TORCH = [
+    ("packed-data-size", lambda m, c: m(_packed_data(torch.randn(11, 7))), RuntimeError,
+     ["input_size", "4", "7"]),
+    ("packed-data-rows", lambda m, c: m(_packed_data(torch.randn(10, 4))), RuntimeError,
+     ["PackedSequence data has 10 rows", "11"]),
+    ("packed-hx-batch", lambda m, c: m(_PACK, _hx(c, 1, 2, 5)), RuntimeError, ["hidden", "(1, 3, 5)", "[1, 2, 5]"]),
+    ("hx-dtype", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 1, 2, 5, dtype=torch.float64)), ValueError,
+     ["hx", "float64", "float32"]),
+    ("hx-not-tensor", lambda m, c: m(torch.randn(3, 2, 4), [1, 2]), TypeError, ["hx", "Tensor"]),
+    ("input-not-tensor", lambda m, c: m([[1.0] * 4]), TypeError, ["input", "Tensor", "list"]),
+    ("lengths-with-packed", lambda m, c: m(_PACK, lengths=torch.tensor([1, 2, 3])), ValueError,
+     ["lengths", "PackedSequence"]),
+    ("lengths-unbatched", lambda m, c: m(torch.randn(3, 4), lengths=torch.tensor([3])), ValueError,
+     ["lengths", "batched"]),
+    ("lengths-shape", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3])), ValueError,
+     ["lengths", "[2]"]),
+    ("lengths-range", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3, 4])), ValueError,
+     ["lengths", "[0, 3]"]),
+    ("lengths-negative", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3, -1])), ValueError,
+     ["lengths", "[0, 3]"]),
+    ("lengths-float", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3.0, 1.0])), TypeError,
+     ["lengths", "integer"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("name,bad,exc,words", CLEARER_THAN_TORCH, ids=[c[0] for c in CLEARER_THAN_TORCH])
+def test_bad_input_clear_errors(cls, name, bad, exc, words):
+    _, ours = _pair(cls)
+    with pytest.raises(exc) as e:
+        bad(ours, cls)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_lstm_hx_must_be_a_pair():
+    _, ours = _pair("LSTM")
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\)"):
+        ours(torch.randn(3, 2, 4), torch.randn(1, 2, 5))
+
+
+# Cells: (name, call(cell, cls), words); torch.nn raises the same type.
+CELL_LIKE_TORCH = [
+    ("input-3d", lambda m, c: m(torch.randn(2, 3, 4)), ["input", "1D or 2D", "3D"]),
+    ("input-size", lambda m, c: m(torch.randn(3, 7)), ["input_size", "7", "4"]),
+    ("hx-3d", lambda m, c: m(torch.randn(3, 4), _hx(c, 1, 3, 5)), ["1D or 2D", "3D"]),
+    ("hx-batch", lambda m, c: m(torch.randn(3, 4), _hx(c, 2, 5)), ["batch size", "3", "2"]),
+    ("hx-size", lambda m, c: m(torch.randn(3, 4), _hx(c, 3, 6)), ["hidden_size", "6", "5"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("name,bad,words", CELL_LIKE_TORCH, ids=[c[0] for c in CELL_LIKE_TORCH])
+def test_cell_bad_input_like_torch(cls, name, bad, words):
+    theirs, ours = _pair(cls)
+    _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
+
+
+CELL_CLEARER = [
+    ("hx-rank-unbatched", lambda m, c: m(torch.randn(4), _hx(c, 1, 5)), ValueError, ["hx", "1D like the input"]),
+    ("hx-rank-batched", lambda m, c: m(torch.randn(3, 4), _hx(c, 5)), ValueError, ["hx", "2D like the input"]),
+    ("input-dtype", lambda m, c: m(torch.randn(3, 4, dtype=torch.float64)), ValueError, ["input", "float64"]),
+    ("hx-dtype", lambda m, c: m(torch.randn(3, 4), _hx(c, 3, 5, dtype=torch.float64)), ValueError,
+     ["hx", "float64"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("name,bad,exc,words", CELL_CLEARER, ids=[c[0] for c in CELL_CLEARER])
+def test_cell_bad_input_clear_errors(cls, name, bad, exc, words):
+    _, ours = _pair(cls)
+    with pytest.raises(exc) as e:
+        bad(ours, cls)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_lstm_cell_hx_must_be_a_pair():
+    theirs, ours = _pair("LSTMCell")
+    _raises_like_torch(lambda: theirs(torch.randn(3, 4), torch.randn(3, 5)),
+                       lambda: ours(torch.randn(3, 4), torch.randn(3, 5)), "hx", "tuple")
+
+
+# ------------------------------------------------------- backend coverage ----
+
+@pytest.mark.parametrize("option,build,run", [
+    ("proj_size", lambda: rnnkern.LSTM(3, 5, proj_size=2, backend="cpu"), lambda m: m(torch.randn(4, 2, 3))),
+    ("variable lengths", lambda: rnnkern.GRU(3, 5, backend="cpu"),
+     lambda m: m(torch.randn(4, 2, 3), lengths=[4, 2])),
+    ("variable lengths", lambda: rnnkern.GRU(3, 5, backend="cpu"),
+     lambda m: m(pack_padded_sequence(torch.randn(4, 2, 3), [4, 2]))),
+    ("reset_after=False", lambda: rnnkern.GRU(3, 5, reset_after=False, backend="cpu"),
+     lambda m: m(torch.randn(4, 2, 3))),
+    ("nonlinearity='relu'", lambda: rnnkern.RNN(3, 5, nonlinearity="relu", backend="cpu"),
+     lambda m: m(torch.randn(4, 2, 3))),
+    ("torch.float64", lambda: rnnkern.LSTM(3, 5, backend="cpu").double(),
+     lambda m: m(torch.randn(4, 2, 3, dtype=torch.float64))),
+    ("cells", lambda: rnnkern.LSTMCell(3, 5, backend="cpu"), lambda m: m(torch.randn(2, 3))),
+], ids=["proj", "lengths", "packed", "reset_before", "relu", "float64", "cells"])
+def test_unsupported_option_names_the_backends_that_can(monkeypatch, option, build, run):
+    """A backend lacking an option (declared in modules.UNSUPPORTED, the one
+    place) raises NotImplementedError naming the option and the backends that
+    support it, before running anything."""
+    monkeypatch.setitem(modules.UNSUPPORTED, "cpu", frozenset({option}))
+    monkeypatch.setitem(modules.UNSUPPORTED, "cuda", frozenset({option}))
+    calls = []
+    monkeypatch.setattr(ops, "recurrence", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(ops, "step", lambda *a, **k: calls.append(a))
+    m = build()
+    with pytest.raises(NotImplementedError) as e:
+        run(m)
+    assert option in str(e.value)
+    assert "backend='cpu'" in str(e.value) and "reference, triton" in str(e.value)
+    assert calls == []
+
+
+def test_coverage_table_names_every_backend():
+    assert set(modules.UNSUPPORTED) == set(ops.BACKENDS) - {"auto"}

@@ -1,0 +1,629 @@
+"""The Triton kernels (backend="triton") against the reference, the C++ ops and torch.nn.
+
+Without a GPU they run on the CPU through Triton's interpreter (conftest.py sets
+TRITON_INTERPRET=1), float64 included, so every kernel is exercised in CI:
+both ways of running the recurrence (the in-kernel time loop and the per-step
+kernels, forced through rnnkern.triton.ops.PATH), every cell and GRU form, the
+LSTM projection, lengths and reverse.  The interpreter's blocks are 4 wide
+(rnnkern/triton/tuning.py), so H = 6, P = 5 and B = 5 run several tiles with
+masked tails.  The interpreter costs ~0.3 ms per block operation: sizes are
+small and gradcheck runs in fast mode on all inputs at once.
+
+GPU tests (marker ``gpu``) compare with torch.nn (cuDNN) in float32, float16
+and bfloat16 and skip without a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnkern
+from rnnkern import ops, reference
+from rnnkern.triton import ops as triton_ops
+from rnnkern.triton import sequence
+from conftest import (CELLS, HAS_GPU, TRITON_INTERPRET, assert_close, assert_low_precision,
+                      generator, randn, recurrence_inputs, rnnkern_module, step_inputs,
+                      torch_module)
+
+# (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
+CASES = [(cell, 0) for cell in CELLS] + [("lstm", 5)]
+CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
+TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
+DEVICE = "cuda" if HAS_GPU else "cpu"
+
+
+@pytest.fixture(params=["loop", "step"])
+def path(request, monkeypatch):
+    """Runs the test with the in-kernel time loop, then with the per-step kernels."""
+    monkeypatch.setattr(triton_ops, "PATH", request.param)
+    return request.param
+
+
+def to_device(args):
+    return {k: None if v is None else v.detach().to(DEVICE).requires_grad_(v.requires_grad)
+            for k, v in args.items()}
+
+
+def run_recurrence(backend, cell, args, lengths=None, reverse=False):
+    return ops.recurrence(cell, args["xproj"], args["h0"], args["c0"], args["w_hh"], args["b_ih"],
+                          args["b_hh"], args["w_hr"], lengths, reverse, backend=backend)
+
+
+def differentiable(args):
+    return [name for name, t in args.items() if t is not None]
+
+
+def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
+    """Outputs, final states and the gradients of every input under a random
+    linear functional of all outputs."""
+    out = [t for t in run_recurrence(backend, cell, args, lengths, reverse) if t is not None]
+    g = generator("cotangent", *key)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
+    names = differentiable(args)
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
+
+
+def gradcheck_flat(f, tensors):
+    """float64 gradcheck of f(*tensors) in fast mode, with respect to all the
+    tensors at once (one flat vector) and of all the outputs at once (one flat
+    vector): each evaluation runs the kernels under the interpreter, and this
+    needs three forward and two backward runs instead of two per tensor and
+    one per output.  (Missing output gradients go through the autograd formula
+    shared with the C++ ops, tested there; test_gradcheck_undefined_grads
+    checks it once here.)"""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).requires_grad_()
+    sizes = [t.numel() for t in tensors]
+
+    def g(v):
+        outs = f(*[p.view_as(t) for p, t in zip(v.split(sizes), tensors)])
+        return torch.cat([o.reshape(-1) for o in outs])
+
+    return torch.autograd.gradcheck(g, [flat], fast_mode=True, check_undefined_grad=False)
+
+
+# ------------------------------------------------------------- gradcheck ----
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+def test_recurrence_gradcheck(cell, proj, path):
+    """float64 gradcheck w.r.t. xproj, h0, c0 and every weight and bias, with
+    non-zero random states, gradients flowing from the outputs and the final
+    states, in reverse with lengths (one sequence full, one of one step, one
+    empty): every masking rule of the backward is in play.  The forward
+    direction and no lengths are checked against the reference's gradients."""
+    T, B, H = 3, 3, 6
+    args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
+                                       key=("gradcheck",)))
+    lengths, reverse = torch.tensor([3, 1, 0]), True
+    names = differentiable(args)
+
+    def f(*tensors):
+        out, h_n, c_n = run_recurrence("triton", cell, {**args, **dict(zip(names, tensors))},
+                                       lengths, reverse)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert gradcheck_flat(f, [args[n] for n in names])
+
+
+def test_gradcheck_undefined_grads(path):
+    """gradcheck in full form (per input, per output, undefined output grads) once:
+    an LSTM with projection and lengths, T = 2."""
+    args = to_device(recurrence_inputs("lstm", 2, 2, 4, proj=3, requires_grad=True,
+                                       key=("gradcheck-undefined",)))
+    names = differentiable(args)
+
+    def f(*tensors):
+        return run_recurrence("triton", "lstm", {**args, **dict(zip(names, tensors))},
+                              torch.tensor([2, 1]), True)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names], fast_mode=True)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_step_gradcheck(cell, bias):
+    args = to_device(step_inputs(cell, 3, 5, 6, bias=bias, requires_grad=True, key=("gradcheck",)))
+    names = differentiable(args)
+
+    def f(*tensors):
+        kw = {**args, **dict(zip(names, tensors))}
+        h, c = ops.step(cell, kw["x"], kw["h"], kw["c"], kw["w_ih"], kw["w_hh"], kw["b_ih"],
+                        kw["b_hh"], backend="triton")
+        return (h,) if c is None else (h, c)
+
+    assert gradcheck_flat(f, [args[n] for n in names])
+
+
+# ------------------------------------------------------ against reference ----
+
+# The per-step path shares positions() and the host code with the loop path:
+# two variants cover its own masking (lengths and reverse at once) and its
+# constexpr variant without lengths.
+PATH_VARIANTS = ([("loop", v) for v in ("plain", "reverse", "lengths", "lengths-reverse")]
+                 + [("step", v) for v in ("plain", "lengths-reverse")])
+
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("path,variant", PATH_VARIANTS, indirect=["path"],
+                         ids=[f"{p}-{v}" for p, v in PATH_VARIANTS])
+def test_recurrence_matches_reference_float64(cell, proj, path, variant):
+    """Outputs, final states and every gradient, float64, both directions, with
+    and without lengths.  H = 6 spans two column tiles of the interpreter's
+    blocks; with lengths B = 5 spans two row blocks, and the lengths cover
+    full, empty and one-step sequences."""
+    T, B, H = 3, (5 if "lengths" in variant else 3), 6
+    args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
+                                       key=("reference", variant)))
+    lengths = torch.tensor([3, 2, 0, 3, 1]) if "lengths" in variant else None
+    reverse = "reverse" in variant
+    key = (cell, variant)
+    want = outputs_and_grads("reference", cell, args, lengths, reverse, key=key)
+    got = outputs_and_grads("triton", cell, args, lengths, reverse, key=key)
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_step_matches_reference(cell, bias):
+    """B = 5, I = 7, H = 6: two row blocks, two column tiles, K blocks of x and
+    of h both with a masked tail."""
+    args = to_device(step_inputs(cell, 5, 7, 6, bias=bias, requires_grad=True))
+    names = differentiable(args)
+    results = []
+    for backend in ("reference", "triton"):
+        h, c = ops.step(cell, *args.values(), backend=backend)
+        outs = [h] if c is None else [h, c]
+        g = generator("step-cotangent", cell)
+        loss = sum((o * randn(g, *o.shape).to(DEVICE)).sum() for o in outs)
+        results.append(outs + list(torch.autograd.grad(loss, [args[n] for n in names])))
+    for name, got, want in zip(["h_new", "c_new"][:len(results[0]) - len(names)] + names,
+                               results[1], results[0]):
+        assert_close(got, want, what=name)
+
+
+# ---------------------------------------------------- against the C++ ops ----
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+def test_same_workspace_as_cpp(cell, proj, path):
+    """The Triton and C++ ops return the same outputs and the same workspace
+    (layout, dtype, zeros at padding positions), and the Triton backward run on
+    the C++ forward's workspace returns the C++ backward's gradients."""
+    T, B, H = 3, 3, 6
+    args = recurrence_inputs(cell, T, B, H, proj=proj, key=("workspace",))
+    lengths = torch.tensor([3, 1, 0])
+    call = (cell, *args.values(), lengths, True, True)
+    cpp = torch.ops.rnnkern.recurrence(*call)
+    tri = torch.ops.rnnkern_triton.recurrence(*[a.to(DEVICE) if isinstance(a, torch.Tensor)
+                                                 and a is not lengths else a for a in call])
+    for name, got, want in zip(["output", "h_n", "c_n", "workspace"], tri, cpp):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert_close(got.cpu(), want, what=name)
+    g = generator("workspace-grad", cell)
+    grad_output, grad_h_n = randn(g, *cpp[0].shape), randn(g, *cpp[1].shape)
+    grad_c_n = randn(g, *cpp[2].shape) if cell == "lstm" else None
+    bwd = [grad_output, grad_h_n, grad_c_n, args["h0"], args["c0"], args["w_hh"], args["w_hr"]]
+    want = torch.ops.rnnkern.recurrence_backward(cell, *bwd, cpp[0], cpp[3], lengths, True)
+    got = torch.ops.rnnkern_triton.recurrence_backward(
+        cell, *[None if t is None else t.to(DEVICE) for t in bwd], cpp[0].to(DEVICE),
+        cpp[3].to(DEVICE), lengths, True)
+    names = ["grad_xproj", "grad_h0", "grad_c0", "grad_w_hh", "grad_b_ih", "grad_b_hh", "grad_w_hr"]
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape, name
+        assert_close(a.cpu(), b, what=name)
+
+
+def test_step_same_workspace_as_cpp():
+    for cell in CELLS:
+        args = step_inputs(cell, 3, 5, 6, key=("step-workspace",))
+        want = torch.ops.rnnkern.step(cell, *args.values())
+        got = torch.ops.rnnkern_triton.step(cell, *to_device(args).values())
+        for name, a, b in zip(["h_new", "c_new", "workspace"], got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, f"{cell} {name}"
+            assert_close(a.cpu(), b, what=f"{cell} {name}")
+
+
+def test_no_workspace_without_grad(path):
+    """Inference keeps no workspace (an empty [0] tensor); training does."""
+    args = to_device(recurrence_inputs("lstm", 3, 2, 6))
+    call = ("lstm", *args.values(), None, False)
+    *_, ws = torch.ops.rnnkern_triton.recurrence(*call, False)
+    assert ws.shape == (0,)
+    *_, ws = torch.ops.rnnkern_triton.recurrence(*call, True)
+    assert ws.shape == (3, 2, 5 * 6) and ws.dtype == torch.float64
+
+
+@pytest.mark.parametrize("T,B", [(0, 3), (3, 0)], ids=["T0", "B0"])
+def test_empty_sizes(T, B, path):
+    """No steps or no rows: the states pass through, the weight gradients are zeros."""
+    args = to_device(recurrence_inputs("lstm", T, B, 6, requires_grad=True, key=("empty",)))
+    results = []
+    for backend in ("reference", "triton"):
+        out = run_recurrence(backend, "lstm", args)
+        g = generator("empty-cotangent")
+        loss = sum((o * randn(g, *o.shape).to(DEVICE)).sum() for o in out)
+        grads = torch.autograd.grad(loss, [t for t in args.values() if t is not None],
+                                    allow_unused=True,
+                                    materialize_grads=True)
+        results.append(list(out) + list(grads))
+    for i, (got, want) in enumerate(zip(results[1], results[0])):
+        assert got.shape == want.shape, i
+        assert_close(got, want, what=f"result {i}")
+
+
+# ------------------------------------------------------ torch.nn parity ----
+
+def paired_modules(cell, I, H, dtype, device, **kwargs):
+    theirs = torch_module(cell, I, H, **kwargs).to(device=device, dtype=dtype)
+    ours = rnnkern_module(cell, I, H, backend="triton", **kwargs).to(device=device, dtype=dtype)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def module_outputs_and_grads(module, x, hx, cotangents):
+    out, hid = module(x, hx)
+    hid = hid if isinstance(hid, tuple) else (hid,)
+    outs = (out, *hid)
+    loss = sum((o * c).sum() for o, c in zip(outs, cotangents))
+    grads = torch.autograd.grad(loss, [x, *(hx if isinstance(hx, tuple) else (hx,)),
+                                       *module.parameters()])
+    return outs, grads
+
+
+@pytest.mark.parametrize("cell,kwargs", [
+    ("rnn_tanh", {}), ("rnn_relu", {}), ("gru", {}), ("lstm", {}),
+    ("lstm", {"proj_size": 4}), ("gru", {"bias": False}),
+    ("lstm", {"num_layers": 2, "bidirectional": True}),
+], ids=["rnn_tanh", "rnn_relu", "gru", "lstm", "lstm-proj", "gru-nobias", "lstm-2layers-bidir"])
+def test_matches_torch_nn_float32(cell, kwargs, path):
+    """Outputs, final states and every gradient (input, h0, c0, all weights)
+    against torch.nn with the same weights, float32."""
+    T, B, I, H = 5, 3, 4, 6
+    torch.manual_seed(7)
+    theirs, ours = paired_modules(cell, I, H, torch.float32, DEVICE, **kwargs)
+    g = generator("nn-parity", cell, str(kwargs))
+    L = theirs.num_layers * (2 if theirs.bidirectional else 1)
+    P = kwargs.get("proj_size", 0) or H
+    x = randn(g, T, B, I, dtype=torch.float32).to(DEVICE).requires_grad_()
+    h0 = (randn(g, L, B, P, dtype=torch.float32, scale=0.5)).to(DEVICE).requires_grad_()
+    hx = h0
+    if cell == "lstm":
+        hx = (h0, randn(g, L, B, H, dtype=torch.float32, scale=0.5).to(DEVICE).requires_grad_())
+    out_t, _ = theirs(x, hx)
+    D = 2 if theirs.bidirectional else 1
+    cot = [randn(g, T, B, D * P, dtype=torch.float32).to(DEVICE), randn(g, L, B, P).float().to(DEVICE)]
+    if cell == "lstm":
+        cot.append(randn(g, L, B, H, dtype=torch.float32).to(DEVICE))
+    outs_t, grads_t = module_outputs_and_grads(theirs, x, hx, cot)
+    outs_o, grads_o = module_outputs_and_grads(ours, x, hx, cot)
+    for name, a, b in zip(["output", "h_n", "c_n"], outs_o, outs_t):
+        assert_close(a, b, dtype=torch.float32, what=name)
+    names = ["input", "h0", "c0"][:1 + len(hx) if isinstance(hx, tuple) else 2]
+    names += [n for n, _ in theirs.named_parameters()]
+    for name, a, b in zip(names, grads_o, grads_t):
+        assert_close(a, b, dtype=torch.float32, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_cells_match_torch_nn_float32(cell):
+    """RNNCell / GRUCell / LSTMCell: the single-step op against torch.nn's cells."""
+    B, I, H = 5, 7, 6
+    torch.manual_seed(3)
+    if cell == "lstm":
+        theirs, ours = torch.nn.LSTMCell(I, H), rnnkern.LSTMCell(I, H, backend="triton")
+    elif cell == "gru":
+        theirs, ours = torch.nn.GRUCell(I, H), rnnkern.GRUCell(I, H, backend="triton")
+    else:
+        theirs = torch.nn.RNNCell(I, H, nonlinearity=cell[4:])
+        ours = rnnkern.RNNCell(I, H, nonlinearity=cell[4:], backend="triton")
+    theirs, ours = theirs.to(DEVICE), ours.to(DEVICE)
+    ours.load_state_dict(theirs.state_dict())
+    g = generator("cell-parity", cell)
+    x = randn(g, B, I, dtype=torch.float32).to(DEVICE).requires_grad_()
+    h = randn(g, B, H, dtype=torch.float32, scale=0.5).to(DEVICE).requires_grad_()
+    hx = (h, randn(g, B, H, dtype=torch.float32, scale=0.5).to(DEVICE).requires_grad_()) if cell == "lstm" else h
+    results = []
+    for module in (theirs, ours):
+        out = module(x, hx)
+        outs = out if isinstance(out, tuple) else (out,)
+        g2 = generator("cell-cotangent", cell)
+        loss = sum((o * randn(g2, *o.shape, dtype=torch.float32).to(DEVICE)).sum() for o in outs)
+        inputs = [x, *(hx if isinstance(hx, tuple) else (hx,)), *module.parameters()]
+        results.append(list(outs) + list(torch.autograd.grad(loss, inputs)))
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert_close(a, b, dtype=torch.float32, what=f"result {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+def test_half_within_reference_error(cell, proj, dtype):
+    """Half inputs (computed in float32, workspace in float32) against the float32
+    reference on the same half-valued inputs: no worse than twice the
+    reference's own half-precision error (outputs, states, gradients)."""
+    T, B, H = 4, 3, 6
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, proj=proj, key=("half",))
+    args_lp = {k: None if v is None else v.to(DEVICE).requires_grad_() for k, v in args.items()}
+    args_hp = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("half-cot", cell)
+    want = outputs_and_grads("reference", cell, args_hp, key=key)
+    ref_lp = outputs_and_grads("reference", cell,
+                               {k: None if v is None else v.detach().cpu().requires_grad_()
+                                for k, v in args_lp.items()}, key=key)
+    got = outputs_and_grads("triton", cell, args_lp, key=key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name].cpu(), ref_lp[name], want[name], what=name)
+
+
+# ------------------------------------------------- torch.library / compile ----
+
+OPCHECK_CASES = [("loop", c, p) for c, p in CASES] + [("step", "gru_reset_before", 0), ("step", "lstm", 5)]
+
+
+@pytest.mark.parametrize("path,cell,proj", OPCHECK_CASES, indirect=["path"],
+                         ids=[f"{p}-{c}-proj{q}" if q else f"{p}-{c}" for p, c, q in OPCHECK_CASES])
+def test_opcheck_recurrence(path, cell, proj):
+    """Schema, fake implementation, autograd registration, no mutation or
+    aliasing of inputs; on the per-step path for the cells with two launches
+    per step (their host code holds the most buffers)."""
+    args = to_device(recurrence_inputs(cell, 3, 3, 6, proj=proj, requires_grad=True,
+                                       key=("opcheck",)))
+    lengths = torch.tensor([3, 1, 2])
+    torch.library.opcheck(torch.ops.rnnkern_triton.recurrence.default,
+                          (cell, *args.values(), lengths, True, True))
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_opcheck_step(cell):
+    args = to_device(step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",)))
+    torch.library.opcheck(torch.ops.rnnkern_triton.step.default, (cell, *args.values()))
+
+
+def test_opcheck_backward_ops(path):
+    args = to_device(recurrence_inputs("gru", 3, 3, 6, key=("opcheck-bwd",)))
+    out, h_n, _, ws = torch.ops.rnnkern_triton.recurrence("gru", *args.values(), None, False, True)
+    g = generator("opcheck-bwd")
+    torch.library.opcheck(torch.ops.rnnkern_triton.recurrence_backward.default,
+                          ("gru", randn(g, *out.shape).to(DEVICE), randn(g, *h_n.shape).to(DEVICE),
+                           None, args["h0"], None, args["w_hh"], None, out, ws, None, False))
+    s = to_device(step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",)))
+    h, c, ws = torch.ops.rnnkern_triton.step("lstm", *s.values())
+    torch.library.opcheck(torch.ops.rnnkern_triton.step_backward.default,
+                          ("lstm", randn(g, *h.shape).to(DEVICE), randn(g, *c.shape).to(DEVICE),
+                           s["x"], s["h"], s["c"], s["w_ih"], s["w_hh"], h, ws))
+
+
+def test_torch_compile_fullgraph():
+    """A layer and a cell step in one torch.compile(fullgraph=True) graph,
+    forward and backward, equal to eager (the ops are opaque custom ops with
+    fake implementations, so Dynamo never traces into the kernels)."""
+    rec = to_device(recurrence_inputs("lstm", 3, 3, 6, proj=5, requires_grad=True, key=("compile",)))
+    stp = to_device(step_inputs("gru_reset_before", 3, 5, 6, requires_grad=True, key=("compile",)))
+    lengths = torch.tensor([3, 1, 2])
+
+    def f(rec, stp):
+        out, h_n, c_n = ops.recurrence("lstm", *rec.values(), lengths=lengths, reverse=True,
+                                       backend="triton")
+        h, _ = ops.step("gru_reset_before", *stp.values(), backend="triton")
+        return out.sum() + (h_n * h_n).sum() + c_n.sum() + (h * h).sum()
+
+    inputs = [t for d in (rec, stp) for t in d.values() if t is not None]
+    compiled = torch.compile(f, fullgraph=True)
+    got = compiled(rec, stp)
+    got_grads = torch.autograd.grad(got, inputs)
+    want = f(rec, stp)
+    want_grads = torch.autograd.grad(want, inputs)
+    assert_close(got, want, what="loss")
+    for i, (a, b) in enumerate(zip(got_grads, want_grads)):
+        assert_close(a, b, what=f"grad {i}")
+
+
+# ------------------------------------------------------------ path choice ----
+
+def test_fits_on_chip_limits():
+    """The documented limits of the in-kernel time loop (128 KiB of weights)."""
+    fits = sequence.fits_on_chip
+    assert fits("lstm", 128, 128, torch.float16) and not fits("lstm", 129, 129, torch.float16)
+    assert fits("gru", 128, 128, torch.bfloat16) and not fits("gru", 256, 256, torch.bfloat16)
+    assert fits("rnn_tanh", 256, 256, torch.float16) and not fits("rnn_tanh", 257, 257, torch.float16)
+    assert fits("lstm", 64, 64, torch.float32) and not fits("lstm", 65, 65, torch.float32)
+    assert fits("rnn_relu", 128, 128, torch.float32)
+    assert fits("gru", 64, 64, torch.float32) and not fits("gru", 65, 65, torch.float32)
+    assert fits("lstm", 64, 64, torch.float64) and not fits("lstm", 65, 65, torch.float64)
+    # the projection adds one [H, P] block
+    assert fits("lstm", 64, 32, torch.float32, proj=True)
+    assert not fits("lstm", 128, 128, torch.float16, proj=True)
+
+
+def test_auto_path_follows_the_limit(monkeypatch):
+    monkeypatch.setattr(triton_ops, "PATH", "auto")
+    assert triton_ops.choose_path("lstm", 64, 64, torch.float32, False) == "loop"
+    assert triton_ops.choose_path("lstm", 65, 65, torch.float32, False) == "step"
+    assert triton_ops.choose_path("gru", 1024, 1024, torch.bfloat16, False) == "step"
+
+
+def test_auto_path_runs_per_step_beyond_the_limit(monkeypatch):
+    """With the limit lowered to one 16 x 16 float64 block, an LSTM of H = 6 no
+    longer fits: "auto" runs the per-step kernels, which agree with the reference."""
+    monkeypatch.setattr(triton_ops, "PATH", "auto")
+    monkeypatch.setattr(sequence, "ON_CHIP_BYTES", 16 * 16 * 8)
+    cell, H = "lstm", 6
+    assert triton_ops.choose_path(cell, H, H, torch.float64, False) == "step"
+    args = to_device(recurrence_inputs(cell, 3, 2, H, requires_grad=True, key=("beyond",)))
+    want = outputs_and_grads("reference", cell, args, key=("beyond",))
+    got = outputs_and_grads("triton", cell, args, key=("beyond",))
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+def test_forced_loop_beyond_the_limit_raises(monkeypatch):
+    """Never a wrong answer: a forced in-kernel loop that cannot hold the weights
+    raises before any launch."""
+    monkeypatch.setattr(triton_ops, "PATH", "loop")
+    args = to_device(recurrence_inputs("rnn_tanh", 2, 2, 129, key=("forced",)))
+    with pytest.raises(ValueError, match="PATH='loop'.*H=129"):
+        torch.ops.rnnkern_triton.recurrence("rnn_tanh", *args.values(), None, False, False)
+
+
+def test_unknown_path_is_an_error(monkeypatch):
+    monkeypatch.setattr(triton_ops, "PATH", "fastest")
+    args = to_device(recurrence_inputs("gru", 2, 2, 4, key=("path",)))
+    with pytest.raises(ValueError, match="'fastest'.*auto, loop, step"):
+        torch.ops.rnnkern_triton.recurrence("gru", *args.values(), None, False, False)
+
+
+# -------------------------------------------------------------- bad input ----
+
+def recurrence_call(cell="lstm", T=3, B=2, H=4, **overrides):
+    args = to_device(recurrence_inputs(cell, T, B, H, key=("bad",)))
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides,exc,words", [
+    (dict(h0=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["h0", "[2, 4]", "[3, 4]"]),
+    (dict(c0=torch.randn(2, 5, dtype=torch.float64)), ValueError, ["c0", "[2, 4]"]),
+    (dict(c0=None), ValueError, ["lstm needs c0"]),
+    (dict(w_hh=torch.randn(15, 4, dtype=torch.float64)), ValueError, ["w_hh", "15 rows", "multiple of 4"]),
+    (dict(xproj=torch.randn(3, 2, 12, dtype=torch.float64)), ValueError, ["xproj.size(2) == 16"]),
+    (dict(xproj=torch.randn(2, 16, dtype=torch.float64)), ValueError, ["xproj", "3-D"]),
+    (dict(b_ih=torch.randn(4, dtype=torch.float64)), ValueError, ["b_ih", "[16]"]),
+    (dict(b_hh=torch.randn(16)), TypeError, ["b_hh", "dtype", "float32"]),
+    (dict(w_hr=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["w_hr", "[4, 4]", "[3, 4]"]),
+    (dict(xproj=torch.ones(3, 2, 16, dtype=torch.int32)), TypeError, ["xproj", "floating"]),
+], ids=["h0-shape", "c0-shape", "c0-missing", "w_hh-rows", "xproj-width", "xproj-rank",
+        "b_ih-shape", "b_hh-dtype", "w_hr-shape", "xproj-int"])
+def test_recurrence_bad_input(overrides, exc, words):
+    args = recurrence_call(**{k: None if v is None else v.to(DEVICE) for k, v in overrides.items()})
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, True)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("lengths,exc,words", [
+    (torch.tensor([3, 4]), ValueError, ["lengths[1] = 4", "[0, 3]"]),
+    (torch.tensor([3, -1]), ValueError, ["lengths[1] = -1"]),
+    (torch.tensor([3]), ValueError, ["lengths", "[2]"]),
+    (torch.tensor([3, 1], dtype=torch.int32), TypeError, ["lengths", "int64"]),
+], ids=["too-long", "negative", "shape", "dtype"])
+def test_bad_lengths(lengths, exc, words):
+    args = recurrence_call()
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), lengths, False, True)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_unknown_cell():
+    args = recurrence_call()
+    with pytest.raises(ValueError, match="unknown cell 'lstn'"):
+        torch.ops.rnnkern_triton.recurrence("lstn", *args.values(), None, False, True)
+
+
+def test_backward_bad_workspace():
+    args = recurrence_call()
+    out, h_n, c_n, ws = torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, False)
+    bwd = ("lstm", out, h_n, c_n, args["h0"], args["c0"], args["w_hh"], None, out)
+    with pytest.raises(ValueError, match="train=False"):
+        torch.ops.rnnkern_triton.recurrence_backward(*bwd, ws, None, False)
+    with pytest.raises(ValueError, match=r"workspace of shape \[3, 2, 20\]"):
+        torch.ops.rnnkern_triton.recurrence_backward(*bwd, torch.zeros(3, 2, 19).to(out), None, False)
+    with pytest.raises(TypeError, match="workspace of dtype torch.float64"):
+        torch.ops.rnnkern_triton.recurrence_backward(
+            *bwd, torch.zeros(3, 2, 20, dtype=torch.float32, device=DEVICE), None, False)
+
+
+@pytest.mark.parametrize("overrides,exc,words", [
+    (dict(w_ih=torch.randn(18, 4, dtype=torch.float64)), ValueError, ["w_ih", "[18, 5]"]),
+    (dict(h=torch.randn(3, 5, dtype=torch.float64)), ValueError, ["h", "[3, 6]"]),
+    (dict(c=torch.randn(3, 6, dtype=torch.float64)), ValueError, ["c is only defined for lstm"]),
+    (dict(x=torch.randn(3, 5)), TypeError, ["w_ih", "dtype"]),
+], ids=["w_ih-shape", "h-shape", "c-for-gru", "dtype"])
+def test_step_bad_input(overrides, exc, words):
+    args = to_device(step_inputs("gru", 3, 5, 6, key=("bad",)))
+    args.update({k: v.to(DEVICE) for k, v in overrides.items()})
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.step("gru", *args.values())
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="CPU tensors are the interpreter's; a GPU run uses CUDA tensors")
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    """Kernels compiled for a GPU cannot take CPU tensors: a clear error, no launch."""
+    monkeypatch.setattr(triton_ops, "INTERPRET", False)
+    args = recurrence_call()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, True)
+
+
+# -------------------------------------------------------------------- GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("cell,H", [("lstm", 64), ("lstm", 256), ("gru", 96), ("gru", 320),
+                                    ("rnn_tanh", 128), ("rnn_relu", 512)])
+def test_gpu_matches_torch_nn(cell, H, dtype, monkeypatch):
+    """On a GPU, against torch.nn (cuDNN): float32 to the float32 tolerance (TF32
+    off on both sides), half types within twice cuDNN's own error against a
+    float64 run.  The sizes cover both paths (auto choice)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    T, B, I = 33, 17, 40
+    torch.manual_seed(H)
+    ref64, _ = paired_modules(cell, I, H, torch.float64, "cuda")
+    theirs, ours = paired_modules(cell, I, H, dtype, "cuda")
+    theirs.load_state_dict(ref64.state_dict())
+    ours.load_state_dict(ref64.state_dict())
+    g = generator("gpu-parity", cell, H)
+    x = randn(g, T, B, I).cuda()
+    L = 1
+    h0 = randn(g, L, B, H, scale=0.5).cuda()
+    hx64 = (h0, randn(g, L, B, H, scale=0.5).cuda()) if cell == "lstm" else h0
+    cot = [randn(g, T, B, H).cuda(), randn(g, L, B, H).cuda()] + ([randn(g, L, B, H).cuda()] if cell == "lstm" else [])
+
+    def run(module, dt):
+        xx = x.detach().to(dt).requires_grad_()
+        hx = (tuple(h.detach().to(dt).requires_grad_() for h in hx64) if cell == "lstm"
+              else hx64.detach().to(dt).requires_grad_())
+        outs, grads = module_outputs_and_grads(module, xx, hx, [c.to(dt) for c in cot])
+        return list(outs) + list(grads)
+
+    want = run(ref64, torch.float64)
+    lp = run(theirs, dtype)
+    got = run(ours, dtype)
+    for i, (a, b, w) in enumerate(zip(got, lp, want)):
+        if dtype == torch.float32:
+            assert_close(a, b, dtype=torch.float32, what=f"result {i}")
+        else:
+            assert_low_precision(a, b, w, what=f"result {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+def test_gpu_gradcheck_float64(cell, proj, path):
+    args = recurrence_inputs(cell, 4, 3, 6, proj=proj, requires_grad=True, key=("gpu-gc",))
+    args = {k: None if v is None else v.detach().cuda().requires_grad_() for k, v in args.items()}
+    names = differentiable(args)
+
+    def f(*tensors):
+        out, h_n, c_n = run_recurrence("triton", cell, {**args, **dict(zip(names, tensors))},
+                                       torch.tensor([4, 1, 0]), True)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names])
+
+
+@pytest.mark.gpu
+def test_gpu_per_step_path_captures_in_a_cuda_graph(monkeypatch):
+    """The per-step forward never synchronises with the host: it replays from a
+    CUDA graph with the same result."""
+    monkeypatch.setattr(triton_ops, "PATH", "step")
+    args = {k: None if v is None else v.float().cuda()
+            for k, v in recurrence_inputs("gru", 16, 8, 256, key=("graph",)).items()}
+    want = run_recurrence("triton", "gru", args)  # also autotunes, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run_recurrence("triton", "gru", args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(got[0], want[0], dtype=torch.float32, what="output")
