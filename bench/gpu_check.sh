@@ -9,8 +9,11 @@
 # 3. tests   the GPU tests (pytest -m gpu): tests/test_cuda.py first, then the rest
 # 4. sanitizer  compute-sanitizer memcheck and racecheck (then initcheck, if
 #            time is left) on bench/sanitizer_cases.py: a small case of every kernel
-# 5. bench   the GPU benchmark (python -m bench --device cuda; a small timing
-#            of rnnkern against torch.nn/cuDNN where that CLI is not there yet)
+# 5. bench   the GPU benchmark: python -m bench --device cuda $BENCH_ARGS (by
+#            default the issue's sizes only, headline and throughput, bf16 and
+#            fp16, so that it fits after the build and the tests; BENCH_ARGS=""
+#            in a call of its own runs the suite's whole grid), or a small timing
+#            of rnnkern against torch.nn/cuDNN where that CLI is not there
 #
 # A stage that fails does not stop the others.  The whole run keeps to a
 # budget (GPU_CHECK_BUDGET seconds, default 540: a device call allows 600);
@@ -21,7 +24,8 @@
 #
 # Knobs: STAGES (default build,env,tests,sanitizer,bench), PYTHON (default
 # python3), MAX_JOBS (default: all cores), GPU_CHECK_BUDGET, XDIST_WORKERS
-# (default 4; 0 runs the tests in one process).
+# (default 4; 0 runs the tests in one process), BENCH_ARGS (see 5).
+# A second call on a warm machine: STAGES=bench BENCH_ARGS="" GPU_CHECK_BUDGET=580.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -237,7 +241,10 @@ json.dump({"kind": "gpu_check fallback timing (speedup = torch.nn / rnnkern)",
 EOF
 if wants bench; then
   if "$PY" -m bench --help 2>&1 | grep -q -- '--device'; then
-    run_stage bench 200 "$PY" -m bench --device cuda --json "$OUT/bench_gpu.json" --plots "$WORK/plots"
+    # Plots and markdown go into logs.tar.gz: the device tool returns few files.
+    read -r -a bench_args <<<"${BENCH_ARGS---families headline throughput --dtypes bfloat16 float16 --backends cuda triton}"
+    run_stage bench 240 "$PY" -m bench --device cuda --no-progress "${bench_args[@]}" \
+      --json "$OUT/bench_gpu.json" --markdown "$WORK/bench_gpu.md" --plots "$WORK/plots"
   else
     say "bench: python -m bench has no --device yet; running the fallback timing"
     run_stage bench 200 "$PY" "$WORK/bench_fallback.py" "$OUT/bench_gpu.json"
@@ -297,8 +304,18 @@ bench = os.path.join(out, "bench_gpu.json")
 if os.path.exists(bench):
     try:
         data = json.load(open(bench))
-        summary["bench"] = [{k: r[k] for k in ("config", "cell", "forward_speedup", "forward_backward_speedup")
-                             if k in r} for r in data.get("results", [])] if isinstance(data, dict) else None
+        rows = []
+        for r in data.get("results", []):
+            if "candidates" in r:  # python -m bench: one record per case and phase
+                case = f"{r['cell']} B{r['B']} T{r['T']} H{r['H']} {r['dtype']}"
+                for name, e in r["candidates"].items():
+                    rows.append({"case": case, "phase": r["phase"], "candidate": name,
+                                 "status": e.get("status"), "ms": e.get("median_ms"),
+                                 "speedup_vs_torch": e.get("speedup_vs_torch")})
+            else:  # the fallback timing
+                rows.append({k: r[k] for k in ("config", "cell", "forward_speedup",
+                                               "forward_backward_speedup") if k in r})
+        summary["bench"] = rows
     except (ValueError, KeyError, TypeError) as e:
         summary["bench"] = {"unreadable": str(e)}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
