@@ -78,9 +78,9 @@ struct Storage<__nv_bfloat16> {
 template <typename S>
 using acc_t = typename Storage<S>::Acc;
 
-// Loads storage or accumulate values as A (A values pass through).
+// p[i] as the accumulate type A (storage values converted, A values as they are).
 template <typename A, typename T>
-__device__ __forceinline__ A ld(const T* p, int64_t i) {
+__device__ __forceinline__ A load_at(const T* p, int64_t i) {
   if constexpr (std::is_same_v<T, A>) {
     return p[i];
   } else {
@@ -90,12 +90,13 @@ __device__ __forceinline__ A ld(const T* p, int64_t i) {
 
 // An optional vector (a bias): 0 where absent.
 template <typename A, typename T>
-__device__ __forceinline__ A ld_or_zero(const T* p, int64_t i) {
-  return p == nullptr ? A(0) : ld<A>(p, i);
+__device__ __forceinline__ A load_or_zero(const T* p, int64_t i) {
+  return p == nullptr ? A(0) : load_at<A>(p, i);
 }
 
+// p[i] = v, converted to p's type.
 template <typename T, typename A>
-__device__ __forceinline__ void st(T* p, int64_t i, A v) {
+__device__ __forceinline__ void store_at(T* p, int64_t i, A v) {
   if constexpr (std::is_same_v<T, A>) {
     p[i] = v;
   } else {

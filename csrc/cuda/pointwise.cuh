@@ -46,9 +46,9 @@ struct ForwardStep {
 
   __device__ int64_t pos(int64_t b) const { return position(lengths, T, reverse, b, s); }
   __device__ const S* x_row(int64_t p, int64_t b) const { return xproj + p * x_st + b * x_sb; }
-  __device__ A h_prev_at(int64_t b, int64_t j) const { return ld<A>(h_prev, b * P + j); }
+  __device__ A h_prev_at(int64_t b, int64_t j) const { return load_at<A>(h_prev, b * P + j); }
   __device__ A bias(int64_t k, int64_t j) const {  // b_ih + b_hh of gate k
-    return ld_or_zero<A>(b_ih, k * H + j) + ld_or_zero<A>(b_hh, k * H + j);
+    return load_or_zero<A>(b_ih, k * H + j) + load_or_zero<A>(b_hh, k * H + j);
   }
   // h_t of an unprojected cell: the output at position p and the state.
   __device__ void write_h(int64_t p, int64_t b, int64_t j, A h) const {
@@ -85,7 +85,7 @@ __device__ void rnn_forward_unit(const ForwardStep<S>& st, int64_t b, int64_t j,
   using A = acc_t<S>;
   const int64_t p = st.pos(b);
   if (p < 0) return forward_finished(st, kRelu ? Cell::RnnRelu : Cell::RnnTanh, b, j, true);
-  const A x = ld<A>(st.x_row(p, b), j);
+  const A x = load_at<A>(st.x_row(p, b), j);
   st.write_h(p, b, j, RnnUnit<A, kRelu>::forward(x, hh[0] + st.bias(0, j)));
 }
 
@@ -104,7 +104,7 @@ __device__ void lstm_forward_unit(const ForwardStep<S>& st, int64_t b, int64_t j
   const S* x = st.x_row(p, b);
   A pre[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) pre[k] = ld<A>(x, k * H + j) + hh[k] + st.bias(k, j);
+  for (int k = 0; k < 4; ++k) pre[k] = load_at<A>(x, k * H + j) + hh[k] + st.bias(k, j);
   const auto r = LstmUnit<A>::forward(pre[0], pre[1], pre[2], pre[3], st.c_prev[b * H + j]);
   st.c_next[b * H + j] = r.c;
   if (proj) {
@@ -131,8 +131,8 @@ __device__ void gru_forward_unit(const ForwardStep<S>& st, int64_t b, int64_t j,
   A xg[3], hg[3];
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
-    xg[k] = ld<A>(x, k * H + j) + ld_or_zero<A>(st.b_ih, k * H + j);
-    hg[k] = hh[k] + ld_or_zero<A>(st.b_hh, k * H + j);
+    xg[k] = load_at<A>(x, k * H + j) + load_or_zero<A>(st.b_ih, k * H + j);
+    hg[k] = hh[k] + load_or_zero<A>(st.b_hh, k * H + j);
   }
   const auto r = GruUnit<A>::forward(xg[0], xg[1], xg[2], hg[0], hg[1], hg[2], st.h_prev_at(b, j));
   st.write_h(p, b, j, r.h);
@@ -155,7 +155,7 @@ __device__ void gru_rb_gates_unit(const ForwardStep<S>& st, int64_t b, int64_t j
     return;
   }
   const S* x = st.x_row(p, b);
-  const auto g = GruResetBeforeUnit<A>::gates(ld<A>(x, j), ld<A>(x, H + j), hh[0] + st.bias(0, j),
+  const auto g = GruResetBeforeUnit<A>::gates(load_at<A>(x, j), load_at<A>(x, H + j), hh[0] + st.bias(0, j),
                                               hh[1] + st.bias(1, j), st.h_prev_at(b, j));
   st.rz[b * 2 * H + j] = g.r;
   st.rz[b * 2 * H + H + j] = g.z;
@@ -170,7 +170,7 @@ __device__ void gru_rb_candidate_unit(const ForwardStep<S>& st, int64_t b, int64
   const int64_t p = st.pos(b);
   if (p < 0) return forward_finished(st, Cell::GruResetBefore, b, j, true);
   const A r = st.rz[b * 2 * H + j], z = st.rz[b * 2 * H + H + j];
-  const auto c = GruResetBeforeUnit<A>::candidate(ld<A>(st.x_row(p, b), 2 * H + j),
+  const auto c = GruResetBeforeUnit<A>::candidate(load_at<A>(st.x_row(p, b), 2 * H + j),
                                                   st.hn[b * H + j] + st.bias(2, j), z,
                                                   st.h_prev_at(b, j));
   st.write_h(p, b, j, c.h);
@@ -233,10 +233,10 @@ struct BackwardStep {
   }
   __device__ A h_prev_at(int64_t b, int64_t j) const {
     const int64_t q = prev_pos(b);
-    return q < 0 ? ld<A>(h0, b * P + j) : ld<A>(out, (q * B + b) * P + j);
+    return q < 0 ? load_at<A>(h0, b * P + j) : load_at<A>(out, (q * B + b) * P + j);
   }
   __device__ A grad_out(int64_t p, int64_t b, int64_t k) const {
-    return gout == nullptr ? A(0) : ld<A>(gout, p * g_st + b * g_sb + k);
+    return gout == nullptr ? A(0) : load_at<A>(gout, p * g_st + b * g_sb + k);
   }
   // Gradient of gate k's pre-activation: into d_xproj at (p, b) and, when
   // to_da, into the GEMM input of the step.
@@ -270,7 +270,7 @@ __device__ void rnn_backward_unit(const BackwardStep<S>& st, int64_t b, int64_t 
   if (p < 0) return backward_finished(st, b, j);
   const int64_t row = p * B + b;
   const A g = RnnUnit<A, kRelu>::backward(st.dh[b * H + j] + st.grad_out(p, b, j),
-                                          ld<A>(st.out, row * H + j));
+                                          load_at<A>(st.out, row * H + j));
   st.write_gate(p, b, 0, j, g, true);
   st.dh[b * H + j] = A(0);  // no direct path: all of dh_{t-1} comes from the GEMM
 }
@@ -288,7 +288,7 @@ __device__ void lstm_backward_unit(const BackwardStep<S>& st, int64_t b, int64_t
   const A* w = st.ws + row * 5 * H;
   const A i = w[j], f = w[H + j], g = w[2 * H + j], o = w[3 * H + j], c = w[4 * H + j];
   const int64_t q = st.prev_pos(b);
-  const A c_prev = q < 0 ? ld<A>(st.c0, b * H + j) : st.ws[(q * B + b) * 5 * H + 4 * H + j];
+  const A c_prev = q < 0 ? load_at<A>(st.c0, b * H + j) : st.ws[(q * B + b) * 5 * H + 4 * H + j];
   const A dh = proj ? st.dh_full[b * H + j] : st.dh[b * P + j] + st.grad_out(p, b, j);
   const auto r = LstmUnit<A>::backward(dh, st.dc[b * H + j], i, f, g, o, c, c_prev);
   st.write_gate(p, b, 0, j, r.di, true);

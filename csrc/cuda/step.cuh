@@ -78,37 +78,37 @@ __device__ void step_epilogue(const StepArgs<S>& a, int64_t b, int64_t j,
                               const acc_t<S> (&pre)[StepGroups<kPhase>::count]) {
   using A = acc_t<S>;
   const int64_t H = a.H;
-  auto bi = [&](int k) { return ld_or_zero<A>(a.b_ih, k * H + j); };
-  auto bh = [&](int k) { return ld_or_zero<A>(a.b_hh, k * H + j); };
+  auto bi = [&](int k) { return load_or_zero<A>(a.b_ih, k * H + j); };
+  auto bh = [&](int k) { return load_or_zero<A>(a.b_hh, k * H + j); };
   const int64_t o = b * H + j;
   if constexpr (kPhase == StepPhase::RnnTanh || kPhase == StepPhase::RnnRelu) {
-    st(a.h_new, o, RnnUnit<A, kPhase == StepPhase::RnnRelu>::forward(pre[0], bi(0) + bh(0)));
+    store_at(a.h_new, o, RnnUnit<A, kPhase == StepPhase::RnnRelu>::forward(pre[0], bi(0) + bh(0)));
   } else if constexpr (kPhase == StepPhase::Lstm) {
     const auto r = LstmUnit<A>::forward(pre[0] + (bi(0) + bh(0)), pre[1] + (bi(1) + bh(1)),
                                         pre[2] + (bi(2) + bh(2)), pre[3] + (bi(3) + bh(3)),
-                                        ld<A>(a.c, o));
-    st(a.h_new, o, r.h);
-    st(a.c_new, o, r.c);
+                                        load_at<A>(a.c, o));
+    store_at(a.h_new, o, r.h);
+    store_at(a.c_new, o, r.c);
     A* w = a.ws + b * 5 * H + j;
     w[0] = r.i, w[H] = r.f, w[2 * H] = r.g, w[3 * H] = r.o, w[4 * H] = r.c;
   } else if constexpr (kPhase == StepPhase::Gru) {
     const A hn = pre[3] + bh(2);
     const auto r = GruUnit<A>::forward(pre[0] + bi(0), pre[1] + bi(1), pre[2] + bi(2), bh(0),
-                                       bh(1), hn, ld<A>(a.h, o));
-    st(a.h_new, o, r.h);
+                                       bh(1), hn, load_at<A>(a.h, o));
+    store_at(a.h_new, o, r.h);
     A* w = a.ws + b * 4 * H + j;
     w[0] = r.r, w[H] = r.z, w[2 * H] = r.n, w[3 * H] = hn;
   } else if constexpr (kPhase == StepPhase::GruRbGates) {
     const auto g = GruResetBeforeUnit<A>::gates(pre[0] + bi(0), pre[1] + bi(1), bh(0), bh(1),
-                                                ld<A>(a.h, o));
+                                                load_at<A>(a.h, o));
     A* w = a.ws + b * 3 * H + j;
     w[0] = g.r, w[H] = g.z;
-    st(a.rh, o, g.rh);
+    store_at(a.rh, o, g.rh);
   } else {  // GruRbCandidate
     A* w = a.ws + b * 3 * H + j;
     const auto c = GruResetBeforeUnit<A>::candidate(pre[0] + bi(2), pre[1] + bh(2), w[H],
-                                                    ld<A>(a.h, o));
-    st(a.h_new, o, c.h);
+                                                    load_at<A>(a.h, o));
+    store_at(a.h_new, o, c.h);
     w[2 * H] = c.n;
   }
 }
@@ -144,11 +144,11 @@ struct FmaTile {
     const int r = tid / 8, u = (tid % 8) * 2;
 #pragma unroll 8
     for (int k = 0; k < KC; ++k) {
-      const A x = ld<A>(As, r * LD + k);
+      const A x = load_at<A>(As, r * LD + k);
 #pragma unroll
       for (int g = 0; g < NG; ++g) {
-        acc[g][0] += x * ld<A>(Ws, (g * kStepTile + u) * LD + k);
-        acc[g][1] += x * ld<A>(Ws, (g * kStepTile + u + 1) * LD + k);
+        acc[g][0] += x * load_at<A>(Ws, (g * kStepTile + u) * LD + k);
+        acc[g][1] += x * load_at<A>(Ws, (g * kStepTile + u + 1) * LD + k);
       }
     }
   }
