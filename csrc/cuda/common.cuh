@@ -1,0 +1,139 @@
+// Helpers shared by the CUDA kernel families: storage <-> accumulate type
+// conversion, error checks, the per-row time position, launch shapes and the
+// typed front of the row-major GEMM.  No torch headers.
+//
+// torch's extension flags define __CUDA_NO_HALF_CONVERSIONS__ and friends,
+// so half types are converted only through the intrinsics below.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "gemm.h"
+#include "params.h"
+
+namespace rnnkern::cuda {
+
+// ------------------------------------------------------------- errors ----
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t e, const char* what, const char* file,
+                                          int line) {
+  throw std::runtime_error(std::string("rnnkern CUDA error: ") + cudaGetErrorString(e) + " (" +
+                           what + " at " + file + ":" + std::to_string(line) + ")");
+}
+
+#define RNNKERN_CUDA_CHECK(expr)                                                   \
+  do {                                                                             \
+    const cudaError_t rnnkern_err_ = (expr);                                       \
+    if (rnnkern_err_ != cudaSuccess)                                               \
+      ::rnnkern::cuda::throw_cuda_error(rnnkern_err_, #expr, __FILE__, __LINE__);  \
+  } while (0)
+
+// After every launch: a bad configuration is reported here, not at the next sync.
+#define RNNKERN_LAUNCH_CHECK() RNNKERN_CUDA_CHECK(cudaGetLastError())
+
+// ------------------------------------------------------------- types ----
+
+template <typename S>
+struct Storage;
+
+template <>
+struct Storage<double> {
+  using Acc = double;
+  static constexpr DType dtype = DType::F64;
+  static __device__ __forceinline__ double load(double v) { return v; }
+  static __device__ __forceinline__ double store(double v) { return v; }
+};
+
+template <>
+struct Storage<float> {
+  using Acc = float;
+  static constexpr DType dtype = DType::F32;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+
+template <>
+struct Storage<__half> {
+  using Acc = float;
+  static constexpr DType dtype = DType::F16;
+  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
+};
+
+template <>
+struct Storage<__nv_bfloat16> {
+  using Acc = float;
+  static constexpr DType dtype = DType::BF16;
+  static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <typename S>
+using acc_t = typename Storage<S>::Acc;
+
+// p[i] as the accumulate type A (storage values converted, A values as they are).
+template <typename A, typename T>
+__device__ __forceinline__ A load_at(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, A>) {
+    return p[i];
+  } else {
+    return Storage<T>::load(p[i]);
+  }
+}
+
+// An optional vector (a bias): 0 where absent.
+template <typename A, typename T>
+__device__ __forceinline__ A load_or_zero(const T* p, int64_t i) {
+  return p == nullptr ? A(0) : load_at<A>(p, i);
+}
+
+// p[i] = v, converted to p's type.
+template <typename T, typename A>
+__device__ __forceinline__ void store_at(T* p, int64_t i, A v) {
+  if constexpr (std::is_same_v<T, A>) {
+    p[i] = v;
+  } else {
+    p[i] = Storage<T>::store(v);
+  }
+}
+
+// ------------------------------------------------------ time positions ----
+
+// The time position sequence b works on at step s (steps count from each
+// sequence's own start: its end when reversed), or -1 once it has ended.
+__host__ __device__ __forceinline__ int64_t position(const int64_t* lengths, int64_t T,
+                                                     bool reverse, int64_t b, int64_t s) {
+  const int64_t n = lengths == nullptr ? T : lengths[b];
+  return s < n ? (reverse ? n - 1 - s : s) : -1;
+}
+
+// --------------------------------------------------------------- launch ----
+
+constexpr int kPointwiseThreads = 256;
+
+// Blocks of a grid-stride loop over n elements.
+inline unsigned int pointwise_blocks(int64_t n) {
+  const int64_t blocks = (n + kPointwiseThreads - 1) / kPointwiseThreads;
+  return static_cast<unsigned int>(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
+}
+
+// ----------------------------------------------------------------- GEMM ----
+
+// Row-major C[M, N] = op(A)[M, K] op(B)[K, N] + beta C on the context's
+// stream, A and B of storage type S, C of type SC (S, or A for the fp32
+// results of half inputs).  See gemm.h.
+template <typename S, typename SC>
+void gemm(const Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+          const S* a, int64_t lda, const S* b, int64_t ldb, float beta, SC* c, int64_t ldc) {
+  gemm_rowmajor(ctx.blas, ctx.stream, Storage<S>::dtype, Storage<SC>::dtype, ctx.allow_tf32,
+                trans_a, trans_b, M, N, K, a, lda, b, ldb, beta, c, ldc);
+}
+
+}  // namespace rnnkern::cuda

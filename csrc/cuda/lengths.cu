@@ -1,0 +1,39 @@
+// Host lengths -> device memory through kernel parameters (see params.h).
+//
+// A copy from pageable host memory would synchronise (and is illegal during
+// CUDA-graph capture); one from a pinned staging buffer would be captured as
+// a read of that buffer at every replay, after the op has released it.  The
+// values travel inside the launches instead, at most kChunk per launch
+// (kernel parameters are limited to 4 KiB).
+#include "common.cuh"
+
+namespace rnnkern::cuda {
+namespace {
+
+constexpr int kChunk = 480;
+
+struct LengthsChunk {
+  int64_t* dst;
+  int64_t n;
+  int64_t values[kChunk];
+};
+
+__global__ void upload_lengths_kernel(const LengthsChunk chunk) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < chunk.n) chunk.dst[i] = chunk.values[i];
+}
+
+}  // namespace
+
+void upload_lengths(const int64_t* host, int64_t B, int64_t* device, cudaStream_t stream) {
+  for (int64_t b0 = 0; b0 < B; b0 += kChunk) {
+    LengthsChunk chunk;
+    chunk.dst = device + b0;
+    chunk.n = B - b0 < kChunk ? B - b0 : kChunk;
+    for (int64_t i = 0; i < chunk.n; ++i) chunk.values[i] = host[b0 + i];
+    upload_lengths_kernel<<<(kChunk + 127) / 128, 128, 0, stream>>>(chunk);
+    RNNKERN_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace rnnkern::cuda

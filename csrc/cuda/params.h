@@ -1,0 +1,129 @@
+// Plain parameter structs of the CUDA kernels, and their entry points.
+//
+// Shared by the kernels (*.cu, which include no torch headers: they cost
+// about a minute of compile time per file) and by bindings.cpp, which unpacks
+// torch tensors into these structs.  Every pointer is a dense row-major array
+// of the documented shape (the binding makes tensors contiguous), except the
+// per-step rows of xproj and grad_output, whose time and batch strides are
+// given in elements so that batch-first views need no copy.
+//
+// Types: S is the storage dtype of the op (double, float, __half,
+// __nv_bfloat16); A the accumulate dtype of the gate math (double for double,
+// float otherwise).  The workspace and the carried gradients are A.
+#pragma once
+
+#include <cstdint>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "../cells.h"
+
+namespace rnnkern::cuda {
+
+// Where and how to launch: the current stream, ATen's cuBLAS handle (bound to
+// that stream, with its graph-safe workspace), and whether float GEMMs may
+// use TF32 (torch.backends.cuda.matmul.allow_tf32).
+struct Context {
+  cudaStream_t stream;
+  cublasHandle_t blas;
+  bool allow_tf32;
+};
+
+// recurrence (one layer, one direction).  G = gate_count(cell), W = workspace_width(cell).
+struct RecurrenceForwardParams {
+  Cell cell;
+  int64_t T, B, H, P;
+  bool reverse;
+  const int64_t* lengths;  // device [B], or null: every sequence has T steps
+
+  const void* xproj;  // S [T, B, G*H], row (t, b) at t*xproj_stride_t + b*xproj_stride_b
+  int64_t xproj_stride_t, xproj_stride_b;
+  const void* h0;    // S [B, P]
+  const void* w_hh;  // S [G*H, P]
+  const void* b_ih;  // S [G*H] or null
+  const void* b_hh;  // S [G*H] or null
+  const void* w_hr;  // S [P, H] (LSTM projection) or null
+
+  void* output;     // S [T, B, P]
+  void* workspace;  // A [T, B, W*H], or null when not training
+
+  // Scratch, allocated by the caller so that the time loop allocates nothing.
+  void* hproj;    // A [B, G*H] (reset-before GRU: [B, 2H]) = h_{t-1} W_hh^T
+  void* h_state;  // S [2, B, P] ping-pong state, slot 0 = h0; only with lengths
+                  // (without, the output row of the previous step is the state)
+  void* c_state;  // A [2, B, H] ping-pong cell state, slot 0 = c0 (LSTM); c_n is slot T % 2
+  void* rh;       // S [B, H] r * h_{t-1} (reset-before GRU)
+  void* hn;       // A [B, H] (r * h_{t-1}) W_hn^T (reset-before GRU)
+  void* h_full;   // S [B, H] o * tanh(c), the input of the projection (LSTM with w_hr)
+};
+
+// recurrence_backward.  Also the backward of the step op (T = 1, no grad_output).
+struct RecurrenceBackwardParams {
+  Cell cell;
+  int64_t T, B, H, P;
+  bool reverse;
+  const int64_t* lengths;  // device [B] or null
+
+  const void* grad_output;  // S [T, B, P] with strides below, or null (zeros)
+  int64_t grad_output_stride_t, grad_output_stride_b;
+  const void* h0;         // S [B, P]
+  const void* c0;         // S [B, H] (LSTM)
+  const void* w_hh;       // S [G*H, P]
+  const void* w_hr;       // S [P, H] or null
+  const void* output;     // S [T, B, P]
+  const void* workspace;  // A [T, B, W*H]
+
+  void* d_xproj;  // S [T, B, G*H]
+  void* dh;       // A [B, P] carried dL/dh: grad_h_n on entry, grad_h0 on exit
+  void* dc;       // A [B, H] carried dL/dc (LSTM): grad_c_n on entry, grad_c0 on exit
+
+  // Scratch.  The *_all arrays are in time-position order, inputs of the
+  // weight-gradient GEMMs the caller runs after the loop.
+  void* da;          // S [B, G*H] (reset-before: [B, 2H]) gate gradients of the step,
+                     // the A of  dh += da W_hh;  after the loop: those of step 0
+  void* dhn_all;     // S [T, B, H] GRU: gradient of W_hn h + b_hn
+  void* dn;          // S [B, H]    reset-before: candidate pre-activation gradient
+  void* drh;         // A [B, H]    reset-before: dn W_hn
+  void* rh_all;      // S [T, B, H] reset-before: r * h_{t-1}
+  void* dh_tot;      // S [B, P]    projection: total gradient of the projected h_t
+  void* dh_tot_all;  // S [T, B, P]
+  void* dh_full;     // A [B, H]    projection: dh_tot W_hr
+  void* h_full_all;  // S [T, B, H] projection: o * tanh(c)
+};
+
+// step: one fused kernel per phase, [x, h] [W_ih; W_hh]^T and the gates.
+struct StepParams {
+  Cell cell;
+  int64_t B, I, H;
+  const void* x;     // S [B, I]
+  const void* h;     // S [B, H]
+  const void* c;     // S [B, H] (LSTM)
+  const void* w_ih;  // S [G*H, I]
+  const void* w_hh;  // S [G*H, H]
+  const void* b_ih;  // S [G*H] or null
+  const void* b_hh;  // S [G*H] or null
+  void* h_new;       // S [B, H]
+  void* c_new;       // S [B, H] (LSTM)
+  void* workspace;   // A [B, W*H]
+  void* rh;          // S [B, H] scratch (reset-before GRU)
+};
+
+// Entry points, instantiated for S in {double, float, __half, __nv_bfloat16}
+// (recurrence_forward_<dtype>.cu, ...).  They throw std::runtime_error on a
+// CUDA or cuBLAS error and never synchronise with the host.
+template <typename S>
+void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx);
+template <typename S>
+void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx);
+template <typename S>
+void step_forward(const StepParams& p, const Context& ctx);
+
+// Copies host lengths[0..B) to device memory through kernel parameters: no
+// pinned staging buffer and no host synchronisation, so the values are part
+// of a captured CUDA graph (as every other argument of the op is).
+void upload_lengths(const int64_t* host, int64_t B, int64_t* device, cudaStream_t stream);
+
+}  // namespace rnnkern::cuda

@@ -1,0 +1,153 @@
+// recurrence forward: the time loop of one layer in one direction.
+//
+// Per step: one cuBLAS GEMM  hproj = h_{t-1} W_hh^T  (fp32 result for half
+// inputs), then one fused pointwise kernel (pointwise.cuh) that adds xproj
+// and the biases, applies the cell and writes h_t (output and state), c_t and
+// the workspace.  The reset-before GRU needs a second GEMM on r * h_{t-1} and
+// a second pointwise kernel; the LSTM projection a GEMM  h_t = h_full W_hr^T
+// (plus, with lengths, an epilogue for the rows that have finished).
+//
+// Everything runs on the caller's stream; the loop allocates nothing and
+// never waits for the device, so it can be captured in a CUDA graph.
+// Instantiated per dtype in recurrence_forward_<dtype>.cu.
+#pragma once
+
+#include "pointwise.cuh"
+
+namespace rnnkern::cuda {
+
+enum class ForwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbGates, GruRbCandidate, Projection };
+
+// One grid-stride pass of a phase over (b, j), j < H (the projection: j < P).
+// hh comes from the step's GEMM output, a row of G*H (reset-before: 2H) values.
+// hproj is not __restrict__: the reset-before gates overwrite it (st.rz).
+template <typename S, ForwardPhase kPhase>
+__global__ void __launch_bounds__(kPointwiseThreads)
+    forward_pointwise_kernel(const ForwardStep<S> st, const acc_t<S>* hproj) {
+  using A = acc_t<S>;
+  const int64_t H = st.H;
+  const int64_t width = kPhase == ForwardPhase::Projection ? st.P : H;
+  const int64_t n = st.B * width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / width, j = i - b * width;
+    if constexpr (kPhase == ForwardPhase::RnnTanh || kPhase == ForwardPhase::RnnRelu) {
+      const A hh[1] = {hproj[b * H + j]};
+      rnn_forward_unit<kPhase == ForwardPhase::RnnRelu>(st, b, j, hh);
+    } else if constexpr (kPhase == ForwardPhase::Lstm) {
+      const A* row = hproj + b * 4 * H;
+      const A hh[4] = {row[j], row[H + j], row[2 * H + j], row[3 * H + j]};
+      lstm_forward_unit(st, b, j, hh);
+    } else if constexpr (kPhase == ForwardPhase::Gru) {
+      const A* row = hproj + b * 3 * H;
+      const A hh[3] = {row[j], row[H + j], row[2 * H + j]};
+      gru_forward_unit(st, b, j, hh);
+    } else if constexpr (kPhase == ForwardPhase::GruRbGates) {
+      const A* row = hproj + b * 2 * H;
+      const A hh[2] = {row[j], row[H + j]};
+      gru_rb_gates_unit(st, b, j, hh);
+    } else if constexpr (kPhase == ForwardPhase::GruRbCandidate) {
+      gru_rb_candidate_unit(st, b, j);
+    } else {
+      projection_epilogue_unit(st, b, j);
+    }
+  }
+}
+
+template <typename S, ForwardPhase kPhase>
+void launch_forward_pointwise(const ForwardStep<S>& st, const acc_t<S>* hproj, int64_t n,
+                              cudaStream_t stream) {
+  if (n == 0) return;
+  forward_pointwise_kernel<S, kPhase>
+      <<<pointwise_blocks(n), kPointwiseThreads, 0, stream>>>(st, hproj);
+  RNNKERN_LAUNCH_CHECK();
+}
+
+template <typename S>
+void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
+  using A = acc_t<S>;
+  const int64_t T = p.T, B = p.B, H = p.H, P = p.P;
+  if (T == 0 || B == 0) return;
+  const Cell cell = p.cell;
+  const int64_t G = gate_count(cell);
+  const bool reset_before = cell == Cell::GruResetBefore;
+  const bool proj = p.w_hr != nullptr;
+  const bool lengths = p.lengths != nullptr;
+  const int64_t hproj_width = reset_before ? 2 * H : G * H;  // reset-before: W_hn apart
+
+  const S* h0 = static_cast<const S*>(p.h0);
+  const S* w_hh = static_cast<const S*>(p.w_hh);
+  const S* w_hr = static_cast<const S*>(p.w_hr);
+  S* out = static_cast<S*>(p.output);
+  S* h_state = static_cast<S*>(p.h_state);
+  A* c_state = static_cast<A*>(p.c_state);
+  A* hproj = static_cast<A*>(p.hproj);
+
+  ForwardStep<S> st{};
+  st.T = T, st.B = B, st.H = H, st.P = P;
+  st.reverse = p.reverse;
+  st.lengths = p.lengths;
+  st.xproj = static_cast<const S*>(p.xproj);
+  st.x_st = p.xproj_stride_t, st.x_sb = p.xproj_stride_b;
+  st.b_ih = static_cast<const S*>(p.b_ih);
+  st.b_hh = static_cast<const S*>(p.b_hh);
+  st.out = out;
+  st.ws = static_cast<A*>(p.workspace);
+  st.h_full = static_cast<S*>(p.h_full);
+  st.rh = static_cast<S*>(p.rh);
+  st.hn = static_cast<const A*>(p.hn);
+  st.rz = reset_before ? hproj : nullptr;
+
+  // Without lengths every row is at the same position, and the output row of
+  // the previous step is the state (no copies); with lengths, ping-pong.
+  auto row_of_step = [&](int64_t s) { return p.reverse ? T - 1 - s : s; };
+
+  for (int64_t s = 0; s < T; ++s) {
+    st.s = s;
+    st.h_prev = lengths ? h_state + (s & 1) * B * P
+                        : (s == 0 ? h0 : out + row_of_step(s - 1) * B * P);
+    st.h_next = lengths ? h_state + ((s + 1) & 1) * B * P : nullptr;
+    if (cell == Cell::Lstm) {
+      st.c_prev = c_state + (s & 1) * B * H;
+      st.c_next = c_state + ((s + 1) & 1) * B * H;
+    }
+
+    gemm<S, A>(ctx, false, true, B, hproj_width, P, st.h_prev, P, w_hh, P, 0.f, hproj,
+               hproj_width);
+    switch (cell) {
+      case Cell::RnnTanh:
+        launch_forward_pointwise<S, ForwardPhase::RnnTanh>(st, hproj, B * H, ctx.stream);
+        break;
+      case Cell::RnnRelu:
+        launch_forward_pointwise<S, ForwardPhase::RnnRelu>(st, hproj, B * H, ctx.stream);
+        break;
+      case Cell::Lstm:
+        launch_forward_pointwise<S, ForwardPhase::Lstm>(st, hproj, B * H, ctx.stream);
+        if (proj) {
+          // h_t = (o * tanh c) W_hr^T, straight into the output row (no
+          // lengths) or into the next state, then the per-row epilogue.
+          S* dst = lengths ? st.h_next : out + row_of_step(s) * B * P;
+          gemm<S, S>(ctx, false, true, B, P, H, st.h_full, H, w_hr, H, 0.f, dst, P);
+          if (lengths)
+            launch_forward_pointwise<S, ForwardPhase::Projection>(st, hproj, B * P, ctx.stream);
+        }
+        break;
+      case Cell::Gru:
+        launch_forward_pointwise<S, ForwardPhase::Gru>(st, hproj, B * H, ctx.stream);
+        break;
+      case Cell::GruResetBefore:
+        launch_forward_pointwise<S, ForwardPhase::GruRbGates>(st, hproj, B * H, ctx.stream);
+        gemm<S, A>(ctx, false, true, B, H, H, st.rh, H, w_hh + 2 * H * H, H, 0.f,
+                   static_cast<A*>(p.hn), H);
+        launch_forward_pointwise<S, ForwardPhase::GruRbCandidate>(st, hproj, B * H, ctx.stream);
+        break;
+    }
+  }
+}
+
+}  // namespace rnnkern::cuda
+
+// Explicit instantiation of the entry point (params.h) for one storage type.
+#define RNNKERN_INSTANTIATE_RECURRENCE_FORWARD(S)       \
+  template void rnnkern::cuda::recurrence_forward<S>( \
+      const rnnkern::cuda::RecurrenceForwardParams&, const rnnkern::cuda::Context&);

@@ -1,0 +1,602 @@
+"""The CUDA kernels (backend="cuda", csrc/cuda) against the reference, the CPU
+backend and torch.nn (cuDNN).
+
+The first tests run everywhere: a build made with nvcc present must contain the
+CUDA kernels.  Every other test needs a GPU (``gpu`` marker, skipped with the
+reason where there is none).  The conftest fixture makes torch.empty return NaN
+on CUDA too (ATen's empty_cuda honours fill_uninitialized_memory), so every
+buffer a kernel forgets to write fails these comparisons.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import rnnkern
+from rnnkern import ops, reference
+from conftest import (CELLS, assert_close, assert_low_precision, generator, randn,
+                      recurrence_inputs, rnnkern_module, step_inputs, torch_module)
+
+OPS = ("recurrence", "recurrence_backward", "step", "step_backward")
+CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
+CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
+TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
+LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+gpu = pytest.mark.gpu
+DEV = "cuda"
+
+
+def nvcc_present() -> bool:
+    """What setup.py looks for (RNNKERN_SKIP_CUDA, CUDA_HOME / CUDA_PATH, nvcc on PATH)."""
+    if os.environ.get("RNNKERN_SKIP_CUDA", "0") == "1":
+        return False
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return True
+    return shutil.which("nvcc") is not None
+
+
+# ------------------------------------------------------------ no GPU needed ----
+
+def test_cuda_kernels_built_with_nvcc():
+    """A build made where nvcc and a CUDA build of torch are present has the
+    CUDA kernels of all four ops registered; WITH_CUDA says so, all or nothing."""
+    registered = {op: torch._C._dispatch_has_kernel_for_dispatch_key(f"rnnkern::{op}", "CUDA")
+                  for op in OPS}
+    assert all(registered.values()) == ops.WITH_CUDA, registered
+    assert any(registered.values()) == ops.WITH_CUDA, registered
+    if torch.version.cuda is not None and nvcc_present():
+        assert ops.WITH_CUDA, (f"nvcc and torch CUDA {torch.version.cuda} are present but rnnkern "
+                               f"was built without its CUDA kernels: {registered}")
+
+
+def test_auto_picks_cuda_for_cuda_tensors():
+    want = "cuda" if ops.WITH_CUDA else "triton"
+    assert ops.resolve_backend("auto", torch.device("cuda", 0)) == want
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "cpu"
+
+
+def test_cuda_backend_refuses_cpu_tensors():
+    args = recurrence_inputs("gru", 3, 2, 4)
+    with pytest.raises(ValueError, match="backend='cuda'.*cpu"):
+        ops.recurrence("gru", *args.values(), backend="cuda")
+
+
+# --------------------------------------------------------------- helpers ----
+
+def to_dev(args):
+    return {k: None if v is None else v.detach().to(DEV).requires_grad_(v.requires_grad)
+            for k, v in args.items()}
+
+
+def run_recurrence(backend, cell, args, lengths=None, reverse=False):
+    return ops.recurrence(cell, args["xproj"], args["h0"], args["c0"], args["w_hh"], args["b_ih"],
+                          args["b_hh"], args["w_hr"], lengths, reverse, backend=backend)
+
+
+def differentiable(args):
+    return [name for name, t in args.items() if t is not None]
+
+
+def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
+    """Outputs, final states and the gradients of every input under a random
+    linear functional of all outputs (the cotangents drawn on the CPU)."""
+    out = [t for t in run_recurrence(backend, cell, args, lengths, reverse) if t is not None]
+    g = generator("cotangent", *key)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
+    names = differentiable(args)
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
+
+
+def assert_as_accurate_as(ours, theirs, truth, what=""):
+    """Low-precision result `ours` against the float64 `truth`: its error may be
+    at most twice that of `theirs` (torch.nn's), plus one rounding of the result
+    to its dtype (eps * |truth|, Frobenius norms).  That floor is what a
+    perfect fp32 computation rounded once to bf16/fp16 may already cost: on a
+    handful of elements, torch.nn rounding luckily to the exact value would
+    otherwise fail a correct kernel."""
+    eps = torch.finfo(ours.dtype).eps
+    ours, theirs, truth = (t.detach().double() for t in (ours, theirs, truth))
+    own = (theirs - truth).norm().item()
+    err = (ours - truth).norm().item()
+    floor = eps * truth.norm().item()
+    assert err <= 2 * own + floor, f"{what}: error {err:.3e} > 2 x torch.nn's {own:.3e} + {floor:.3e}"
+
+
+def compared_in_low_precision(cell, name):
+    """The derivative of ReLU jumps at 0: in fp16/bf16 a pre-activation within
+    rounding of 0 legitimately lands on either side, in ours or in torch.nn's,
+    and moves a gradient element by O(1).  A norm comparison of rnn_relu
+    gradients in half precision is therefore a coin toss; they are checked in
+    float64 (gradcheck), float32 (against cuDNN) and against the reference's
+    own bfloat16 error (test_half_types_within_reference_error), and share
+    every line of half-precision handling with rnn_tanh's."""
+    return not (cell == "rnn_relu" and name.startswith("grad"))
+
+
+@pytest.fixture
+def exact_fp32():
+    """float32 without TF32, in cuDNN and in matmuls, for tight comparisons."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ------------------------------------------------------------- gradcheck ----
+
+@gpu
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("variant", ["plain", "reverse", "lengths", "lengths-reverse"])
+def test_recurrence_gradcheck(cell, proj, variant):
+    """float64 gradcheck w.r.t. xproj, states and every weight, gradients flowing
+    from the outputs and the final states; one sequence empty with lengths."""
+    H = 6 if proj else 4
+    args = to_dev(recurrence_inputs(cell, 5, 4, H, proj=proj, requires_grad=True, key=(variant,)))
+    lengths = torch.tensor([5, 2, 0, 4]) if "lengths" in variant else None
+    names = differentiable(args)
+
+    def f(*tensors):
+        out, h_n, c_n = run_recurrence("cuda", cell, {**args, **dict(zip(names, tensors))}, lengths,
+                                       "reverse" in variant)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names])
+
+
+@gpu
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_step_gradcheck(cell, bias):
+    args = to_dev(step_inputs(cell, 3, 5, 4, bias=bias, requires_grad=True))
+    names = differentiable(args)
+
+    def f(*tensors):
+        kw = {**args, **dict(zip(names, tensors))}
+        h, c = ops.step(cell, kw["x"], kw["h"], kw["c"], kw["w_ih"], kw["w_hh"], kw["b_ih"],
+                        kw["b_hh"], backend="cuda")
+        return h if c is None else (h, c)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names])
+
+
+# --------------------------------------- same results as the CPU backend ----
+
+def raw_ops_results(device, cell, args, lengths, reverse):
+    """Every output of recurrence and recurrence_backward, in the op's own layout."""
+    a = {k: None if v is None else v.detach().to(device) for k, v in args.items()}
+    fwd = torch.ops.rnnkern.recurrence(cell, *a.values(), lengths, reverse, True)
+    out, h_n, c_n, ws = fwd
+    g = generator("raw-ops", cell)
+    grad_out, grad_h = randn(g, *out.shape).to(device), randn(g, *h_n.shape).to(device)
+    grad_c = randn(g, *c_n.shape).to(device) if cell == "lstm" else None
+    bwd = torch.ops.rnnkern.recurrence_backward(cell, grad_out, grad_h, grad_c, a["h0"], a["c0"],
+                                                a["w_hh"], a["w_hr"], out, ws, lengths, reverse)
+    return list(fwd) + list(bwd)
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("variant", ["plain", "reverse", "lengths", "lengths-reverse"])
+def test_ops_match_cpu_backend_float64(cell, proj, variant):
+    """The same op outputs as the CPU kernels -- output, states, workspace,
+    placeholders, every gradient -- in shape, dtype and value; sizes that are
+    not multiples of anything."""
+    T, B, H = 9, 5, 37
+    args = recurrence_inputs(cell, T, B, H, proj=proj and 11, key=("raw", variant))
+    lengths = torch.tensor([9, 3, 0, 7, 1]) if "lengths" in variant else None
+    reverse = "reverse" in variant
+    want = raw_ops_results("cpu", cell, args, lengths, reverse)
+    got = raw_ops_results(DEV, cell, args, lengths, reverse)
+    names = ["output", "h_n", "c_n", "workspace", "grad_xproj", "grad_h0", "grad_c0", "grad_w_hh",
+             "grad_b_ih", "grad_b_hh", "grad_w_hr"]
+    for name, a, b in zip(names, got, want):
+        assert a.device.type == "cuda", name
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        assert_close(a.cpu(), b, what=name)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_workspace_layout_of_half_types(dtype):
+    """The workspace is kept in the accumulate dtype, as on the CPU."""
+    args = to_dev(recurrence_inputs("lstm", 4, 3, 8, dtype=dtype))
+    *_, ws = torch.ops.rnnkern.recurrence("lstm", *args.values(), None, False, True)
+    assert ws.shape == (4, 3, 5 * 8) and ws.dtype == ops.acc_dtype(dtype)
+    *_, ws = torch.ops.rnnkern.recurrence("lstm", *args.values(), None, False, False)
+    assert ws.numel() == 0 and ws.device.type == "cuda"
+
+
+@gpu
+@pytest.mark.parametrize("cell", CELLS)
+def test_step_ops_match_cpu_backend_float64(cell):
+    s = step_inputs(cell, 5, 7, 33, key=("raw-step",))
+    results = []
+    for device in ("cpu", DEV):
+        a = {k: None if v is None else v.to(device) for k, v in s.items()}
+        h, c, ws = torch.ops.rnnkern.step(cell, *a.values())
+        g = generator("raw-step-grad", cell)
+        gh = randn(g, *h.shape).to(device)
+        gc = randn(g, *c.shape).to(device) if cell == "lstm" else None
+        bwd = torch.ops.rnnkern.step_backward(cell, gh, gc, a["x"], a["h"], a["c"], a["w_ih"],
+                                              a["w_hh"], h, ws)
+        results.append([h, c, ws, *bwd])
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        assert_close(a.cpu(), b, what=f"result {i}")
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_half_types_within_reference_error(cell, proj, dtype):
+    """Every cell (gru_reset_before has no torch.nn twin) in half precision,
+    with lengths in reverse: no worse than twice the reference's own error."""
+    T, B, H = 16, 5, 40
+    args = to_dev(recurrence_inputs(cell, T, B, H, dtype=dtype, proj=proj and 9, key=("half",)))
+    lengths = torch.tensor([16, 5, 0, 9, 1])
+    a16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    a32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("half-cot", cell)
+    want = outputs_and_grads("reference", cell, a32, lengths, True, key=key)
+    ref16 = outputs_and_grads("reference", cell, a16, lengths, True, key=key)
+    got = outputs_and_grads("cuda", cell, a16, lengths, True, key=key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name], ref16[name], want[name], what=name)
+
+
+# ---------------------------------------------------- torch.nn parity ----
+
+# (T, B, H): every H of {1, 3, 33, 257, 768}, T of {1, 1000}, B of {1, 300}; few big ones.
+PARITY_SIZES = [(1, 1, 1), (1000, 1, 3), (1, 300, 33), (1000, 300, 33), (50, 7, 257),
+                (1000, 1, 768), (1, 300, 768)]
+PARITY_IDS = [f"T{T}-B{B}-H{H}" for T, B, H in PARITY_SIZES]
+
+
+def module_results(module, x, hx, cotangents):
+    """Outputs, final states and the gradients of the input, the initial states
+    and every parameter, under sum(output * cotangent)."""
+    lstm = isinstance(module, torch.nn.LSTM)
+    x = x.detach().requires_grad_()
+    hx = tuple(h.detach().requires_grad_() for h in hx)
+    out, hidden = module(x, hx if lstm else hx[0])
+    hidden = hidden if isinstance(hidden, tuple) else (hidden,)
+    results = [out, *hidden]
+    loss = sum((r * c).sum() for r, c in zip(results, cotangents))
+    grads = torch.autograd.grad(loss, [x, *hx, *module.parameters()])
+    names = ["output"] + [f"hidden{i}" for i in range(len(hidden))] + ["grad_input"] + \
+            [f"grad_hx{i}" for i in range(len(hx))] + [f"grad_{n}" for n, _ in module.named_parameters()]
+    return dict(zip(names, [*results, *grads]))
+
+
+def nn_parity(cell, T, B, H, dtype, proj=0, I=13, key=()):
+    """(ours, torch.nn's, truth): rnnkern's CUDA kernels and torch.nn in `dtype`
+    on the same (dtype-valued) weights and inputs, and torch.nn in float64
+    without cuDNN as the truth."""
+    kw = {"proj_size": proj} if proj else {}
+    torch.manual_seed(T * 7919 + B * 31 + H)
+    theirs = torch_module(cell, I, H, **kw).to(DEV, dtype)
+    ours = rnnkern_module(cell, I, H, backend="cuda", **kw).to(DEV, dtype)
+    ours.load_state_dict(theirs.state_dict())
+    truth = torch_module(cell, I, H, **kw).to(DEV, torch.float64)
+    truth.load_state_dict({k: v.double() for k, v in theirs.state_dict().items()})
+    g = generator("nn-parity", cell, T, B, H, str(dtype), proj, *key)
+    P = proj or H
+    x = randn(g, T, B, I, dtype=dtype).to(DEV)
+    hx = [randn(g, 1, B, P, dtype=dtype, scale=0.5).to(DEV)]
+    if cell == "lstm":
+        hx.append(randn(g, 1, B, H, dtype=dtype, scale=0.5).to(DEV))
+    cot = [randn(g, T, B, P, dtype=dtype).to(DEV)] + [randn(g, *h.shape, dtype=dtype).to(DEV) for h in hx]
+    r_ours = module_results(ours, x, hx, cot)
+    r_theirs = module_results(theirs, x, hx, cot)
+    with torch.backends.cudnn.flags(enabled=False):
+        r_truth = module_results(truth, x.double(), [h.double() for h in hx], [c.double() for c in cot])
+    return r_ours, r_theirs, r_truth
+
+
+@gpu
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+@pytest.mark.parametrize("T,B,H", PARITY_SIZES, ids=PARITY_IDS)
+def test_matches_cudnn_float32(cell, T, B, H, exact_fp32):
+    ours, theirs, _ = nn_parity(cell, T, B, H, torch.float32)
+    for name in theirs:
+        assert ours[name].dtype == torch.float32, name
+        assert_close(ours[name], theirs[name], what=name)
+
+
+@gpu
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+@pytest.mark.parametrize("T,B,H", PARITY_SIZES, ids=PARITY_IDS)
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_matches_cudnn_half_types(cell, T, B, H, dtype):
+    """Against the float64 truth, no worse than twice cuDNN's own error (plus
+    one rounding), per output, final state and gradient."""
+    ours, theirs, truth = nn_parity(cell, T, B, H, dtype)
+    for name in truth:
+        assert ours[name].dtype == dtype, name
+        if compared_in_low_precision(cell, name):
+            assert_as_accurate_as(ours[name], theirs[name], truth[name], what=name)
+
+
+@gpu
+@pytest.mark.parametrize("T,B,H", [(1, 3, 33), (200, 16, 257)], ids=["T1-B3-H33", "T200-B16-H257"])
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW.values()], ids=["fp32", *LOW])
+def test_lstm_projection_matches_cudnn(T, B, H, dtype, exact_fp32):
+    ours, theirs, truth = nn_parity("lstm", T, B, H, dtype, proj=H // 3)
+    for name in truth:
+        if dtype == torch.float32:
+            assert_close(ours[name], theirs[name], what=name)
+        else:
+            assert_as_accurate_as(ours[name], theirs[name], truth[name], what=name)
+
+
+@gpu
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_packed_bidirectional_stack_matches_cudnn(cell, exact_fp32):
+    """Two bidirectional layers on a packed batch (lengths and reverse inside
+    the kernels), float32, through the modules."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+    torch.manual_seed(5)
+    I, H = 6, 33
+    theirs = torch_module(cell, I, H, num_layers=2, bidirectional=True).to(DEV)
+    ours = rnnkern_module(cell, I, H, num_layers=2, bidirectional=True, backend="cuda").to(DEV)
+    ours.load_state_dict(theirs.state_dict())
+    g = generator("packed", cell)
+    x = randn(g, 11, 4, I, dtype=torch.float32).to(DEV).requires_grad_()
+    lengths = torch.tensor([11, 7, 3, 1])
+    results = []
+    for m in (theirs, ours):
+        out, hidden = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        out = pad_packed_sequence(out)[0]
+        hidden = hidden if isinstance(hidden, tuple) else (hidden,)
+        loss = (out * out.detach().sin()).sum() + sum((h * h.detach().cos()).sum() for h in hidden)
+        results.append([out, *hidden, *torch.autograd.grad(loss, [x, *m.parameters()])])
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert_close(a, b, what=f"result {i}")
+
+
+@gpu
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+@pytest.mark.parametrize("BIH", [(1, 1, 1), (3, 33, 257), (300, 70, 768)], ids=lambda s: "B{}-I{}-H{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW.values()], ids=["fp32", *LOW])
+def test_step_matches_torch_cells(cell, BIH, dtype, exact_fp32):
+    """The fused step kernel (tensor cores for half types) through the cell
+    modules, against torch.nn's cells: outputs and every gradient."""
+    B, I, H = BIH
+    torch.manual_seed(B + I + H)
+    cls = {"lstm": torch.nn.LSTMCell, "gru": torch.nn.GRUCell}.get(cell, torch.nn.RNNCell)
+    kw = {"nonlinearity": cell[4:]} if cls is torch.nn.RNNCell else {}
+    ours_cls = {"lstm": rnnkern.LSTMCell, "gru": rnnkern.GRUCell}.get(cell, rnnkern.RNNCell)
+    theirs = cls(I, H, **kw).to(DEV, dtype)
+    ours = ours_cls(I, H, backend="cuda", **kw).to(DEV, dtype)
+    ours.load_state_dict(theirs.state_dict())
+    truth = cls(I, H, **kw).to(DEV, torch.float64)
+    truth.load_state_dict({k: v.double() for k, v in theirs.state_dict().items()})
+    g = generator("cells", cell, B, I, H, str(dtype))
+    x = randn(g, B, I, dtype=dtype).to(DEV)
+    hx = [randn(g, B, H, dtype=dtype, scale=0.5).to(DEV) for _ in range(2 if cell == "lstm" else 1)]
+    cot = [randn(g, B, H, dtype=dtype).to(DEV) for _ in hx]
+
+    def results(m, cast):
+        xs = cast(x).requires_grad_()
+        hs = [cast(h).requires_grad_() for h in hx]
+        out = m(xs, tuple(hs) if cell == "lstm" else hs[0])
+        out = out if isinstance(out, tuple) else (out,)
+        loss = sum((o * cast(c)).sum() for o, c in zip(out, cot))
+        return [*out, *torch.autograd.grad(loss, [xs, *hs, *m.parameters()])]
+
+    r_ours, r_theirs = results(ours, lambda t: t), results(theirs, lambda t: t)
+    r_truth = results(truth, lambda t: t.double())
+    names = ["h", "c"][:len(hx)] + ["grad_x"] + [f"grad_hx{i}" for i in range(len(hx))] + \
+        [f"grad_{n}" for n, _ in theirs.named_parameters()]
+    for name, a, b, t in zip(names, r_ours, r_theirs, r_truth):
+        assert a.dtype == dtype
+        if dtype == torch.float32:
+            assert_close(a, b, what=name)
+        elif compared_in_low_precision(cell, name):
+            assert_as_accurate_as(a, b, t, what=name)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW.values()], ids=["fp32", *LOW])
+def test_step_reset_before_within_reference_error(dtype):
+    args = to_dev(step_inputs("gru_reset_before", 19, 40, 70, dtype=dtype, key=("rb",)))
+    h, _ = ops.step("gru_reset_before", *args.values(), backend="cuda")
+    a64 = {k: None if v is None else v.double() for k, v in args.items()}
+    want, _ = reference.step("gru_reset_before", *a64.values())
+    if dtype == torch.float32:
+        assert_close(h, want.float())
+    else:
+        own, _ = reference.step("gru_reset_before", *args.values())
+        assert_low_precision(h, own, want, what="h")
+
+
+@gpu
+def test_tf32_is_honoured_and_close():
+    """Both settings of allow_tf32 run (CUBLAS_COMPUTE_32F_FAST_TF32 or not):
+    within TF32 accuracy of float64 with it, within float32's without it."""
+    args = to_dev(recurrence_inputs("lstm", 20, 8, 257, dtype=torch.float32, key=("tf32",)))
+    a64 = {k: None if v is None else v.double() for k, v in args.items()}
+    want = run_recurrence("reference", "lstm", a64)[0]
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow in (True, False):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            got = run_recurrence("cuda", "lstm", args)[0]
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err < (1e-2 if allow else 1e-5), (allow, err)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# ------------------------------------------------------ edge cases, misc ----
+
+@gpu
+def test_poisoning_covers_cuda():
+    """The conftest fixture makes CUDA allocations NaN, so the tests above see
+    every element a kernel leaves unwritten."""
+    assert torch.empty(16, device=DEV).isnan().all()
+    assert torch.empty(16, device=DEV, dtype=torch.bfloat16).isnan().all()
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+def test_padding_is_zero_and_states_kept(cell, proj):
+    """Finished sequences output exact zeros and keep their state; an empty
+    sequence returns its initial state."""
+    args = to_dev(recurrence_inputs(cell, 6, 3, 5, proj=proj and 2, key=("pad",)))
+    out, h_n, c_n = run_recurrence("cuda", cell, args, torch.tensor([6, 2, 0]))
+    assert out.isfinite().all()
+    assert (out[2:, 1] == 0).all() and (out[:, 2] == 0).all()
+    assert torch.equal(h_n[2], args["h0"][2]) and torch.equal(h_n[1], out[1, 1])
+    if cell == "lstm":
+        assert torch.equal(c_n[2], args["c0"][2])
+
+
+@gpu
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("T,B", [(0, 3), (3, 0), (1, 1)])
+def test_empty_and_tiny(cell, T, B):
+    """No steps or no sequences: the final states are the initial ones and the
+    gradients of everything else are zero (an input the reference leaves out
+    of its graph has a zero gradient)."""
+    args = to_dev(recurrence_inputs(cell, T, B, 5, requires_grad=True, key=("edge",)))
+    names = differentiable(args)
+    results = []
+    for backend in ("reference", "cuda"):
+        out = [t for t in run_recurrence(backend, cell, args) if t is not None]
+        g = generator("edge-cot", cell, T, B)
+        loss = sum((o * randn(g, *o.shape).to(DEV)).sum() for o in out)
+        grads = torch.autograd.grad(loss, [args[n] for n in names], allow_unused=True)
+        results.append(out + [torch.zeros_like(args[n]) if gr is None else gr
+                              for n, gr in zip(names, grads)])
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert a.shape == b.shape, i
+        assert_close(a, b, what=f"result {i}")
+
+
+@gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru_reset_before"])
+def test_strided_xproj_and_grad_output(cell):
+    """Batch-first views (rows strided, not contiguous) of xproj and of
+    grad_output give the contiguous results."""
+    args = to_dev(recurrence_inputs(cell, 7, 4, 9, key=("strided",)))
+    lstm = cell == "lstm"
+    fwd = torch.ops.rnnkern.recurrence(cell, *args.values(), None, False, True)
+    xp = args["xproj"].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not xp.is_contiguous()
+    fwd_strided = torch.ops.rnnkern.recurrence(cell, xp, *list(args.values())[1:], None, False, True)
+    for i, (a, b) in enumerate(zip(fwd_strided, fwd)):
+        assert_close(a, b, what=f"forward result {i}")
+    out, h_n, c_n, ws = fwd
+    g = generator("strided-grad", cell)
+    gout = randn(g, *out.shape).to(DEV)
+    gout_strided = gout.transpose(0, 1).contiguous().transpose(0, 1)
+    gh, gc = randn(g, *h_n.shape).to(DEV), randn(g, *c_n.shape).to(DEV) if lstm else None
+    rest = (gh, gc, args["h0"], args["c0"], args["w_hh"], args["w_hr"], out, ws, None, False)
+    want = torch.ops.rnnkern.recurrence_backward(cell, gout, *rest)
+    got = torch.ops.rnnkern.recurrence_backward(cell, gout_strided, *rest)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, what=f"backward result {i}")
+
+
+@gpu
+def test_mixed_devices_are_a_clear_error():
+    args = to_dev(recurrence_inputs("gru", 3, 2, 4))
+    args["h0"] = args["h0"].cpu()
+    with pytest.raises(ValueError, match="h0"):
+        run_recurrence("cuda", "gru", args)
+    with pytest.raises(ValueError, match="backend='cpu'"):
+        run_recurrence("cpu", "gru", to_dev(recurrence_inputs("gru", 3, 2, 4)))
+
+
+@gpu
+def test_other_device_runs_under_its_guard():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (device guard test); this machine has one")
+    args = recurrence_inputs("lstm", 5, 3, 8, key=("dev1",))
+    want = run_recurrence("cuda", "lstm", to_dev(args))
+    on1 = {k: None if v is None else v.to("cuda:1") for k, v in args.items()}
+    got = run_recurrence("cuda", "lstm", on1)
+    for a, b in zip(got, want):
+        assert a.device == torch.device("cuda:1")
+        assert_close(a.to(DEV), b)
+
+
+# --------------------------------------------------------------- opcheck ----
+
+@gpu
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
+def test_opcheck_recurrence(cell, proj, lengths):
+    args = to_dev(recurrence_inputs(cell, 4, 3, 6, proj=proj and 4, requires_grad=True,
+                                    key=("opcheck",)))
+    lens = torch.tensor([4, 1, 3]) if lengths else None
+    torch.library.opcheck(torch.ops.rnnkern.recurrence.default,
+                          (cell, *args.values(), lens, lengths, True))
+
+
+@gpu
+@pytest.mark.parametrize("cell", CELLS)
+def test_opcheck_step(cell):
+    args = to_dev(step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",)))
+    torch.library.opcheck(torch.ops.rnnkern.step.default, (cell, *args.values()))
+
+
+@gpu
+def test_opcheck_backward_ops():
+    args = to_dev(recurrence_inputs("gru", 4, 3, 6, key=("opcheck-bwd",)))
+    out, h_n, c_n, ws = torch.ops.rnnkern.recurrence("gru", *args.values(), None, False, True)
+    g = generator("opcheck-bwd")
+    torch.library.opcheck(torch.ops.rnnkern.recurrence_backward.default,
+                          ("gru", randn(g, *out.shape).to(DEV), randn(g, *h_n.shape).to(DEV), None,
+                           args["h0"], None, args["w_hh"], None, out, ws, None, False))
+    s = to_dev(step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",)))
+    h, c, ws = torch.ops.rnnkern.step("lstm", *s.values())
+    torch.library.opcheck(torch.ops.rnnkern.step_backward.default,
+                          ("lstm", randn(g, *h.shape).to(DEV), randn(g, *c.shape).to(DEV), s["x"],
+                           s["h"], s["c"], s["w_ih"], s["w_hh"], h, ws))
+
+
+# ------------------------------------------------------------ CUDA graphs ----
+
+@gpu
+@pytest.mark.parametrize("cell,lengths", [("lstm", True), ("gru", False), ("gru_reset_before", True)])
+def test_cuda_graph_forward_backward(cell, lengths):
+    """Forward and backward captured in one CUDA graph (no host sync, no
+    allocation the graph cannot own), replayed on new data, match eager runs."""
+    lens = torch.tensor([6, 2, 5]) if lengths else None
+    static = to_dev(recurrence_inputs(cell, 6, 3, 10, requires_grad=True, key=("graph",)))
+    names = differentiable(static)
+    cot = randn(generator("graph-cot"), 6, 3, 10).to(DEV)
+
+    def fwd_bwd(a):
+        out, h_n, _ = run_recurrence("cuda", cell, a, lens, reverse=True)
+        loss = (out * cot).sum() + h_n.sum()
+        return [out, *torch.autograd.grad(loss, [a[n] for n in names])]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fwd_bwd(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fwd_bwd(static)
+
+    for round_ in range(2):
+        fresh = to_dev(recurrence_inputs(cell, 6, 3, 10, requires_grad=True, key=("graph", round_)))
+        with torch.no_grad():
+            for n in names:
+                static[n].copy_(fresh[n])
+        graph.replay()
+        want = fwd_bwd(fresh)
+        for i, (a, b) in enumerate(zip(captured, want)):
+            assert_close(a, b, what=f"round {round_} result {i}")
