@@ -15,9 +15,10 @@
 //   output    [T, B, P]    h_t at its time position
 //   workspace [T, B, W*H]  what the backward needs (cells.h); empty when train=False
 // Half-precision inputs are computed in float; the workspace is kept in float.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
 #include "ops.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <Python.h>
 #include <torch/library.h>
 
@@ -198,10 +199,11 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
   return s;
 }
 
-StepSizes check_step(c10::string_view cell_str, const Tensor& x, const Tensor& h,
-                     const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-                     const OptTensor& b_ih, const OptTensor& b_hh) {
-  const char* op = "rnnkern.step";
+namespace {
+
+StepSizes check_step_args(const char* op, c10::string_view cell_str, const Tensor& x,
+                          const Tensor& h, const OptTensor& c, const Tensor& w_ih,
+                          const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh) {
   StepSizes s{};
   s.cell = parse_cell(cell_str);
   check_floating(op, "x", x);
@@ -225,12 +227,20 @@ StepSizes check_step(c10::string_view cell_str, const Tensor& x, const Tensor& h
   return s;
 }
 
+}  // namespace
+
+StepSizes check_step(c10::string_view cell_str, const Tensor& x, const Tensor& h,
+                     const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
+                     const OptTensor& b_ih, const OptTensor& b_hh) {
+  return check_step_args("rnnkern.step", cell_str, x, h, c, w_ih, w_hh, b_ih, b_hh);
+}
+
 StepSizes check_step_backward(c10::string_view cell_str, const Tensor& grad_h_new,
                               const OptTensor& grad_c_new, const Tensor& x, const Tensor& h,
                               const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
                               const Tensor& h_new, const Tensor& workspace) {
   const char* op = "rnnkern.step_backward";
-  StepSizes s = check_step(cell_str, x, h, c, w_ih, w_hh, std::nullopt, std::nullopt);
+  StepSizes s = check_step_args(op, cell_str, x, h, c, w_ih, w_hh, std::nullopt, std::nullopt);
   check_arg(op, "grad_h_new", grad_h_new, {s.B, s.H}, x);
   check_arg(op, "h_new", h_new, {s.B, s.H}, x);
   if (s.cell == Cell::Lstm) {
@@ -244,6 +254,8 @@ StepSizes check_step_backward(c10::string_view cell_str, const Tensor& grad_h_ne
   TORCH_CHECK_TYPE(workspace.scalar_type() == acc_type(x.scalar_type()), op,
                    ": expected workspace of dtype ", acc_type(x.scalar_type()), ", got ",
                    workspace.scalar_type());
+  TORCH_CHECK_VALUE(workspace.device() == x.device(), op, ": expected workspace on ", x.device(),
+                    ", got ", workspace.device());
   return s;
 }
 

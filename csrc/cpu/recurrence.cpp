@@ -15,8 +15,14 @@
 // Gate math runs in float (for float, bfloat16, float16) or double; half
 // inputs are converted on entry and outputs converted back.  The row loops
 // are compiled for several x86 ISA levels (target_clones) and vectorise.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -363,7 +369,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 
   const A* xp = ptr<A>(a.xproj);
   // Every cell but the GRU candidate needs only the sum of the two biases.
-  const Tensor bias_sum = a.b_x + a.b_h;
+  const Tensor bias_sum = a.b_x.add(a.b_h);
   const A* bias = ptr<A>(bias_sum);
   const A* bx = ptr<A>(a.b_x);
   const A* bh = ptr<A>(a.b_h);
