@@ -127,7 +127,8 @@ def _rnnkern_unavailable(backend):
         if backend == "cpu":
             return None if device.type == "cpu" else "the C++ CPU kernels run on CPU tensors"
         if device.type != "cuda":
-            return f"backend={backend!r} runs on CUDA tensors (Triton's interpreter is for tests)"
+            return f"backend={backend!r} runs on CUDA tensors" + (
+                " (Triton's CPU interpreter is for tests, not timings)" if backend == "triton" else "")
         if backend == "cuda" and not rnnkern.ops.WITH_CUDA:
             return "rnnkern was built without its CUDA kernels"
         if backend == "triton":

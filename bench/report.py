@@ -28,12 +28,32 @@ def _device_line(doc) -> str:
             f"copy {p['copy_gbps']:.3g} GB/s")
 
 
+def load_warning(doc) -> str:
+    """A warning when the CPU was oversubscribed during the run ('' otherwise)."""
+    dev = doc["meta"]["device"]
+    loads = [dev.get("load_average_at_start"), dev.get("load_average_at_end")]
+    worst = max((l[0] for l in loads if l), default=None)
+    if dev["type"] != "cpu" or worst is None or worst <= dev["cores"]:
+        return ""
+    msg = (f"WARNING: load average up to {worst:.1f} on {dev['cores']} cores during this run: other "
+           f"processes held the CPU, so times are inflated; the ratios (interleaved) are more "
+           f"trustworthy than the times.")
+    if dev["threads"] > 1:
+        msg += (" With several threads every kernel also waits for its descheduled threads: "
+                "rerun when the machine is quiet, or compare with --threads 1.")
+    return msg
+
+
 def table(doc) -> str:
     """Every case, phase and candidate with every figure."""
     gpu = doc["meta"]["device"]["type"] == "cuda"
     head = (f"{'case':34} {'phase':7} {'candidate':14} {'ms':>9} {'vs torch':>8} {'us/step':>8} "
             f"{'TFLOP/s':>8} {'%peak':>6} {'GB/s':>7} {'%peak':>6}" + (f" {'mem MB':>8} {'mem/torch':>9}" if gpu else ""))
-    lines = [_device_line(doc), head, "-" * len(head)]
+    lines = [_device_line(doc)] + ([load_warning(doc)] if load_warning(doc) else [])
+    for name, c in doc["meta"]["candidates"].items():
+        if not c["available"]:
+            lines.append(f"not run: {c['label']} ({c['note']})")
+    lines += [head, "-" * len(head)]
     last = None
     for r in doc["results"]:
         case = _case_label(r)
@@ -108,7 +128,10 @@ def summary(doc) -> str:
 def markdown(doc) -> str:
     """The summary as markdown tables, with the command and the machine."""
     m = doc["meta"]
-    out = [f"`{m['command']}` on {_device_line(doc)}, {m['date']}.", "",
+    dev = m["device"]
+    load = ", ".join(f"{dev[k][0]:.1f}" for k in ("load_average_at_start", "load_average_at_end") if dev.get(k))
+    out = [f"`{m['command']}` on {_device_line(doc)}, {m['date']}"
+           + (f", load average {load} (start, end)" if load and dev["type"] == "cpu" else "") + ".", "",
            "Speed ratio = torch.nn time / candidate time, measured interleaved in one process "
            "on the same inputs (> 1: faster than torch.nn).", ""]
     for phase in ("forward", "forward_backward"):

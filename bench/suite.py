@@ -234,7 +234,8 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
                 st = timing.summarize(s)
                 med = st["median_s"]
                 e = entries[name]
-                e.update(status="timed", median_ms=med * 1e3, iqr_ms=st["iqr_s"] * 1e3, samples=len(s),
+                e.update(status="timed", median_ms=med * 1e3, iqr_ms=st["iqr_s"] * 1e3,
+                         min_ms=st["min_s"] * 1e3, samples=len(s),
                          calls_per_sample=plans[name].calls if device.type == "cpu" else 1,
                          speedup_vs_torch=base / med, us_per_step=med / case.T * 1e6,
                          tflops=c.flops / med / 1e12, gbps=c.bytes / med / 1e9)
@@ -428,6 +429,8 @@ def main(argv=None) -> dict:
     print(report.table(doc))
     print()
     print(report.summary(doc))
+    if report.load_warning(doc):
+        print("\n" + report.load_warning(doc))
     if a.json:
         report.write_json(doc, a.json)
         print(f"\nJSON: {a.json}")

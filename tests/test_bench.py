@@ -24,7 +24,7 @@ CELLS = ("lstm", "gru", "rnn_tanh")
 FAMILIES = ("latency", "throughput", "long", "headline")
 PHASES = ("forward", "forward_backward")
 CPU_CANDIDATES = ("torch", "cpu", "reference", "compile")
-TIMED_FIGURES = ("median_ms", "speedup_vs_torch", "us_per_step", "tflops", "gbps", "pct_peak_flops",
+TIMED_FIGURES = ("median_ms", "min_ms", "speedup_vs_torch", "us_per_step", "tflops", "gbps", "pct_peak_flops",
                  "pct_peak_bw")
 
 
@@ -81,6 +81,7 @@ def test_quick_json_is_well_formed(quick_run):
             for key in TIMED_FIGURES:
                 assert positive(e[key]), (where, name, key, e[key])
             assert e["samples"] >= 3 and e["calls_per_sample"] >= 1, (where, name)
+            assert e["min_ms"] <= e["median_ms"] and e["iqr_ms"] >= 0, (where, name)
             assert math.isclose(e["us_per_step"], e["median_ms"] * 1e3 / r["T"], rel_tol=1e-9)
             assert math.isclose(e["speedup_vs_torch"], base["median_ms"] / e["median_ms"], rel_tol=1e-9)
             assert math.isclose(e["tflops"], r["flops"] / e["median_ms"] / 1e9, rel_tol=1e-9)
@@ -149,3 +150,39 @@ def test_agreement_is_calibrated_by_torch_nn():
 def test_json_writer_refuses_non_finite_numbers(tmp_path):
     with pytest.raises(ValueError):
         report.write_json({"x": math.inf}, tmp_path / "bad.json")
+
+
+def test_a_disagreeing_or_failing_candidate_is_reported_not_timed(monkeypatch):
+    from tqdm import tqdm
+
+    from bench import candidates, suite
+    from bench.grid import Case
+
+    def build_wrong(case, src, device):  # the vanilla loop, one percent off
+        b = candidates.CANDIDATES["reference"].build(case, src, device)
+        return candidates.Built(lambda x, h0, c0: (lambda o: (o[0] * 1.01, o[1], o[2]))(b.layer(x, h0, c0)),
+                                b.params)
+
+    def build_failing(case, src, device):
+        def layer(x, h0, c0):
+            raise RuntimeError("no kernel for this size")
+        return candidates.Built(layer, [])
+
+    always, never = (lambda device: None), (lambda case, device, options: None)
+    monkeypatch.setitem(candidates.CANDIDATES, "wrong", candidates.Candidate("wrong", "wrong", always, never, build_wrong))
+    monkeypatch.setitem(candidates.CANDIDATES, "failing",
+                        candidates.Candidate("failing", "failing", always, never, build_failing))
+    monkeypatch.setitem(candidates.LOOP_MAX_T, "cpu", 4)  # the loop is then skipped at T=8
+    case = Case("rnn_tanh", 3, 8, 16, "float32", ("latency",))
+    cfg = suite.Config(quick=True, progress=False)
+    records = suite.run_case(case, ["torch", "cpu", "reference", "wrong", "failing"], torch.device("cpu"), cfg,
+                             tqdm(disable=True))
+    assert [r["phase"] for r in records] == list(PHASES)
+    for r in records:
+        c = r["candidates"]
+        assert c["torch"]["status"] == "timed" and c["cpu"]["status"] == "timed"
+        assert c["reference"]["status"] == "skipped" and "T=8 > 4" in c["reference"]["note"]
+        assert c["wrong"]["status"] == "disagrees" and c["wrong"]["agreement"]["ok"] is False
+        assert "median_ms" not in c["wrong"]
+        assert c["failing"]["status"] == "error" and "no kernel for this size" in c["failing"]["note"]
+        assert "median_ms" not in c["failing"]
