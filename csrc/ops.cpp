@@ -20,6 +20,8 @@
 
 #include <ATen/ops/empty.h>
 #include <Python.h>
+
+#include "cpu/buffers.h"
 #include <torch/library.h>
 
 #include <sstream>
@@ -259,6 +261,20 @@ StepSizes check_step_backward(c10::string_view cell_str, const Tensor& grad_h_ne
   return s;
 }
 
+void check_linear(const Tensor& x, const Tensor& weight) {
+  const char* op = "rnnkern.linear";
+  check_floating(op, "x", x);
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": expected x to be 2-D [M, K], got ", shape_str(x));
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1), op,
+                    ": expected weight of shape [N, ", x.size(1), "], got ", shape_str(weight));
+  check_arg(op, "weight", weight, weight.sizes(), x);
+}
+
+void check_linear_backward(const Tensor& grad_y, const Tensor& x, const Tensor& weight) {
+  check_linear(x, weight);
+  check_arg("rnnkern.linear_backward", "grad_y", grad_y, {x.size(0), weight.size(0)}, x);
+}
+
 }  // namespace rnnkern
 
 TORCH_LIBRARY(rnnkern, m) {
@@ -280,12 +296,31 @@ TORCH_LIBRARY(rnnkern, m) {
       "Tensor? c, Tensor w_ih, Tensor w_hh, Tensor h_new, Tensor workspace) "
       "-> (Tensor grad_x, Tensor grad_h, Tensor grad_c, Tensor grad_w_ih, Tensor grad_w_hh, "
       "Tensor grad_b_ih, Tensor grad_b_hh)");
+  // The input projection X W_ih^T as one large product (CPU backend; other
+  // backends use torch's matmul).
+  m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def(
+      "linear_backward(Tensor grad_y, Tensor x, Tensor weight, bool need_x, bool need_weight) "
+      "-> (Tensor grad_x, Tensor grad_weight)");
 }
 
+namespace {
+
+PyObject* empty_cpu_cache(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(rnnkern::cpu::empty_cache());
+}
+
+PyMethodDef methods[] = {
+    {"empty_cpu_cache", empty_cpu_cache, METH_NOARGS,
+     "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 // `import rnnkern._C` runs the static registrations above; the module itself
-// only says whether the CUDA kernels were compiled in.
+// says whether the CUDA kernels were compiled in and can empty the CPU cache.
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
 #ifdef RNNKERN_WITH_CUDA

@@ -62,6 +62,10 @@ StepSizes check_step_backward(c10::string_view cell, const Tensor& grad_h_new,
                               const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
                               const Tensor& h_new, const Tensor& workspace);
 
+// linear(x[M,K], weight[N,K]) -> x weight^T: the input projection of the CPU backend.
+void check_linear(const Tensor& x, const Tensor& weight);
+void check_linear_backward(const Tensor& grad_y, const Tensor& x, const Tensor& weight);
+
 // The dtype gate math runs in: float for half types, else the input dtype.
 at::ScalarType acc_type(at::ScalarType t);
 

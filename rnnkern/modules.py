@@ -201,7 +201,8 @@ class _RecurrentMixin:
                 idx = layer * D + d
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
                 out, h, c = ops.recurrence(
-                    self.cell, F.linear(x, w_ih), h0[idx], c0[idx] if lstm else None, w_hh,
+                    self.cell, ops.input_projection(x, w_ih, backend), h0[idx],
+                    c0[idx] if lstm else None, w_hh,
                     b_ih, b_hh, w_hr, lengths, reverse=d == 1, backend=backend)
                 outputs.append(out)
                 h_n.append(h)

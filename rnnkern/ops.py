@@ -13,7 +13,10 @@ backend        op                                          devices
 =============  ==========================================  ===========================
 
 Every op family has the same four schemas (csrc/ops.cpp): ``recurrence``,
-``recurrence_backward``, ``step``, ``step_backward``.  Their fake (meta)
+``recurrence_backward``, ``step``, ``step_backward``.  The CPU backend also
+computes the input projection with its own op (``rnnkern::linear``), whose
+GEMM and pooled buffers beat the BLAS bundled with torch on the CPUs measured;
+the other backends use torch's matmul.  Their fake (meta)
 implementations and their autograd formulas are registered here, once per family,
 by :func:`register_op_family`, so ``torch.compile(fullgraph=True)`` traces every
 backend without a graph break.
@@ -35,8 +38,8 @@ BACKENDS = ("auto", "reference", "cpu", "cuda", "triton")
 #: True when the CUDA kernels were compiled into rnnkern._C.
 WITH_CUDA = bool(_C.WITH_CUDA)
 
-__all__ = ["BACKENDS", "CELLS", "WITH_CUDA", "recurrence", "step", "resolve_backend",
-           "register_op_family"]
+__all__ = ["BACKENDS", "CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
+           "resolve_backend", "register_op_family", "empty_cpu_cache"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -158,6 +161,40 @@ def register_op_family(namespace: str) -> None:
 register_op_family("rnnkern")
 
 
+@torch.library.register_fake("rnnkern::linear")
+def _linear_fake(x, weight):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("rnnkern::linear_backward")
+def _linear_backward_fake(grad_y, x, weight, need_x, need_weight):
+    return (x.new_empty(x.shape) if need_x else x.new_empty((0,)),
+            weight.new_empty(weight.shape) if need_weight else x.new_empty((0,)))
+
+
+def _linear_setup_context(ctx, inputs, output):
+    x, weight = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _linear_backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    need_x, need_weight = ctx.needs_input_grad
+    gx, gw = torch.ops.rnnkern.linear_backward(grad_y, x, weight, need_x, need_weight)
+    return (gx if need_x else None), (gw if need_weight else None)
+
+
+torch.library.register_autograd("rnnkern::linear", _linear_backward,
+                                setup_context=_linear_setup_context)
+
+
+def empty_cpu_cache() -> int:
+    """Returns the large CPU buffers rnnkern keeps for reuse (csrc/cpu/buffers.h)
+    to the system; the number of bytes released.  The cache holds at most
+    RNNKERN_CPU_CACHE_MB (default 1024) MiB; 0 disables it."""
+    return _C.empty_cpu_cache()
+
+
 # --------------------------------------------------------------------------
 # Backend choice.
 
@@ -229,6 +266,16 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     output, h_n, c_n, _ = _op_family(backend).recurrence(
         cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train)
     return output, h_n, (c_n if cell == "lstm" else None)
+
+
+def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
+    """``x W_ih^T`` over all steps at once: x [T, B, I] -> [T, B, G*H] (no bias; the
+    recurrence adds b_ih)."""
+    backend = resolve_backend(backend, x.device)
+    if backend != "cpu" or x.dtype != w_ih.dtype:
+        return torch.nn.functional.linear(x, w_ih)
+    T, B = x.shape[0], x.shape[1]
+    return torch.ops.rnnkern.linear(x.reshape(T * B, x.shape[2]), w_ih).view(T, B, w_ih.shape[0])
 
 
 def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,

@@ -232,3 +232,57 @@ def test_opcheck_backward_ops():
     torch.library.opcheck(torch.ops.rnnkern.step_backward.default,
                           ("lstm", randn(g, *h.shape), randn(g, *c.shape), s["x"], s["h"], s["c"],
                            s["w_ih"], s["w_hh"], h, ws))
+
+
+# ------------------------------------------ input projection (linear op) ----
+
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_linear_matches_matmul(M, K, N, dtype):
+    """The CPU backend's own GEMM: tails in every dimension, K split into chunks."""
+    g = generator("linear", M, K, N, str(dtype))
+    x, w, gy = randn(g, M, K, dtype=dtype), randn(g, N, K, dtype=dtype), randn(g, M, N, dtype=dtype)
+    assert_close(torch.ops.rnnkern.linear(x, w), x.double().mm(w.double().t()).to(dtype), what="y")
+    gx, gw = torch.ops.rnnkern.linear_backward(gy, x, w, True, True)
+    assert_close(gx, gy.double().mm(w.double()).to(dtype), what="grad_x")
+    assert_close(gw, gy.double().t().mm(x.double()).to(dtype), what="grad_w")
+
+
+def test_linear_strided_input_and_skipped_gradients():
+    g = generator("linear-strided")
+    base = randn(g, 40, 30)
+    x = base[::2, 1::3]  # [20, 10], both strides odd
+    w = randn(g, 7, 10)
+    assert_close(torch.ops.rnnkern.linear(x, w), x.mm(w.t()))
+    gx, gw = torch.ops.rnnkern.linear_backward(randn(g, 20, 7), x, w, False, True)
+    assert gx.numel() == 0 and gw.shape == (7, 10)
+
+
+def test_linear_gradcheck_and_opcheck():
+    g = generator("linear-gradcheck")
+    x, w = randn(g, 9, 4, requires_grad=True), randn(g, 6, 4, requires_grad=True)
+    assert torch.autograd.gradcheck(torch.ops.rnnkern.linear, (x, w))
+    torch.library.opcheck(torch.ops.rnnkern.linear.default, (x, w))
+
+
+def test_linear_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="weight of shape"):
+        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 3))
+    with pytest.raises(TypeError, match="weight"):
+        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64))
+
+
+def test_pooled_buffers_are_reused_and_released():
+    """Large outputs come from the pool: a freed block is handed out again
+    (same address), poisoning still applies, and empty_cpu_cache frees it."""
+    g = generator("pool")
+    x, w = randn(g, 1024, 64), randn(g, 512, 64)  # a 4 MiB output
+    y = torch.ops.rnnkern.linear(x, w)
+    address = y.data_ptr()
+    del y
+    y = torch.ops.rnnkern.linear(x, w)
+    assert y.data_ptr() == address
+    assert_close(y, x.mm(w.t()))
+    del y
+    assert ops.empty_cpu_cache() >= 1024 * 512 * 8
+    assert ops.empty_cpu_cache() == 0

@@ -31,13 +31,9 @@
 
 #include "../cells.h"
 #include "../ops.h"
+#include "buffers.h"
 #include "gemm.h"
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define RNNKERN_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define RNNKERN_CPU_CLONES
-#endif
+#include "linear.h"
 
 namespace rnnkern::cpu {
 namespace {
@@ -485,24 +481,29 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 // output 0, so two GEMMs cover every case without gathering h_{t-1}:
 //   forward:  d[1:]^T out[:-1] + d[0]^T h0
 //   reverse:  d[:-1]^T out[1:] + sum_b d[len_b - 1, b]^T h0[b]
-// d: [T, B, N] (may be a column slice), out: [T, B, P], h0: [B, P].
+// d: [T, B, N] with unit stride along N (it may be a column slice),
+// out: [T, B, P] and h0: [B, P] contiguous, dw: [N, P] with rows contiguous.
+template <typename A>
 void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, const Tensor& h0,
                                const Positions& pos) {
   const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
-  dw.zero_();
-  if (T == 0 || B == 0) return;
-  const Tensor d_later = pos.reverse ? d.narrow(0, 0, T - 1) : d.narrow(0, 1, T - 1);
-  const Tensor out_earlier = pos.reverse ? out.narrow(0, 1, T - 1) : out.narrow(0, 0, T - 1);
-  dw.addmm_(d_later.reshape({(T - 1) * B, N}).t(), out_earlier.reshape({(T - 1) * B, P}));
-  Tensor d_first;  // [B, N]: each sequence's gradient at its first step
-  if (!pos.reverse) {
-    d_first = d[0];
-  } else {
-    d_first = at::zeros({B, N}, d.options());
-    for (int64_t b = 0; b < B; ++b)
-      if (pos.length(b) > 0) d_first[b].copy_(d[pos.length(b) - 1][b]);
+  const int64_t ld = d.stride(1);
+  A* c = ptr<A>(dw);
+  if (T == 0 || B == 0) {
+    dw.zero_();
+    return;
   }
-  dw.addmm_(d_first.t(), h0);
+  const A* d_later = ptr<A>(d) + (pos.reverse ? 0 : B * ld);
+  const A* out_earlier = ptr<A>(out) + (pos.reverse ? B * P : 0);
+  blocked_gemm<A>(N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0), false);
+  // Each sequence's gradient at its first step, against h0.
+  Tensor d_first = at::zeros({B, N}, d.options());
+  A* df = ptr<A>(d_first);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = pos.reverse ? pos.length(b) - 1 : (pos.length(b) > 0 ? 0 : -1);
+    if (first >= 0) copy_row(df + b * N, ptr<A>(d) + (first * B + b) * ld, N);
+  }
+  blocked_gemm<A>(N, P, B, df, 1, N, ptr<A>(h0), P, 1, c, dw.stride(0), true);
 }
 
 // ------------------------------------------------------------------------
@@ -557,12 +558,12 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const int64_t da_width = reset_before ? 2 * H : GH;
   Tensor da[2] = {at::zeros({B, da_width}, opt), at::zeros({B, da_width}, opt)};
   // Time-ordered inputs of the final weight GEMMs.
-  Tensor dhn_all = gru ? at::empty({T, B, H}, opt) : Tensor();
-  Tensor rh_all = reset_before ? at::empty({T, B, H}, opt) : Tensor();
+  Tensor dhn_all = gru ? pooled_empty({T, B, H}, opt) : Tensor();
+  Tensor rh_all = reset_before ? pooled_empty({T, B, H}, opt) : Tensor();
   Tensor dn = reset_before ? at::empty({B, H}, opt) : Tensor();
   Tensor dh_tot = z.has_proj ? at::empty({B, P}, opt) : Tensor();
-  Tensor dh_tot_all = z.has_proj ? at::empty({T, B, P}, opt) : Tensor();
-  Tensor h_full_all = z.has_proj ? at::empty({T, B, H}, opt) : Tensor();
+  Tensor dh_tot_all = z.has_proj ? pooled_empty({T, B, P}, opt) : Tensor();
+  Tensor h_full_all = z.has_proj ? pooled_empty({T, B, H}, opt) : Tensor();
 
   A* dc = lstm ? ptr<A>(d_c0) : nullptr;
   A* dx = ptr<A>(d_xproj);
@@ -697,20 +698,23 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
     Tensor db_rz = d_b_hh.narrow(0, 0, 2 * H), db_n = d_b_hh.narrow(0, 2 * H, H);
     const Tensor d_rz = dx3.narrow(2, 0, 2 * H);
-    weight_grad_by_prev_state(dw_rz, d_rz, a.output, a.h0, a.pos);
+    weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos);
     if (gru) {
-      weight_grad_by_prev_state(dw_n, dhn_all, a.output, a.h0, a.pos);
+      weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos);
     } else {
-      at::mm_out(dw_n, dx3.narrow(2, 2 * H, H).reshape({T * B, H}).t(), rh_all.view({T * B, H}));
+      // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
+      blocked_gemm<A>(H, H, T * B, ptr<A>(dx3) + 2 * H, 1, GH, ptr<A>(rh_all), H, 1, ptr<A>(dw_n),
+                      H, false);
     }
     at::sum_out(db_rz, d_rz, steps_and_rows);
     at::sum_out(db_n, gru ? dhn_all : dx3.narrow(2, 2 * H, H), steps_and_rows);
   } else {
-    weight_grad_by_prev_state(d_w_hh, dx3, a.output, a.h0, a.pos);
+    weight_grad_by_prev_state<A>(d_w_hh, dx3, a.output, a.h0, a.pos);
     d_b_hh.copy_(d_b_ih);
   }
   if (z.has_proj) {
-    at::mm_out(d_w_hr, dh_tot_all.view({T * B, P}).t(), h_full_all.view({T * B, H}));
+    blocked_gemm<A>(P, H, T * B, ptr<A>(dh_tot_all), 1, P, ptr<A>(h_full_all), H, 1,
+                    ptr<A>(d_w_hr), H, false);
   }
 }
 
@@ -744,10 +748,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
   const bool lstm = z.cell == Cell::Lstm;
-  Tensor output = at::empty({z.T, z.B, z.P}, opt);
+  Tensor output = pooled_empty({z.T, z.B, z.P}, opt);
   Tensor h_n = at::empty({z.B, z.P}, opt);
   Tensor c_n = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
-  Tensor ws = train ? at::empty({z.T, z.B, workspace_width(z.cell) * z.H}, opt)
+  Tensor ws = train ? pooled_empty({z.T, z.B, workspace_width(z.cell) * z.H}, opt)
                     : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
     ForwardArgs<scalar_t> a{z,
@@ -779,7 +783,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const auto opt = h0.options().dtype(acc);
   const bool lstm = z.cell == Cell::Lstm;
   BackwardResult r;
-  r.d_xproj = at::empty({z.T, z.B, z.G * z.H}, opt);
+  r.d_xproj = pooled_empty({z.T, z.B, z.G * z.H}, opt);
   r.d_h0 = at::empty({z.B, z.P}, opt);
   r.d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
   r.d_w_hh = at::empty({z.G * z.H, z.P}, opt);

@@ -1,0 +1,124 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "buffers.h"
+
+#include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace rnnkern::cpu {
+namespace {
+
+constexpr size_t kMinPooledBytes = size_t(1) << 20;  // below this, malloc reuses memory itself
+constexpr size_t kGranule = size_t(2) << 20;         // sizes are rounded up to 2 MiB
+constexpr size_t kAlignment = 64;
+
+size_t cache_limit_bytes() {
+  const char* env = std::getenv("RNNKERN_CPU_CACHE_MB");
+  const long long mb = env ? std::atoll(env) : 1024;
+  return mb > 0 ? size_t(mb) << 20 : 0;
+}
+
+class PoolAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    const size_t size = (nbytes + kGranule - 1) / kGranule * kGranule;
+    void* ptr = take(size);
+    if (ptr == nullptr) {
+      ptr = c10::alloc_cpu(size);  // throws c10::Error when out of memory
+    }
+    return {ptr, new Block{ptr, size}, &PoolAllocator::give_back, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  int64_t release_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t released = 0;
+    for (auto& [size, ptr] : free_) {
+      c10::free_cpu(ptr);
+      released += static_cast<int64_t>(size);
+    }
+    free_.clear();
+    cached_ = 0;
+    return released;
+  }
+
+  static PoolAllocator& get() {
+    static PoolAllocator* pool = new PoolAllocator();  // never destroyed: tensors may outlive exit hooks
+    return *pool;
+  }
+
+ private:
+  struct Block {
+    void* ptr;
+    size_t size;
+  };
+
+  void* take(size_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Exact size first, else the smallest block at most 25% larger.
+    auto it = free_.lower_bound(size);
+    if (it == free_.end() || it->first > size + size / 4) return nullptr;
+    void* ptr = it->second;
+    cached_ -= it->first;
+    free_.erase(it);
+    return ptr;
+  }
+
+  static void give_back(void* ctx) {
+    auto* block = static_cast<Block*>(ctx);
+    get().keep_or_free(block->ptr, block->size);
+    delete block;
+  }
+
+  void keep_or_free(void* ptr, size_t size) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cached_ + size <= limit_) {
+        free_.emplace(size, ptr);
+        cached_ += size;
+        return;
+      }
+    }
+    c10::free_cpu(ptr);
+  }
+
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+  size_t cached_ = 0;
+  const size_t limit_ = cache_limit_bytes();
+};
+
+}  // namespace
+
+at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const int64_t numel = c10::multiply_integers(sizes);
+  const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  if (nbytes < kMinPooledBytes || cache_limit_bytes() == 0) return at::empty(sizes, options);
+  at::Tensor t = at::detail::empty_generic(sizes, &PoolAllocator::get(),
+                                           c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                           options.dtype().toScalarType(), std::nullopt);
+  // at::empty's poisoning for tests (torch.utils.deterministic.fill_uninitialized_memory).
+  auto& ctx = at::globalContext();
+  if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory() &&
+      t.is_floating_point()) {
+    t.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  return t;
+}
+
+int64_t empty_cache() { return PoolAllocator::get().release_all(); }
+
+}  // namespace rnnkern::cpu

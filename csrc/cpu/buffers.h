@@ -1,0 +1,24 @@
+// Large CPU buffers of the rnnkern ops come from a cache of freed blocks.
+//
+// A training loop allocates the same large tensors every iteration (the input
+// projection, outputs, workspace, gradients: tens of MB each).  Fresh memory
+// from the system costs a page fault per 4 KiB on first touch, which on the
+// machines measured here cost as much as a third of an LSTM step's GEMMs.
+// Blocks of at least kMinPooledBytes freed by rnnkern tensors are kept (up to
+// RNNKERN_CPU_CACHE_MB, default 1024) and handed out again; the tensors are
+// ordinary CPU tensors with a pooled allocator.  rnnkern.ops.empty_cpu_cache()
+// returns the cached blocks to the system.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace rnnkern::cpu {
+
+// Like at::empty on the CPU (NaN-filled under torch's deterministic
+// fill_uninitialized_memory, as at::empty), pooled when large.
+at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+// Frees every cached block; returns the bytes released.
+int64_t empty_cache();
+
+}  // namespace rnnkern::cpu

@@ -1,0 +1,139 @@
+// rnnkern::linear and linear_backward on the CPU: the large products around
+// the recurrence (the input projection X W_ih^T over all steps, and in the
+// backward dX = dXproj W_ih and dW_ih = dXproj^T X), plus the blocked GEMM
+// driver the recurrence's dW_hh also uses (blocked_gemm in linear.h).
+//
+// Blocking (Goto): K in chunks of kKC; per chunk, all threads pack the chunk of
+// B into column panels, then each thread takes blocks of kMC rows of A, packs
+// them (L2-resident) and runs the micro-kernel over every panel (each panel
+// stays in L1 for the kMC / kMR micro-kernels of a block).  Outputs come from
+// the buffer pool (buffers.h).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "linear.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../ops.h"
+#include "buffers.h"
+#include "gemm.h"
+
+namespace rnnkern::cpu {
+namespace {
+
+constexpr int64_t kKC = 256;
+constexpr int64_t kMC = 16 * gemm::kMR;
+
+template <typename T>
+RNNKERN_CPU_CLONES void pack_b(gemm::PackedB<T>& b, const T* src, int64_t sk, int64_t sn,
+                               int64_t p0, int64_t p1) {
+  b.pack_panels(src, sk, sn, p0, p1);
+}
+
+// One block of rows of C, for one chunk of K.
+template <typename T>
+RNNKERN_CPU_CLONES void multiply_rows(int64_t m0, int64_t m, int64_t M, const T* A,
+                                      gemm::StridesA sa, int64_t k0, const gemm::PackedB<T>& b,
+                                      T* C, int64_t ldc, bool accumulate, T* a_packed) {
+  gemm::pack_a_block(A, sa, m0, m, M, k0, b.K, a_packed);
+  gemm::multiply_packed(m, a_packed, b, C + m0 * ldc, ldc, accumulate, 0, b.panels());
+}
+
+}  // namespace
+
+template <typename T>
+void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, int64_t a_ks,
+                  const T* B, int64_t b_ks, int64_t b_ns, T* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, T(0));
+    return;
+  }
+  gemm::PackedB<T> b;
+  const int64_t blocks = (M + kMC - 1) / kMC;
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    b.resize(std::min(kKC, K - k0), N);
+    at::parallel_for(0, b.panels(), 1, [&](int64_t p0, int64_t p1) {
+      pack_b<T>(b, B + k0 * b_ks, b_ks, b_ns, p0, p1);
+    });
+    at::parallel_for(0, blocks, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<T> a_packed(static_cast<size_t>(kMC * b.K));
+      for (int64_t i = i0; i < i1; ++i) {
+        multiply_rows<T>(i * kMC, std::min(kMC, M - i * kMC), M, A, gemm::StridesA{a_rows, a_ks},
+                         k0, b, C, ldc, accumulate || k0 > 0, a_packed.data());
+      }
+    });
+  }
+}
+
+template void blocked_gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
+                                  const float*, int64_t, int64_t, float*, int64_t, bool);
+template void blocked_gemm<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t,
+                                   const double*, int64_t, int64_t, double*, int64_t, bool);
+
+namespace {
+
+at::Tensor to_acc_2d(const at::Tensor& t, at::ScalarType acc) {
+  return t.scalar_type() == acc ? t : t.to(acc);
+}
+
+// y[M, N] = x[M, K] w[N, K]^T
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_linear(x, weight);
+  const auto acc = acc_type(x.scalar_type());
+  const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = pooled_empty({M, N}, x.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_cpu", [&] {
+    blocked_gemm<scalar_t>(M, N, K, xa.data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
+                           wa.data_ptr<scalar_t>(), wa.stride(1), wa.stride(0),
+                           y.data_ptr<scalar_t>(), N, false);
+  });
+  return acc == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+// grad_x[M, K] = grad_y[M, N] w[N, K];  grad_w[N, K] = grad_y^T x
+std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
+                                                       const at::Tensor& x,
+                                                       const at::Tensor& weight, bool need_x,
+                                                       bool need_weight) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_linear_backward(grad_y, x, weight);
+  const auto dtype = x.scalar_type();
+  const auto acc = acc_type(dtype);
+  const at::Tensor g = to_acc_2d(grad_y, acc), xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor grad_x = need_x ? pooled_empty({M, K}, x.options().dtype(acc))
+                             : empty_like_options(x, dtype);
+  at::Tensor grad_w = need_weight ? at::empty({N, K}, x.options().dtype(acc))
+                                  : empty_like_options(x, dtype);
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_backward_cpu", [&] {
+    if (need_x)
+      blocked_gemm<scalar_t>(M, K, N, g.data_ptr<scalar_t>(), g.stride(0), g.stride(1),
+                             wa.data_ptr<scalar_t>(), wa.stride(0), wa.stride(1),
+                             grad_x.data_ptr<scalar_t>(), K, false);
+    if (need_weight)
+      blocked_gemm<scalar_t>(N, K, M, g.data_ptr<scalar_t>(), g.stride(1), g.stride(0),
+                             xa.data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
+                             grad_w.data_ptr<scalar_t>(), K, false);
+  });
+  if (acc != dtype) {
+    if (need_x) grad_x = grad_x.to(dtype);
+    if (need_weight) grad_w = grad_w.to(dtype);
+  }
+  return {grad_x, grad_w};
+}
+
+}  // namespace
+}  // namespace rnnkern::cpu
+
+TORCH_LIBRARY_IMPL(rnnkern, CPU, m) {
+  m.impl("linear", &rnnkern::cpu::linear_cpu);
+  m.impl("linear_backward", &rnnkern::cpu::linear_backward_cpu);
+}
