@@ -21,7 +21,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -184,10 +183,10 @@ RNNKERN_CPU_CLONES void lstm_backward_row(int64_t n, int64_t ld, A* __restrict d
     const A dh = kProj ? dh_io[j] : dh_io[j] + gout[j];
     const A i = ws[j], f = ws[ld + j], g = ws[2 * ld + j], o = ws[3 * ld + j], c = ws[4 * ld + j];
     const auto r = LstmUnit<A>::backward(dh, dc_io[j], i, f, g, o, c, c_prev[j]);
-    dx[j] = da[j] = r.di;
-    dx[ld + j] = da[ld + j] = r.df;
-    dx[2 * ld + j] = da[2 * ld + j] = r.dg;
-    dx[3 * ld + j] = da[3 * ld + j] = r.do_;
+    da[j] = r.di;
+    da[ld + j] = r.df;
+    da[2 * ld + j] = r.dg;
+    da[3 * ld + j] = r.do_;
     dc_io[j] = r.dc_prev;
     if constexpr (kProj) {
       h_full[j] = o * Math<A>::tanh(c);
@@ -195,6 +194,9 @@ RNNKERN_CPU_CLONES void lstm_backward_row(int64_t n, int64_t ld, A* __restrict d
       dh_io[j] = A(0);
     }
   }
+  // A separate copy: with eight gate-gradient store streams in the loop GCC
+  // gives up vectorising it, and the scalar loop cost as much as the GEMMs.
+  for (int k = 0; k < 4; ++k) copy_row(dx + k * ld, da + k * ld, n);
 }
 
 // dhn: the gradient of W_hn h + b_hn, kept in time order for dW_hn.
@@ -246,6 +248,15 @@ RNNKERN_CPU_CLONES void gru_rb_backward_reset_row(int64_t n, A* __restrict dh_io
     dh_io[j] += g.dh_prev;
     rh[j] = r * h_prev[j];
   }
+}
+
+// The bias gradients are sums over all steps and rows of the gate
+// gradients; each slice adds its rows while they are still in cache (a pass
+// over d_xproj afterwards would read it from memory once more).  Double
+// accumulators keep sums over long sequences accurate.
+template <typename A>
+RNNKERN_CPU_CLONES void add_row_to_sum(int64_t n, const A* __restrict src, double* __restrict sum) {
+  for (int64_t j = 0; j < n; ++j) sum[j] += static_cast<double>(src[j]);
 }
 
 // ------------------------------------------------------------------------
@@ -554,6 +565,10 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     }
   }
   if (lstm) d_c0.copy_(a.grad_c_n);
+  // Per unit slice: sums of the gate gradients (gate k of unit j at k*n + j)
+  // and, for GRU, of dhn after them.
+  std::vector<std::vector<double>> bias_sum;
+  for (const Slice& sl : units) bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * sl.n), 0.0);
   // Gate gradients of the step, the next step's GEMM input (ping-pong).
   const int64_t da_width = reset_before ? 2 * H : GH;
   Tensor da[2] = {at::zeros({B, da_width}, opt), at::zeros({B, da_width}, opt)};
@@ -582,6 +597,19 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // dh += (gate gradients of step s + 1) W_hh[:, slice]
   auto add_gemm_part = [&](size_t t, int64_t s) {
     if (s + 1 < T) step_gemm<A>(B, ptr<A>(da[(s + 1) & 1]), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
+  };
+
+  // Adds the slice's gate gradients of step s (complete) to its bias sums.
+  auto add_bias_part = [&](size_t t, int64_t s) {
+    const int64_t j0 = units[t].j0, n = units[t].n;
+    double* sum = bias_sum[t].data();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) continue;
+      const int64_t row = p * B + b;
+      for (int64_t k = 0; k < G; ++k) add_row_to_sum<A>(n, dx + row * GH + k * H + j0, sum + k * n);
+      if (gru) add_row_to_sum<A>(n, ptr<A>(dhn_all) + row * H + j0, sum + G * n);
+    }
   };
 
   for (int64_t s = T - 1; s >= 0; --s) {
@@ -661,6 +689,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
             break;
         }
       }
+      if (!reset_before) add_bias_part(t, s);
     });
 
     if (reset_before) {
@@ -677,6 +706,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
                                        dx + row * GH + j0, da_s + b * da_width + j0,
                                        ptr<A>(rh_all) + row * H + j0);
         }
+        add_bias_part(t, s);
       });
     }
   }
@@ -687,16 +717,30 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     d_h0.narrow(1, carry[t].j0, carry[t].n).copy_(dh[t]);
   });
 
+  // Bias gradients: d_b_hh equals d_b_ih but for the reset-after GRU's
+  // candidate, whose hidden part is dhn.
+  {
+    A* dbi = ptr<A>(d_b_ih);
+    A* dbh = ptr<A>(d_b_hh);
+    for (size_t t = 0; t < units.size(); ++t) {
+      const int64_t j0 = units[t].j0, n = units[t].n;
+      const double* sum = bias_sum[t].data();
+      for (int64_t k = 0; k < G; ++k) {
+        const int64_t hk = gru && k == 2 ? G : k;  // where the hidden part's sum is
+        for (int64_t j = 0; j < n; ++j) {
+          dbi[k * H + j0 + j] = static_cast<A>(sum[k * n + j]);
+          dbh[k * H + j0 + j] = static_cast<A>(sum[hk * n + j]);
+        }
+      }
+    }
+  }
+
   // Weight gradients: one GEMM over all steps each.
   const Tensor dx3 = d_xproj.view({T, B, GH});
-  static const int64_t kRows[] = {0, 1};
-  const at::IntArrayRef steps_and_rows(kRows);
-  at::sum_out(d_b_ih, dx3, steps_and_rows);
   if (gru || reset_before) {
     // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
-    Tensor db_rz = d_b_hh.narrow(0, 0, 2 * H), db_n = d_b_hh.narrow(0, 2 * H, H);
     const Tensor d_rz = dx3.narrow(2, 0, 2 * H);
     weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos);
     if (gru) {
@@ -706,11 +750,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       blocked_gemm<A>(H, H, T * B, ptr<A>(dx3) + 2 * H, 1, GH, ptr<A>(rh_all), H, 1, ptr<A>(dw_n),
                       H, false);
     }
-    at::sum_out(db_rz, d_rz, steps_and_rows);
-    at::sum_out(db_n, gru ? dhn_all : dx3.narrow(2, 2 * H, H), steps_and_rows);
   } else {
     weight_grad_by_prev_state<A>(d_w_hh, dx3, a.output, a.h0, a.pos);
-    d_b_hh.copy_(d_b_ih);
   }
   if (z.has_proj) {
     blocked_gemm<A>(P, H, T * B, ptr<A>(dh_tot_all), 1, P, ptr<A>(h_full_all), H, 1,
