@@ -1,6 +1,10 @@
 """The C++ CPU kernels (backend="cpu") against the reference and torch.nn."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -286,3 +290,32 @@ def test_pooled_buffers_are_reused_and_released():
     del y
     assert ops.empty_cpu_cache() >= 1024 * 512 * 8
     assert ops.empty_cpu_cache() == 0
+
+
+_STALE_BLOCKS_SCRIPT = '''
+import torch, rnnkern
+x = torch.randn(1024, 64)
+# 8 of the cache's 10 MiB in blocks of a size the program no longer uses.
+held = [torch.ops.rnnkern.linear(x, torch.randn(1024, 64)) for _ in range(2)]  # 4 MiB each
+del held
+w = torch.randn(1536, 64)  # a 6 MiB output: cached once the older 4 MiB block goes
+y = torch.ops.rnnkern.linear(x, w)
+address = y.data_ptr()
+del y
+y = torch.ops.rnnkern.linear(x, w)
+assert y.data_ptr() == address, "the new size was not cached"
+torch.testing.assert_close(y, x.mm(w.t()))
+del y
+released = rnnkern.ops.empty_cpu_cache()
+assert released == 10 << 20, released  # the 6 MiB block and the newer 4 MiB one
+print("ok")
+'''
+
+
+def test_pooled_buffers_evict_stale_blocks():
+    """A full cache frees its least recently returned blocks for new ones and
+    never holds more than RNNKERN_CPU_CACHE_MB."""
+    env = dict(os.environ, RNNKERN_CPU_CACHE_MB="10")
+    run = subprocess.run([sys.executable, "-c", _STALE_BLOCKS_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

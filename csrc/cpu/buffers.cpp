@@ -9,9 +9,11 @@
 
 #include <cstdlib>
 #include <limits>
+#include <list>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace rnnkern::cpu {
 namespace {
@@ -46,11 +48,12 @@ class PoolAllocator final : public c10::Allocator {
   int64_t release_all() {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t released = 0;
-    for (auto& [size, ptr] : free_) {
-      c10::free_cpu(ptr);
-      released += static_cast<int64_t>(size);
+    for (const Cached& c : recent_) {
+      c10::free_cpu(c.ptr);
+      released += static_cast<int64_t>(c.size);
     }
-    free_.clear();
+    recent_.clear();
+    by_size_.clear();
     cached_ = 0;
     return released;
   }
@@ -69,11 +72,12 @@ class PoolAllocator final : public c10::Allocator {
   void* take(size_t size) {
     std::lock_guard<std::mutex> lock(mu_);
     // Exact size first, else the smallest block at most 25% larger.
-    auto it = free_.lower_bound(size);
-    if (it == free_.end() || it->first > size + size / 4) return nullptr;
-    void* ptr = it->second;
+    auto it = by_size_.lower_bound(size);
+    if (it == by_size_.end() || it->first > size + size / 4) return nullptr;
+    void* ptr = it->second->ptr;
     cached_ -= it->first;
-    free_.erase(it);
+    recent_.erase(it->second);
+    by_size_.erase(it);
     return ptr;
   }
 
@@ -83,20 +87,43 @@ class PoolAllocator final : public c10::Allocator {
     delete block;
   }
 
+  // Keeps the block, first freeing the least recently returned ones when the
+  // cache would outgrow its limit: the blocks in use change with the sizes a
+  // program runs (a benchmark grid, evaluation after training), and stale
+  // ones must not crowd out the current working set.
   void keep_or_free(void* ptr, size_t size) {
+    std::vector<void*> evicted;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (cached_ + size <= limit_) {
-        free_.emplace(size, ptr);
+      if (size <= limit_) {
+        while (cached_ + size > limit_) {
+          const Cached& old = recent_.back();
+          evicted.push_back(old.ptr);
+          cached_ -= old.size;
+          by_size_.erase(old.by_size);
+          recent_.pop_back();
+        }
+        recent_.push_front(Cached{ptr, size, {}});
+        recent_.front().by_size = by_size_.emplace(size, recent_.begin());
         cached_ += size;
-        return;
+        ptr = nullptr;
       }
     }
-    c10::free_cpu(ptr);
+    for (void* p : evicted) c10::free_cpu(p);
+    if (ptr != nullptr) c10::free_cpu(ptr);
   }
 
+  struct Cached;
+  using BySize = std::multimap<size_t, std::list<Cached>::iterator>;
+  struct Cached {
+    void* ptr;
+    size_t size;
+    BySize::iterator by_size;
+  };
+
   std::mutex mu_;
-  std::multimap<size_t, void*> free_;
+  std::list<Cached> recent_;  // most recently returned first
+  BySize by_size_;
   size_t cached_ = 0;
   const size_t limit_ = cache_limit_bytes();
 };
