@@ -108,8 +108,7 @@ def main(argv=None) -> int:
         text = char_lm.generate(model, vocab, args.sample, args.length, args.temperature,
                                 seed=args.sample_seed)
         print(text)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    char_lm.shutdown_distributed()
     return 0
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rnnkern import char_lm as lm
 from conftest import TOL, assert_close, assert_low_precision
@@ -426,7 +425,7 @@ def _ddp_worker(rank: int, world: int, port: int, text: str, out_dir: str) -> No
     torch.save({"params": result.model.state_dict(), "losses": result.step_losses,
                 "history": [dataclasses.asdict(e) for e in result.history]},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    lm.shutdown_distributed()
 
 
 def free_port() -> int:
