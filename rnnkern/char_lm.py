@@ -357,9 +357,9 @@ def init_distributed(device_type: str = "cpu") -> Tuple[int, int]:
 
 def shutdown_distributed() -> None:
     """Leaves the process group, if any, once every rank has got here.  A rank
-    that tears gloo down while another still talks to it (rank 0 gathering the
-    streams' states for its checkpoint, or sampling) could abort inside gloo
-    ("terminate called without an active exception", 1 run in 20 here)."""
+    that tore gloo down while another was still at work (rank 0 checkpointing
+    after gathering the streams' states, then sampling) sometimes aborted inside
+    gloo ("terminate called without an active exception", 1 run in 20 here)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
