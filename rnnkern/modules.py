@@ -135,8 +135,10 @@ def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
     return lengths
 
 
-class _RecurrentMixin:
-    """forward() shared by RNN, GRU and LSTM (the torch.nn base provides the rest)."""
+class _RnnkernOptions:
+    """The keywords rnnkern adds to the torch.nn modules and cells: ``backend``
+    and ``reset_after`` (GRU), checked and shown in the repr.  Subclasses say
+    which rnnkern cell they run (``cell``)."""
 
     backend: str
 
@@ -147,6 +149,18 @@ class _RecurrentMixin:
         self.reset_after = reset_after
         self.cell  # noqa: B018  (validates the nonlinearity)
 
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if not self.reset_after:
+            s += ", reset_after=False"
+        if self.backend != "auto":
+            s += f", backend={self.backend!r}"
+        return s
+
+
+class _RecurrentMixin(_RnnkernOptions):
+    """forward() shared by RNN, GRU and LSTM (the torch.nn base provides the rest)."""
+
     @property
     def cell(self) -> str:
         """The rnnkern cell this module runs."""
@@ -155,14 +169,6 @@ class _RecurrentMixin:
         if self.mode == "GRU":
             return "gru" if self.reset_after else "gru_reset_before"
         return "rnn_tanh" if self.mode == "RNN_TANH" else "rnn_relu"
-
-    def extra_repr(self) -> str:
-        s = super().extra_repr()
-        if not self.reset_after:
-            s += ", reset_after=False"
-        if self.backend != "auto":
-            s += f", backend={self.backend!r}"
-        return s
 
     def _layer_weights(self, layer: int, direction: int):
         suffix = "_reverse" if direction == 1 else ""
@@ -435,17 +441,8 @@ def _check_cell_sizes(input_size, hidden_size) -> None:
             raise ValueError(f"{arg} must be greater than zero")
 
 
-class _CellMixin:
+class _CellMixin(_RnnkernOptions):
     """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`)."""
-
-    backend: str
-
-    def _init_rnnkern(self, backend: str = "auto", reset_after: bool = True) -> None:
-        self.backend = _check_backend(backend)
-        if not isinstance(reset_after, bool):
-            raise TypeError(f"reset_after should be of type bool, got: {type(reset_after).__name__}")
-        self.reset_after = reset_after
-        self.cell  # noqa: B018  (validates the nonlinearity)
 
     @property
     def cell(self) -> str:
@@ -457,14 +454,6 @@ class _CellMixin:
             # torch.nn.RNNCell finds out only in forward; nn.RNN's message.
             raise ValueError(f"Unknown nonlinearity '{self.nonlinearity}'. Select from 'tanh' or 'relu'.")
         return "rnn_" + self.nonlinearity
-
-    def extra_repr(self) -> str:
-        s = super().extra_repr()
-        if not self.reset_after:
-            s += ", reset_after=False"
-        if self.backend != "auto":
-            s += f", backend={self.backend!r}"
-        return s
 
     def forward(self, input: Tensor, hx=None):
         lstm = self.cell == "lstm"

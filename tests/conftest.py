@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import rnnkern  # noqa: E402
-from rnnkern import reference  # noqa: E402
+from rnnkern import ops, reference  # noqa: E402
 
 CELLS = reference.CELLS
 
@@ -120,6 +120,33 @@ def step_inputs(cell, B, I, H, *, dtype=torch.float64, bias=True, requires_grad=
         b_ih=randn(g, G * H, dtype=dtype, scale=s, requires_grad=rg) if bias else None,
         b_hh=randn(g, G * H, dtype=dtype, scale=s, requires_grad=rg) if bias else None,
     )
+
+
+def to_device(args, device):
+    """A copy of an inputs dict on `device`, leaves again (requires_grad kept)."""
+    return {k: None if v is None else v.detach().to(device).requires_grad_(v.requires_grad)
+            for k, v in args.items()}
+
+
+def run_recurrence(backend, cell, args, lengths=None, reverse=False):
+    """rnnkern.ops.recurrence on a recurrence_inputs dict."""
+    return ops.recurrence(cell, args["xproj"], args["h0"], args["c0"], args["w_hh"], args["b_ih"],
+                          args["b_hh"], args["w_hr"], lengths, reverse, backend=backend)
+
+
+def differentiable(args):
+    return [name for name, t in args.items() if t is not None]
+
+
+def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
+    """Outputs, final states and the gradients of every input under a random
+    linear functional of all outputs (the cotangents drawn on the CPU)."""
+    out = [t for t in run_recurrence(backend, cell, args, lengths, reverse) if t is not None]
+    g = generator("cotangent", *key)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
+    names = differentiable(args)
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
 def torch_module(cell, input_size, hidden_size, **kwargs):

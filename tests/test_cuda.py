@@ -17,8 +17,9 @@ import torch
 
 import rnnkern
 from rnnkern import ops, reference
-from conftest import (CELLS, assert_close, assert_low_precision, generator, randn,
-                      recurrence_inputs, rnnkern_module, step_inputs, torch_module)
+from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
+                      outputs_and_grads, randn, recurrence_inputs, rnnkern_module,
+                      run_recurrence, step_inputs, to_device, torch_module)
 
 OPS = ("recurrence", "recurrence_backward", "step", "step_backward")
 CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
@@ -68,31 +69,6 @@ def test_cuda_backend_refuses_cpu_tensors():
 
 # --------------------------------------------------------------- helpers ----
 
-def to_dev(args):
-    return {k: None if v is None else v.detach().to(DEV).requires_grad_(v.requires_grad)
-            for k, v in args.items()}
-
-
-def run_recurrence(backend, cell, args, lengths=None, reverse=False):
-    return ops.recurrence(cell, args["xproj"], args["h0"], args["c0"], args["w_hh"], args["b_ih"],
-                          args["b_hh"], args["w_hr"], lengths, reverse, backend=backend)
-
-
-def differentiable(args):
-    return [name for name, t in args.items() if t is not None]
-
-
-def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
-    """Outputs, final states and the gradients of every input under a random
-    linear functional of all outputs (the cotangents drawn on the CPU)."""
-    out = [t for t in run_recurrence(backend, cell, args, lengths, reverse) if t is not None]
-    g = generator("cotangent", *key)
-    loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
-    names = differentiable(args)
-    grads = torch.autograd.grad(loss, [args[n] for n in names])
-    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
-
-
 def assert_as_accurate_as(ours, theirs, truth, what=""):
     """Low-precision result `ours` against the float64 `truth`: its error may be
     at most twice that of `theirs` (torch.nn's), plus one rounding of the result
@@ -137,7 +113,8 @@ def test_recurrence_gradcheck(cell, proj, variant):
     """float64 gradcheck w.r.t. xproj, states and every weight, gradients flowing
     from the outputs and the final states; one sequence empty with lengths."""
     H = 6 if proj else 4
-    args = to_dev(recurrence_inputs(cell, 5, 4, H, proj=proj, requires_grad=True, key=(variant,)))
+    args = to_device(
+        recurrence_inputs(cell, 5, 4, H, proj=proj, requires_grad=True, key=(variant,)), DEV)
     lengths = torch.tensor([5, 2, 0, 4]) if "lengths" in variant else None
     names = differentiable(args)
 
@@ -153,7 +130,7 @@ def test_recurrence_gradcheck(cell, proj, variant):
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_step_gradcheck(cell, bias):
-    args = to_dev(step_inputs(cell, 3, 5, 4, bias=bias, requires_grad=True))
+    args = to_device(step_inputs(cell, 3, 5, 4, bias=bias, requires_grad=True), DEV)
     names = differentiable(args)
 
     def f(*tensors):
@@ -205,7 +182,7 @@ def test_ops_match_cpu_backend_float64(cell, proj, variant):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_workspace_layout_of_half_types(dtype):
     """The workspace is kept in the accumulate dtype, as on the CPU."""
-    args = to_dev(recurrence_inputs("lstm", 4, 3, 8, dtype=dtype))
+    args = to_device(recurrence_inputs("lstm", 4, 3, 8, dtype=dtype), DEV)
     *_, ws = torch.ops.rnnkern.recurrence("lstm", *args.values(), None, False, True)
     assert ws.shape == (4, 3, 5 * 8) and ws.dtype == ops.acc_dtype(dtype)
     *_, ws = torch.ops.rnnkern.recurrence("lstm", *args.values(), None, False, False)
@@ -238,7 +215,8 @@ def test_half_types_within_reference_error(cell, proj, dtype):
     """Every cell (gru_reset_before has no torch.nn twin) in half precision,
     with lengths in reverse: no worse than twice the reference's own error."""
     T, B, H = 16, 5, 40
-    args = to_dev(recurrence_inputs(cell, T, B, H, dtype=dtype, proj=proj and 9, key=("half",)))
+    args = to_device(
+        recurrence_inputs(cell, T, B, H, dtype=dtype, proj=proj and 9, key=("half",)), DEV)
     lengths = torch.tensor([16, 5, 0, 9, 1])
     a16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
     a32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
@@ -406,7 +384,7 @@ def test_step_matches_torch_cells(cell, BIH, dtype, exact_fp32):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW.values()], ids=["fp32", *LOW])
 def test_step_reset_before_within_reference_error(dtype):
-    args = to_dev(step_inputs("gru_reset_before", 19, 40, 70, dtype=dtype, key=("rb",)))
+    args = to_device(step_inputs("gru_reset_before", 19, 40, 70, dtype=dtype, key=("rb",)), DEV)
     h, _ = ops.step("gru_reset_before", *args.values(), backend="cuda")
     a64 = {k: None if v is None else v.double() for k, v in args.items()}
     want, _ = reference.step("gru_reset_before", *a64.values())
@@ -421,7 +399,7 @@ def test_step_reset_before_within_reference_error(dtype):
 def test_tf32_is_honoured_and_close():
     """Both settings of allow_tf32 run (CUBLAS_COMPUTE_32F_FAST_TF32 or not):
     within TF32 accuracy of float64 with it, within float32's without it."""
-    args = to_dev(recurrence_inputs("lstm", 20, 8, 257, dtype=torch.float32, key=("tf32",)))
+    args = to_device(recurrence_inputs("lstm", 20, 8, 257, dtype=torch.float32, key=("tf32",)), DEV)
     a64 = {k: None if v is None else v.double() for k, v in args.items()}
     want = run_recurrence("reference", "lstm", a64)[0]
     saved = torch.backends.cuda.matmul.allow_tf32
@@ -450,7 +428,7 @@ def test_poisoning_covers_cuda():
 def test_padding_is_zero_and_states_kept(cell, proj):
     """Finished sequences output exact zeros and keep their state; an empty
     sequence returns its initial state."""
-    args = to_dev(recurrence_inputs(cell, 6, 3, 5, proj=proj and 2, key=("pad",)))
+    args = to_device(recurrence_inputs(cell, 6, 3, 5, proj=proj and 2, key=("pad",)), DEV)
     out, h_n, c_n = run_recurrence("cuda", cell, args, torch.tensor([6, 2, 0]))
     assert out.isfinite().all()
     assert (out[2:, 1] == 0).all() and (out[:, 2] == 0).all()
@@ -466,7 +444,7 @@ def test_empty_and_tiny(cell, T, B):
     """No steps or no sequences: the final states are the initial ones and the
     gradients of everything else are zero (an input the reference leaves out
     of its graph has a zero gradient)."""
-    args = to_dev(recurrence_inputs(cell, T, B, 5, requires_grad=True, key=("edge",)))
+    args = to_device(recurrence_inputs(cell, T, B, 5, requires_grad=True, key=("edge",)), DEV)
     names = differentiable(args)
     results = []
     for backend in ("reference", "cuda"):
@@ -486,7 +464,7 @@ def test_empty_and_tiny(cell, T, B):
 def test_strided_xproj_and_grad_output(cell):
     """Batch-first views (rows strided, not contiguous) of xproj and of
     grad_output give the contiguous results."""
-    args = to_dev(recurrence_inputs(cell, 7, 4, 9, key=("strided",)))
+    args = to_device(recurrence_inputs(cell, 7, 4, 9, key=("strided",)), DEV)
     lstm = cell == "lstm"
     fwd = torch.ops.rnnkern.recurrence(cell, *args.values(), None, False, True)
     xp = args["xproj"].transpose(0, 1).contiguous().transpose(0, 1)
@@ -508,12 +486,12 @@ def test_strided_xproj_and_grad_output(cell):
 
 @gpu
 def test_mixed_devices_are_a_clear_error():
-    args = to_dev(recurrence_inputs("gru", 3, 2, 4))
+    args = to_device(recurrence_inputs("gru", 3, 2, 4), DEV)
     args["h0"] = args["h0"].cpu()
     with pytest.raises(ValueError, match="h0"):
         run_recurrence("cuda", "gru", args)
     with pytest.raises(ValueError, match="backend='cpu'"):
-        run_recurrence("cpu", "gru", to_dev(recurrence_inputs("gru", 3, 2, 4)))
+        run_recurrence("cpu", "gru", to_device(recurrence_inputs("gru", 3, 2, 4), DEV))
 
 
 @gpu
@@ -521,7 +499,7 @@ def test_other_device_runs_under_its_guard():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (device guard test); this machine has one")
     args = recurrence_inputs("lstm", 5, 3, 8, key=("dev1",))
-    want = run_recurrence("cuda", "lstm", to_dev(args))
+    want = run_recurrence("cuda", "lstm", to_device(args, DEV))
     on1 = {k: None if v is None else v.to("cuda:1") for k, v in args.items()}
     got = run_recurrence("cuda", "lstm", on1)
     for a, b in zip(got, want):
@@ -535,8 +513,8 @@ def test_other_device_runs_under_its_guard():
 @pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
 def test_opcheck_recurrence(cell, proj, lengths):
-    args = to_dev(recurrence_inputs(cell, 4, 3, 6, proj=proj and 4, requires_grad=True,
-                                    key=("opcheck",)))
+    args = to_device(recurrence_inputs(cell, 4, 3, 6, proj=proj and 4, requires_grad=True,
+                                    key=("opcheck",)), DEV)
     lens = torch.tensor([4, 1, 3]) if lengths else None
     torch.library.opcheck(torch.ops.rnnkern.recurrence.default,
                           (cell, *args.values(), lens, lengths, True))
@@ -545,19 +523,19 @@ def test_opcheck_recurrence(cell, proj, lengths):
 @gpu
 @pytest.mark.parametrize("cell", CELLS)
 def test_opcheck_step(cell):
-    args = to_dev(step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",)))
+    args = to_device(step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",)), DEV)
     torch.library.opcheck(torch.ops.rnnkern.step.default, (cell, *args.values()))
 
 
 @gpu
 def test_opcheck_backward_ops():
-    args = to_dev(recurrence_inputs("gru", 4, 3, 6, key=("opcheck-bwd",)))
+    args = to_device(recurrence_inputs("gru", 4, 3, 6, key=("opcheck-bwd",)), DEV)
     out, h_n, c_n, ws = torch.ops.rnnkern.recurrence("gru", *args.values(), None, False, True)
     g = generator("opcheck-bwd")
     torch.library.opcheck(torch.ops.rnnkern.recurrence_backward.default,
                           ("gru", randn(g, *out.shape).to(DEV), randn(g, *h_n.shape).to(DEV), None,
                            args["h0"], None, args["w_hh"], None, out, ws, None, False))
-    s = to_dev(step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",)))
+    s = to_device(step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",)), DEV)
     h, c, ws = torch.ops.rnnkern.step("lstm", *s.values())
     torch.library.opcheck(torch.ops.rnnkern.step_backward.default,
                           ("lstm", randn(g, *h.shape).to(DEV), randn(g, *c.shape).to(DEV), s["x"],
@@ -572,7 +550,7 @@ def test_cuda_graph_forward_backward(cell, lengths):
     """Forward and backward captured in one CUDA graph (no host sync, no
     allocation the graph cannot own), replayed on new data, match eager runs."""
     lens = torch.tensor([6, 2, 5]) if lengths else None
-    static = to_dev(recurrence_inputs(cell, 6, 3, 10, requires_grad=True, key=("graph",)))
+    static = to_device(recurrence_inputs(cell, 6, 3, 10, requires_grad=True, key=("graph",)), DEV)
     names = differentiable(static)
     cot = randn(generator("graph-cot"), 6, 3, 10).to(DEV)
 
@@ -592,7 +570,8 @@ def test_cuda_graph_forward_backward(cell, lengths):
         captured = fwd_bwd(static)
 
     for round_ in range(2):
-        fresh = to_dev(recurrence_inputs(cell, 6, 3, 10, requires_grad=True, key=("graph", round_)))
+        fresh = to_device(
+            recurrence_inputs(cell, 6, 3, 10, requires_grad=True, key=("graph", round_)), DEV)
         with torch.no_grad():
             for n in names:
                 static[n].copy_(fresh[n])

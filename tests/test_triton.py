@@ -27,9 +27,9 @@ import rnnkern
 from rnnkern import ops
 from rnnkern.triton import ops as triton_ops
 from rnnkern.triton import sequence
-from conftest import (CELLS, HAS_GPU, assert_close, assert_low_precision,
-                      generator, randn, recurrence_inputs, rnnkern_module, step_inputs,
-                      torch_module)
+from conftest import (CELLS, HAS_GPU, assert_close, assert_low_precision, differentiable,
+                      generator, outputs_and_grads, randn, recurrence_inputs, rnnkern_module,
+                      run_recurrence, step_inputs, to_device, torch_module)
 
 # (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
 CASES = [(cell, 0) for cell in CELLS] + [("lstm", 5)]
@@ -43,31 +43,6 @@ def path(request, monkeypatch):
     """Runs the test with the in-kernel time loop, then with the per-step kernels."""
     monkeypatch.setattr(triton_ops, "PATH", request.param)
     return request.param
-
-
-def to_device(args):
-    return {k: None if v is None else v.detach().to(DEVICE).requires_grad_(v.requires_grad)
-            for k, v in args.items()}
-
-
-def run_recurrence(backend, cell, args, lengths=None, reverse=False):
-    return ops.recurrence(cell, args["xproj"], args["h0"], args["c0"], args["w_hh"], args["b_ih"],
-                          args["b_hh"], args["w_hr"], lengths, reverse, backend=backend)
-
-
-def differentiable(args):
-    return [name for name, t in args.items() if t is not None]
-
-
-def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
-    """Outputs, final states and the gradients of every input under a random
-    linear functional of all outputs."""
-    out = [t for t in run_recurrence(backend, cell, args, lengths, reverse) if t is not None]
-    g = generator("cotangent", *key)
-    loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
-    names = differentiable(args)
-    grads = torch.autograd.grad(loss, [args[n] for n in names])
-    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
 def gradcheck_flat(f, tensors):
@@ -99,7 +74,7 @@ def test_recurrence_gradcheck(cell, proj, path):
     direction and no lengths are checked against the reference's gradients."""
     T, B, H = 3, 3, 6
     args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
-                                       key=("gradcheck",)))
+                                       key=("gradcheck",)), DEVICE)
     lengths, reverse = torch.tensor([3, 1, 0]), True
     names = differentiable(args)
 
@@ -115,7 +90,7 @@ def test_gradcheck_undefined_grads(path):
     """gradcheck in full form (per input, per output, undefined output grads) once:
     an LSTM with projection and lengths, T = 2."""
     args = to_device(recurrence_inputs("lstm", 2, 2, 4, proj=3, requires_grad=True,
-                                       key=("gradcheck-undefined",)))
+                                       key=("gradcheck-undefined",)), DEVICE)
     names = differentiable(args)
 
     def f(*tensors):
@@ -128,7 +103,8 @@ def test_gradcheck_undefined_grads(path):
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_step_gradcheck(cell, bias):
-    args = to_device(step_inputs(cell, 3, 5, 6, bias=bias, requires_grad=True, key=("gradcheck",)))
+    args = to_device(
+        step_inputs(cell, 3, 5, 6, bias=bias, requires_grad=True, key=("gradcheck",)), DEVICE)
     names = differentiable(args)
 
     def f(*tensors):
@@ -159,7 +135,7 @@ def test_recurrence_matches_reference_float64(cell, proj, path, variant):
     full, empty and one-step sequences."""
     T, B, H = 3, (5 if "lengths" in variant else 3), 6
     args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
-                                       key=("reference", variant)))
+                                       key=("reference", variant)), DEVICE)
     lengths = torch.tensor([3, 2, 0, 3, 1]) if "lengths" in variant else None
     reverse = "reverse" in variant
     key = (cell, variant)
@@ -174,7 +150,7 @@ def test_recurrence_matches_reference_float64(cell, proj, path, variant):
 def test_step_matches_reference(cell, bias):
     """B = 5, I = 7, H = 6: two row blocks, two column tiles, K blocks of x and
     of h both with a masked tail."""
-    args = to_device(step_inputs(cell, 5, 7, 6, bias=bias, requires_grad=True))
+    args = to_device(step_inputs(cell, 5, 7, 6, bias=bias, requires_grad=True), DEVICE)
     names = differentiable(args)
     results = []
     for backend in ("reference", "triton"):
@@ -223,7 +199,7 @@ def test_step_same_workspace_as_cpp():
     for cell in CELLS:
         args = step_inputs(cell, 3, 5, 6, key=("step-workspace",))
         want = torch.ops.rnnkern.step(cell, *args.values())
-        got = torch.ops.rnnkern_triton.step(cell, *to_device(args).values())
+        got = torch.ops.rnnkern_triton.step(cell, *to_device(args, DEVICE).values())
         for name, a, b in zip(["h_new", "c_new", "workspace"], got, want):
             assert a.shape == b.shape and a.dtype == b.dtype, f"{cell} {name}"
             assert_close(a.cpu(), b, what=f"{cell} {name}")
@@ -231,7 +207,7 @@ def test_step_same_workspace_as_cpp():
 
 def test_no_workspace_without_grad(path):
     """Inference keeps no workspace (an empty [0] tensor); training does."""
-    args = to_device(recurrence_inputs("lstm", 3, 2, 6))
+    args = to_device(recurrence_inputs("lstm", 3, 2, 6), DEVICE)
     call = ("lstm", *args.values(), None, False)
     *_, ws = torch.ops.rnnkern_triton.recurrence(*call, False)
     assert ws.shape == (0,)
@@ -242,7 +218,7 @@ def test_no_workspace_without_grad(path):
 @pytest.mark.parametrize("T,B", [(0, 3), (3, 0)], ids=["T0", "B0"])
 def test_empty_sizes(T, B, path):
     """No steps or no rows: the states pass through, the weight gradients are zeros."""
-    args = to_device(recurrence_inputs("lstm", T, B, 6, requires_grad=True, key=("empty",)))
+    args = to_device(recurrence_inputs("lstm", T, B, 6, requires_grad=True, key=("empty",)), DEVICE)
     results = []
     for backend in ("reference", "triton"):
         out = run_recurrence(backend, "lstm", args)
@@ -373,7 +349,7 @@ def test_opcheck_recurrence(path, cell, proj):
     aliasing of inputs; on the per-step path for the cells with two launches
     per step (their host code holds the most buffers)."""
     args = to_device(recurrence_inputs(cell, 3, 3, 6, proj=proj, requires_grad=True,
-                                       key=("opcheck",)))
+                                       key=("opcheck",)), DEVICE)
     lengths = torch.tensor([3, 1, 2])
     torch.library.opcheck(torch.ops.rnnkern_triton.recurrence.default,
                           (cell, *args.values(), lengths, True, True))
@@ -381,18 +357,18 @@ def test_opcheck_recurrence(path, cell, proj):
 
 @pytest.mark.parametrize("cell", CELLS)
 def test_opcheck_step(cell):
-    args = to_device(step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",)))
+    args = to_device(step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",)), DEVICE)
     torch.library.opcheck(torch.ops.rnnkern_triton.step.default, (cell, *args.values()))
 
 
 def test_opcheck_backward_ops(path):
-    args = to_device(recurrence_inputs("gru", 3, 3, 6, key=("opcheck-bwd",)))
+    args = to_device(recurrence_inputs("gru", 3, 3, 6, key=("opcheck-bwd",)), DEVICE)
     out, h_n, _, ws = torch.ops.rnnkern_triton.recurrence("gru", *args.values(), None, False, True)
     g = generator("opcheck-bwd")
     torch.library.opcheck(torch.ops.rnnkern_triton.recurrence_backward.default,
                           ("gru", randn(g, *out.shape).to(DEVICE), randn(g, *h_n.shape).to(DEVICE),
                            None, args["h0"], None, args["w_hh"], None, out, ws, None, False))
-    s = to_device(step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",)))
+    s = to_device(step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",)), DEVICE)
     h, c, ws = torch.ops.rnnkern_triton.step("lstm", *s.values())
     torch.library.opcheck(torch.ops.rnnkern_triton.step_backward.default,
                           ("lstm", randn(g, *h.shape).to(DEVICE), randn(g, *c.shape).to(DEVICE),
@@ -403,8 +379,10 @@ def test_torch_compile_fullgraph():
     """A layer and a cell step in one torch.compile(fullgraph=True) graph,
     forward and backward, equal to eager (the ops are opaque custom ops with
     fake implementations, so Dynamo never traces into the kernels)."""
-    rec = to_device(recurrence_inputs("lstm", 3, 3, 6, proj=5, requires_grad=True, key=("compile",)))
-    stp = to_device(step_inputs("gru_reset_before", 3, 5, 6, requires_grad=True, key=("compile",)))
+    rec = to_device(
+        recurrence_inputs("lstm", 3, 3, 6, proj=5, requires_grad=True, key=("compile",)), DEVICE)
+    stp = to_device(
+        step_inputs("gru_reset_before", 3, 5, 6, requires_grad=True, key=("compile",)), DEVICE)
     lengths = torch.tensor([3, 1, 2])
 
     def f(rec, stp):
@@ -466,7 +444,7 @@ def test_auto_path_runs_per_step_beyond_the_limit(monkeypatch):
     monkeypatch.setattr(sequence, "ON_CHIP_BYTES", 16 * 16 * 8)
     cell, H = "lstm", 6
     assert triton_ops.choose_path(cell, H, H, torch.float64, False) == "step"
-    args = to_device(recurrence_inputs(cell, 3, 2, H, requires_grad=True, key=("beyond",)))
+    args = to_device(recurrence_inputs(cell, 3, 2, H, requires_grad=True, key=("beyond",)), DEVICE)
     want = outputs_and_grads("reference", cell, args, key=("beyond",))
     got = outputs_and_grads("triton", cell, args, key=("beyond",))
     for name in want:
@@ -477,14 +455,14 @@ def test_forced_loop_beyond_the_limit_raises(monkeypatch):
     """Never a wrong answer: a forced in-kernel loop that cannot hold the weights
     raises before any launch."""
     monkeypatch.setattr(triton_ops, "PATH", "loop")
-    args = to_device(recurrence_inputs("rnn_tanh", 2, 2, 129, key=("forced",)))
+    args = to_device(recurrence_inputs("rnn_tanh", 2, 2, 129, key=("forced",)), DEVICE)
     with pytest.raises(ValueError, match="PATH='loop'.*H=129"):
         torch.ops.rnnkern_triton.recurrence("rnn_tanh", *args.values(), None, False, False)
 
 
 def test_unknown_path_is_an_error(monkeypatch):
     monkeypatch.setattr(triton_ops, "PATH", "fastest")
-    args = to_device(recurrence_inputs("gru", 2, 2, 4, key=("path",)))
+    args = to_device(recurrence_inputs("gru", 2, 2, 4, key=("path",)), DEVICE)
     with pytest.raises(ValueError, match="'fastest'.*auto, loop, step"):
         torch.ops.rnnkern_triton.recurrence("gru", *args.values(), None, False, False)
 
@@ -492,7 +470,7 @@ def test_unknown_path_is_an_error(monkeypatch):
 # -------------------------------------------------------------- bad input ----
 
 def recurrence_call(cell="lstm", T=3, B=2, H=4, **overrides):
-    args = to_device(recurrence_inputs(cell, T, B, H, key=("bad",)))
+    args = to_device(recurrence_inputs(cell, T, B, H, key=("bad",)), DEVICE)
     args.update(overrides)
     return args
 
@@ -556,7 +534,7 @@ def test_backward_bad_workspace():
     (dict(x=torch.randn(3, 5)), TypeError, ["w_ih", "dtype"]),
 ], ids=["w_ih-shape", "h-shape", "c-for-gru", "dtype"])
 def test_step_bad_input(overrides, exc, words):
-    args = to_device(step_inputs("gru", 3, 5, 6, key=("bad",)))
+    args = to_device(step_inputs("gru", 3, 5, 6, key=("bad",)), DEVICE)
     args.update({k: v.to(DEVICE) for k, v in overrides.items()})
     with pytest.raises(exc) as e:
         torch.ops.rnnkern_triton.step("gru", *args.values())

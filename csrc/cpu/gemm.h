@@ -119,6 +119,23 @@ RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, cons
   }
 }
 
+// The micro-kernel for a block of mr <= kMR rows (the row count is a template
+// parameter so the accumulators stay in registers).
+template <typename T>
+RNNKERN_ALWAYS_INLINE void micro_kernel_rows(int64_t mr, int64_t K, const T* A, StridesA sa,
+                                             const T* panel, T* C, int64_t ldc, int64_t ncols,
+                                             bool accumulate) {
+  switch (mr) {
+    case 6: micro_kernel<T, 6>(K, A, sa, panel, C, ldc, ncols, accumulate); break;
+    case 5: micro_kernel<T, 5>(K, A, sa, panel, C, ldc, ncols, accumulate); break;
+    case 4: micro_kernel<T, 4>(K, A, sa, panel, C, ldc, ncols, accumulate); break;
+    case 3: micro_kernel<T, 3>(K, A, sa, panel, C, ldc, ncols, accumulate); break;
+    case 2: micro_kernel<T, 2>(K, A, sa, panel, C, ldc, ncols, accumulate); break;
+    default: micro_kernel<T, 1>(K, A, sa, panel, C, ldc, ncols, accumulate); break;
+  }
+}
+static_assert(kMR == 6, "micro_kernel_rows dispatches up to 6 rows");
+
 // C[M, N] (+)= A[M, K] B[:, panels p0..p1), A[r][k] = A[r*sa.rows + k*sa.ks].
 template <typename T>
 RNNKERN_ALWAYS_INLINE void multiply(int64_t M, const T* A, StridesA sa, const PackedB<T>& B,
@@ -134,14 +151,7 @@ RNNKERN_ALWAYS_INLINE void multiply(int64_t M, const T* A, StridesA sa, const Pa
       const int64_t nc = std::min<int64_t>(kNR<T>, N - n0);
       const T* panel = B.data.data() + p * K * kNR<T>;
       T* c = C + i * ldc + n0;
-      switch (mr) {
-        case 6: micro_kernel<T, 6>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 5: micro_kernel<T, 5>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 4: micro_kernel<T, 4>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 3: micro_kernel<T, 3>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 2: micro_kernel<T, 2>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        default: micro_kernel<T, 1>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-      }
+      micro_kernel_rows<T>(mr, K, a, sa, panel, c, ldc, nc, accumulate);
     }
   }
 }
@@ -178,14 +188,7 @@ RNNKERN_ALWAYS_INLINE void multiply_packed(int64_t m, const T* a_packed, const P
       const int64_t mr = std::min<int64_t>(kMR, m - i);
       const T* a = a_packed + (i / kMR) * K * kMR;
       T* c = C + i * ldc + n0;
-      switch (mr) {
-        case 6: micro_kernel<T, 6>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 5: micro_kernel<T, 5>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 4: micro_kernel<T, 4>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 3: micro_kernel<T, 3>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        case 2: micro_kernel<T, 2>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-        default: micro_kernel<T, 1>(K, a, sa, panel, c, ldc, nc, accumulate); break;
-      }
+      micro_kernel_rows<T>(mr, K, a, sa, panel, c, ldc, nc, accumulate);
     }
   }
 }
