@@ -158,15 +158,14 @@ RNNKERN_CPU_CLONES void gru_rb_candidate_row(int64_t n, int64_t ld, int64_t ldh,
 // part of dh_{t-1} on exit; the GEMM part is added by the next step.
 // dx: the xproj-gradient row at the time position; da: the gradient of the
 // recurrent projection, which the next step's GEMM reads.  Both stride ld.
+// For RNN and LSTM the two are the same numbers: those row kernels write da
+// only, and the driver either has da point into d_xproj or copies it there.
 
 template <typename A, bool kRelu>
 RNNKERN_CPU_CLONES void rnn_backward_row(int64_t n, A* __restrict dh_io, const A* __restrict gout,
-                                         const A* __restrict h, A* __restrict dx,
-                                         A* __restrict da) {
+                                         const A* __restrict h, A* __restrict da) {
   for (int64_t j = 0; j < n; ++j) {
-    const A g = RnnUnit<A, kRelu>::backward(dh_io[j] + gout[j], h[j]);
-    dx[j] = g;
-    da[j] = g;
+    da[j] = RnnUnit<A, kRelu>::backward(dh_io[j] + gout[j], h[j]);
     dh_io[j] = A(0);
   }
 }
@@ -177,8 +176,7 @@ template <typename A, bool kProj>
 RNNKERN_CPU_CLONES void lstm_backward_row(int64_t n, int64_t ld, A* __restrict dh_io,
                                           const A* __restrict gout, A* __restrict dc_io,
                                           const A* __restrict ws, const A* __restrict c_prev,
-                                          A* __restrict dx, A* __restrict da,
-                                          A* __restrict h_full) {
+                                          A* __restrict da, A* __restrict h_full) {
   for (int64_t j = 0; j < n; ++j) {
     const A dh = kProj ? dh_io[j] : dh_io[j] + gout[j];
     const A i = ws[j], f = ws[ld + j], g = ws[2 * ld + j], o = ws[3 * ld + j], c = ws[4 * ld + j];
@@ -194,9 +192,6 @@ RNNKERN_CPU_CLONES void lstm_backward_row(int64_t n, int64_t ld, A* __restrict d
       dh_io[j] = A(0);
     }
   }
-  // A separate copy: with eight gate-gradient store streams in the loop GCC
-  // gives up vectorising it, and the scalar loop cost as much as the GEMMs.
-  for (int k = 0; k < 4; ++k) copy_row(dx + k * ld, da + k * ld, n);
 }
 
 // dhn: the gradient of W_hn h + b_hn, kept in time order for dW_hn.
@@ -571,7 +566,15 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   for (const Slice& sl : units) bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * sl.n), 0.0);
   // Gate gradients of the step, the next step's GEMM input (ping-pong).
   const int64_t da_width = reset_before ? 2 * H : GH;
-  Tensor da[2] = {at::zeros({B, da_width}, opt), at::zeros({B, da_width}, opt)};
+  // Without lengths every row of a step is at the same time position, so for
+  // RNN and LSTM (da = dx) the step's rows of d_xproj are its da: no copy,
+  // and the next step's GEMM reads what this step left in cache.
+  const bool da_in_dx = !a.pos.lengths && !gru && !reset_before;
+  Tensor da[2];
+  if (!da_in_dx) da[0] = at::zeros({B, da_width}, opt), da[1] = at::zeros({B, da_width}, opt);
+  auto da_of = [&](int64_t s) {
+    return da_in_dx ? ptr<A>(d_xproj) + a.pos.at(0, s) * B * GH : ptr<A>(da[s & 1]);
+  };
   // Time-ordered inputs of the final weight GEMMs.
   Tensor dhn_all = gru ? pooled_empty({T, B, H}, opt) : Tensor();
   Tensor rh_all = reset_before ? pooled_empty({T, B, H}, opt) : Tensor();
@@ -596,7 +599,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   };
   // dh += (gate gradients of step s + 1) W_hh[:, slice]
   auto add_gemm_part = [&](size_t t, int64_t s) {
-    if (s + 1 < T) step_gemm<A>(B, ptr<A>(da[(s + 1) & 1]), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
+    if (s + 1 < T) step_gemm<A>(B, da_of(s + 1), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
   };
 
   // Adds the slice's gate gradients of step s (complete) to its bias sums.
@@ -613,7 +616,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   };
 
   for (int64_t s = T - 1; s >= 0; --s) {
-    A* da_s = ptr<A>(da[s & 1]);
+    A* da_s = da_of(s);
 
     if (z.has_proj) {
       // Phase 0, per output slice: the total gradient of the projected h_t.
@@ -669,16 +672,16 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         A* dxr = dx + row * GH + j0;
         A* dar = da_s + b * da_width + j0;
         switch (z.cell) {
-          case Cell::RnnTanh: rnn_backward_row<A, false>(n, d, g, out + row * H + j0, dxr, dar); break;
-          case Cell::RnnRelu: rnn_backward_row<A, true>(n, d, g, out + row * H + j0, dxr, dar); break;
+          case Cell::RnnTanh: rnn_backward_row<A, false>(n, d, g, out + row * H + j0, dar); break;
+          case Cell::RnnRelu: rnn_backward_row<A, true>(n, d, g, out + row * H + j0, dar); break;
           case Cell::Lstm: {
             const int64_t q = prev_pos(b, s);
             const A* c_prev = (q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H) + j0;
             if (z.has_proj)
-              lstm_backward_row<A, true>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dxr, dar,
+              lstm_backward_row<A, true>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dar,
                                          ptr<A>(h_full_all) + row * H + j0);
             else
-              lstm_backward_row<A, false>(n, H, d, g, dc + b * H + j0, w, c_prev, dxr, dar, nullptr);
+              lstm_backward_row<A, false>(n, H, d, g, dc + b * H + j0, w, c_prev, dar, nullptr);
             break;
           }
           case Cell::Gru:
@@ -688,6 +691,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
             gru_rb_backward_candidate_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0);
             break;
         }
+        if (!gru && !reset_before && !da_in_dx)
+          for (int64_t k = 0; k < G; ++k) copy_row(dxr + k * H, dar + k * H, n);
       }
       if (!reset_before) add_bias_part(t, s);
     });
@@ -713,7 +718,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   // The GEMM part of dh_0, then the carry into d_h0.
   for_each_slice(carry, [&](size_t t) {
-    if (T > 0) step_gemm<A>(B, ptr<A>(da[0]), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
+    if (T > 0) step_gemm<A>(B, da_of(0), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
     d_h0.narrow(1, carry[t].j0, carry[t].n).copy_(dh[t]);
   });
 
