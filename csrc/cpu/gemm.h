@@ -143,8 +143,10 @@ RNNKERN_ALWAYS_INLINE void multiply(int64_t M, const T* A, StridesA sa, const Pa
                                     int64_t p1 = -1) {
   const int64_t K = B.K, N = B.N;
   if (p1 < 0) p1 = B.panels();
-  for (int64_t i = 0; i < M; i += kMR) {
-    const int64_t mr = std::min<int64_t>(kMR, M - i);
+  // Rows in blocks of near-equal size (M = 32: 6 6 5 5 5 5, not 6 6 6 6 6 2).
+  const int64_t blocks = (M + kMR - 1) / kMR;
+  for (int64_t bi = 0, i = 0, mr = 0; bi < blocks; ++bi, i += mr) {
+    mr = (M - i + (blocks - bi) - 1) / (blocks - bi);
     const T* a = A + i * sa.rows;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNR<T>;
