@@ -240,10 +240,12 @@ def test_opcheck_backward_ops():
 
 # ------------------------------------------ input projection (linear op) ----
 
-@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40)])
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40), (3001, 203, 7)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_linear_matches_matmul(M, K, N, dtype):
-    """The CPU backend's own GEMM: tails in every dimension, K split into chunks."""
+    """The CPU backend's own GEMM: tails in every dimension, K split into chunks;
+    B packed whole, and (grad_w of the last size: K = 3001 rows of a 203-wide x,
+    over 2 MiB) chunk by chunk."""
     g = generator("linear", M, K, N, str(dtype))
     x, w, gy = randn(g, M, K, dtype=dtype), randn(g, N, K, dtype=dtype), randn(g, M, N, dtype=dtype)
     assert_close(torch.ops.rnnkern.linear(x, w), x.double().mm(w.double().t()).to(dtype), what="y")

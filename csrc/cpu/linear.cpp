@@ -3,11 +3,13 @@
 // backward dX = dXproj W_ih and dW_ih = dXproj^T X), plus the blocked GEMM
 // driver the recurrence's dW_hh also uses (blocked_gemm in linear.h).
 //
-// Blocking (Goto): K in chunks of kKC; per chunk, all threads pack the chunk of
-// B into column panels, then each thread takes blocks of kMC rows of A, packs
-// them (L2-resident) and runs the micro-kernel over every panel (each panel
-// stays in L1 for the kMC / kMR micro-kernels of a block).  Outputs come from
-// the buffer pool (buffers.h).
+// Blocking (Goto): K in chunks of kKC, B packed into column panels per chunk;
+// each thread takes blocks of kMC rows of A, packs them (L2-resident) and runs
+// the micro-kernel over every panel (each panel stays in L1 for the kMC / kMR
+// micro-kernels of a block).  A small B (K x N up to kWholeBBytes: every
+// product here but the weight gradients) is packed whole first and each row
+// block goes through all chunks of K at once; a long K goes chunk by chunk.
+// Outputs come from the buffer pool (buffers.h).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "linear.h"
 
@@ -27,6 +29,8 @@ namespace {
 
 constexpr int64_t kKC = 256;
 constexpr int64_t kMC = 16 * gemm::kMR;
+// Up to this size B is packed whole (see blocked_gemm).
+constexpr int64_t kWholeBBytes = int64_t(2) << 20;
 
 template <typename T>
 RNNKERN_CPU_CLONES void pack_b(gemm::PackedB<T>& b, const T* src, int64_t sk, int64_t sn,
@@ -54,7 +58,6 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
       for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, T(0));
     return;
   }
-  gemm::PackedB<T> b;
   // Rows split evenly between the threads (in whole micro-kernel rows), each
   // thread's share in blocks of kMC: splitting whole blocks instead left one
   // thread a block more than the other (6 of 11 for the M = 4H = 1024 of
@@ -63,6 +66,34 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
   auto row_begin = [&](int64_t t) {
     return std::min(M, (M + gemm::kMR - 1) / gemm::kMR * t / threads * gemm::kMR);
   };
+  const gemm::StridesA sa{a_rows, a_ks};
+  const int64_t chunks = (K + kKC - 1) / kKC;
+  if (K * N * static_cast<int64_t>(sizeof(T)) <= kWholeBBytes) {
+    // B packed whole, then each block of rows runs through every chunk of K
+    // while its block of C stays in L2: C is written once, where chunk by
+    // chunk it went to memory and back K / kKC times (dX = dY W: 8 MB, 4x).
+    std::vector<gemm::PackedB<T>> b(static_cast<size_t>(chunks));
+    for (int64_t c = 0; c < chunks; ++c) b[c].resize(std::min(kKC, K - c * kKC), N);
+    const int64_t panels = b[0].panels();
+    at::parallel_for(0, chunks * panels, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t c = i / panels, p = i % panels;
+        pack_b<T>(b[c], B + c * kKC * b_ks, b_ks, b_ns, p, p + 1);
+      }
+    });
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<T> a_packed(static_cast<size_t>(kMC * kKC));
+      const int64_t r1 = row_begin(t1);
+      for (int64_t i = row_begin(t0); i < r1; i += kMC)
+        for (int64_t c = 0; c < chunks; ++c)
+          multiply_rows<T>(i, std::min(kMC, r1 - i), M, A, sa, c * kKC, b[c], C, ldc,
+                           accumulate || c > 0, a_packed.data());
+    });
+    return;
+  }
+  // A long K (the weight gradients: K = T * B): chunk by chunk, B's chunk
+  // packed by all threads, then each thread's rows.
+  gemm::PackedB<T> b;
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     b.resize(std::min(kKC, K - k0), N);
     at::parallel_for(0, b.panels(), 1, [&](int64_t p0, int64_t p1) {
@@ -72,8 +103,8 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
       std::vector<T> a_packed(static_cast<size_t>(kMC * b.K));
       const int64_t r1 = row_begin(t1);
       for (int64_t i = row_begin(t0); i < r1; i += kMC) {
-        multiply_rows<T>(i, std::min(kMC, r1 - i), M, A, gemm::StridesA{a_rows, a_ks}, k0, b, C,
-                         ldc, accumulate || k0 > 0, a_packed.data());
+        multiply_rows<T>(i, std::min(kMC, r1 - i), M, A, sa, k0, b, C, ldc, accumulate || k0 > 0,
+                         a_packed.data());
       }
     });
   }
