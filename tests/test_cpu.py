@@ -10,21 +10,13 @@ import torch
 
 import rnnkern
 from rnnkern import ops, reference
-from conftest import (CELLS, assert_close, assert_low_precision, generator, randn,
+from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
+                      outputs_and_grads, randn, run_recurrence,
                       recurrence_inputs, rnnkern_module, step_inputs, torch_module)
 
 # (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
 CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
 CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
-
-
-def run_recurrence(backend, cell, args, lengths=None, reverse=False):
-    return ops.recurrence(cell, args["xproj"], args["h0"], args["c0"], args["w_hh"], args["b_ih"],
-                          args["b_hh"], args["w_hr"], lengths, reverse, backend=backend)
-
-
-def differentiable(args):
-    return [name for name, t in args.items() if t is not None]
 
 
 # ------------------------------------------------------------- gradcheck ----
@@ -85,23 +77,12 @@ def test_step_gradcheck(backend, cell, B, bias):
 
 # ------------------------------------------------- CPU against reference ----
 
-def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
-    """Outputs, final states and the gradients of every input under a random
-    linear functional of all outputs."""
-    out = [t for t in run_recurrence(backend, cell, args, lengths, reverse) if t is not None]
-    g = generator("cotangent", *key)
-    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
-    names = differentiable(args)
-    grads = torch.autograd.grad(loss, [args[n] for n in names])
-    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
-
-
 @pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("H", [16, 70, 257])
 @pytest.mark.parametrize("variant", ["plain", "reverse", "lengths", "lengths-reverse"])
 def test_cpu_matches_reference_float64(cell, proj, H, variant):
-    """Sizes that split across threads (the kernel gives each thread a slice of
-    units), odd sizes, and every direction / length combination."""
+    """Sizes that split across threads (with B = 5 the kernel gives each thread a
+    slice of units), odd sizes, and every direction / length combination."""
     T, B = 9, 5
     args = recurrence_inputs(cell, T, B, H, proj=proj and H // 2 + 1, requires_grad=True,
                              key=(variant,))
@@ -109,6 +90,35 @@ def test_cpu_matches_reference_float64(cell, proj, H, variant):
     reverse = "reverse" in variant
     want = outputs_and_grads("reference", cell, args, lengths, reverse, key=(cell, H, variant))
     got = outputs_and_grads("cpu", cell, args, lengths, reverse, key=(cell, H, variant))
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's CPU thread count for one test."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n_threads,B", [(2, 17), (3, 26), (1, 17)])
+@pytest.mark.parametrize("H", [16, 70])
+@pytest.mark.parametrize("variant", ["plain", "reverse", "lengths", "lengths-reverse"])
+def test_cpu_split_by_rows_matches_reference(threads, cell, proj, n_threads, B, H, variant):
+    """With at least 8 batch rows per thread and a small W_hh, each thread runs
+    the whole recurrence of its rows (forward and backward); uneven row counts,
+    sequences ending inside one thread's rows, and the one-thread case."""
+    threads(n_threads)
+    T = 9
+    args = recurrence_inputs(cell, T, B, H, proj=proj and H // 2 + 1, requires_grad=True,
+                             key=("rows", variant, B))
+    g = generator("rows-lengths", B)
+    lengths = torch.randint(0, T + 1, (B,), generator=g) if "lengths" in variant else None
+    reverse = "reverse" in variant
+    want = outputs_and_grads("reference", cell, args, lengths, reverse, key=(cell, H, variant, B))
+    got = outputs_and_grads("cpu", cell, args, lengths, reverse, key=(cell, H, variant, B))
     for name in want:
         assert_close(got[name], want[name], what=name)
 

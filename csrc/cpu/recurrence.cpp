@@ -120,11 +120,12 @@ RNNKERN_CPU_CLONES void gru_forward_row(int64_t n, int64_t ld, int64_t ldh,
 }
 
 // Reset-before GRU, stage 1: r and z (kept in rz, stride ldh) and r * h_prev.
+// rz overwrites hh in place (element by element), so the two are not restrict.
 template <typename A>
 RNNKERN_CPU_CLONES void gru_rb_gates_row(int64_t n, int64_t ld, int64_t ldh,
-                                         const A* __restrict x, const A* __restrict hh,
+                                         const A* __restrict x, const A* hh,
                                          const A* __restrict bias, const A* __restrict h_prev,
-                                         A* __restrict rz, A* __restrict rh) {
+                                         A* rz, A* __restrict rh) {
   for (int64_t j = 0; j < n; ++j) {
     const auto g = GruResetBeforeUnit<A>::gates(x[j], x[ld + j], hh[j] + bias[j],
                                                 hh[ldh + j] + bias[ld + j], h_prev[j]);
@@ -255,14 +256,27 @@ RNNKERN_CPU_CLONES void add_row_to_sum(int64_t n, const A* __restrict src, doubl
 }
 
 // ------------------------------------------------------------------------
-// Work split: each thread owns a slice of the hidden units (or of the
-// projected outputs) for the whole call, and per step runs its slice of the
-// recurrent GEMM (single-threaded) and of the gate math on data still in its
-// cache.  One parallel region per phase is the only synchronisation: threads
-// read the full state of the previous step from ping-pong buffers.
+// Work split, one of two ways:
+//  * by hidden units: each thread owns a slice of the units (or of the
+//    projected outputs) for the whole call and per step runs its slice of the
+//    recurrent GEMM (single-threaded) and of the gate math on data still in
+//    its cache; the threads meet at the end of every phase of every step
+//    (they read the previous step's full state from ping-pong buffers);
+//  * by batch rows: the sequences are independent, so each thread runs the
+//    whole recurrence of its rows, with all units, and the threads meet once,
+//    at the end.  Each thread then reads all of W_hh every step, so this is
+//    chosen when W_hh is small enough to stay in cache and every thread gets
+//    rows enough for an efficient GEMM.  Without the per-step meetings a
+//    thread that is slowed down (a shared machine) no longer stalls the
+//    others at every step: at B=32 H=256 the threads waited for each other
+//    10-13% of the time.
 
 struct Slice {
   int64_t j0, n;  // units [j0, j0 + n)
+};
+
+struct Rows {
+  int64_t b0, nb;  // batch rows [b0, b0 + nb)
 };
 
 // At most one slice per thread, each at least 32 units, boundaries on
@@ -279,12 +293,71 @@ std::vector<Slice> split_units(int64_t H) {
   return slices;
 }
 
+constexpr int64_t kMinRowsPerThread = 8;
+constexpr int64_t kMaxSharedWeightBytes = int64_t(2) << 20;
+
+struct Split {
+  bool by_rows = false;
+  std::vector<Rows> rows;    // per worker (by rows), else {0, B}
+  std::vector<Slice> units;  // per worker (by units), else {0, H}
+  std::vector<Slice> outs;   // the projection's outputs, likewise; empty without one
+
+  Split(const RecurrenceSizes& z, size_t elem_bytes) {
+    const int64_t threads = at::get_num_threads();
+    const int64_t parts = std::min<int64_t>(threads, z.B / kMinRowsPerThread);
+    const int64_t weight_bytes = (z.G * z.H * z.P + (z.has_proj ? z.P * z.H : 0)) * elem_bytes;
+    by_rows = parts > 1 && weight_bytes <= kMaxSharedWeightBytes;
+    if (by_rows) {
+      for (int64_t t = 0; t < parts; ++t) rows.push_back({z.B * t / parts, z.B * (t + 1) / parts - z.B * t / parts});
+      units = {{0, z.H}};
+      if (z.has_proj) outs = {{0, z.P}};
+    } else {
+      rows = {{0, z.B}};
+      units = split_units(z.H);
+      if (z.has_proj) outs = split_units(z.P);
+    }
+  }
+  // Workers of the phases over units and over projected outputs; worker t's
+  // rows and the index of its unit (output) slice.
+  size_t unit_workers() const { return by_rows ? rows.size() : units.size(); }
+  size_t out_workers() const { return outs.empty() ? 0 : by_rows ? rows.size() : outs.size(); }
+  const Rows& rows_of(size_t t) const { return rows[by_rows ? t : 0]; }
+  size_t slice_of(size_t t) const { return by_rows ? 0 : t; }
+};
+
+// f(0), ..., f(count - 1), one per thread.
 template <typename F>
-void for_each_slice(const std::vector<Slice>& slices, const F& f) {
-  if (slices.size() == 1) return f(size_t(0));
-  at::parallel_for(0, static_cast<int64_t>(slices.size()), 1, [&](int64_t a, int64_t b) {
+void for_each_worker(size_t count, const F& f) {
+  if (count == 1) return f(size_t(0));
+  at::parallel_for(0, static_cast<int64_t>(count), 1, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) f(static_cast<size_t>(t));
   });
+}
+
+// One phase of a step: run(t, s) on workers 0 .. workers - 1 (none: skipped).
+template <typename F>
+struct Phase {
+  size_t workers;
+  F run;
+};
+template <typename F>
+Phase<F> phase(bool active, size_t workers, F run) {
+  return {active ? workers : 0, run};
+}
+
+// The time loop: by rows, each worker runs every step of its rows; by units,
+// every step runs each phase on all workers before the next phase.
+template <typename... F>
+void run_steps(const Split& split, int64_t T, bool reverse_steps, const Phase<F>&... phases) {
+  auto step_at = [&](int64_t i) { return reverse_steps ? T - 1 - i : i; };
+  if (split.by_rows) {
+    for_each_worker(split.rows.size(), [&](size_t t) {
+      for (int64_t i = 0; i < T; ++i) ((phases.workers ? phases.run(t, step_at(i)) : void()), ...);
+    });
+  } else {
+    for (int64_t i = 0; i < T; ++i)
+      (for_each_worker(phases.workers, [&](size_t t) { phases.run(t, step_at(i)); }), ...);
+  }
 }
 
 // Rows of a [G*H, K] gate-stacked weight for the units of one slice: [G*n, K].
@@ -344,25 +417,24 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const bool reset_before = z.cell == Cell::GruResetBefore;
   const bool save = a.train;
 
-  // Per-slice weights and scratch, allocated once.
-  const std::vector<Slice> units = split_units(H);
-  const std::vector<Slice> outs = z.has_proj ? split_units(P) : std::vector<Slice>{};
+  // Packed weights per unit (output) slice, scratch per worker, allocated once.
+  const Split split(z, sizeof(A));
   std::vector<gemm::PackedB<A>> w_slice, w_n_slice, w_r_slice;
-  std::vector<Tensor> hproj, hn, hq;
-  for (const Slice& sl : units) {
+  for (const Slice& sl : split.units) {
     // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
     w_slice.push_back(pack_gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
                                           reset_before ? 2 : G, sl));
-    hproj.push_back(at::empty({B, w_slice.back().N}, opt));
-    if (reset_before) {
-      w_n_slice.push_back(pack_gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl));
-      hn.push_back(at::empty({B, sl.n}, opt));
-    }
+    if (reset_before) w_n_slice.push_back(pack_gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl));
   }
-  for (const Slice& sl : outs) {
-    w_r_slice.push_back(pack_gate_rows_t<A>(a.w_hr, 1, sl));
-    hq.push_back(at::empty({B, sl.n}, opt));
+  for (const Slice& sl : split.outs) w_r_slice.push_back(pack_gate_rows_t<A>(a.w_hr, 1, sl));
+  std::vector<Tensor> hproj, hn, hq;
+  for (size_t t = 0; t < split.unit_workers(); ++t) {
+    const int64_t nb = split.rows_of(t).nb;
+    hproj.push_back(at::empty({nb, w_slice[split.slice_of(t)].N}, opt));
+    if (reset_before) hn.push_back(at::empty({nb, split.units[split.slice_of(t)].n}, opt));
   }
+  for (size_t t = 0; t < split.out_workers(); ++t)
+    hq.push_back(at::empty({split.rows_of(t).nb, split.outs[split.slice_of(t)].n}, opt));
   Tensor h_buf[2] = {a.h0.clone(), at::empty({B, P}, opt)};
   Tensor c_buf[2];
   if (lstm) c_buf[0] = a.c0.clone(), c_buf[1] = at::empty({B, H}, opt);
@@ -377,106 +449,119 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const A* bh = ptr<A>(a.b_h);
   A* out = ptr<A>(output);
   A* wsp = save ? ptr<A>(ws) : nullptr;
+  // The state buffers of step s.
+  auto h_prev_of = [&](int64_t s) { return ptr<A>(h_buf[s & 1]); };
+  auto h_next_of = [&](int64_t s) { return ptr<A>(h_buf[(s + 1) & 1]); };
+  auto c_prev_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[s & 1]) : nullptr; };
+  auto c_next_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr; };
 
-  for (int64_t s = 0; s < T; ++s) {
-    const A* h_prev = ptr<A>(h_buf[s & 1]);
-    A* h_next = ptr<A>(h_buf[(s + 1) & 1]);
-    const A* c_prev = lstm ? ptr<A>(c_buf[s & 1]) : nullptr;
-    A* c_next = lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr;
-
-    // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
-    for_each_slice(units, [&](size_t t) {
-      const int64_t j0 = units[t].j0, n = units[t].n;
-      step_gemm<A>(B, h_prev, P, w_slice[t], ptr<A>(hproj[t]), false);
-      const A* hp = ptr<A>(hproj[t]);
-      const int64_t ldh = n;
-      const int64_t hrow = hproj[t].size(1);
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t p = a.pos.at(b, s);
-        if (p < 0) {
-          // Finished sequence: state unchanged, zeros at the padding position s.
-          if (!z.has_proj) {
-            copy_row(h_next + b * H + j0, h_prev + b * H + j0, n);
-            zero_row(out + (s * B + b) * H + j0, n);
-          }
-          if (lstm) copy_row(c_next + b * H + j0, c_prev + b * H + j0, n);
-          if (reset_before) zero_row(ptr<A>(rh) + b * H + j0, n);
-          for (int64_t k = 0; k < nsave && save; ++k) zero_row(wsp + (s * B + b) * W + k * H + j0, n);
-          continue;
+  // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
+  auto gates = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const size_t u = split.slice_of(t);
+    const int64_t j0 = split.units[u].j0, n = split.units[u].n;
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    const A* c_prev = c_prev_of(s);
+    A* c_next = c_next_of(s);
+    step_gemm<A>(r.nb, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    A* hp = ptr<A>(hproj[t]);
+    const int64_t ldh = n;
+    const int64_t hrow = hproj[t].size(1);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        // Finished sequence: state unchanged, zeros at the padding position s.
+        if (!z.has_proj) {
+          copy_row(h_next + b * H + j0, h_prev + b * H + j0, n);
+          zero_row(out + (s * B + b) * H + j0, n);
         }
-        const int64_t row = p * B + b;
-        const A* x = xp + row * GH + j0;
-        const A* hh = hp + b * hrow;
-        A* w = save ? wsp + row * W + j0 : nullptr;
-        A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;
-        switch (z.cell) {
-          case Cell::RnnTanh: rnn_forward_row<A, false>(n, x, hh, bias + j0, h); break;
-          case Cell::RnnRelu: rnn_forward_row<A, true>(n, x, hh, bias + j0, h); break;
-          case Cell::Lstm:
-            if (save)
-              lstm_forward_row<A, true>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
-                                        c_next + b * H + j0, h, w);
-            else
-              lstm_forward_row<A, false>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
-                                         c_next + b * H + j0, h, w);
-            break;
-          case Cell::Gru:
-            if (save)
-              gru_forward_row<A, true>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
-            else
-              gru_forward_row<A, false>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
-            break;
-          case Cell::GruResetBefore:
-            gru_rb_gates_row<A>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0,
-                                ptr<A>(hproj[t]) + b * hrow, ptr<A>(rh) + b * H + j0);
-            continue;  // h comes in phase 2
-        }
-        if (!z.has_proj) copy_row(out + row * H + j0, h, n);
+        if (lstm) copy_row(c_next + b * H + j0, c_prev + b * H + j0, n);
+        if (reset_before) zero_row(ptr<A>(rh) + b * H + j0, n);
+        for (int64_t k = 0; k < nsave && save; ++k) zero_row(wsp + (s * B + b) * W + k * H + j0, n);
+        continue;
       }
-    });
-
-    if (reset_before) {
-      // Phase 2: the candidate's GEMM on r * h (all units), then h.
-      for_each_slice(units, [&](size_t t) {
-        const int64_t j0 = units[t].j0, n = units[t].n;
-        step_gemm<A>(B, ptr<A>(rh), H, w_n_slice[t], ptr<A>(hn[t]), false);
-        const A* rz = ptr<A>(hproj[t]);  // r, z of the slice, from phase 1
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t p = a.pos.at(b, s);
-          if (p < 0) continue;
-          const int64_t row = p * B + b;
-          A* h = h_next + b * H + j0;
-          A* w = save ? wsp + row * W + j0 : nullptr;
+      const int64_t row = p * B + b;
+      const A* x = xp + row * GH + j0;
+      A* hh = hp + (b - r.b0) * hrow;
+      A* w = save ? wsp + row * W + j0 : nullptr;
+      A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;
+      switch (z.cell) {
+        case Cell::RnnTanh: rnn_forward_row<A, false>(n, x, hh, bias + j0, h); break;
+        case Cell::RnnRelu: rnn_forward_row<A, true>(n, x, hh, bias + j0, h); break;
+        case Cell::Lstm:
           if (save)
-            gru_rb_candidate_row<A, true>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + b * n,
-                                          bias + j0, rz + b * 2 * n, h_prev + b * H + j0, h, w);
+            lstm_forward_row<A, true>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
+                                      c_next + b * H + j0, h, w);
           else
-            gru_rb_candidate_row<A, false>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + b * n,
-                                           bias + j0, rz + b * 2 * n, h_prev + b * H + j0, h, w);
-          copy_row(out + row * H + j0, h, n);
-        }
-      });
+            lstm_forward_row<A, false>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
+                                       c_next + b * H + j0, h, w);
+          break;
+        case Cell::Gru:
+          if (save)
+            gru_forward_row<A, true>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
+          else
+            gru_forward_row<A, false>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
+          break;
+        case Cell::GruResetBefore:
+          gru_rb_gates_row<A>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0, hh,
+                              ptr<A>(rh) + b * H + j0);
+          continue;  // h comes in phase 2
+      }
+      if (!z.has_proj) copy_row(out + row * H + j0, h, n);
     }
+  };
 
-    if (z.has_proj) {
-      // Phase 2, per output slice: h_t = (o * tanh c) W_hr^T.
-      for_each_slice(outs, [&](size_t t) {
-        const int64_t k0 = outs[t].j0, n = outs[t].n;
-        step_gemm<A>(B, ptr<A>(h_full), H, w_r_slice[t], ptr<A>(hq[t]), false);
-        const A* q = ptr<A>(hq[t]);
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t p = a.pos.at(b, s);
-          if (p < 0) {
-            copy_row(h_next + b * P + k0, h_prev + b * P + k0, n);
-            zero_row(out + (s * B + b) * P + k0, n);
-            continue;
-          }
-          copy_row(h_next + b * P + k0, q + b * n, n);
-          copy_row(out + (p * B + b) * P + k0, q + b * n, n);
-        }
-      });
+  // Reset-before GRU, phase 2: the candidate's GEMM on r * h (all units), then h.
+  auto candidate = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const size_t u = split.slice_of(t);
+    const int64_t j0 = split.units[u].j0, n = split.units[u].n;
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    step_gemm<A>(r.nb, ptr<A>(rh) + r.b0 * H, H, w_n_slice[u], ptr<A>(hn[t]), false);
+    const A* rz = ptr<A>(hproj[t]);  // r, z of the slice, from phase 1
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) continue;
+      const int64_t row = p * B + b;
+      const int64_t i = b - r.b0;
+      A* h = h_next + b * H + j0;
+      A* w = save ? wsp + row * W + j0 : nullptr;
+      if (save)
+        gru_rb_candidate_row<A, true>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n,
+                                      bias + j0, rz + i * 2 * n, h_prev + b * H + j0, h, w);
+      else
+        gru_rb_candidate_row<A, false>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n,
+                                       bias + j0, rz + i * 2 * n, h_prev + b * H + j0, h, w);
+      copy_row(out + row * H + j0, h, n);
     }
-  }
+  };
+
+  // LSTM projection, phase 2, per output slice: h_t = (o * tanh c) W_hr^T.
+  auto project = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const Slice o = split.outs[split.slice_of(t)];
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    step_gemm<A>(r.nb, ptr<A>(h_full) + r.b0 * H, H, w_r_slice[split.slice_of(t)], ptr<A>(hq[t]),
+                 false);
+    const A* q = ptr<A>(hq[t]);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        copy_row(h_next + b * P + o.j0, h_prev + b * P + o.j0, o.n);
+        zero_row(out + (s * B + b) * P + o.j0, o.n);
+        continue;
+      }
+      copy_row(h_next + b * P + o.j0, q + (b - r.b0) * o.n, o.n);
+      copy_row(out + (p * B + b) * P + o.j0, q + (b - r.b0) * o.n, o.n);
+    }
+  };
+
+  run_steps(split, T, false, phase(true, split.unit_workers(), gates),
+            phase(reset_before, split.unit_workers(), candidate),
+            phase(z.has_proj, split.out_workers(), project));
   h_n.copy_(h_buf[T & 1]);
   if (lstm) c_n.copy_(c_buf[T & 1]);
 }
@@ -513,10 +598,10 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
 }
 
 // ------------------------------------------------------------------------
-// Backward driver.  Per step, each unit slice first adds the GEMM part of
-// its carried dh (from the previous step's gate gradients, ping-pong
-// buffered so no thread overwrites what another still reads), then runs its
-// pointwise backward.
+// Backward driver.  Per step, each worker first adds the GEMM part of its
+// carried dh (from the previous step's gate gradients, ping-pong buffered so
+// that, split by units, no thread overwrites what another still reads), then
+// runs its pointwise backward.
 template <typename A>
 struct BackwardArgs {
   const RecurrenceSizes& z;
@@ -536,34 +621,40 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const bool gru = z.cell == Cell::Gru;
   const bool reset_before = z.cell == Cell::GruResetBefore;
 
-  // The carried dh lives in per-slice buffers: over hidden units, or over
+  // The carried dh lives in per-worker buffers: over hidden units, or over
   // the projected outputs with a projection.
-  const std::vector<Slice> units = split_units(H);
-  const std::vector<Slice> carry = z.has_proj ? split_units(P) : units;
+  const Split split(z, sizeof(A));
+  const std::vector<Slice>& units = split.units;
+  const std::vector<Slice>& carry = z.has_proj ? split.outs : split.units;
+  const size_t unit_workers = split.unit_workers();
+  const size_t carry_workers = z.has_proj ? split.out_workers() : unit_workers;
   // Rows of W_hh whose gradient feeds dh through the per-step GEMM: all, or
   // r, z for reset-before (the candidate's part goes through drh).
   const Tensor w_dh = reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh;
   std::vector<Tensor> dh, drh, dh_full;
   std::vector<gemm::PackedB<A>> w_dh_cols, w_n_cols, w_r_cols;
-  for (const Slice& sl : carry) {
-    dh.push_back(a.grad_h_n.narrow(1, sl.j0, sl.n).clone(at::MemoryFormat::Contiguous));  // a carry we update
-    w_dh_cols.push_back(pack_cols<A>(w_dh, sl));
-  }
+  for (const Slice& sl : carry) w_dh_cols.push_back(pack_cols<A>(w_dh, sl));
   for (const Slice& sl : units) {
-    if (reset_before) {
-      w_n_cols.push_back(pack_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl));
-      drh.push_back(at::empty({B, sl.n}, opt));
-    }
-    if (z.has_proj) {
-      w_r_cols.push_back(pack_cols<A>(a.w_hr, sl));
-      dh_full.push_back(at::empty({B, sl.n}, opt));
-    }
+    if (reset_before) w_n_cols.push_back(pack_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl));
+    if (z.has_proj) w_r_cols.push_back(pack_cols<A>(a.w_hr, sl));
+  }
+  for (size_t t = 0; t < carry_workers; ++t) {
+    const Rows r = split.rows_of(t);
+    const Slice c = carry[split.slice_of(t)];
+    // a carry we update
+    dh.push_back(a.grad_h_n.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).clone(at::MemoryFormat::Contiguous));
+  }
+  for (size_t t = 0; t < unit_workers; ++t) {
+    const int64_t nb = split.rows_of(t).nb, n = units[split.slice_of(t)].n;
+    if (reset_before) drh.push_back(at::empty({nb, n}, opt));
+    if (z.has_proj) dh_full.push_back(at::empty({nb, n}, opt));
   }
   if (lstm) d_c0.copy_(a.grad_c_n);
-  // Per unit slice: sums of the gate gradients (gate k of unit j at k*n + j)
-  // and, for GRU, of dhn after them.
+  // Per worker: sums of the gate gradients of its rows and units (gate k of
+  // unit j at k*n + j) and, for GRU, of dhn after them.
   std::vector<std::vector<double>> bias_sum;
-  for (const Slice& sl : units) bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * sl.n), 0.0);
+  for (size_t t = 0; t < unit_workers; ++t)
+    bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * units[split.slice_of(t)].n), 0.0);
   // Gate gradients of the step, the next step's GEMM input (ping-pong).
   const int64_t da_width = reset_before ? 2 * H : GH;
   // Without lengths every row of a step is at the same time position, so for
@@ -597,146 +688,162 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     const int64_t q = prev_pos(b, s);
     return q < 0 ? h0 + b * P : out + (q * B + b) * P;
   };
-  // dh += (gate gradients of step s + 1) W_hh[:, slice]
+  // dh += (gate gradients of step s + 1) W_hh[:, slice], carry worker t.
   auto add_gemm_part = [&](size_t t, int64_t s) {
-    if (s + 1 < T) step_gemm<A>(B, da_of(s + 1), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
+    const Rows r = split.rows_of(t);
+    if (s + 1 < T)
+      step_gemm<A>(r.nb, da_of(s + 1) + r.b0 * da_width, da_width, w_dh_cols[split.slice_of(t)],
+                   ptr<A>(dh[t]), true);
   };
 
-  // Adds the slice's gate gradients of step s (complete) to its bias sums.
+  // Adds worker t's gate gradients of step s (complete) to its bias sums.
   auto add_bias_part = [&](size_t t, int64_t s) {
-    const int64_t j0 = units[t].j0, n = units[t].n;
+    const Rows r = split.rows_of(t);
+    const Slice& sl = units[split.slice_of(t)];
     double* sum = bias_sum[t].data();
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) continue;
       const int64_t row = p * B + b;
-      for (int64_t k = 0; k < G; ++k) add_row_to_sum<A>(n, dx + row * GH + k * H + j0, sum + k * n);
-      if (gru) add_row_to_sum<A>(n, ptr<A>(dhn_all) + row * H + j0, sum + G * n);
+      for (int64_t k = 0; k < G; ++k) add_row_to_sum<A>(sl.n, dx + row * GH + k * H + sl.j0, sum + k * sl.n);
+      if (gru) add_row_to_sum<A>(sl.n, ptr<A>(dhn_all) + row * H + sl.j0, sum + G * sl.n);
     }
   };
 
-  for (int64_t s = T - 1; s >= 0; --s) {
+  // With a projection, phase 0 per output slice: the total gradient of the
+  // projected h_t.
+  auto total = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const Slice c = carry[split.slice_of(t)];
+    add_gemm_part(t, s);
+    A* d = ptr<A>(dh[t]);
+    A* dt = ptr<A>(dh_tot);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        zero_row(dt + b * P + c.j0, c.n);
+        zero_row(ptr<A>(dh_tot_all) + (s * B + b) * P + c.j0, c.n);
+        continue;
+      }
+      A* di = d + (b - r.b0) * c.n;
+      for (int64_t k = 0; k < c.n; ++k) dt[b * P + c.j0 + k] = di[k] + gout[(p * B + b) * P + c.j0 + k];
+      copy_row(ptr<A>(dh_tot_all) + (p * B + b) * P + c.j0, dt + b * P + c.j0, c.n);
+      zero_row(di, c.n);  // LSTM: no direct path from h_t to h_{t-1}
+    }
+  };
+
+  // Phase 1, per unit slice: the pointwise backward of the step.
+  auto pointwise = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const size_t u = split.slice_of(t);
+    const int64_t j0 = units[u].j0, n = units[u].n;
     A* da_s = da_of(s);
-
     if (z.has_proj) {
-      // Phase 0, per output slice: the total gradient of the projected h_t.
-      for_each_slice(carry, [&](size_t t) {
-        add_gemm_part(t, s);
-        const int64_t k0 = carry[t].j0, n = carry[t].n;
-        A* d = ptr<A>(dh[t]);
-        A* dt = ptr<A>(dh_tot);
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t p = a.pos.at(b, s);
-          if (p < 0) {
-            zero_row(dt + b * P + k0, n);
-            zero_row(ptr<A>(dh_tot_all) + (s * B + b) * P + k0, n);
-            continue;
-          }
-          for (int64_t k = 0; k < n; ++k) dt[b * P + k0 + k] = d[b * n + k] + gout[(p * B + b) * P + k0 + k];
-          copy_row(ptr<A>(dh_tot_all) + (p * B + b) * P + k0, dt + b * P + k0, n);
-          zero_row(d + b * n, n);  // LSTM: no direct path from h_t to h_{t-1}
-        }
-      });
+      step_gemm<A>(r.nb, ptr<A>(dh_tot) + r.b0 * P, P, w_r_cols[u], ptr<A>(dh_full[t]), false);
+    } else {
+      add_gemm_part(t, s);
     }
-
-    // Phase 1, per unit slice: the pointwise backward of the step.
-    for_each_slice(units, [&](size_t t) {
-      const int64_t j0 = units[t].j0, n = units[t].n;
-      if (z.has_proj) {
-        step_gemm<A>(B, ptr<A>(dh_tot), P, w_r_cols[t], ptr<A>(dh_full[t]), false);
-      } else {
-        add_gemm_part(t, s);
+    A* dht = z.has_proj ? ptr<A>(dh_full[t]) : ptr<A>(dh[t]);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        // Finished sequence: no gradient here, the carry passes through.
+        for (int64_t k = 0; k < G; ++k) {
+          if (k < da_width / H) zero_row(da_s + b * da_width + k * H + j0, n);
+          zero_row(dx + (s * B + b) * GH + k * H + j0, n);
+        }
+        if (gru) zero_row(ptr<A>(dhn_all) + (s * B + b) * H + j0, n);
+        if (reset_before) {
+          zero_row(ptr<A>(dn) + b * H + j0, n);
+          zero_row(ptr<A>(rh_all) + (s * B + b) * H + j0, n);
+        }
+        if (z.has_proj) zero_row(ptr<A>(h_full_all) + (s * B + b) * H + j0, n);
+        continue;
       }
-      A* dht = z.has_proj ? ptr<A>(dh_full[t]) : ptr<A>(dh[t]);
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t p = a.pos.at(b, s);
-        if (p < 0) {
-          // Finished sequence: no gradient here, the carry passes through.
-          for (int64_t k = 0; k < G; ++k) {
-            if (k < da_width / H) zero_row(da_s + b * da_width + k * H + j0, n);
-            zero_row(dx + (s * B + b) * GH + k * H + j0, n);
-          }
-          if (gru) zero_row(ptr<A>(dhn_all) + (s * B + b) * H + j0, n);
-          if (reset_before) {
-            zero_row(ptr<A>(dn) + b * H + j0, n);
-            zero_row(ptr<A>(rh_all) + (s * B + b) * H + j0, n);
-          }
-          if (z.has_proj) zero_row(ptr<A>(h_full_all) + (s * B + b) * H + j0, n);
-          continue;
+      const int64_t row = p * B + b;
+      const A* hprev = h_prev_of(b, s) + j0;
+      A* d = dht + (b - r.b0) * n;
+      const A* g = gout + row * P + j0;
+      const A* w = wsp + row * W + j0;
+      A* dxr = dx + row * GH + j0;
+      A* dar = da_s + b * da_width + j0;
+      switch (z.cell) {
+        case Cell::RnnTanh: rnn_backward_row<A, false>(n, d, g, out + row * H + j0, dar); break;
+        case Cell::RnnRelu: rnn_backward_row<A, true>(n, d, g, out + row * H + j0, dar); break;
+        case Cell::Lstm: {
+          const int64_t q = prev_pos(b, s);
+          const A* c_prev = (q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H) + j0;
+          if (z.has_proj)
+            lstm_backward_row<A, true>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dar,
+                                       ptr<A>(h_full_all) + row * H + j0);
+          else
+            lstm_backward_row<A, false>(n, H, d, g, dc + b * H + j0, w, c_prev, dar, nullptr);
+          break;
         }
-        const int64_t row = p * B + b;
-        const A* hprev = h_prev_of(b, s) + j0;
-        A* d = dht + b * n;
-        const A* g = gout + row * P + j0;
-        const A* w = wsp + row * W + j0;
-        A* dxr = dx + row * GH + j0;
-        A* dar = da_s + b * da_width + j0;
-        switch (z.cell) {
-          case Cell::RnnTanh: rnn_backward_row<A, false>(n, d, g, out + row * H + j0, dar); break;
-          case Cell::RnnRelu: rnn_backward_row<A, true>(n, d, g, out + row * H + j0, dar); break;
-          case Cell::Lstm: {
-            const int64_t q = prev_pos(b, s);
-            const A* c_prev = (q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H) + j0;
-            if (z.has_proj)
-              lstm_backward_row<A, true>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dar,
-                                         ptr<A>(h_full_all) + row * H + j0);
-            else
-              lstm_backward_row<A, false>(n, H, d, g, dc + b * H + j0, w, c_prev, dar, nullptr);
-            break;
-          }
-          case Cell::Gru:
-            gru_backward_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dhn_all) + row * H + j0);
-            break;
-          case Cell::GruResetBefore:
-            gru_rb_backward_candidate_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0);
-            break;
-        }
-        if (!gru && !reset_before && !da_in_dx)
-          for (int64_t k = 0; k < G; ++k) copy_row(dxr + k * H, dar + k * H, n);
+        case Cell::Gru:
+          gru_backward_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dhn_all) + row * H + j0);
+          break;
+        case Cell::GruResetBefore:
+          gru_rb_backward_candidate_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0);
+          break;
       }
-      if (!reset_before) add_bias_part(t, s);
-    });
-
-    if (reset_before) {
-      // Phase 2: drh = dn W_hn (all units of dn), then the reset gate.
-      for_each_slice(units, [&](size_t t) {
-        const int64_t j0 = units[t].j0, n = units[t].n;
-        step_gemm<A>(B, ptr<A>(dn), H, w_n_cols[t], ptr<A>(drh[t]), false);
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t p = a.pos.at(b, s);
-          if (p < 0) continue;
-          const int64_t row = p * B + b;
-          gru_rb_backward_reset_row<A>(n, ptr<A>(dh[t]) + b * n, ptr<A>(drh[t]) + b * n,
-                                       wsp + row * W + j0, h_prev_of(b, s) + j0,
-                                       dx + row * GH + j0, da_s + b * da_width + j0,
-                                       ptr<A>(rh_all) + row * H + j0);
-        }
-        add_bias_part(t, s);
-      });
+      if (!gru && !reset_before && !da_in_dx)
+        for (int64_t k = 0; k < G; ++k) copy_row(dxr + k * H, dar + k * H, n);
     }
-  }
+    if (!reset_before) add_bias_part(t, s);
+  };
+
+  // Reset-before GRU, phase 2: drh = dn W_hn (all units of dn), then the reset gate.
+  auto reset = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const size_t u = split.slice_of(t);
+    const int64_t j0 = units[u].j0, n = units[u].n;
+    A* da_s = da_of(s);
+    step_gemm<A>(r.nb, ptr<A>(dn) + r.b0 * H, H, w_n_cols[u], ptr<A>(drh[t]), false);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) continue;
+      const int64_t row = p * B + b, i = b - r.b0;
+      gru_rb_backward_reset_row<A>(n, ptr<A>(dh[t]) + i * n, ptr<A>(drh[t]) + i * n,
+                                   wsp + row * W + j0, h_prev_of(b, s) + j0, dx + row * GH + j0,
+                                   da_s + b * da_width + j0, ptr<A>(rh_all) + row * H + j0);
+    }
+    add_bias_part(t, s);
+  };
+
+  run_steps(split, T, true, phase(z.has_proj, carry_workers, total),
+            phase(true, unit_workers, pointwise), phase(reset_before, unit_workers, reset));
 
   // The GEMM part of dh_0, then the carry into d_h0.
-  for_each_slice(carry, [&](size_t t) {
-    if (T > 0) step_gemm<A>(B, da_of(0), da_width, w_dh_cols[t], ptr<A>(dh[t]), true);
-    d_h0.narrow(1, carry[t].j0, carry[t].n).copy_(dh[t]);
+  for_each_worker(carry_workers, [&](size_t t) {
+    const Rows r = split.rows_of(t);
+    const Slice c = carry[split.slice_of(t)];
+    if (T > 0)
+      step_gemm<A>(r.nb, da_of(0) + r.b0 * da_width, da_width, w_dh_cols[split.slice_of(t)],
+                   ptr<A>(dh[t]), true);
+    d_h0.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).copy_(dh[t]);
   });
 
   // Bias gradients: d_b_hh equals d_b_ih but for the reset-after GRU's
   // candidate, whose hidden part is dhn.
   {
-    A* dbi = ptr<A>(d_b_ih);
-    A* dbh = ptr<A>(d_b_hh);
-    for (size_t t = 0; t < units.size(); ++t) {
-      const int64_t j0 = units[t].j0, n = units[t].n;
+    std::vector<double> sum_ih(static_cast<size_t>(G * H), 0.0), sum_hh(sum_ih.size(), 0.0);
+    for (size_t t = 0; t < unit_workers; ++t) {
+      const int64_t j0 = units[split.slice_of(t)].j0, n = units[split.slice_of(t)].n;
       const double* sum = bias_sum[t].data();
       for (int64_t k = 0; k < G; ++k) {
         const int64_t hk = gru && k == 2 ? G : k;  // where the hidden part's sum is
         for (int64_t j = 0; j < n; ++j) {
-          dbi[k * H + j0 + j] = static_cast<A>(sum[k * n + j]);
-          dbh[k * H + j0 + j] = static_cast<A>(sum[hk * n + j]);
+          sum_ih[k * H + j0 + j] += sum[k * n + j];
+          sum_hh[k * H + j0 + j] += sum[hk * n + j];
         }
       }
+    }
+    A* dbi = ptr<A>(d_b_ih);
+    A* dbh = ptr<A>(d_b_hh);
+    for (int64_t i = 0; i < G * H; ++i) {
+      dbi[i] = static_cast<A>(sum_ih[i]);
+      dbh[i] = static_cast<A>(sum_hh[i]);
     }
   }
 
