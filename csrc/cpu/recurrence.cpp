@@ -435,7 +435,11 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   }
   for (size_t t = 0; t < split.out_workers(); ++t)
     hq.push_back(at::empty({split.rows_of(t).nb, split.outs[split.slice_of(t)].n}, opt));
-  Tensor h_buf[2] = {a.h0.clone(), at::empty({B, P}, opt)};
+  // Without lengths or a projection, h_t is written straight into the
+  // output (all rows of a step at one position), which is then the next
+  // step's h_{t-1}: no state buffer and no copy.
+  const bool h_in_out = !a.pos.lengths && !z.has_proj;
+  Tensor h_buf[2] = {a.h0.clone(), h_in_out ? Tensor() : at::empty({B, P}, opt)};
   Tensor c_buf[2];
   if (lstm) c_buf[0] = a.c0.clone(), c_buf[1] = at::empty({B, H}, opt);
   const Tensor rh = reset_before ? at::empty({B, H}, opt) : Tensor();
@@ -450,8 +454,12 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   A* out = ptr<A>(output);
   A* wsp = save ? ptr<A>(ws) : nullptr;
   // The state buffers of step s.
-  auto h_prev_of = [&](int64_t s) { return ptr<A>(h_buf[s & 1]); };
-  auto h_next_of = [&](int64_t s) { return ptr<A>(h_buf[(s + 1) & 1]); };
+  auto h_next_of = [&](int64_t s) {
+    return h_in_out ? out + a.pos.at(0, s) * B * P : ptr<A>(h_buf[(s + 1) & 1]);
+  };
+  auto h_prev_of = [&](int64_t s) -> const A* {
+    return h_in_out && s > 0 ? h_next_of(s - 1) : ptr<A>(h_buf[s & 1]);
+  };
   auto c_prev_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[s & 1]) : nullptr; };
   auto c_next_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr; };
 
@@ -508,7 +516,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
                               ptr<A>(rh) + b * H + j0);
           continue;  // h comes in phase 2
       }
-      if (!z.has_proj) copy_row(out + row * H + j0, h, n);
+      if (!z.has_proj && !h_in_out) copy_row(out + row * H + j0, h, n);
     }
   };
 
@@ -534,7 +542,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       else
         gru_rb_candidate_row<A, false>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n,
                                        bias + j0, rz + i * 2 * n, h_prev + b * H + j0, h, w);
-      copy_row(out + row * H + j0, h, n);
+      if (!h_in_out) copy_row(out + row * H + j0, h, n);
     }
   };
 
@@ -562,7 +570,10 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   run_steps(split, T, false, phase(true, split.unit_workers(), gates),
             phase(reset_before, split.unit_workers(), candidate),
             phase(z.has_proj, split.out_workers(), project));
-  h_n.copy_(h_buf[T & 1]);
+  if (h_in_out && T > 0)
+    h_n.copy_(output[a.pos.at(0, T - 1)]);
+  else
+    h_n.copy_(h_buf[h_in_out ? 0 : T & 1]);
   if (lstm) c_n.copy_(c_buf[T & 1]);
 }
 
