@@ -323,6 +323,15 @@ struct Split {
   size_t out_workers() const { return outs.empty() ? 0 : by_rows ? rows.size() : outs.size(); }
   const Rows& rows_of(size_t t) const { return rows[by_rows ? t : 0]; }
   size_t slice_of(size_t t) const { return by_rows ? 0 : t; }
+  // What worker t of a phase covers: its rows, and its slice with the
+  // slice's index (for the per-slice packed weights).
+  struct Work {
+    Rows r;
+    size_t i;
+    Slice sl;
+  };
+  Work unit_work(size_t t) const { return {rows_of(t), slice_of(t), units[slice_of(t)]}; }
+  Work out_work(size_t t) const { return {rows_of(t), slice_of(t), outs[slice_of(t)]}; }
 };
 
 // f(0), ..., f(count - 1), one per thread.
@@ -429,12 +438,12 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   for (const Slice& sl : split.outs) w_r_slice.push_back(pack_gate_rows_t<A>(a.w_hr, 1, sl));
   std::vector<Tensor> hproj, hn, hq;
   for (size_t t = 0; t < split.unit_workers(); ++t) {
-    const int64_t nb = split.rows_of(t).nb;
-    hproj.push_back(at::empty({nb, w_slice[split.slice_of(t)].N}, opt));
-    if (reset_before) hn.push_back(at::empty({nb, split.units[split.slice_of(t)].n}, opt));
+    const auto [r, u, sl] = split.unit_work(t);
+    hproj.push_back(at::empty({r.nb, w_slice[u].N}, opt));
+    if (reset_before) hn.push_back(at::empty({r.nb, sl.n}, opt));
   }
   for (size_t t = 0; t < split.out_workers(); ++t)
-    hq.push_back(at::empty({split.rows_of(t).nb, split.outs[split.slice_of(t)].n}, opt));
+    hq.push_back(at::empty({split.out_work(t).r.nb, split.out_work(t).sl.n}, opt));
   // Without lengths or a projection, h_t is written straight into the
   // output (all rows of a step at one position), which is then the next
   // step's h_{t-1}: no state buffer and no copy.
@@ -465,9 +474,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 
   // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
   auto gates = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
-    const size_t u = split.slice_of(t);
-    const int64_t j0 = split.units[u].j0, n = split.units[u].n;
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
     const A* h_prev = h_prev_of(s);
     A* h_next = h_next_of(s);
     const A* c_prev = c_prev_of(s);
@@ -522,9 +530,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 
   // Reset-before GRU, phase 2: the candidate's GEMM on r * h (all units), then h.
   auto candidate = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
-    const size_t u = split.slice_of(t);
-    const int64_t j0 = split.units[u].j0, n = split.units[u].n;
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
     const A* h_prev = h_prev_of(s);
     A* h_next = h_next_of(s);
     step_gemm<A>(r.nb, ptr<A>(rh) + r.b0 * H, H, w_n_slice[u], ptr<A>(hn[t]), false);
@@ -548,12 +555,10 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 
   // LSTM projection, phase 2, per output slice: h_t = (o * tanh c) W_hr^T.
   auto project = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
-    const Slice o = split.outs[split.slice_of(t)];
+    const auto [r, oi, o] = split.out_work(t);
     const A* h_prev = h_prev_of(s);
     A* h_next = h_next_of(s);
-    step_gemm<A>(r.nb, ptr<A>(h_full) + r.b0 * H, H, w_r_slice[split.slice_of(t)], ptr<A>(hq[t]),
-                 false);
+    step_gemm<A>(r.nb, ptr<A>(h_full) + r.b0 * H, H, w_r_slice[oi], ptr<A>(hq[t]), false);
     const A* q = ptr<A>(hq[t]);
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
@@ -639,6 +644,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const std::vector<Slice>& carry = z.has_proj ? split.outs : split.units;
   const size_t unit_workers = split.unit_workers();
   const size_t carry_workers = z.has_proj ? split.out_workers() : unit_workers;
+  auto carry_work = [&](size_t t) { return z.has_proj ? split.out_work(t) : split.unit_work(t); };
   // Rows of W_hh whose gradient feeds dh through the per-step GEMM: all, or
   // r, z for reset-before (the candidate's part goes through drh).
   const Tensor w_dh = reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh;
@@ -650,22 +656,21 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     if (z.has_proj) w_r_cols.push_back(pack_cols<A>(a.w_hr, sl));
   }
   for (size_t t = 0; t < carry_workers; ++t) {
-    const Rows r = split.rows_of(t);
-    const Slice c = carry[split.slice_of(t)];
+    const auto [r, ci, c] = carry_work(t);
     // a carry we update
     dh.push_back(a.grad_h_n.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).clone(at::MemoryFormat::Contiguous));
   }
   for (size_t t = 0; t < unit_workers; ++t) {
-    const int64_t nb = split.rows_of(t).nb, n = units[split.slice_of(t)].n;
-    if (reset_before) drh.push_back(at::empty({nb, n}, opt));
-    if (z.has_proj) dh_full.push_back(at::empty({nb, n}, opt));
+    const auto [r, u, sl] = split.unit_work(t);
+    if (reset_before) drh.push_back(at::empty({r.nb, sl.n}, opt));
+    if (z.has_proj) dh_full.push_back(at::empty({r.nb, sl.n}, opt));
   }
   if (lstm) d_c0.copy_(a.grad_c_n);
   // Per worker: sums of the gate gradients of its rows and units (gate k of
   // unit j at k*n + j) and, for GRU, of dhn after them.
   std::vector<std::vector<double>> bias_sum;
   for (size_t t = 0; t < unit_workers; ++t)
-    bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * units[split.slice_of(t)].n), 0.0);
+    bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * split.unit_work(t).sl.n), 0.0);
   // Gate gradients of the step, the next step's GEMM input (ping-pong).
   const int64_t da_width = reset_before ? 2 * H : GH;
   // Without lengths every row of a step is at the same time position, so for
@@ -701,16 +706,14 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   };
   // dh += (gate gradients of step s + 1) W_hh[:, slice], carry worker t.
   auto add_gemm_part = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
+    const auto [r, ci, c] = carry_work(t);
     if (s + 1 < T)
-      step_gemm<A>(r.nb, da_of(s + 1) + r.b0 * da_width, da_width, w_dh_cols[split.slice_of(t)],
-                   ptr<A>(dh[t]), true);
+      step_gemm<A>(r.nb, da_of(s + 1) + r.b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh[t]), true);
   };
 
   // Adds worker t's gate gradients of step s (complete) to its bias sums.
   auto add_bias_part = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
-    const Slice& sl = units[split.slice_of(t)];
+    const auto [r, u, sl] = split.unit_work(t);
     double* sum = bias_sum[t].data();
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
@@ -724,8 +727,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // With a projection, phase 0 per output slice: the total gradient of the
   // projected h_t.
   auto total = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
-    const Slice c = carry[split.slice_of(t)];
+    const auto [r, ci, c] = carry_work(t);
     add_gemm_part(t, s);
     A* d = ptr<A>(dh[t]);
     A* dt = ptr<A>(dh_tot);
@@ -745,9 +747,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   // Phase 1, per unit slice: the pointwise backward of the step.
   auto pointwise = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
-    const size_t u = split.slice_of(t);
-    const int64_t j0 = units[u].j0, n = units[u].n;
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
     A* da_s = da_of(s);
     if (z.has_proj) {
       step_gemm<A>(r.nb, ptr<A>(dh_tot) + r.b0 * P, P, w_r_cols[u], ptr<A>(dh_full[t]), false);
@@ -806,9 +807,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   // Reset-before GRU, phase 2: drh = dn W_hn (all units of dn), then the reset gate.
   auto reset = [&](size_t t, int64_t s) {
-    const Rows r = split.rows_of(t);
-    const size_t u = split.slice_of(t);
-    const int64_t j0 = units[u].j0, n = units[u].n;
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
     A* da_s = da_of(s);
     step_gemm<A>(r.nb, ptr<A>(dn) + r.b0 * H, H, w_n_cols[u], ptr<A>(drh[t]), false);
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
@@ -827,11 +827,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   // The GEMM part of dh_0, then the carry into d_h0.
   for_each_worker(carry_workers, [&](size_t t) {
-    const Rows r = split.rows_of(t);
-    const Slice c = carry[split.slice_of(t)];
-    if (T > 0)
-      step_gemm<A>(r.nb, da_of(0) + r.b0 * da_width, da_width, w_dh_cols[split.slice_of(t)],
-                   ptr<A>(dh[t]), true);
+    const auto [r, ci, c] = carry_work(t);
+    if (T > 0) step_gemm<A>(r.nb, da_of(0) + r.b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh[t]), true);
     d_h0.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).copy_(dh[t]);
   });
 
@@ -840,7 +837,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   {
     std::vector<double> sum_ih(static_cast<size_t>(G * H), 0.0), sum_hh(sum_ih.size(), 0.0);
     for (size_t t = 0; t < unit_workers; ++t) {
-      const int64_t j0 = units[split.slice_of(t)].j0, n = units[split.slice_of(t)].n;
+      const int64_t j0 = split.unit_work(t).sl.j0, n = split.unit_work(t).sl.n;
       const double* sum = bias_sum[t].data();
       for (int64_t k = 0; k < G; ++k) {
         const int64_t hk = gru && k == 2 ? G : k;  // where the hidden part's sum is
