@@ -233,24 +233,23 @@ class _RecurrentMixin(_RnnkernOptions):
         return x.new_zeros(x.shape).index_put((packing.time, packing.batch), rows)
 
     def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
-        """The dtypes torch.nn returns under autocast for (output, h_n[, c_n]).
+        """The dtypes returned under autocast for (output, h_n[, c_n]): rnnkern's
+        rule (README, "torch.autocast"), the same on every CPU.
 
         On CUDA, torch.nn runs cuDNN wholly in the autocast dtype.  On the CPU,
-        torch.nn autocasts only its matrix products, and a float32 state mixed
-        into the pointwise math promotes the result: RNN stays in the autocast
-        dtype; GRU follows h0; LSTM through oneDNN (no projection, not packed,
-        float32/bfloat16 input) stays in the autocast dtype, otherwise c follows
-        c0 and h follows c (or stays in the autocast dtype with a projection,
-        whose product is autocast)."""
+        torch.nn's ATen path autocasts only its matrix products, and a float32
+        state mixed into the pointwise math promotes the result: RNN stays in the
+        autocast dtype; GRU follows h0; a packed or projected LSTM's c follows c0
+        and h follows c (or stays in the autocast dtype with a projection, whose
+        product is autocast).  An unpacked LSTM without projection returns the
+        autocast dtype, as torch.nn's oneDNN path does where the CPU supports it
+        (with AVX-512; elsewhere torch.nn's result depends on the input)."""
         if x.device.type != "cpu" or self.mode in ("RNN_TANH", "RNN_RELU"):
             return (dtype,) * (1 + len(hx))
         if self.mode == "GRU":
             h = _promote(dtype, hx[0].dtype)
             return h, h
-        onednn = (not packed and self.proj_size == 0 and x.numel() > 0
-                  and x.dtype in (torch.float32, torch.bfloat16)
-                  and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
-        if onednn:
+        if not packed and self.proj_size == 0:
             return dtype, dtype, dtype
         c = _promote(dtype, hx[1].dtype)
         h = dtype if self.proj_size > 0 else c
