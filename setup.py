@@ -7,6 +7,9 @@ Environment knobs:
                            following a wrapper script to the real toolkit)
   TORCH_CUDA_ARCH_LIST     GPU architectures (default: recent ones, see below)
   MAX_JOBS                 parallel compile jobs (ninja); NVCC_THREADS per nvcc call
+  RNNKERN_CPU_ISA          x86-64 | x86-64-v2 | x86-64-v3 | x86-64-v4: compile the CPU
+                           kernels' vectorised loops for this one ISA level instead of
+                           choosing at load time (CI tests the lower levels this way)
 """
 import glob
 import os
@@ -81,10 +84,22 @@ def pip_cuda_libraries():
     return include_dirs, library_dirs, link
 
 
+CPU_ISA_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
+
+
+def cpu_isa_flags():
+    isa = os.environ.get("RNNKERN_CPU_ISA", "")
+    if not isa:
+        return []
+    if isa not in CPU_ISA_LEVELS:
+        raise SystemExit(f"RNNKERN_CPU_ISA={isa!r}: expected one of {', '.join(CPU_ISA_LEVELS)}")
+    return [f"-DRNNKERN_CPU_ISA={isa}"]
+
+
 def extensions():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # -g0: Python's sysconfig adds -g, which doubles the compile time of the torch headers.
-    cxx = ["-O3", "-g0", "-fopenmp", "-fno-trapping-math"]
+    cxx = ["-O3", "-g0", "-fopenmp", "-fno-trapping-math"] + cpu_isa_flags()
     if not WITH_CUDA:
         return [CppExtension("rnnkern._C", sources, extra_compile_args={"cxx": cxx},
                              extra_link_args=["-fopenmp"])]

@@ -22,6 +22,7 @@
 #include <Python.h>
 
 #include "cpu/buffers.h"
+#include "cpu/isa.h"
 #include <torch/library.h>
 
 #include <sstream>
@@ -310,9 +311,27 @@ PyObject* empty_cpu_cache(PyObject*, PyObject*) {
   return PyLong_FromLongLong(rnnkern::cpu::empty_cache());
 }
 
+// The x86 ISA level the CPU kernels' vectorised loops run at in this process:
+// the level a pinned build (RNNKERN_CPU_ISA) was compiled for, else the clone
+// target_clones picks on this CPU.
+PyObject* cpu_isa(PyObject*, PyObject*) {
+#if defined(RNNKERN_CPU_ISA)
+  return PyUnicode_FromString(RNNKERN_STRINGIFY(RNNKERN_CPU_ISA));
+#elif defined(RNNKERN_CPU_DISPATCH)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return PyUnicode_FromString("x86-64-v4");
+  if (__builtin_cpu_supports("x86-64-v3")) return PyUnicode_FromString("x86-64-v3");
+  return PyUnicode_FromString("x86-64");
+#else
+  return PyUnicode_FromString("native");  // one version, compiled for the build's target
+#endif
+}
+
 PyMethodDef methods[] = {
     {"empty_cpu_cache", empty_cpu_cache, METH_NOARGS,
      "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
+    {"cpu_isa", cpu_isa, METH_NOARGS,
+     "The x86 ISA level of the CPU kernels' vectorised loops in this process."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

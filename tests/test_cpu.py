@@ -331,3 +331,14 @@ def test_pooled_buffers_evict_stale_blocks():
     run = subprocess.run([sys.executable, "-c", _STALE_BLOCKS_SCRIPT], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_cpu_isa_level_is_the_expected_one():
+    """The ISA level the kernels' vectorised loops run at; .ci/isa_levels.sh sets
+    RNNKERN_EXPECT_CPU_ISA when it runs this file on a build pinned to a lower
+    level, so that a run that silently picked up another build fails."""
+    level = rnnkern._C.cpu_isa()
+    assert level in ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4", "native")
+    expected = os.environ.get("RNNKERN_EXPECT_CPU_ISA")
+    if expected is not None:
+        assert level == expected

@@ -24,13 +24,7 @@
 #define RNNKERN_ALWAYS_INLINE inline
 #endif
 
-// Functions holding the vectorised loops are compiled for several x86 ISA
-// levels and picked at load time (the binary stays portable).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define RNNKERN_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define RNNKERN_CPU_CLONES
-#endif
+#include "isa.h"
 
 namespace rnnkern::cpu::gemm {
 

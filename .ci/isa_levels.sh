@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The CPU kernels' vectorised loops are compiled for three x86 ISA levels and the
+# fastest one this CPU has is picked at load time (csrc/cpu/isa.h), so the main
+# test run only exercises that one.  This builds the CPU kernels once more pinned
+# to each lower level (RNNKERN_CPU_ISA) and runs the CPU kernel tests on them:
+# the baseline x86-64 everywhere, and x86-64-v3 (AVX2) on an AVX-512 machine.
+# Usage: bash .ci/isa_levels.sh  (from the repository root, in the venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+levels=(x86-64)
+picked=$(python -c "import rnnkern; print(rnnkern._C.cpu_isa())")
+if [ "$picked" = "x86-64-v4" ]; then levels+=(x86-64-v3); fi
+echo "== this CPU's kernels run at $picked; testing the pinned levels: ${levels[*]}"
+
+for level in "${levels[@]}"; do
+    out=build/isa-$level
+    rm -rf "$out"
+    mkdir -p "$out"
+    RNNKERN_SKIP_CUDA=1 RNNKERN_CPU_ISA=$level MAX_JOBS=${MAX_JOBS:-2} \
+        python setup.py -q build_ext --build-lib "$out" --build-temp "$out-obj" >"$out.log" 2>&1 \
+        || { cat "$out.log"; exit 1; }
+    # The Python package beside the pinned extension; pytest runs from there, so
+    # `import rnnkern` finds it first (python -m puts the working directory ahead
+    # of the editable install).
+    (cd rnnkern && find . -name '*.py' -exec install -D -m 644 {} "../$out/rnnkern/{}" \;)
+    echo "== ISA level $level: tests/test_cpu.py"
+    (cd "$out" && RNNKERN_EXPECT_CPU_ISA=$level python -m pytest "$OLDPWD/tests/test_cpu.py" -q -p no:cacheprovider)
+done

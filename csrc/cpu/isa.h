@@ -1,0 +1,18 @@
+// Which x86 ISA levels the CPU kernels are compiled for (RNNKERN_CPU_CLONES).
+#pragma once
+
+// Functions holding the vectorised loops are compiled for several x86 ISA
+// levels and picked at load time (the binary stays portable).  A build with
+// RNNKERN_CPU_ISA=<level> (setup.py) pins them to that one level instead: GCC's
+// target_clones resolver reads CPUID and has no override, so this is how CI runs
+// the lower levels' code on a CPU whose dispatch would pick a higher one.
+#define RNNKERN_STRINGIFY_(x) #x
+#define RNNKERN_STRINGIFY(x) RNNKERN_STRINGIFY_(x)
+#if defined(RNNKERN_CPU_ISA)
+#define RNNKERN_CPU_CLONES __attribute__((target("arch=" RNNKERN_STRINGIFY(RNNKERN_CPU_ISA))))
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define RNNKERN_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#define RNNKERN_CPU_DISPATCH 1
+#else
+#define RNNKERN_CPU_CLONES
+#endif
