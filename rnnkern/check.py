@@ -730,7 +730,8 @@ def default_json_path() -> Path:
 
 
 def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool = True,
-          json_path: Optional[os.PathLike] = None, file: Optional[TextIO] = None) -> dict:
+          json_path: Optional[os.PathLike] = None, file: Optional[TextIO] = None,
+          command: Optional[str] = None) -> dict:
     """Runs the self-check, prints its report to ``file`` (default stdout), writes
     the JSON report to ``json_path`` (default: ./rnnkern-check-<date>-<time>.json)
     and returns it as a dict; ``report["ok"]`` is False on any mismatch.
@@ -738,7 +739,8 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
     ``backends``: names to check (default: every backend this machine can run);
     one that cannot run here raises ValueError saying why.  ``quick``: float32 and
     bfloat16 only, lengths in reverse only, no large size.  ``speed_test``: time
-    against torch.nn."""
+    against torch.nn.  ``command``: how the check was started, for the report
+    (default: this call)."""
     file = file or sys.stdout
     began = time.perf_counter()
 
@@ -760,7 +762,8 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
     env = environment()
     report = {"schema": SCHEMA, "ok": None,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else None,
+              "command": command or (f"rnnkern.check(backends={backends!r}, quick={quick}, "
+                                     f"speed_test={speed_test})"),
               "options": {"backends": [t.backend for t in runnable], "quick": quick, "speed": speed_test},
               "environment": env,
               "sizes": {k: dataclasses.asdict(v) for k, v in SIZES.items()},
@@ -784,7 +787,7 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
         records = []
         with strict_numerics():
             for case in plans[target.backend]:
-                records.append(checker.run(target, case) | {"backend": target.backend})
+                records.append({"backend": target.backend} | checker.run(target, case))
         report["cases"] += records
         ok = all(r["ok"] for r in records)
         report["backends"][target.backend] = {
@@ -822,7 +825,8 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
     say()
     n = len(report["cases"])
     if report["ok"]:
-        say(f"OK: {', '.join(report['backends'])} agree with the float64 reference and torch.nn "
+        verb = "agrees" if len(report["backends"]) == 1 else "agree"
+        say(f"OK: {', '.join(report['backends'])} {verb} with the float64 reference and torch.nn "
             f"({n} cases, {report['seconds']:.1f} s).")
     else:
         bad = [b for b, v in report["backends"].items() if not v["ok"]]
@@ -864,7 +868,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--no-speed", action="store_true", help="skip the speed comparison with torch.nn")
     args = parser.parse_args(argv)
     try:
-        report = check(args.backends, quick=args.quick, speed_test=not args.no_speed, json_path=args.json)
+        report = check(args.backends, quick=args.quick, speed_test=not args.no_speed, json_path=args.json,
+                       command=" ".join(["python -m rnnkern.check", *(sys.argv[1:] if argv is None else argv)]))
     except ValueError as e:
         parser.error(str(e))
     return 0 if report["ok"] else 1

@@ -109,7 +109,7 @@ def test_command_line(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "RuntimeWarning" not in run.stderr, run.stderr
-    assert "OK: cpu agree" in run.stdout
+    assert "OK: cpu agrees" in run.stdout
     report = json.loads(path.read_text())
     assert_schema(report)
     assert report["ok"] and report["options"] == {"backends": ["cpu"], "quick": True, "speed": False}
