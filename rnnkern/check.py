@@ -170,6 +170,22 @@ def _triton_reason() -> Optional[str]:
             "on the CPU through Triton's interpreter (slow)")
 
 
+def select_targets(backends: Optional[list] = None) -> tuple[list[Target], dict[str, str]]:
+    """The targets to check: ``backends`` (names), or every backend this machine
+    can run; and why the others are not run.  ValueError for a name that is not
+    a backend or cannot run here."""
+    runnable, missing = targets()
+    if backends is None:
+        return runnable, missing
+    for name in backends:
+        if name not in ops.BACKENDS or name == "auto":
+            raise ValueError(f"backends: unknown backend {name!r}; expected some of "
+                             f"{', '.join(b for b in ops.BACKENDS if b != 'auto')}")
+        if name in missing:
+            raise ValueError(f"backends: {name!r} cannot run on this machine: {missing[name]}")
+    return [t for t in runnable if t.backend in backends], {}
+
+
 def targets() -> tuple[list[Target], dict[str, str]]:
     """The backends this machine can run, and why the others cannot."""
     gpu = torch.cuda.is_available()
@@ -360,7 +376,7 @@ def _compare(got: dict, want: dict, dtype: torch.dtype, low_precision_ref: Optio
     rows = []
     for name, w in want.items():
         a = got.get(name)
-        row = {"tensor": name, "error": math.inf, "allowed": TOL.get(dtype)}
+        row = {"tensor": name, "error": math.inf, "allowed": TOL.get(dtype, 0.0)}
         if a is None:
             row["problem"] = "missing from the results"
         elif a.shape != w.shape or a.dtype != dtype:
@@ -375,6 +391,11 @@ def _compare(got: dict, want: dict, dtype: torch.dtype, low_precision_ref: Optio
             row["error"] = math.inf
         rows.append(row)
     return rows
+
+
+def _ratio(row: dict) -> float:
+    """How much of its allowance a tensor's error uses (above 1 fails)."""
+    return row["error"] / row["allowed"] if row["allowed"] else math.inf
 
 
 class Checker:
@@ -415,7 +436,7 @@ class Checker:
                 lp = self._reference(case, problem, case.dtype) if case.dtype not in TOL else None
                 got = _evaluate(problem, target.backend, target.device, case.dtype)
                 rows = _compare(got, want, case.dtype, lp)
-            worst = max(rows, key=lambda r: r["error"] / r["allowed"] if r["allowed"] else math.inf)
+            worst = max(rows, key=_ratio)
             record |= {"ok": all(r["error"] <= r["allowed"] for r in rows), "worst": worst, "tensors": rows}
         except Exception as e:  # a crash is a failed check: reported with its evidence, never hidden
             record |= {"ok": False, "worst": None, "exception": f"{type(e).__name__}: {e}"[:2000],
@@ -650,7 +671,7 @@ def _table_lines(backend: str, records: list[dict]) -> list[str]:
     lines = []
     for (op, size, dtype), rs in _row_groups(records):
         failed = [r for r in rs if not r["ok"]]
-        ratios = [(r["worst"]["error"] / r["worst"]["allowed"], r) for r in rs if r.get("worst")]
+        ratios = [(_ratio(r["worst"]), r) for r in rs if r.get("worst")]
         ratio, r = max(ratios, key=lambda t: t[0]) if ratios else (math.inf, rs[0])
         worst = f"{ratio:8.3g}x  {_case_name(r)}: {r['worst']['tensor']}" if ratios else ""
         crashed = [r for r in rs if "exception" in r]
@@ -717,6 +738,10 @@ def _speed_skipped(target: Target, env: dict) -> Optional[str]:
 
 
 def _speed_line(backend: str, s: dict) -> str:
+    if "skipped" in s:
+        return f"speed {backend}: skipped: {s['skipped']}"
+    if "exception" in s:
+        return f"speed {backend}: could not be measured: {s['exception'][:300]}"
     size = s["size"]
     cells = "  ".join(f"{c} {v['speedup']['forward']:.2f}x / {v['speedup']['forward_backward']:.2f}x"
                       for c, v in s["cells"].items())
@@ -747,17 +772,7 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
     def say(line=""):
         print(line, file=file, flush=True)
 
-    runnable, missing = targets()
-    if backends is not None:
-        names = list(backends)
-        for name in names:
-            if name not in ops.BACKENDS or name == "auto":
-                raise ValueError(f"backends: unknown backend {name!r}; expected some of "
-                                 f"{', '.join(b for b in ops.BACKENDS if b != 'auto')}")
-            if name in missing:
-                raise ValueError(f"backends: {name!r} cannot run on this machine: {missing[name]}")
-        runnable = [t for t in runnable if t.backend in names]
-        missing = {}
+    runnable, missing = select_targets(backends)
     json_path = Path(json_path) if json_path is not None else default_json_path()
     env = environment()
     report = {"schema": SCHEMA, "ok": None,
@@ -768,7 +783,7 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
               "environment": env,
               "sizes": {k: dataclasses.asdict(v) for k, v in SIZES.items()},
               "tolerance": {"float64": TOL[torch.float64], "float32": TOL[torch.float32],
-                            "half": "Frobenius error <= 2 x the reference's own error in that dtype (+ floor)"},
+                            "half": "Frobenius error <= 2 x the reference's own error in that dtype + one rounding to it"},
               "backends": {}, "not_run": missing, "cases": [], "speed": {}, "advice": {}}
     say("rnnkern field self-check")
     for line in _environment_lines(env):
@@ -784,16 +799,13 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
     checker = Checker()
     for target in runnable:
         t0 = time.perf_counter()
-        records = []
         with strict_numerics():
-            for case in plans[target.backend]:
-                records.append({"backend": target.backend} | checker.run(target, case))
+            records = [{"backend": target.backend} | checker.run(target, case) for case in plans[target.backend]]
         report["cases"] += records
-        ok = all(r["ok"] for r in records)
         report["backends"][target.backend] = {
             "backend": target.backend, "device": target.device.type, "interpreted": target.interpreted,
-            "ok": ok, "cases": len(records), "failed": sum(not r["ok"] for r in records),
-            "seconds": round(time.perf_counter() - t0, 2)}
+            "ok": all(r["ok"] for r in records), "cases": len(records),
+            "failed": sum(not r["ok"] for r in records), "seconds": round(time.perf_counter() - t0, 2)}
         for line in _table_lines(target.backend, records):
             say(line)
     failures = [line for t in runnable for line in
@@ -806,38 +818,44 @@ def check(backends: Optional[list] = None, quick: bool = False, speed_test: bool
     if speed_test:
         say()
         for target in runnable:
-            why = _speed_skipped(target, env)
-            if why:
-                report["speed"][target.backend] = {"skipped": why}
-                say(f"speed {target.backend}: skipped: {why}")
-                continue
-            try:
-                report["speed"][target.backend] = s = speed(target)
-                say(_speed_line(target.backend, s))
-            except Exception as e:  # timing is informative; its failure is reported, not fatal
-                report["speed"][target.backend] = {"exception": f"{type(e).__name__}: {e}"[:2000]}
-                say(f"speed {target.backend}: could not be measured: {type(e).__name__}: {e}")
+            report["speed"][target.backend] = result = _timed(target, env)
+            say(_speed_line(target.backend, result))
     report["ok"] = bool(runnable) and all(b["ok"] for b in report["backends"].values())
     report["advice"] = advice(report)
     report["seconds"] = round(time.perf_counter() - began, 2)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(_jsonable(report), indent=1, allow_nan=False) + "\n")
     say()
+    for line in _verdict_lines(report):
+        say(line)
+    say(f"JSON report: {json_path}")
+    return report
+
+
+def _timed(target: Target, env: dict) -> dict:
+    """The speed record of one backend: :func:`speed`'s, ``{"skipped": why}`` or
+    ``{"exception": text}`` (timing is informative: its failure is reported, not fatal)."""
+    why = _speed_skipped(target, env)
+    if why:
+        return {"skipped": why}
+    try:
+        return speed(target)
+    except Exception as e:  # reported in the output and the JSON, never hidden
+        return {"exception": f"{type(e).__name__}: {e}"[:2000]}
+
+
+def _verdict_lines(report: dict) -> list[str]:
     n = len(report["cases"])
     if report["ok"]:
         verb = "agrees" if len(report["backends"]) == 1 else "agree"
-        say(f"OK: {', '.join(report['backends'])} {verb} with the float64 reference and torch.nn "
-            f"({n} cases, {report['seconds']:.1f} s).")
-    else:
-        bad = [b for b, v in report["backends"].items() if not v["ok"]]
-        say(f"MISMATCH in {', '.join(repr(b) for b in bad)} "
-            f"({sum(v['failed'] for v in report['backends'].values())} of {n} cases failed, "
-            f"{report['seconds']:.1f} s).")
-        for name, sentence in report["advice"].items():
-            say(f"  {name}: {sentence}")
-        say(f"Please {WHERE_TO_REPORT}.")
-    say(f"JSON report: {json_path}")
-    return report
+        return [f"OK: {', '.join(report['backends'])} {verb} with the float64 reference and torch.nn "
+                f"({n} cases, {report['seconds']:.1f} s)."]
+    bad = [b for b, v in report["backends"].items() if not v["ok"]]
+    failed = sum(v["failed"] for v in report["backends"].values())
+    return ([f"MISMATCH in {', '.join(repr(b) for b in bad)} ({failed} of {n} cases failed, "
+             f"{report['seconds']:.1f} s)."]
+            + [f"  {name}: {sentence}" for name, sentence in report["advice"].items()]
+            + [f"Please {WHERE_TO_REPORT}."])
 
 
 def _jsonable(value):
@@ -868,10 +886,11 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--no-speed", action="store_true", help="skip the speed comparison with torch.nn")
     args = parser.parse_args(argv)
     try:
-        report = check(args.backends, quick=args.quick, speed_test=not args.no_speed, json_path=args.json,
-                       command=" ".join(["python -m rnnkern.check", *(sys.argv[1:] if argv is None else argv)]))
+        select_targets(args.backends)
     except ValueError as e:
         parser.error(str(e))
+    report = check(args.backends, quick=args.quick, speed_test=not args.no_speed, json_path=args.json,
+                   command=" ".join(["python -m rnnkern.check", *(sys.argv[1:] if argv is None else argv)]))
     return 0 if report["ok"] else 1
 
 
