@@ -876,7 +876,7 @@ def main(argv: Optional[list] = None) -> int:
         description="rnnkern's field self-check: every backend this machine runs against the float64 "
                     "reference and torch.nn, a quick speed comparison, and a JSON report to attach "
                     "to a bug report.  Exit status 1 on any mismatch.")
-    parser.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b],
+    parser.add_argument("--backends", type=lambda s: [b.strip() for b in s.split(",") if b.strip()],
                         help="comma-separated backends to check (default: every one that can run here: "
                              "reference, cpu, cuda, triton)")
     parser.add_argument("--quick", action="store_true",
