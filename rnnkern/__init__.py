@@ -4,6 +4,7 @@ replacements for torch.nn.RNN / GRU / LSTM and their cells.
     import rnnkern
     lstm = rnnkern.LSTM(256, 512, num_layers=2, batch_first=True)   # like torch.nn.LSTM
     model = rnnkern.convert(model)   # swap every torch.nn RNN/GRU/LSTM in a model
+    rnnkern.check()                  # the field self-check (python -m rnnkern.check)
 
 Functional ops (one layer, one direction) are in :mod:`rnnkern.ops`, the
 pure-PyTorch ground truth in :mod:`rnnkern.reference`.
@@ -11,5 +12,15 @@ pure-PyTorch ground truth in :mod:`rnnkern.reference`.
 from . import ops, reference
 from .modules import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell, convert
 
-__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "ops", "reference"]
+__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "ops", "reference", "check"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # rnnkern.check, the field self-check, is imported on first use: importing it
+    # here would make `python -m rnnkern.check` find it already imported (runpy
+    # warns).  The module is callable: rnnkern.check() runs rnnkern.check.check().
+    if name == "check":
+        import importlib
+        return importlib.import_module(".check", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

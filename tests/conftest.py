@@ -21,13 +21,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import rnnkern  # noqa: E402
-from rnnkern import ops, reference  # noqa: E402
+from rnnkern import ops, reference, tolerance  # noqa: E402
 
 CELLS = reference.CELLS
 
-#: Relative tolerance per dtype, against a reference in the same dtype.  Half
-#: types are judged against the reference's own error instead (assert_low_precision).
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+#: The tolerance table (rnnkern/tolerance.py, shared with rnnkern.check): relative
+#: tolerance per dtype; half types are judged against the reference's own error.
+TOL = tolerance.TOL
 
 HAS_GPU = torch.cuda.is_available()
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,23 +64,20 @@ def randn(g: torch.Generator, *shape, dtype=torch.float64, scale=1.0, requires_g
 
 
 def assert_close(actual, expected, dtype=None, what=""):
-    """|actual - expected| <= tol * max(1, max|expected|), tol from TOL."""
-    tol = TOL[dtype or expected.dtype]
-    scale = max(1.0, expected.detach().abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * scale, equal_nan=True,
+    """|actual - expected| <= tol * (max(1, max|expected|) + |expected|), tol from TOL."""
+    rtol, atol = tolerance.close_tolerances(expected, dtype or expected.dtype)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True,
                                msg=lambda m: f"{what}: {m}")
 
 
-def assert_low_precision(actual, reference_lp, reference_hp, what="", factor=2.0):
+def assert_low_precision(actual, reference_lp, reference_hp, what="", factor=tolerance.LOW_PRECISION_FACTOR):
     """Half-precision result against a float32/64 reference: its error may be at
     most `factor` times the error of the reference itself run in low precision
     (flash-attention's criterion).  Errors are Frobenius norms: one rounding that
     flips a ReLU mask moves a single element a lot in either computation."""
-    actual, reference_lp, reference_hp = (t.detach().double() for t in (actual, reference_lp, reference_hp))
-    own = (reference_lp - reference_hp).norm().item()
-    err = (actual - reference_hp).norm().item()
-    floor = 2 ** -9 * reference_hp.norm().item() * 1e-2  # far below one bf16 ulp of the result
-    assert err <= factor * own + floor, f"{what}: error {err:.3e} > {factor} x reference's own {own:.3e}"
+    allowed = tolerance.low_precision_allowance(reference_lp, reference_hp, factor)
+    err = (actual.detach().double() - reference_hp.detach().double()).norm().item()
+    assert err <= allowed, f"{what}: error {err:.3e} > {factor} x reference's own error (+ floor) = {allowed:.3e}"
 
 
 def recurrence_inputs(cell, T, B, H, *, dtype=torch.float64, proj=0, bias=True,
