@@ -8,8 +8,10 @@ replacements for torch.nn.RNN / GRU / LSTM and their cells.
 Functional ops (one layer, one direction) are in :mod:`rnnkern.ops`, the
 pure-PyTorch ground truth in :mod:`rnnkern.reference`.
 """
-from . import ops, reference
+from . import _torch_warnings, ops, reference
 from .modules import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell, convert
 
 __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "ops", "reference"]
 __version__ = "0.1.0"
+
+_torch_warnings.install()  # before anything imports torch.utils.cpp_extension (see there)
