@@ -30,14 +30,27 @@ import torch.distributed as dist
 from rnnkern import char_lm
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help, unless the help already says
+    what happens by default (argparse's ArgumentDefaultsHelpFormatter would add a
+    second default) or there is no value to show (``None``, a flag's ``False``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     d = char_lm.Config()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--cell", choices=char_lm.CELLS, default=d.cell)
-    m.add_argument("--layers", type=int, default=d.layers)
-    m.add_argument("--hidden", type=int, default=d.hidden)
+    m.add_argument("--cell", choices=char_lm.CELLS, default=d.cell,
+                   help="recurrent cell (gru_reset_before: the classic GRU)")
+    m.add_argument("--layers", type=int, default=d.layers, help="stacked recurrent layers")
+    m.add_argument("--hidden", type=int, default=d.hidden, help="hidden size")
     m.add_argument("--embed", type=int, default=d.embed, help="embedding width")
     m.add_argument("--one-hot", action="store_true", help="one-hot input instead of an embedding")
     m.add_argument("--backend", choices=char_lm.BACKENDS, default=d.backend,
@@ -50,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t = p.add_argument_group("training")
     t.add_argument("--text", metavar="FILE", default=None,
                    help="UTF-8 training text (default: Python's own documentation, pydoc_data)")
-    t.add_argument("--max-chars", type=int, default=None, help="use only the text's beginning")
+    t.add_argument("--max-chars", type=int, default=None, help="use only the text's first MAX_CHARS characters (default: all)")
     t.add_argument("--held-out", type=float, default=d.held_out,
                    help="fraction of the text (its end) kept for held-out perplexity")
     t.add_argument("--sampler", choices=char_lm.SAMPLERS, default=d.sampler,
@@ -60,10 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--batch", type=int, default=d.batch, help="parallel streams per process")
     t.add_argument("--epochs", type=int, default=d.epochs,
                    help="total epochs (a resumed run continues up to this count)")
-    t.add_argument("--steps-per-epoch", type=int, default=None, help="cap on batches per epoch")
+    t.add_argument("--steps-per-epoch", type=int, default=None, help="cap on batches per epoch (default: the whole text)")
     t.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
     t.add_argument("--clip", type=float, default=d.clip, help="max global gradient norm (0: off)")
-    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and of the random sampler")
     t.add_argument("--checkpoint", metavar="FILE", default=None, help="saved after every epoch")
     t.add_argument("--resume", action="store_true", help="continue training --checkpoint")
     t.add_argument("--plot", metavar="PNG", default=None, help="perplexity per epoch")
@@ -73,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="after training (or from --checkpoint alone), print text continuing PROMPT")
     s.add_argument("--length", type=int, default=400, help="characters to sample")
     s.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest character")
-    s.add_argument("--sample-seed", type=int, default=0)
+    s.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling")
     return p.parse_args(argv)
 
 

@@ -9,12 +9,13 @@ replacements for torch.nn.RNN / GRU / LSTM and their cells.
 Functional ops (one layer, one direction) are in :mod:`rnnkern.ops`, the
 pure-PyTorch ground truth in :mod:`rnnkern.reference`.
 """
-from . import ops, reference
+from . import _torch_warnings, ops, reference
 from .modules import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell, convert
 
 __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "ops", "reference", "check"]
 __version__ = "0.1.0"
 
+_torch_warnings.install()  # before anything imports torch.utils.cpp_extension (see there)
 
 def __getattr__(name):
     # rnnkern.check, the field self-check, is imported on first use: importing it

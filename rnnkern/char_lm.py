@@ -766,8 +766,9 @@ def _plot_title(model: CharLM, cfg: Config, world: int) -> str:
             f"{cfg.sampler} batches of {streams} x {cfg.bptt}, {cfg.dtype}")
 
 
-def plot_perplexity(history: List[EpochStats], path: str, title: str = "") -> None:
-    """A PNG of training and held-out perplexity per epoch (log scale)."""
+def plot_perplexity(history: List[EpochStats], path: str, title: str = ""):
+    """A PNG of training and held-out perplexity per epoch (log scale); returns the
+    matplotlib Figure."""
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -777,11 +778,12 @@ def plot_perplexity(history: List[EpochStats], path: str, title: str = "") -> No
     ax.plot(epochs, [e.train_ppl for e in history], "o-", label="training")
     held = [(e.held_out_ppl, e.epoch) for e in history if e.held_out_ppl is not None]
     if held:
-        ax.plot([e for _, e in held], [p for p, _ in held], "s-", label="held-out")
+        (line,) = ax.plot([e for _, e in held], [p for p, _ in held], "s-", label="held-out")
         best, at = min(held)
-        ax.annotate(f"best held-out {best:.3f} (epoch {at})", (at, best), xytext=(0, 14),
-                    textcoords="offset points", ha="center", va="bottom", fontsize=8,
-                    arrowprops={"arrowstyle": "-", "lw": 0.5})
+        # The best epoch is a ring on the curve; its figures go in the legend, which
+        # sits below the axes: a label inside them lands on a curve for some runs.
+        ax.plot([at], [best], "o", ms=11, mfc="none", mec=line.get_color(), mew=1.5,
+                label=f"best held-out {best:.3f} (epoch {at})")
     ax.set_yscale("log")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     ax.yaxis.set_major_formatter(plain)
@@ -790,7 +792,8 @@ def plot_perplexity(history: List[EpochStats], path: str, title: str = "") -> No
     ax.set_xlabel("epoch")
     ax.set_ylabel("perplexity (exp of mean cross-entropy)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     if title:
         ax.set_title(title, fontsize=9)
     fig.savefig(path)
+    return fig

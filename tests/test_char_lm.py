@@ -385,10 +385,52 @@ def test_resume_from_checkpoint_continues_exactly(sampler, tmp_path):
         [dataclasses.replace(e, seconds=0) for e in straight.history]
 
 
-def test_command_line_trains_plots_checkpoints_and_samples(tmp_path, capsys):
+def load_cli():
+    """examples/char_lm.py as a module (it is a script, not part of the package)."""
     spec = importlib.util.spec_from_file_location("char_lm_cli", ROOT / "examples" / "char_lm.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
+    return cli
+
+
+def test_command_line_help_states_each_default_once(capsys):
+    cli = load_cli()
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    # One entry per option: its lines from "  --name" up to the next option.
+    entries = [e for e in text.split("\n  -") if e.lstrip("-")[:1].isalpha()]
+    by_name = {e.split()[0].lstrip("-"): " ".join(e.split()) for e in entries}
+    assert {"threads", "text", "seed", "cell", "max-chars", "resume"} <= set(by_name), sorted(by_name)
+    for name, entry in by_name.items():
+        assert entry.count("(default") <= 1, f"--{name}: {entry}"
+        assert "(default: None)" not in entry and "(default: False)" not in entry, f"--{name}: {entry}"
+    assert "(default: torch's; torchrun sets 1)" in by_name["threads"]
+    assert "(default: 0)" in by_name["seed"] and "(default: lstm)" in by_name["cell"]
+
+
+def test_perplexity_plot_keeps_its_labels_off_the_curves(tmp_path):
+    """The best held-out epoch's figures are in the legend, and the legend covers no
+    data point: it lies outside the axes, which hold every curve."""
+    history = [lm.EpochStats(e, 12 * math.exp(-0.35 * e) + 2.2, 3.35 + 0.012 * (e - 9) ** 2, 1.0, 100)
+               for e in range(1, 16)]
+    png = tmp_path / "ppl.png"
+    fig = lm.plot_perplexity(history, str(png), title="a title")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (ax,), (legend,) = fig.axes, fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["training", "held-out", "best held-out 3.350 (epoch 9)"]
+    assert not ax.texts, "no annotation inside the axes"
+    box, axes_box = legend.get_window_extent(), ax.get_window_extent()  # as last drawn
+    assert not box.overlaps(axes_box), (box, axes_box)
+    for line in ax.get_lines():
+        for x, y in ax.transData.transform(line.get_xydata()):
+            assert axes_box.contains(x, y) and not box.contains(x, y), (line.get_label(), x, y)
+
+
+def test_command_line_trains_plots_checkpoints_and_samples(tmp_path, capsys):
+    cli = load_cli()
     ckpt, png = tmp_path / "lm.pt", tmp_path / "ppl.png"
     common = ["--sample", "The ", "--length", "60", "--temperature", "0.8", "--no-progress"]
     assert cli.main(["--cell", "lstm", "--hidden", "16", "--embed", "8", "--batch", "4",
