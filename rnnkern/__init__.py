@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _torch_warnings.install()  # before anything imports torch.utils.cpp_extension (see there)
 
+
 def __getattr__(name):
     # rnnkern.check, the field self-check, is imported on first use: importing it
     # here would make `python -m rnnkern.check` find it already imported (runpy
