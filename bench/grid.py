@@ -13,9 +13,10 @@ headline      B 16, H 768, T 1024 (GUIDE's targets)   B 32, H 256, T 256 (README
 
 The CPU grid keeps the shape of the GPU one (three batch sizes against three hidden
 sizes, a large-batch family, sequences up to thousands of steps) at a size where
-the whole default run takes about half an hour on two shared cores.  ``--quick``
-replaces every family by one or two tiny sizes (about a minute on the CPU).  The
-input size is the hidden size throughout (I = H).
+the whole grid (``--full``) takes about half an hour on two shared cores.
+``python -m bench`` without ``--full`` measures DEFAULT_SIZES, a few sizes of each
+family (minutes); ``--quick`` replaces every family by one or two tiny sizes (about a
+minute on the CPU).  The input size is the hidden size throughout (I = H).
 
 A size that belongs to several families (the GPU headline size is also a latency
 size) is measured once and tagged with every family.
@@ -87,9 +88,37 @@ class Case:
         return f"{self.cell} B{self.B} T{self.T} H{self.H} {self.dtype}"
 
 
-def build_grid(device: str, cells, dtypes, families, quick: bool) -> list[Case]:
+#: ``python -m bench`` without --full: a few sizes of each family, so that every cell
+#: and phase is measured at representative sizes in minutes (under 5 on two CPU cores).
+DEFAULT_SIZES = {
+    "cuda": {
+        "latency": [(1, 1024, 256), (64, 1024, 1024)],
+        "throughput": [(256, 256, 1024)],
+        "long": [(16, 4096, 768)],
+        "headline": [(16, 1024, 768)],
+    },
+    "cpu": {
+        "latency": [(1, 256, 128), (16, 256, 128)],
+        "throughput": [(128, 64, 256)],
+        "long": [(4, 2048, 128)],
+        "headline": [(32, 256, 256)],
+    },
+}
+GRIDS = ("quick", "default", "full")
+
+
+def sizes(device: str, grid: str) -> dict:
+    """{family: [(B, T, H)]} of a grid ('quick', 'default' or 'full') on a device kind."""
+    if grid not in GRIDS:
+        raise ValueError(f"grid {grid!r}: expected one of {', '.join(GRIDS)}")
+    if grid == "quick":
+        return SIZES["quick"]
+    return (DEFAULT_SIZES if grid == "default" else SIZES)[device]
+
+
+def build_grid(device: str, cells, dtypes, families, grid: str) -> list[Case]:
     """Every case of the run, in a stable order (cell, dtype, then sizes by family)."""
-    table = SIZES["quick" if quick else device]
+    table = sizes(device, grid)
     cases = []
     for cell in cells:
         for dtype in dtypes:

@@ -20,12 +20,29 @@ def _case_label(r) -> str:
 
 
 def _device_line(doc) -> str:
-    m, p = doc["meta"], doc["peaks"]
+    m, p = doc["meta"], doc.get("peaks") or {}
     dev = m["device"]
-    where = dev["name"] + (f", {dev['threads']} threads" if dev["type"] == "cpu" else "")
-    gemm = ", ".join(f"{k} {v:.3g}" for k, v in p["gemm_tflops"].items())
-    return (f"{where}; torch {m['versions']['torch']}; measured peaks: GEMM TFLOP/s {gemm}; "
-            f"copy {p['copy_gbps']:.3g} GB/s")
+    n = dev["threads"]
+    where = dev["name"] + (f", {n} thread{'s' if n != 1 else ''}" if dev["type"] == "cpu" else "")
+    line = f"{where}; torch {m['versions']['torch']}"
+    if p.get("copy_gbps"):
+        gemm = ", ".join(f"{k} {v:.3g}" for k, v in p["gemm_tflops"].items())
+        line += f"; measured peaks: GEMM TFLOP/s {gemm}; copy {p['copy_gbps']:.3g} GB/s"
+    return line
+
+
+def case_line(r) -> str:
+    """One case and phase in one line, as soon as it is measured: torch.nn's time and
+    every other candidate's speed ratio (or why it has none)."""
+    parts = []
+    for name, e in r["candidates"].items():
+        if e["status"] != "timed":
+            parts.append(f"{e['label']} {STATUS_MARK[e['status']]}")
+        elif name == BASELINE:
+            parts.append(f"{e['label']} {e['median_ms']:.3g} ms")
+        else:
+            parts.append(f"{e['label']} {e['speedup_vs_torch']:.2f}x ({e['median_ms']:.3g} ms)")
+    return f"{_case_label(r)} {PHASE_LABEL[r['phase']]}: " + "; ".join(parts)
 
 
 def load_warning(doc) -> str:
@@ -35,9 +52,9 @@ def load_warning(doc) -> str:
     worst = max((l[0] for l in loads if l), default=None)
     if dev["type"] != "cpu" or worst is None or worst <= dev["cores"]:
         return ""
-    msg = (f"WARNING: load average up to {worst:.1f} on {dev['cores']} cores during this run: other "
-           f"processes held the CPU, so times are inflated; the ratios (interleaved) are more "
-           f"trustworthy than the times.")
+    msg = (f"WARNING: load average {worst:.1f} on {dev['cores']} cores: other processes hold the "
+           f"CPU, so times are inflated; the ratios (interleaved) are more trustworthy than the "
+           f"times.")
     if dev["threads"] > 1:
         msg += (" With several threads every kernel also waits for its descheduled threads: "
                 "rerun when the machine is quiet, or compare with --threads 1.")
@@ -176,6 +193,56 @@ def _series(results, phase, family, x_key, fixed):
     return {k: sorted(v) for k, v in out.items()}
 
 
+def _line_panels(rs):
+    """(family, x, fixed sizes, x label) of the time-against-size panels a cell could
+    have: batch and hidden size (latency), sequence length (long)."""
+    lat = [r for r in rs if "latency" in r["families"]]
+    longs = [r for r in rs if "long" in r["families"]]
+    panels = []
+    if lat:
+        H0, B0 = _middle(r["H"] for r in lat), _middle(r["B"] for r in lat)
+        T0 = lat[0]["T"]
+        panels.append(("latency", "B", {"H": H0, "T": T0}, f"batch (H={H0}, T={T0})"))
+        panels.append(("latency", "H", {"B": B0, "T": T0}, f"hidden size (B={B0}, T={T0})"))
+    if longs:
+        panels.append(("long", "T", {"B": longs[0]["B"], "H": longs[0]["H"]},
+                       f"sequence length (B={longs[0]['B']}, H={longs[0]['H']})"))
+    return panels
+
+
+def _panel_has_a_line(rs, panel) -> bool:
+    """A panel is drawn only where its size varies: a single point per curve says
+    nothing a bar would not say better."""
+    family, x_key, fixed, _ = panel
+    return any(len({x for x, _ in pts}) >= 2
+               for phase in ("forward", "forward_backward")
+               for pts in _series(rs, phase, family, x_key, fixed).values())
+
+
+def _time_bars(ax, rs):
+    """Median time of every candidate at every size of one phase, grouped by size."""
+    labels = [f"B{r['B']} T{r['T']} H{r['H']}" for r in rs]
+    names = []
+    for r in rs:
+        for e in r["candidates"].values():
+            if e["status"] == "timed" and e["label"] not in names:
+                names.append(e["label"])
+    width = 0.8 / max(1, len(names))
+    for k, label in enumerate(names):
+        ys = []
+        for r in rs:
+            e = next((e for e in r["candidates"].values() if e["label"] == label), None)
+            ys.append(e["median_ms"] if e and e["status"] == "timed" else math.nan)
+        ax.bar([x + k * width for x in range(len(rs))], ys, width, label=label)
+    ax.set_yscale("log")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rs))])
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("median time (ms)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    if names:
+        ax.legend(fontsize=7)
+
+
 def plots(doc, outdir) -> list[str]:
     """Time against batch, hidden size and sequence length per cell and dtype, and the
     speed ratio against torch.nn per dtype.  Returns the files written."""
@@ -196,21 +263,14 @@ def plots(doc, outdir) -> list[str]:
     for cell in cells:
         for dtype in dtypes:
             rs = [r for r in results if r["cell"] == cell and r["dtype"] == dtype]
-            lat = [r for r in rs if "latency" in r["families"]]
-            longs = [r for r in rs if "long" in r["families"]]
-            panels = []
-            if lat:
-                H0, B0 = _middle(r["H"] for r in lat), _middle(r["B"] for r in lat)
-                T0 = lat[0]["T"]
-                panels.append(("latency", "B", {"H": H0, "T": T0}, f"batch (H={H0}, T={T0})"))
-                panels.append(("latency", "H", {"B": B0, "T": T0}, f"hidden size (B={B0}, T={T0})"))
-            if longs:
-                panels.append(("long", "T", {"B": longs[0]["B"], "H": longs[0]["H"]},
-                               f"sequence length (B={longs[0]['B']}, H={longs[0]['H']})"))
-            if not panels:
-                continue
-            fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 8), squeeze=False)
+            panels = [p for p in _line_panels(rs) if _panel_has_a_line(rs, p)]
+            fig, axes = plt.subplots(2, max(1, len(panels)), figsize=(5 * max(1, len(panels)) + (4 if not panels else 0), 8),
+                                     squeeze=False)
             for i, phase in enumerate(phases):
+                if not panels:  # no size varies alone (e.g. --quick): time at every size measured
+                    _time_bars(axes[i][0], [r for r in rs if r["phase"] == phase])
+                    axes[i][0].set_title(f"{cell} {dtype} {PHASE_LABEL[phase]}: every size measured")
+                    continue
                 for j, (family, x_key, fixed, xlabel) in enumerate(panels):
                     ax = axes[i][j]
                     for label, pts in _series(rs, phase, family, x_key, fixed).items():

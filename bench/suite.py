@@ -13,8 +13,11 @@ the input, the initial states and every weight) -- it
    torch.nn, microseconds per step, TFLOP/s and GB/s (bench/cost.py) against the
    device's measured peaks, peak memory against torch.nn's (GPU).
 
-Output: a terminal table, and on request JSON, a markdown summary and PNG plots
-(bench/report.py).
+Output: a line per case and phase as soon as it is measured, then the terminal
+tables; JSON and the markdown summary rewritten after every case, PNG plots at the
+end (bench/report.py), in an output directory (default bench/out/<device>-<time>/).
+A run stopped by Ctrl-C (SIGINT) or SIGTERM writes what it measured, plots included,
+marks the JSON incomplete and exits with 130 / 143.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import datetime
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -38,10 +42,16 @@ import rnnkern
 from . import agreement, report, timing
 from .candidates import BASELINE, CANDIDATES, LOOP_MAX_T, FLASHRNN_FAMILIES, torch_module
 from .cost import cost
-from .grid import CELLS, DEFAULT_CELLS, DEFAULT_DTYPES, DTYPES, FAMILIES, SIZES, Case, build_grid
+from .grid import CELLS, DEFAULT_CELLS, DEFAULT_DTYPES, DTYPES, FAMILIES, Case, build_grid, sizes
 
 SCHEMA = "rnnkern-bench/1"
 PHASES = ("forward", "forward_backward")
+#: Where a run writes when no --out is given (git-ignored).
+OUT_ROOT = Path(__file__).resolve().parent / "out"
+#: Candidates of the default grid when --backends is not given: torch.nn and rnnkern's
+#: backends (FlashRNN too on a GPU, at the headline size); the Python loops, whose
+#: training phase takes seconds per call at these sizes, run with --full or --quick.
+DEFAULT_CANDIDATES = ("torch", "cpu", "cuda", "triton", "flashrnn")
 
 
 @dataclass
@@ -51,12 +61,16 @@ class Config:
     backends: Optional[tuple] = None   # None: every available candidate
     dtypes: Optional[tuple] = None     # None: the device's default
     families: tuple = FAMILIES
-    quick: bool = False
+    grid: str = "default"              # "quick", "default" or "full" (bench/grid.py)
     rounds: Optional[int] = None
     progress: bool = True
     flashrnn_everywhere: bool = False
     threads: Optional[int] = None      # None: torch's default (quick: 1)
     argv: list = field(default_factory=list)
+
+    @property
+    def quick(self) -> bool:
+        return self.grid == "quick"
 
     def timing(self) -> dict:
         """Rounds, the length of one sample and the time budget per candidate and case."""
@@ -65,6 +79,8 @@ class Config:
             t = {"rounds": 3, "round_target_s": 0.01, "budget_s": 0.2, "min_rounds": 3}
         elif cuda:
             t = {"rounds": 10, "round_target_s": 0.02, "budget_s": 0.5, "min_rounds": 3}
+        elif self.grid == "default":  # minutes for the whole run on 2 cores
+            t = {"rounds": 7, "round_target_s": 0.05, "budget_s": 1.0, "min_rounds": 3}
         else:
             t = {"rounds": 7, "round_target_s": 0.1, "budget_s": 2.5, "min_rounds": 3}
         if self.rounds is not None:
@@ -309,7 +325,7 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
                    memory_gb=p.total_memory / 2 ** 30)
     else:
         dev["name"] = dev["cpu"]
-    table = SIZES["quick" if cfg.quick else device.type]
+    table = sizes(device.type, cfg.grid)
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -325,6 +341,9 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
                      "tf32_cudnn": torch.backends.cudnn.allow_tf32,
                      "rnnkern_cuda_built": rnnkern.ops.WITH_CUDA},
         "quick": cfg.quick,
+        "grid_name": cfg.grid,
+        "complete": False,      # true once every case is measured
+        "stopped_by": None,     # "SIGINT" / "SIGTERM" when the run was stopped
         "cells": list(cfg.cells), "dtypes": list(dtypes), "families": list(cfg.families),
         "grid": {f: [list(s) for s in table[f]] for f in cfg.families},
         "grid_note": "sizes are [B, T, H]; input size I = H; one layer, one direction",
@@ -342,42 +361,105 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
     }
 
 
-def run(cfg: Config) -> dict:
-    """The whole run; returns the JSON document (see bench/README.md)."""
+class Stopped(Exception):
+    """SIGINT or SIGTERM arrived: the run writes what it has and ends."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+@dataclass
+class Outputs:
+    """Where a run writes: JSON and markdown after every case, plots at the end."""
+    json: Path
+    markdown: Path
+    plots: Path
+
+    def save(self, doc: dict, final: bool) -> list[str]:
+        report.write_json(doc, self.json)
+        self.markdown.parent.mkdir(parents=True, exist_ok=True)
+        self.markdown.write_text(report.markdown(doc))
+        return report.plots(doc, self.plots) if final and doc["results"] else []
+
+
+def default_out_dir(device: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    return OUT_ROOT / f"{device}-{stamp}"
+
+
+def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
+    """The whole run; returns the JSON document (see bench/README.md).  Each case's
+    lines are printed as soon as it is measured; with ``outputs``, the JSON and the
+    markdown are rewritten after every case.  A :class:`Stopped` or KeyboardInterrupt
+    during the run marks the document stopped and returns it (the caller exits)."""
     from tqdm import tqdm
 
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     threads = cfg.threads or (1 if cfg.quick else None)
+    load = _load()
+    busy = device.type == "cpu" and load is not None and load[0] > (os.cpu_count() or 1)
+    if busy and threads is None:
+        # Oversubscribed, every multi-threaded kernel waits at each parallel region
+        # for a descheduled thread (torch.nn's GRU fwd+bwd at B=32 T=256 H=256 took
+        # 5.4 s with 2 threads at load 4 here, 0.26 s quiet): one thread for everyone.
+        threads = 1
     if threads:
         torch.set_num_threads(threads)
     dtypes = tuple(cfg.dtypes or DEFAULT_DTYPES[device.type])
-    requested = [BASELINE] + [n for n in (cfg.backends or CANDIDATES) if n != BASELINE]
+    default = DEFAULT_CANDIDATES if cfg.grid == "default" else tuple(CANDIDATES)
+    requested = [BASELINE] + [n for n in (cfg.backends or default) if n != BASELINE]
     candidates, names = {}, []
     for n in requested:
         reason = CANDIDATES[n].unavailable(device)
         candidates[n] = {"label": CANDIDATES[n].label, "available": reason is None, "note": reason}
         if reason is None:
             names.append(n)
-    cases = build_grid(device.type, cfg.cells, dtypes, cfg.families, cfg.quick)
-    doc = {"meta": metadata(device, cfg, dtypes, candidates)}
+    cases = build_grid(device.type, cfg.cells, dtypes, cfg.families, cfg.grid)
+    doc = {"meta": metadata(device, cfg, dtypes, candidates), "results": []}
+    say = tqdm.write
+    n_threads = torch.get_num_threads()
+    say(f"bench: {len(cases)} cases x 2 phases on {doc['meta']['device']['name']}, {n_threads} "
+        f"thread{'s' if n_threads != 1 else ''}; candidates: {', '.join(CANDIDATES[n].label for n in names)}")
+    for n, c in candidates.items():
+        if not c["available"]:
+            say(f"not run: {c['label']} ({c['note']})")
+    warning = report.load_warning(doc)
+    if warning:
+        say(warning)
+    if busy and cfg.threads is None and not cfg.quick:
+        say("  so this run uses one thread for every candidate (--threads N to choose)")
+    if outputs is not None:
+        say(f"results: {outputs.json.parent}" + (" (JSON and markdown after every case, plots at the end)"))
     progress = tqdm(total=2 * len(cases), disable=not cfg.progress, unit="case", dynamic_ncols=True,
                     desc=f"bench {device.type}")
     progress.set_postfix_str("measuring peaks")
-    peaks = timing.measure_peaks(device, [DTYPES[d] for d in dtypes])
-    records = []
-    for case in cases:
-        t0 = time.perf_counter()
-        part = run_case(case, names, device, cfg, progress)
-        for r in part:
-            r["case_seconds"] = time.perf_counter() - t0  # both phases, agreement and timing
-        records += part
-    progress.set_postfix_str("measuring peaks")
-    doc["peaks"] = timing.best_peaks(peaks, timing.measure_peaks(device, [DTYPES[d] for d in dtypes]))
-    progress.close()
-    apply_peaks(records, doc["peaks"])
-    doc["results"] = records
+    try:
+        doc["peaks"] = timing.measure_peaks(device, [DTYPES[d] for d in dtypes])
+        for i, case in enumerate(cases):
+            t0 = time.perf_counter()
+            part = run_case(case, names, device, cfg, progress)
+            for r in part:
+                r["case_seconds"] = time.perf_counter() - t0  # both phases, agreement and timing
+            apply_peaks(part, doc["peaks"])
+            doc["results"] += part
+            for r in part:
+                say(f"[{i + 1}/{len(cases)}] " + report.case_line(r))
+            sys.stdout.flush()
+            if outputs is not None:
+                outputs.save(doc, final=False)
+        progress.set_postfix_str("measuring peaks")
+        doc["peaks"] = timing.best_peaks(doc["peaks"], timing.measure_peaks(device, [DTYPES[d] for d in dtypes]))
+        doc["meta"]["complete"] = True
+    except (Stopped, KeyboardInterrupt) as e:
+        doc["meta"]["stopped_by"] = e.signal_name if isinstance(e, Stopped) else "SIGINT"
+        doc.setdefault("peaks", {"gemm_tflops": {}, "copy_gbps": None})
+    finally:
+        progress.close()
+    if doc["peaks"].get("copy_gbps"):
+        apply_peaks(doc["results"], doc["peaks"])
     doc["meta"]["device"]["load_average_at_end"] = _load()
     return doc
 
@@ -390,6 +472,8 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
         description="rnnkern against torch.nn (cuDNN / oneDNN), the vanilla loop, torch.compile and "
                     "FlashRNN: forward and forward+backward over a size grid (bench/README.md).")
     p.add_argument("--quick", action="store_true", help="tiny grid, 3 rounds (about a minute on CPU)")
+    p.add_argument("--full", action="store_true",
+                   help="the whole grid with every candidate (CPU: about 30 minutes; bench/grid.py)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cells", nargs="+", choices=CELLS, default=list(DEFAULT_CELLS))
@@ -403,9 +487,12 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
                    help="CPU threads for every candidate (default: torch's, i.e. one per core; "
                         "--quick: 1, as a smoke test that oversubscribed machines cannot stall)")
     p.add_argument("--rounds", type=int, help="interleaved rounds per measurement (default 7 CPU, 10 GPU)")
-    p.add_argument("--json", metavar="PATH", help="write every figure here")
-    p.add_argument("--markdown", metavar="PATH", help="write the speed-ratio tables here (markdown)")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    p.add_argument("--out", metavar="DIR",
+                   help="write bench.json, bench.md and plots/ here (default: bench/out/<device>-<time>/)")
+    p.add_argument("--json", metavar="PATH", help="write every figure here (default: OUT/bench.json)")
+    p.add_argument("--markdown", metavar="PATH",
+                   help="write the speed-ratio tables here, markdown (default: OUT/bench.md)")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: OUT/plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--flashrnn-everywhere", action="store_true",
                    help="time FlashRNN on the whole grid, not only the headline size")
@@ -414,30 +501,52 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
         p.error("--rounds must be at least 1")
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
+    if a.quick and a.full:
+        p.error("--quick and --full are different grids: choose one")
+    grid = "quick" if a.quick else "full" if a.full else "default"
     cfg = Config(device=a.device, cells=tuple(a.cells), backends=tuple(a.backends) if a.backends else None,
-                 dtypes=tuple(a.dtypes) if a.dtypes else None, families=tuple(a.families), quick=a.quick,
+                 dtypes=tuple(a.dtypes) if a.dtypes else None, families=tuple(a.families), grid=grid,
                  rounds=a.rounds, progress=not a.no_progress, flashrnn_everywhere=a.flashrnn_everywhere,
                  threads=a.threads,
                  argv=list(argv))
     return cfg, a
 
 
+def _raise_stopped(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg, a = parse_args(argv)
-    doc = run(cfg)
-    print(report.table(doc))
-    print()
-    print(report.summary(doc))
-    if report.load_warning(doc):
-        print("\n" + report.load_warning(doc))
-    if a.json:
-        report.write_json(doc, a.json)
-        print(f"\nJSON: {a.json}")
-    if a.markdown:
-        Path(a.markdown).write_text(report.markdown(doc))
-        print(f"markdown: {a.markdown}")
-    if a.plots:
-        for path in report.plots(doc, a.plots):
+    out = Path(a.out) if a.out else default_out_dir(cfg.device)
+    outputs = Outputs(json=Path(a.json) if a.json else out / "bench.json",
+                      markdown=Path(a.markdown) if a.markdown else out / "bench.md",
+                      plots=Path(a.plots) if a.plots else out / "plots")
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        doc = run(cfg, outputs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # A second Ctrl-C while the files are written would lose them: ignore it until done.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stopped = doc["meta"]["stopped_by"]
+        if stopped:
+            print(f"\nstopped by {stopped} after {len(doc['results']) // 2} cases: writing what was measured")
+        elif doc["results"]:
+            print()
+            print(report.table(doc))
+        print()
+        print(report.summary(doc))
+        if report.load_warning(doc):
+            print("\n" + report.load_warning(doc))
+        written = outputs.save(doc, final=True)
+        print(f"\nJSON: {outputs.json}\nmarkdown: {outputs.markdown}")
+        for path in written:
             print(f"plot: {path}")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if stopped:
+        raise SystemExit(128 + signal.Signals[stopped].value)
     return doc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from bench import agreement, report
 from bench.cost import cost
+from bench.grid import build_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = ("lstm", "gru", "rnn_tanh")
@@ -99,6 +101,47 @@ def test_quick_prints_tables_and_writes_plots(quick_run):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000, p
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_lines_stream_and_a_stopped_run_keeps_what_it_measured(tmp_path, sig):
+    """Each case's line is printed while the run goes on; Ctrl-C or SIGTERM then ends it
+    with the cases measured so far in the JSON (marked stopped), the markdown and the plots."""
+    cmd = [sys.executable, "-u", "-m", "bench", "--quick", "--backends", "cpu", "--no-progress",
+           "--out", str(tmp_path)]
+    env = dict(os.environ, MPLBACKEND="Agg")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    head = []
+    try:
+        for line in proc.stdout:
+            head.append(line)
+            if line.startswith("[1/"):
+                break
+        assert proc.poll() is None, "the run ended before its first case line was read:\n" + "".join(head)
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig.value, "".join(head) + rest
+    assert f"stopped by {sig.name}" in rest
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["meta"]["complete"] is False and doc["meta"]["stopped_by"] == sig.name
+    total = 2 * len(build_grid("cpu", CELLS, ["float32"], FAMILIES, "quick"))
+    measured = doc["results"]
+    assert 2 <= len(measured) < total and len(measured) % 2 == 0
+    first = measured[0]
+    assert head[-1].startswith("[1/") and report.case_line(first) in head[-1]
+    assert all(e["status"] == "timed" for r in measured for e in r["candidates"].values())
+    md = (tmp_path / "bench.md").read_text()
+    assert f"| {first['cell']} | float32 | {first['B']} | {first['T']} | {first['H']} |" in md
+    assert sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+
+
+def test_default_grid_covers_every_cell_and_family_in_a_few_sizes():
+    cases = build_grid("cpu", CELLS, ["float32"], FAMILIES, "default")
+    assert {(c.cell, f) for c in cases for f in c.families} == {(c, f) for c in CELLS for f in FAMILIES}
+    assert {(c.B, c.T, c.H) for c in cases if "headline" in c.families} == {(32, 256, 256)}
+    assert 3 * len(cases) <= len(build_grid("cpu", CELLS, ["float32"], FAMILIES, "full"))
+
+
 # ------------------------------------------------------------ unit parts ----
 
 def test_cost_counts_the_products_and_the_traffic():
@@ -174,7 +217,7 @@ def test_a_disagreeing_or_failing_candidate_is_reported_not_timed(monkeypatch):
                         candidates.Candidate("failing", "failing", always, never, build_failing))
     monkeypatch.setitem(candidates.LOOP_MAX_T, "cpu", 4)  # the loop is then skipped at T=8
     case = Case("rnn_tanh", 3, 8, 16, "float32", ("latency",))
-    cfg = suite.Config(quick=True, progress=False)
+    cfg = suite.Config(grid="quick", progress=False)
     records = suite.run_case(case, ["torch", "cpu", "reference", "wrong", "failing"], torch.device("cpu"), cfg,
                              tqdm(disable=True))
     assert [r["phase"] for r in records] == list(PHASES)
