@@ -22,6 +22,7 @@
 #include <Python.h>
 
 #include "cpu/buffers.h"
+#include "cpu/parallel.h"
 #include <torch/library.h>
 
 #include <sstream>
@@ -310,9 +311,15 @@ PyObject* empty_cpu_cache(PyObject*, PyObject*) {
   return PyLong_FromLongLong(rnnkern::cpu::empty_cache());
 }
 
+PyObject* cpu_parallel_regions(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(rnnkern::cpu::parallel_regions.load());
+}
+
 PyMethodDef methods[] = {
     {"empty_cpu_cache", empty_cpu_cache, METH_NOARGS,
      "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
+    {"cpu_parallel_regions", cpu_parallel_regions, METH_NOARGS,
+     "The number of parallel regions rnnkern's CPU kernels have opened in this process."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -9,6 +9,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import rnnkern
+from conftest import (CELLS, assert_close, generator, outputs_and_grads, randn,
+                      recurrence_inputs, rnnkern_module)
+
+# (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
+CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
+CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
 
 
 def run_script(script: str, *args: str, **env: str) -> str:
@@ -74,3 +83,46 @@ def test_buffer_cache_holds_at_most_its_cap_in_real_memory(cap_mib, k, sizes_mib
         f"{(held - after) / MiB:.1f} MiB")
 
 
+# ------------------------------------------------------ parallel regions ----
+
+@pytest.fixture
+def two_threads():
+    """Two threads, as on the 2-core machines the thread-collapse was seen on
+    (and whatever this machine has)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("T,B,H", [(20000, 1, 32), (4000, 1, 256), (2000, 32, 32), (1000, 32, 256)],
+                         ids=lambda v: str(v))
+def test_parallel_regions_do_not_grow_with_the_sequence(two_threads, cell, T, B, H):
+    """A forward and backward whose steps have little work opens a few
+    parallel regions in all, not some per step or per chunk of steps: each
+    region is a meeting of the threads, which costs up to a scheduler time
+    slice when another process holds a core (a GRU at T=20000 B=1 H=32 ran 42x
+    slower on two threads than on one, through 316 regions a call)."""
+    g = generator("regions", cell, T, B, H)
+    module = rnnkern_module(cell, H, H)
+    x = randn(g, T, B, H, dtype=torch.float32, requires_grad=True)
+    before = rnnkern._C.cpu_parallel_regions()
+    out, _ = module(x)
+    (out * randn(g, *out.shape, dtype=out.dtype)).sum().backward()
+    regions = rnnkern._C.cpu_parallel_regions() - before
+    assert regions <= 16, f"{regions} parallel regions for T={T}"
+
+
+# Sizes whose paths run only with several threads, each against the float64
+# reference: by rows with a W_hh too large to stay in cache (each step too
+# small to split by units), by units (a step large enough), and weight-gradient
+# GEMMs over a K = T * B long enough to go chunk by chunk.
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("T,B,H", [(40, 32, 384), (6, 32, 640)], ids=["by-rows", "by-units"])
+def test_two_threads_match_the_reference(two_threads, cell, proj, T, B, H):
+    args = recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True, key=("threads", T))
+    ours = outputs_and_grads("cpu", cell, args, key=("threads", T))
+    expected = outputs_and_grads("reference", cell, args, key=("threads", T))
+    for name, value in expected.items():
+        assert_close(ours[name], value, what=name)
