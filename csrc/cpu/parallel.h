@@ -10,7 +10,10 @@
 // sequence length unless each region has work enough to pay for such a wait:
 // a GRU at T=20000 B=1 H=32 ran 42x slower on two threads than on one with a
 // neighbour holding a core, through two regions per chunk of 256 steps in
-// its weight-gradient GEMMs.
+// its weight-gradient GEMMs.  The spinning is most of the damage: with the
+// old per-step split at B=1 H=256 and other jobs on the machine, two threads
+// took 254x as long as one, and 1.4x with OMP_WAIT_POLICY=passive (set by
+// the user before torch starts; a library cannot change it afterwards).
 #pragma once
 
 #include <ATen/Parallel.h>
