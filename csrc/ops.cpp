@@ -23,6 +23,7 @@
 
 #include "cpu/buffers.h"
 #include "cpu/isa.h"
+#include "cpu/parallel.h"
 #include <torch/library.h>
 
 #include <sstream>
@@ -327,11 +328,17 @@ PyObject* cpu_isa(PyObject*, PyObject*) {
 #endif
 }
 
+PyObject* cpu_parallel_regions(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(rnnkern::cpu::parallel_regions.load());
+}
+
 PyMethodDef methods[] = {
     {"empty_cpu_cache", empty_cpu_cache, METH_NOARGS,
      "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
     {"cpu_isa", cpu_isa, METH_NOARGS,
      "The x86 ISA level of the CPU kernels' vectorised loops in this process."},
+    {"cpu_parallel_regions", cpu_parallel_regions, METH_NOARGS,
+     "The number of parallel regions rnnkern's CPU kernels have opened in this process."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

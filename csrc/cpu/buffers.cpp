@@ -5,9 +5,12 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
-#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+#include <sys/mman.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <list>
 #include <map>
@@ -20,7 +23,6 @@ namespace {
 
 constexpr size_t kMinPooledBytes = size_t(1) << 20;  // below this, malloc reuses memory itself
 constexpr size_t kGranule = size_t(2) << 20;         // sizes are rounded up to 2 MiB
-constexpr size_t kAlignment = 64;
 
 size_t cache_limit_bytes() {
   const char* env = std::getenv("RNNKERN_CPU_CACHE_MB");
@@ -28,15 +30,27 @@ size_t cache_limit_bytes() {
   return mb > 0 ? size_t(mb) << 20 : 0;
 }
 
+// Blocks are mapped from the system directly rather than through malloc, so
+// that a freed block leaves the process: glibc keeps freed blocks below its
+// (self-raising, up to 32 MiB) mmap threshold in its heap, where the cache's
+// evictions and empty_cpu_cache() did not lower the resident memory at all.
+void* map_block(size_t size) {
+  void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(ptr != MAP_FAILED, "rnnkern: out of CPU memory: could not map ", size >> 20,
+              " MiB (", std::strerror(errno), ")");
+  return ptr;
+}
+
+void unmap_block(void* ptr, size_t size) { munmap(ptr, size); }
+
 class PoolAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     const size_t size = (nbytes + kGranule - 1) / kGranule * kGranule;
-    void* ptr = take(size);
-    if (ptr == nullptr) {
-      ptr = c10::alloc_cpu(size);  // throws c10::Error when out of memory
-    }
-    return {ptr, new Block{ptr, size}, &PoolAllocator::give_back, c10::Device(c10::DeviceType::CPU)};
+    Block block = take(size);
+    if (block.ptr == nullptr) block = {map_block(size), size};
+    return {block.ptr, new Block(block), &PoolAllocator::give_back,
+            c10::Device(c10::DeviceType::CPU)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -49,7 +63,7 @@ class PoolAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t released = 0;
     for (const Cached& c : recent_) {
-      c10::free_cpu(c.ptr);
+      unmap_block(c.ptr, c.size);
       released += static_cast<int64_t>(c.size);
     }
     recent_.clear();
@@ -69,16 +83,20 @@ class PoolAllocator final : public c10::Allocator {
     size_t size;
   };
 
-  void* take(size_t size) {
+  // A cached block for a request of `size` bytes, with its own size (which
+  // it keeps: it goes back to the cache whole), or {nullptr, 0}.
+  Block take(size_t size) {
     std::lock_guard<std::mutex> lock(mu_);
-    // Exact size first, else the smallest block at most 25% larger.
+    // Exact size first, else the smallest block at most 25% larger: a large
+    // block does not serve ever smaller requests, which would leave it
+    // mostly idle while smaller blocks were mapped beside it.
     auto it = by_size_.lower_bound(size);
-    if (it == by_size_.end() || it->first > size + size / 4) return nullptr;
-    void* ptr = it->second->ptr;
-    cached_ -= it->first;
+    if (it == by_size_.end() || it->first > size + size / 4) return {nullptr, 0};
+    const Block block{it->second->ptr, it->first};
+    cached_ -= block.size;
     recent_.erase(it->second);
     by_size_.erase(it);
-    return ptr;
+    return block;
   }
 
   static void give_back(void* ctx) {
@@ -92,13 +110,13 @@ class PoolAllocator final : public c10::Allocator {
   // program runs (a benchmark grid, evaluation after training), and stale
   // ones must not crowd out the current working set.
   void keep_or_free(void* ptr, size_t size) {
-    std::vector<void*> evicted;
+    std::vector<Block> evicted;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (size <= limit_) {
         while (cached_ + size > limit_) {
           const Cached& old = recent_.back();
-          evicted.push_back(old.ptr);
+          evicted.push_back({old.ptr, old.size});
           cached_ -= old.size;
           by_size_.erase(old.by_size);
           recent_.pop_back();
@@ -109,8 +127,8 @@ class PoolAllocator final : public c10::Allocator {
         ptr = nullptr;
       }
     }
-    for (void* p : evicted) c10::free_cpu(p);
-    if (ptr != nullptr) c10::free_cpu(ptr);
+    for (const Block& b : evicted) unmap_block(b.ptr, b.size);
+    if (ptr != nullptr) unmap_block(ptr, size);
   }
 
   struct Cached;

@@ -5,9 +5,11 @@
 // from the system costs a page fault per 4 KiB on first touch, which on the
 // machines measured here cost as much as a third of an LSTM step's GEMMs.
 // Blocks of at least kMinPooledBytes freed by rnnkern tensors are kept (up to
-// RNNKERN_CPU_CACHE_MB, default 1024) and handed out again; the tensors are
-// ordinary CPU tensors with a pooled allocator.  rnnkern.ops.empty_cpu_cache()
-// returns the cached blocks to the system.
+// RNNKERN_CPU_CACHE_MB, default 1024, counted in the blocks' real sizes) and
+// handed out again for requests of at least 80% of their size; the tensors
+// are ordinary CPU tensors with a pooled allocator.  Blocks are mapped from
+// and unmapped to the system directly, so eviction and
+// rnnkern.ops.empty_cpu_cache() really lower the process's memory.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -14,15 +14,16 @@
 #include "linear.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../ops.h"
 #include "buffers.h"
 #include "gemm.h"
+#include "parallel.h"
 
 namespace rnnkern::cpu {
 namespace {
@@ -31,6 +32,10 @@ constexpr int64_t kKC = 256;
 constexpr int64_t kMC = 16 * gemm::kMR;
 // Up to this size B is packed whole (see blocked_gemm).
 constexpr int64_t kWholeBBytes = int64_t(2) << 20;
+// A thread takes a share of a product only if it has this many
+// multiply-adds (some 50 us of one core): below, meeting the other threads costs more
+// than it saves (parallel.h).
+constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;
 
 template <typename T>
 RNNKERN_CPU_CLONES void pack_b(gemm::PackedB<T>& b, const T* src, int64_t sk, int64_t sn,
@@ -61,8 +66,10 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
   // Rows split evenly between the threads (in whole micro-kernel rows), each
   // thread's share in blocks of kMC: splitting whole blocks instead left one
   // thread a block more than the other (6 of 11 for the M = 4H = 1024 of
-  // the weight gradients).
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (M + gemm::kMR - 1) / gemm::kMR);
+  // the weight gradients).  A thread takes at least kMinMacsPerThread.
+  const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()),
+                                    (M + gemm::kMR - 1) / gemm::kMR,
+                                    std::max<int64_t>(1, M * N * K / kMinMacsPerThread)});
   auto row_begin = [&](int64_t t) {
     return std::min(M, (M + gemm::kMR - 1) / gemm::kMR * t / threads * gemm::kMR);
   };
@@ -75,39 +82,37 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
     std::vector<gemm::PackedB<T>> b(static_cast<size_t>(chunks));
     for (int64_t c = 0; c < chunks; ++c) b[c].resize(std::min(kKC, K - c * kKC), N);
     const int64_t panels = b[0].panels();
-    at::parallel_for(0, chunks * panels, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
+    for_each_worker(threads, [&](int64_t t) {
+      for (int64_t i = chunks * panels * t / threads; i < chunks * panels * (t + 1) / threads; ++i) {
         const int64_t c = i / panels, p = i % panels;
         pack_b<T>(b[c], B + c * kKC * b_ks, b_ks, b_ns, p, p + 1);
       }
     });
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for_each_worker(threads, [&](int64_t t) {
       std::vector<T> a_packed(static_cast<size_t>(kMC * kKC));
-      const int64_t r1 = row_begin(t1);
-      for (int64_t i = row_begin(t0); i < r1; i += kMC)
+      const int64_t r1 = row_begin(t + 1);
+      for (int64_t i = row_begin(t); i < r1; i += kMC)
         for (int64_t c = 0; c < chunks; ++c)
           multiply_rows<T>(i, std::min(kMC, r1 - i), M, A, sa, c * kKC, b[c], C, ldc,
                            accumulate || c > 0, a_packed.data());
     });
     return;
   }
-  // A long K (the weight gradients: K = T * B): chunk by chunk, B's chunk
-  // packed by all threads, then each thread's rows.
-  gemm::PackedB<T> b;
-  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-    b.resize(std::min(kKC, K - k0), N);
-    at::parallel_for(0, b.panels(), 1, [&](int64_t p0, int64_t p1) {
-      pack_b<T>(b, B + k0 * b_ks, b_ks, b_ns, p0, p1);
-    });
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<T> a_packed(static_cast<size_t>(kMC * b.K));
-      const int64_t r1 = row_begin(t1);
-      for (int64_t i = row_begin(t0); i < r1; i += kMC) {
+  // A long K (the weight gradients: K = T * B): chunk by chunk, each thread
+  // packing its own copy of B's chunk (the rows it multiplies by it are
+  // many more), so that the threads meet once, not twice per chunk.
+  for_each_worker(threads, [&](int64_t t) {
+    gemm::PackedB<T> b;
+    std::vector<T> a_packed(static_cast<size_t>(kMC * kKC));
+    const int64_t r0 = row_begin(t), r1 = row_begin(t + 1);
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      b.resize(std::min(kKC, K - k0), N);
+      pack_b<T>(b, B + k0 * b_ks, b_ks, b_ns, 0, b.panels());
+      for (int64_t i = r0; i < r1; i += kMC)
         multiply_rows<T>(i, std::min(kMC, r1 - i), M, A, sa, k0, b, C, ldc, accumulate || k0 > 0,
                          a_packed.data());
-      }
-    });
-  }
+    }
+  });
 }
 
 template void blocked_gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t,

@@ -33,6 +33,7 @@
 #include "buffers.h"
 #include "gemm.h"
 #include "linear.h"
+#include "parallel.h"
 
 namespace rnnkern::cpu {
 namespace {
@@ -265,11 +266,16 @@ RNNKERN_CPU_CLONES void add_row_to_sum(int64_t n, const A* __restrict src, doubl
 //  * by batch rows: the sequences are independent, so each thread runs the
 //    whole recurrence of its rows, with all units, and the threads meet once,
 //    at the end.  Each thread then reads all of W_hh every step, so this is
-//    chosen when W_hh is small enough to stay in cache and every thread gets
-//    rows enough for an efficient GEMM.  Without the per-step meetings a
-//    thread that is slowed down (a shared machine) no longer stalls the
-//    others at every step: at B=32 H=256 the threads waited for each other
-//    10-13% of the time.
+//    chosen when every thread gets rows enough for an efficient GEMM and
+//    either W_hh is small enough to stay in cache or a step has too little
+//    work to split by units.  Without the per-step meetings a thread that is
+//    slowed down (a shared machine) no longer stalls the others at every
+//    step: at B=32 H=256 the threads waited for each other 10-13% of the
+//    time.
+//  Otherwise by units only when each worker's share of a step is large
+//  (kMinStepMacsPerWorker), else one thread runs the recurrence: with a
+//  `while 1: pass` neighbour on one of two cores, per-step meetings made a
+//  GRU on two threads 3x (B=8 H=1024) to 27x (B=1 H=1024) slower than on one.
 
 struct Slice {
   int64_t j0, n;  // units [j0, j0 + n)
@@ -279,10 +285,10 @@ struct Rows {
   int64_t b0, nb;  // batch rows [b0, b0 + nb)
 };
 
-// At most one slice per thread, each at least 32 units, boundaries on
+// At most max_parts slices, each at least 32 units, boundaries on
 // multiples of 16 so each slice starts on a vector boundary.
-std::vector<Slice> split_units(int64_t H) {
-  const int64_t parts = std::clamp<int64_t>(H / 32, 1, at::get_num_threads());
+std::vector<Slice> split_units(int64_t H, int64_t max_parts) {
+  const int64_t parts = std::clamp<int64_t>(H / 32, 1, std::max<int64_t>(max_parts, 1));
   std::vector<Slice> slices;
   int64_t j0 = 0;
   for (int64_t t = 0; t < parts; ++t) {
@@ -295,6 +301,12 @@ std::vector<Slice> split_units(int64_t H) {
 
 constexpr int64_t kMinRowsPerThread = 8;
 constexpr int64_t kMaxSharedWeightBytes = int64_t(2) << 20;
+// Split by units, the threads meet at every phase of every step: a worker
+// takes a slice only if its share of a step's recurrent GEMM has this many
+// multiply-adds.  Below, one thread runs the step faster than two that wait
+// for each other, and on a machine where a core is taken by another process
+// each meeting can cost a scheduler time slice (parallel.h).
+constexpr int64_t kMinStepMacsPerWorker = int64_t(1) << 24;
 
 struct Split {
   bool by_rows = false;
@@ -304,17 +316,21 @@ struct Split {
 
   Split(const RecurrenceSizes& z, size_t elem_bytes) {
     const int64_t threads = at::get_num_threads();
+    const int64_t step_macs = z.B * (z.G * z.H * z.P + (z.has_proj ? z.P * z.H : 0));
+    const int64_t step_workers = std::min<int64_t>(threads, step_macs / kMinStepMacsPerWorker);
     const int64_t parts = std::min<int64_t>(threads, z.B / kMinRowsPerThread);
     const int64_t weight_bytes = (z.G * z.H * z.P + (z.has_proj ? z.P * z.H : 0)) * elem_bytes;
-    by_rows = parts > 1 && weight_bytes <= kMaxSharedWeightBytes;
+    // By rows when W_hh stays in cache, or when a step has too little work
+    // to split by units.
+    by_rows = parts > 1 && (weight_bytes <= kMaxSharedWeightBytes || step_workers < 2);
     if (by_rows) {
       for (int64_t t = 0; t < parts; ++t) rows.push_back({z.B * t / parts, z.B * (t + 1) / parts - z.B * t / parts});
       units = {{0, z.H}};
       if (z.has_proj) outs = {{0, z.P}};
     } else {
       rows = {{0, z.B}};
-      units = split_units(z.H);
-      if (z.has_proj) outs = split_units(z.P);
+      units = split_units(z.H, step_workers);
+      if (z.has_proj) outs = split_units(z.P, step_workers);
     }
   }
   // Workers of the phases over units and over projected outputs; worker t's
@@ -333,15 +349,6 @@ struct Split {
   Work unit_work(size_t t) const { return {rows_of(t), slice_of(t), units[slice_of(t)]}; }
   Work out_work(size_t t) const { return {rows_of(t), slice_of(t), outs[slice_of(t)]}; }
 };
-
-// f(0), ..., f(count - 1), one per thread.
-template <typename F>
-void for_each_worker(size_t count, const F& f) {
-  if (count == 1) return f(size_t(0));
-  at::parallel_for(0, static_cast<int64_t>(count), 1, [&](int64_t a, int64_t b) {
-    for (int64_t t = a; t < b; ++t) f(static_cast<size_t>(t));
-  });
-}
 
 // One phase of a step: run(t, s) on workers 0 .. workers - 1 (none: skipped).
 template <typename F>
