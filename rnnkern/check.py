@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from . import __version__, modules, ops, reference
+from . import _C, __version__, modules, ops, reference
 from .tolerance import TOL, close_error, low_precision_allowance
 
 __all__ = ["check", "main", "SCHEMA"]
@@ -580,7 +580,8 @@ def _cpu_info() -> dict:
         "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
         "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile"))
     return {"model": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "isa": isa, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "isa": isa, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "rnnkern_cpu_isa": _C.cpu_isa()}
 
 
 def _gpu_info() -> Optional[dict]:
@@ -641,7 +642,7 @@ def _environment_lines(env: dict) -> list[str]:
              f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), triton {env['triton']}, "
              f"python {env['python']}, {env['os']}",
              f"CPU: {cpu['model']}, {cpu['cores']} cores, torch uses {cpu['torch_threads']} threads, {isa}, "
-             f"torch dispatch {cpu['torch_cpu_capability']}"]
+             f"torch dispatch {cpu['torch_cpu_capability']}, rnnkern's CPU kernels at {cpu['rnnkern_cpu_isa']}"]
     if gpu:
         lines.append(f"GPU: {gpu['name']} (sm_{gpu['capability'].replace('.', '')}, {gpu['sms']} SMs, "
                      f"{gpu['memory_gib']} GiB), driver {gpu['driver']}, {gpu['count']} visible")

@@ -26,7 +26,7 @@ REPORT_KEYS = {"schema", "ok", "date", "command", "options", "environment", "siz
                "backends", "not_run", "cases", "speed", "advice", "seconds"}
 ENVIRONMENT_KEYS = {"rnnkern", "rnnkern_path", "git", "rnnkern_cuda_kernels", "torch", "cuda", "cudnn",
                     "triton", "triton_interpret", "python", "os", "cpu", "gpu", "load_average"}
-CPU_KEYS = {"model", "cores", "torch_threads", "isa", "torch_cpu_capability"}
+CPU_KEYS = {"model", "cores", "torch_threads", "isa", "torch_cpu_capability", "rnnkern_cpu_isa"}
 BACKEND_KEYS = {"backend", "device", "interpreted", "ok", "cases", "failed", "seconds"}
 CASE_KEYS = {"backend", "op", "cell", "proj", "dtype", "size", "variant", "against", "ok", "worst", "seconds"}
 TENSOR_KEYS = {"tensor", "error", "allowed"}
