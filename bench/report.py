@@ -219,25 +219,26 @@ def _panel_has_a_line(rs, panel) -> bool:
                for pts in _series(rs, phase, family, x_key, fixed).values())
 
 
-def _time_bars(ax, rs):
-    """Median time of every candidate at every size of one phase, grouped by size."""
+def _grouped_bars(ax, rs, figure: str, ylabel: str, skip=()):
+    """One bar per timed candidate (but ``skip``) at every size of ``rs`` (one
+    phase), grouped by size: the candidate's ``figure`` on a log scale."""
     labels = [f"B{r['B']} T{r['T']} H{r['H']}" for r in rs]
     names = []
     for r in rs:
-        for e in r["candidates"].values():
-            if e["status"] == "timed" and e["label"] not in names:
+        for n, e in r["candidates"].items():
+            if n not in skip and e["status"] == "timed" and e["label"] not in names:
                 names.append(e["label"])
     width = 0.8 / max(1, len(names))
     for k, label in enumerate(names):
         ys = []
         for r in rs:
             e = next((e for e in r["candidates"].values() if e["label"] == label), None)
-            ys.append(e["median_ms"] if e and e["status"] == "timed" else math.nan)
+            ys.append(e[figure] if e and e["status"] == "timed" else math.nan)
         ax.bar([x + k * width for x in range(len(rs))], ys, width, label=label)
     ax.set_yscale("log")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rs))])
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("median time (ms)")
+    ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     if names:
         ax.legend(fontsize=7)
@@ -268,7 +269,8 @@ def plots(doc, outdir) -> list[str]:
                                      squeeze=False)
             for i, phase in enumerate(phases):
                 if not panels:  # no size varies alone (e.g. --quick): time at every size measured
-                    _time_bars(axes[i][0], [r for r in rs if r["phase"] == phase])
+                    _grouped_bars(axes[i][0], [r for r in rs if r["phase"] == phase], "median_ms",
+                                  "median time (ms)")
                     axes[i][0].set_title(f"{cell} {dtype} {PHASE_LABEL[phase]}: every size measured")
                     continue
                 for j, (family, x_key, fixed, xlabel) in enumerate(panels):
@@ -296,28 +298,9 @@ def plots(doc, outdir) -> list[str]:
         fig, axes = plt.subplots(len(rows), 1, figsize=(14, 3.2 * len(rows)), squeeze=False)
         for ax, (cell, phase) in zip(axes[:, 0], rows):
             rs = [r for r in results if r["cell"] == cell and r["dtype"] == dtype and r["phase"] == phase]
-            labels = [f"B{r['B']} T{r['T']} H{r['H']}" for r in rs]
-            names = []
-            for r in rs:
-                for n, e in r["candidates"].items():
-                    if n != BASELINE and e["status"] == "timed" and e["label"] not in names:
-                        names.append(e["label"])
-            width = 0.8 / max(1, len(names))
-            for k, label in enumerate(names):
-                ys = []
-                for r in rs:
-                    e = next((e for e in r["candidates"].values() if e["label"] == label), None)
-                    ys.append(e["speedup_vs_torch"] if e and e["status"] == "timed" else math.nan)
-                ax.bar([x + k * width for x in range(len(rs))], ys, width, label=label)
+            _grouped_bars(ax, rs, "speedup_vs_torch", f"speed vs {baseline}", skip=(BASELINE,))
             ax.axhline(1.0, color="black", linewidth=0.8)
-            ax.set_yscale("log")
-            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rs))])
-            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-            ax.set_ylabel(f"speed vs {baseline}")
             ax.set_title(f"{cell} {dtype} {PHASE_LABEL[phase]}: torch.nn time / candidate time (> 1 is faster)")
-            ax.grid(True, axis="y", which="both", alpha=0.3)
-            if names:
-                ax.legend(fontsize=7)
         fig.tight_layout()
         path = outdir / f"speedup-{dtype}.png"
         fig.savefig(path, dpi=90)
