@@ -97,7 +97,7 @@ void check_lengths(const char* op, const OptTensor& lengths, int64_t T, int64_t 
                     "torch.nn.utils.rnn.pack_padded_sequence), got ", l.device());
   if (B == 0) return;
   const auto c = l.contiguous();
-  const int64_t* p = c.data_ptr<int64_t>();
+  const int64_t* p = c.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= T, op, ": lengths[", b, "] = ", p[b],
                       " is outside [0, ", T, "] (T = xproj.size(0))");

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import _C
 from .reference import CELLS, check_cell, gate_count, workspace_width
@@ -95,27 +96,66 @@ def _zeros_if_none(grad: Optional[Tensor], like: Tensor) -> Tensor:
     return torch.zeros_like(like) if grad is None else grad
 
 
+def _saved_output(output: Tensor) -> Tensor:
+    """What the backward keeps of an output it needs: a copy-on-write alias.
+    Saving the output itself would tie the backward to the user's tensor, so an
+    in-place edit of it (``out += x``, a residual) would fail backward with
+    torch's version-counter error, where torch.nn trains.  The alias shares the
+    storage until either side writes it: no copy unless the user edits in place
+    (then torch copies, once).  The kernels read saved tensors through const
+    pointers, which do not materialise the copy."""
+    return torch._lazy_clone(output)
+
+
+def _differentiable_grads(fn, inputs, needs, outputs_grads):
+    """The gradients of ``fn(*inputs)`` as a differentiable function of the
+    saved inputs, for a backward run with ``create_graph=True`` (second
+    derivatives: gradient penalties, Hessian-vector products).  ``fn`` is the
+    reference formulation; it runs in the accumulate dtype, as the kernels do.
+    Returns one gradient (or None) per input."""
+    wrt = [t for t, need in zip(inputs, needs) if need and t is not None]
+    if not wrt:
+        return [None] * len(inputs)
+    with torch.enable_grad():
+        acc = acc_dtype(inputs[0].dtype)
+        outputs = fn(*(None if t is None else t.to(acc) for t in inputs))
+        pairs = [(o, g) for o, g in zip(outputs, outputs_grads) if o is not None and g is not None]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                         create_graph=True, allow_unused=True))
+    return [next(grads) if need and t is not None else None for t, need in zip(inputs, needs)]
+
+
 def _make_recurrence_autograd(backward_op):
     def setup_context(ctx, inputs, output):
         cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train = inputs
         out, h_n, c_n, workspace = output
         ctx.cell, ctx.reverse = cell, reverse
-        ctx.has_b_ih, ctx.has_b_hh = b_ih is not None, b_hh is not None
-        ctx.save_for_backward(h0, c0, w_hh, w_hr, out, workspace, lengths, c_n)
+        # xproj and the biases serve only the differentiable (double) backward;
+        # xproj is the input projection, alive until the backward.
+        ctx.save_for_backward(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, _saved_output(out),
+                              workspace, lengths)
         ctx.mark_non_differentiable(workspace)
         # Unused outputs get no zero-filled gradient (the workspace alone would
         # cost a pass over T*B*W*H values); missing ones are made below.
         ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_output, grad_h_n, grad_c_n, _grad_workspace):
-        h0, c0, w_hh, w_hr, out, workspace, lengths, c_n = ctx.saved_tensors
+        xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, out, workspace, lengths = ctx.saved_tensors
         lstm = ctx.cell == "lstm"
+        if torch.is_grad_enabled():  # create_graph=True
+            def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr):
+                return reference.recurrence(ctx.cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
+                                            lengths, ctx.reverse)
+            grads = _differentiable_grads(fn, (xproj, h0, c0, w_hh, b_ih, b_hh, w_hr),
+                                          ctx.needs_input_grad[1:8],
+                                          (grad_output, grad_h_n, grad_c_n if lstm else None))
+            return (None, *grads, None, None, None)
         gx, gh0, gc0, gw, gbi, gbh, gwr = backward_op(
             ctx.cell, _zeros_if_none(grad_output, out), _zeros_if_none(grad_h_n, h0),
-            _zeros_if_none(grad_c_n, c_n) if lstm else None, h0, c0, w_hh, w_hr, out,
+            _zeros_if_none(grad_c_n, c0) if lstm else None, h0, c0, w_hh, w_hr, out,
             workspace, lengths, ctx.reverse)
-        return (None, gx, gh0, gc0 if lstm else None, gw, gbi if ctx.has_b_ih else None,
-                gbh if ctx.has_b_hh else None, gwr if w_hr is not None else None,
+        return (None, gx, gh0, gc0 if lstm else None, gw, gbi if b_ih is not None else None,
+                gbh if b_hh is not None else None, gwr if w_hr is not None else None,
                 None, None, None)
 
     return setup_context, backward
@@ -126,20 +166,26 @@ def _make_step_autograd(backward_op):
         cell, x, h, c, w_ih, w_hh, b_ih, b_hh = inputs
         h_new, c_new, workspace = output
         ctx.cell = cell
-        ctx.has_b_ih, ctx.has_b_hh = b_ih is not None, b_hh is not None
-        ctx.save_for_backward(x, h, c, w_ih, w_hh, h_new, c_new, workspace)
+        ctx.save_for_backward(x, h, c, w_ih, w_hh, b_ih, b_hh, _saved_output(h_new), workspace)
         ctx.mark_non_differentiable(workspace)
         ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_h_new, grad_c_new, _grad_workspace):
-        x, h, c, w_ih, w_hh, h_new, c_new, workspace = ctx.saved_tensors
+        x, h, c, w_ih, w_hh, b_ih, b_hh, h_new, workspace = ctx.saved_tensors
         lstm = ctx.cell == "lstm"
+        if torch.is_grad_enabled():  # create_graph=True
+            def fn(x, h, c, w_ih, w_hh, b_ih, b_hh):
+                return reference.step(ctx.cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+            grads = _differentiable_grads(fn, (x, h, c, w_ih, w_hh, b_ih, b_hh),
+                                          ctx.needs_input_grad[1:8],
+                                          (grad_h_new, grad_c_new if lstm else None))
+            return (None, *grads)
         gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh = backward_op(
             ctx.cell, _zeros_if_none(grad_h_new, h_new),
-            _zeros_if_none(grad_c_new, c_new) if lstm else None, x, h, c, w_ih, w_hh, h_new,
+            _zeros_if_none(grad_c_new, c) if lstm else None, x, h, c, w_ih, w_hh, h_new,
             workspace)
         return (None, gx, gh, gc if lstm else None, gw_ih, gw_hh,
-                gb_ih if ctx.has_b_ih else None, gb_hh if ctx.has_b_hh else None)
+                gb_ih if b_ih is not None else None, gb_hh if b_hh is not None else None)
 
     return setup_context, backward
 
@@ -180,6 +226,8 @@ def _linear_setup_context(ctx, inputs, output):
 def _linear_backward(ctx, grad_y):
     x, weight = ctx.saved_tensors
     need_x, need_weight = ctx.needs_input_grad
+    if torch.is_grad_enabled():  # create_graph=True: the same products, differentiable
+        return (grad_y @ weight if need_x else None), (grad_y.t() @ x if need_weight else None)
     gx, gw = torch.ops.rnnkern.linear_backward(grad_y, x, weight, need_x, need_weight)
     return (gx if need_x else None), (gw if need_weight else None)
 
@@ -244,6 +292,21 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _transformed(*tensors: Optional[Tensor]) -> bool:
+    """True under forward-mode AD with a dual input, or inside a torch.func
+    transform (grad, vjp, jvp, jacrev, jacfwd, vmap).  The kernels' autograd
+    formula is reverse-mode only and does not batch; the reference formulation
+    is plain torch ops, which every transform knows how to differentiate and
+    batch.  So these calls run the reference: torch.nn's results and
+    derivatives, computed unfused (torch.nn's CPU path is unfused too)."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return forward_ad._current_level >= 0 and any(
+        t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 # --------------------------------------------------------------------------
 # The functional ops.
 
@@ -260,7 +323,7 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     """
     check_cell(cell)
     backend = resolve_backend(backend, xproj.device)
-    if backend == "reference":
+    if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr):
         return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse)
     train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr)
     output, h_n, c_n, _ = _op_family(backend).recurrence(
@@ -272,7 +335,7 @@ def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
     """``x W_ih^T`` over all steps at once: x [T, B, I] -> [T, B, G*H] (no bias; the
     recurrence adds b_ih)."""
     backend = resolve_backend(backend, x.device)
-    if backend != "cpu" or x.dtype != w_ih.dtype:
+    if backend != "cpu" or x.dtype != w_ih.dtype or _transformed(x, w_ih):
         return torch.nn.functional.linear(x, w_ih)
     T, B = x.shape[0], x.shape[1]
     return torch.ops.rnnkern.linear(x.reshape(T * B, x.shape[2]), w_ih).view(T, B, w_ih.shape[0])
@@ -286,7 +349,7 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
     """
     check_cell(cell)
     backend = resolve_backend(backend, x.device)
-    if backend == "reference":
+    if backend == "reference" or _transformed(x, h, c, w_ih, w_hh, b_ih, b_hh):
         return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
     h_new, c_new, _ = _op_family(backend).step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
     return h_new, (c_new if cell == "lstm" else None)

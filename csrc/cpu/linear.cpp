@@ -135,8 +135,8 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor y = pooled_empty({M, N}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_cpu", [&] {
-    blocked_gemm<scalar_t>(M, N, K, xa.data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
-                           wa.data_ptr<scalar_t>(), wa.stride(1), wa.stride(0),
+    blocked_gemm<scalar_t>(M, N, K, xa.const_data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
+                           wa.const_data_ptr<scalar_t>(), wa.stride(1), wa.stride(0),
                            y.data_ptr<scalar_t>(), N, false);
   });
   return acc == x.scalar_type() ? y : y.to(x.scalar_type());
@@ -159,12 +159,12 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
                                   : empty_like_options(x, dtype);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_backward_cpu", [&] {
     if (need_x)
-      blocked_gemm<scalar_t>(M, K, N, g.data_ptr<scalar_t>(), g.stride(0), g.stride(1),
-                             wa.data_ptr<scalar_t>(), wa.stride(0), wa.stride(1),
+      blocked_gemm<scalar_t>(M, K, N, g.const_data_ptr<scalar_t>(), g.stride(0), g.stride(1),
+                             wa.const_data_ptr<scalar_t>(), wa.stride(0), wa.stride(1),
                              grad_x.data_ptr<scalar_t>(), K, false);
     if (need_weight)
-      blocked_gemm<scalar_t>(N, K, M, g.data_ptr<scalar_t>(), g.stride(1), g.stride(0),
-                             xa.data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
+      blocked_gemm<scalar_t>(N, K, M, g.const_data_ptr<scalar_t>(), g.stride(1), g.stride(0),
+                             xa.const_data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
                              grad_w.data_ptr<scalar_t>(), K, false);
   });
   if (acc != dtype) {

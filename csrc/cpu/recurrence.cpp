@@ -386,9 +386,17 @@ Tensor gate_rows(const Tensor& w, int64_t G, const Slice& s) {
   return w.view({G, w.size(0) / G, w.size(1)}).narrow(1, s.j0, s.n).reshape({G * s.n, w.size(1)}).contiguous();
 }
 
+// Outputs and scratch buffers.
 template <typename A>
 A* ptr(const Tensor& t) {
   return t.defined() ? t.template data_ptr<A>() : nullptr;
+}
+
+// Inputs, read only: a const pointer leaves a copy-on-write input (the output
+// the autograd formula saves, rnnkern/ops.py) shared; data_ptr() would copy it.
+template <typename A>
+const A* cptr(const Tensor& t) {
+  return t.defined() ? t.template const_data_ptr<A>() : nullptr;
 }
 
 // The per-step product C[M, N] (+)= A[M, K] W, W packed once per call.
@@ -403,7 +411,7 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const gemm
 template <typename A>
 gemm::PackedB<A> pack_gate_rows_t(const Tensor& w, int64_t G, const Slice& sl) {
   gemm::PackedB<A> p;
-  p.pack(ptr<A>(gate_rows(w, G, sl)), w.size(1), G * sl.n, 1, w.size(1));
+  p.pack(cptr<A>(gate_rows(w, G, sl)), w.size(1), G * sl.n, 1, w.size(1));
   return p;
 }
 
@@ -411,7 +419,7 @@ gemm::PackedB<A> pack_gate_rows_t(const Tensor& w, int64_t G, const Slice& sl) {
 template <typename A>
 gemm::PackedB<A> pack_cols(const Tensor& w, const Slice& sl) {
   gemm::PackedB<A> p;
-  p.pack(ptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
+  p.pack(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
   return p;
 }
 
@@ -466,12 +474,12 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const Tensor rh = reset_before ? at::empty({B, H}, opt) : Tensor();
   const Tensor h_full = z.has_proj ? at::empty({B, H}, opt) : Tensor();
 
-  const A* xp = ptr<A>(a.xproj);
+  const A* xp = cptr<A>(a.xproj);
   // Every cell but the GRU candidate needs only the sum of the two biases.
   const Tensor bias_sum = a.b_x.add(a.b_h);
-  const A* bias = ptr<A>(bias_sum);
-  const A* bx = ptr<A>(a.b_x);
-  const A* bh = ptr<A>(a.b_h);
+  const A* bias = cptr<A>(bias_sum);
+  const A* bx = cptr<A>(a.b_x);
+  const A* bh = cptr<A>(a.b_h);
   A* out = ptr<A>(output);
   A* wsp = save ? ptr<A>(ws) : nullptr;
   // The state buffers of step s.
@@ -612,17 +620,17 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
     dw.zero_();
     return;
   }
-  const A* d_later = ptr<A>(d) + (pos.reverse ? 0 : B * ld);
-  const A* out_earlier = ptr<A>(out) + (pos.reverse ? B * P : 0);
+  const A* d_later = cptr<A>(d) + (pos.reverse ? 0 : B * ld);
+  const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
   blocked_gemm<A>(N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0), false);
   // Each sequence's gradient at its first step, against h0.
   Tensor d_first = at::zeros({B, N}, d.options());
   A* df = ptr<A>(d_first);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = pos.reverse ? pos.length(b) - 1 : (pos.length(b) > 0 ? 0 : -1);
-    if (first >= 0) copy_row(df + b * N, ptr<A>(d) + (first * B + b) * ld, N);
+    if (first >= 0) copy_row(df + b * N, cptr<A>(d) + (first * B + b) * ld, N);
   }
-  blocked_gemm<A>(N, P, B, df, 1, N, ptr<A>(h0), P, 1, c, dw.stride(0), true);
+  blocked_gemm<A>(N, P, B, df, 1, N, cptr<A>(h0), P, 1, c, dw.stride(0), true);
 }
 
 // ------------------------------------------------------------------------
@@ -704,11 +712,11 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   A* dc = lstm ? ptr<A>(d_c0) : nullptr;
   A* dx = ptr<A>(d_xproj);
-  const A* gout = ptr<A>(a.grad_output);
-  const A* out = ptr<A>(a.output);
-  const A* wsp = W > 0 ? ptr<A>(a.ws) : nullptr;
-  const A* h0 = ptr<A>(a.h0);
-  const A* c0 = lstm ? ptr<A>(a.c0) : nullptr;
+  const A* gout = cptr<A>(a.grad_output);
+  const A* out = cptr<A>(a.output);
+  const A* wsp = W > 0 ? cptr<A>(a.ws) : nullptr;
+  const A* h0 = cptr<A>(a.h0);
+  const A* c0 = lstm ? cptr<A>(a.c0) : nullptr;
 
   // h_{t-1} of row b at step s: its state one step earlier (c_{t-1} likewise).
   auto prev_pos = [&](int64_t b, int64_t s) { return s == 0 ? -1 : a.pos.at(b, s - 1); };
@@ -905,7 +913,7 @@ struct LengthsHolder {
   Positions positions(const OptTensor& l, int64_t T, bool reverse) {
     if (!l.has_value()) return Positions{nullptr, T, reverse};
     lengths = l->contiguous();
-    return Positions{lengths.data_ptr<int64_t>(), T, reverse};
+    return Positions{lengths.const_data_ptr<int64_t>(), T, reverse};
   }
 };
 

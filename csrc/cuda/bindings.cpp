@@ -51,7 +51,8 @@ Context current_context() {
                  at::globalContext().allowTF32CuBLAS()};
 }
 
-const void* ptr(const Tensor& t) { return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr; }
+// Inputs through const_data_ptr: a copy-on-write input stays shared (see ops.py).
+const void* ptr(const Tensor& t) { return t.defined() && t.numel() > 0 ? t.const_data_ptr() : nullptr; }
 void* mut_ptr(const Tensor& t) { return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr; }
 
 Tensor contiguous_or_undefined(const OptTensor& t) {
