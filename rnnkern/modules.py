@@ -100,9 +100,11 @@ def _runs_torch_nn_forward() -> bool:
     holding ``rnnkern::*`` ops needs rnnkern wherever it is loaded and has no
     ONNX translation.  torch.nn's forward traces to ``aten::lstm`` & co., which
     train in any grad mode, generalise over sequence lengths and export to ONNX's
-    LSTM/GRU/RNN operators.  Both checks are False under torch.compile (Dynamo
-    folds them), so compiled code keeps rnnkern's kernels."""
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    LSTM/GRU/RNN operators.  The checks are False under torch.compile (Dynamo
+    folds them), so compiled code keeps rnnkern's kernels.  (TorchScript's ONNX
+    exporter traces; torch's dynamo-based one runs torch.export, so the costlier
+    ONNX check only runs while exporting.)"""
+    return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
 def _no_torch_nn_twin(module: nn.Module, what: str) -> NotImplementedError:
