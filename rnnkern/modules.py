@@ -15,7 +15,20 @@ classic GRU of seed 000, ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``), and
 ``torch.compile``: Dynamo refuses every instance of torch.nn.RNN/GRU/LSTM
 (subclasses included) unless ``torch._dynamo.config.allow_rnn = True``; with that
 flag set, these modules compile with ``fullgraph=True`` (padded input, with or
-without ``lengths=``, and PackedSequence input).
+without ``lengths=``, and PackedSequence input).  torch offers no supported way
+to lift the refusal for a subclass only: the one check is
+``isinstance(value, (nn.RNN, nn.GRU, nn.LSTM)) and not config.allow_rnn`` in
+Dynamo's ``VariableBuilder.wrap_module`` (torch/_dynamo/variables/builder.py,
+torch 2.14), run when Dynamo first meets the module object, before any of its
+code; see the README's torch.compile paragraph for the smallest user-side step.
+
+``torch.jit.trace`` and ONNX export (``torch.onnx.export``, either exporter) run
+torch.nn's own forward on the same parameters (:func:`_runs_torch_nn_forward`):
+a TorchScript graph or ONNX model then holds torch's ``aten::lstm``/``gru``/
+``rnn_*`` (ONNX ``LSTM``/``GRU``/``RNN``), which any PyTorch or ONNX runtime
+can load without rnnkern, train and run at any sequence length.
+``torch.export.export`` and ``torch.compile`` capture rnnkern's own ops.
+``torch.jit.script`` raises (see ``__prepare_scriptable__``).
 """
 from __future__ import annotations
 
@@ -25,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from . import ops
 
@@ -72,6 +85,41 @@ def _check_backend(backend: str) -> str:
     if backend not in ops.BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(ops.BACKENDS)}")
     return backend
+
+
+# -------------------------------------------------------- trace and export ----
+
+def _runs_torch_nn_forward() -> bool:
+    """True while ``torch.jit.trace`` or ONNX export records the model: the
+    modules then run their torch.nn base class's forward on the same parameters.
+
+    Why: a trace records Python-side decisions as constants (rnnkern's ops take
+    ``train`` = "keep the backward's workspace" from the grad mode at call time,
+    so a trace taken under no_grad could not train, and trace's check, rerun
+    under no_grad, sees a different graph), and a TorchScript or ONNX graph
+    holding ``rnnkern::*`` ops needs rnnkern wherever it is loaded and has no
+    ONNX translation.  torch.nn's forward traces to ``aten::lstm`` & co., which
+    train in any grad mode, generalise over sequence lengths and export to ONNX's
+    LSTM/GRU/RNN operators.  The checks are False under torch.compile (Dynamo
+    folds them), so compiled code keeps rnnkern's kernels.  (TorchScript's ONNX
+    exporter traces; torch's dynamo-based one runs torch.export, so the costlier
+    ONNX check only runs while exporting.)"""
+    return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
+
+
+def _no_torch_nn_twin(module: nn.Module, what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{type(module).__name__}(reset_after=False): {what} runs torch.nn's forward, "
+        "which has only the reset-after GRU; use torch.export.export or torch.compile "
+        "(they capture rnnkern's own ops)")
+
+
+def _dtype_mismatch(name: str, what: str, got: torch.dtype, other: str, want: torch.dtype) -> RuntimeError:
+    """A dtype mismatch of an input or state: RuntimeError, as torch.nn's matrix
+    products raise (its sequence modules' check of the input itself raises
+    ValueError; check_input keeps that one)."""
+    return RuntimeError(f"{name}: {what} dtype ({got}) does not match {other} dtype ({want}); "
+                        f"convert it with .to({want})")
 
 
 # -------------------------------------------------------------- autocast ----
@@ -156,6 +204,25 @@ class _RnnkernOptions:
         if self.backend != "auto":
             s += f", backend={self.backend!r}"
         return s
+
+    def _torch_nn_forward(self, *args):
+        """The torch.nn base class's forward (see :func:`_runs_torch_nn_forward`)."""
+        if not self.reset_after:
+            raise _no_torch_nn_twin(self, "torch.jit.trace / ONNX export")
+        return super(_RnnkernOptions, self).forward(*args)
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every module before compiling it.
+        # Scripting would compile rnnkern's forward, which dispatches to its
+        # kernels in Python; substituting torch.nn's module here would swap it
+        # into the user's eager model too (torch.jit.script writes the result
+        # back into the parent's submodules).  So: one clear error.
+        base = type(self).__mro__[type(self).__mro__.index(_RnnkernOptions) + 1].__name__
+        raise RuntimeError(
+            f"torch.jit.script cannot compile rnnkern.{type(self).__name__}: its forward "
+            f"dispatches to rnnkern's kernels in Python. Use torch.jit.trace (records "
+            f"torch.nn.{base}'s forward on the same parameters), torch.export.export or "
+            f"torch.compile; or script a torch.nn.{base} that holds these parameters.")
 
 
 class _RecurrentMixin(_RnnkernOptions):
@@ -298,8 +365,7 @@ class _RecurrentMixin(_RnnkernOptions):
             for i, h in enumerate(parts):
                 if h.dtype != input.dtype:
                     label = f"hx[{i}]" if self.mode == "LSTM" else "hx"
-                    raise ValueError(f"{type(self).__name__}: {label} dtype ({h.dtype}) does not "
-                                     f"match input dtype ({input.dtype})")
+                    raise _dtype_mismatch(type(self).__name__, label, h.dtype, "input", input.dtype)
 
     # ---- forward
 
@@ -309,6 +375,8 @@ class _RecurrentMixin(_RnnkernOptions):
         output zeros, and the reverse direction starts at each sequence's end --
         what torch.nn computes on ``pack_padded_sequence(input, lengths,
         enforce_sorted=False)``, without packing."""
+        if _runs_torch_nn_forward():
+            return self._traced_forward(input, hx, lengths)
         name = type(self).__name__
         if isinstance(input, PackedSequence):
             if lengths is not None:
@@ -366,6 +434,22 @@ class _RecurrentMixin(_RnnkernOptions):
             out = out.squeeze(batch_dim)
             hidden = tuple(h.squeeze(1) for h in hidden)
         return out, (hidden if self.mode == "LSTM" else hidden[0])
+
+    def _traced_forward(self, input, hx, lengths: Optional[Tensor]):
+        """torch.nn's forward, for torch.jit.trace and ONNX export; ``lengths=``
+        becomes the PackedSequence torch.nn computes the same numbers on."""
+        if lengths is None:
+            return self._torch_nn_forward(input, hx)
+        name = type(self).__name__
+        if not isinstance(input, Tensor) or input.dim() != 3:
+            raise ValueError(f"{name}: lengths= needs batched (3-D) input")
+        T = input.size(1 if self.batch_first else 0)
+        lengths = _check_lengths(lengths, T, input.size(0 if self.batch_first else 1), name)
+        packed = pack_padded_sequence(input, lengths, batch_first=self.batch_first,
+                                      enforce_sorted=False)
+        out, hidden = self._torch_nn_forward(packed, hx)
+        out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
+        return out, hidden
 
     def _forward_packed(self, input: PackedSequence, hx):
         """A PackedSequence runs as one padded, length-sorted batch with per-sequence
@@ -431,13 +515,15 @@ class LSTM(_RecurrentMixin, nn.LSTM):
 # ---------------------------------------------------------------- cells ----
 
 def _check_cell_sizes(input_size, hidden_size) -> None:
-    # torch.nn's cells do not check these (hidden_size=0 fails inside init with
-    # an AttributeError); the sequence modules' messages, before any allocation.
+    # torch.nn's cells take sizes of 0 (hidden_size=0 gives empty states) and
+    # fail on other bad sizes from inside their init (TypeError for a float,
+    # RuntimeError for a negative size); the same types, with messages that
+    # name the argument.
     for arg, value in (("input_size", input_size), ("hidden_size", hidden_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{arg} should be of type int, got: {type(value).__name__}")
-        if value <= 0:
-            raise ValueError(f"{arg} must be greater than zero")
+        if value < 0:
+            raise RuntimeError(f"{arg} must be non-negative, got {value}")
 
 
 class _CellMixin(_RnnkernOptions):
@@ -454,51 +540,61 @@ class _CellMixin(_RnnkernOptions):
             raise ValueError(f"Unknown nonlinearity '{self.nonlinearity}'. Select from 'tanh' or 'relu'.")
         return "rnn_" + self.nonlinearity
 
+    def _hidden_parts(self, hx, input: Tensor) -> tuple:
+        """hx as a tuple of 2-D tensors, its types and ranks checked as torch.nn
+        does (same exception types; torch.nn's messages with the cell's name in
+        front)."""
+        name = type(self).__name__
+        lstm = self.cell == "lstm"
+        if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+            raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
+        parts = tuple(hx) if lstm else (hx,)
+        # torch.nn names a state "hidden" (RNNCell, GRUCell) or "hx[i]" (LSTMCell)
+        # in its rank checks and "hidden<i>" in aten's size checks.
+        ranks = ("hx[0]", "hx[1]") if lstm else ("hidden",)
+        for label, h in zip(ranks, parts):
+            if not isinstance(h, Tensor):
+                raise TypeError(f"{name}: {label} must be a Tensor, got {type(h).__name__}")
+            if h.dim() not in (1, 2):
+                raise ValueError(f"{name}: Expected {label} to be 1D or 2D, got {h.dim()}D instead")
+        for label, h in zip(ranks, parts):
+            if h.dim() != input.dim():
+                # torch.nn fails here later, inside aten, with a size message
+                # (RuntimeError) or an IndexError.
+                raise RuntimeError(f"{name}: Expected {label} to be {input.dim()}D like the input, "
+                                   f"got {h.dim()}D instead")
+        return parts if input.dim() == 2 else tuple(h.unsqueeze(0) for h in parts)
+
     def forward(self, input: Tensor, hx=None):
+        if _runs_torch_nn_forward():
+            return self._torch_nn_forward(input, hx)
         lstm = self.cell == "lstm"
         name = type(self).__name__
         if input.dim() not in (1, 2):
             raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
-        if hx is not None:
-            if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
-                raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
-            parts = tuple(hx) if lstm else (hx,)
-            labels = ("hx[0]", "hx[1]") if lstm else ("hx",)
-            for label, h in zip(labels, parts):
-                if not isinstance(h, Tensor):
-                    raise TypeError(f"{name}: {label} must be a Tensor, got {type(h).__name__}")
-                if h.dim() not in (1, 2):
-                    raise ValueError(f"{name}: Expected {label} to be 1D or 2D, got {h.dim()}D instead")
-                if h.dim() != input.dim():
-                    raise ValueError(f"{name}: Expected {label} to be {input.dim()}D like the input, "
-                                     f"got {h.dim()}D instead")
+        parts = None if hx is None else self._hidden_parts(hx, input)
         batched = input.dim() == 2
         x = input if batched else input.unsqueeze(0)
         B = x.size(0)
-        # torch.nn's checks (aten's rnn cell checks), with the argument's name.
+        # aten's cell checks, in aten's order (input before the states).
         if x.size(1) != self.input_size:
             raise RuntimeError(f"{name}: input has inconsistent input_size: got {x.size(1)} "
                                f"expected {self.input_size}")
         autocast = _autocast_dtype(x.device.type, self.weight_ih)
         if autocast is None and x.dtype != self.weight_ih.dtype:
-            raise ValueError(f"{name}: input dtype ({x.dtype}) does not match weight dtype "
-                             f"({self.weight_ih.dtype})")
-        if hx is None:
+            raise _dtype_mismatch(name, "input", x.dtype, "weight", self.weight_ih.dtype)
+        if parts is None:
             zeros = torch.zeros(B, self.hidden_size, dtype=x.dtype, device=x.device)
             parts = (zeros, zeros) if lstm else (zeros,)
-        else:
-            if not batched:
-                parts = tuple(h.unsqueeze(0) for h in parts)
-            for label, h in zip(labels, parts):
-                if h.size(0) != B:
-                    raise RuntimeError(f"{name}: Input batch size {B} doesn't match {label} batch "
-                                       f"size {h.size(0)}")
-                if h.size(1) != self.hidden_size:
-                    raise RuntimeError(f"{name}: {label} has inconsistent hidden_size: got "
-                                       f"{h.size(1)}, expected {self.hidden_size}")
-                if autocast is None and h.dtype != x.dtype:
-                    raise ValueError(f"{name}: {label} dtype ({h.dtype}) does not match input "
-                                     f"dtype ({x.dtype})")
+        for i, h in enumerate(parts):
+            if h.size(0) != B:
+                raise RuntimeError(f"{name}: Input batch size {B} doesn't match hidden{i} batch "
+                                   f"size {h.size(0)}")
+            if h.size(1) != self.hidden_size:
+                raise RuntimeError(f"{name}: hidden{i} has inconsistent hidden_size: got "
+                                   f"{h.size(1)}, expected {self.hidden_size}")
+            if autocast is None and h.dtype != x.dtype:
+                raise _dtype_mismatch(name, f"hx[{i}]" if lstm else "hx", h.dtype, "input", x.dtype)
         weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
         result_dtypes = None
         if autocast is not None:
@@ -507,6 +603,10 @@ class _CellMixin(_RnnkernOptions):
             weights = tuple(_cast(w, autocast) for w in weights)
         backend = ops.resolve_backend(self.backend, x.device)
         _check_supported(name, backend, self.cell, x.dtype, step=True)
+        if self.hidden_size == 0:
+            # Nothing to compute, but the empty results keep their autograd
+            # graph as torch.nn's do; the kernels need at least one unit.
+            backend = "reference"
         h, c = ops.step(self.cell, x, parts[0], parts[1] if lstm else None, *weights,
                         backend=backend)
         if result_dtypes is not None:

@@ -96,15 +96,18 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
          b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None):
     """One step of a cell on ``x`` [B, I], ``h`` [B, H] (and ``c`` for LSTM).
 
-    The pre-activation is the single product of the concatenations
-    ``[x, h] [W_ih; W_hh]^T`` (seed 000) wherever a gate takes x and h together;
-    the GRU candidate keeps its x and h parts apart, as its formula requires.
+    The pre-activation is the product of the concatenations
+    ``[x, h] [W_ih; W_hh]^T`` (seed 000) wherever a gate takes x and h together,
+    written as its split along K, ``x W_ih^T + h W_hh^T``: autograd then returns
+    every gradient in its tensor's own layout, as torch.nn's cells do (through
+    ``torch.cat`` the weight gradients would be strided slices of one buffer).
+    The GRU candidate keeps its x and h parts apart, as its formula requires.
     """
     check_cell(cell)
     G = gate_count(cell)
     H = w_hh.shape[0] // G
     if cell in ("rnn_tanh", "rnn_relu", "lstm"):
-        pre = torch.cat([x, h], 1) @ torch.cat([w_ih, w_hh], 1).t() + _bias(b_ih) + _bias(b_hh)
+        pre = x @ w_ih.t() + h @ w_hh.t() + _bias(b_ih) + _bias(b_hh)
         if cell == "rnn_tanh":
             return torch.tanh(pre), None
         if cell == "rnn_relu":
@@ -112,11 +115,10 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
         i, f, g, o = pre.chunk(4, 1)
         c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         return torch.sigmoid(o) * torch.tanh(c_new), c_new
-    # GRU: r and z from the concatenated product, the candidate from its parts.
+    # GRU: r and z from the (split) concatenated product, the candidate from its parts.
     b_ih_ = torch.zeros(3 * H, dtype=x.dtype, device=x.device) if b_ih is None else b_ih
     b_hh_ = torch.zeros(3 * H, dtype=x.dtype, device=x.device) if b_hh is None else b_hh
-    rz = (torch.cat([x, h], 1) @ torch.cat([w_ih[: 2 * H], w_hh[: 2 * H]], 1).t()
-          + b_ih_[: 2 * H] + b_hh_[: 2 * H])
+    rz = x @ w_ih[: 2 * H].t() + h @ w_hh[: 2 * H].t() + b_ih_[: 2 * H] + b_hh_[: 2 * H]
     r, z = torch.sigmoid(rz).chunk(2, 1)
     xn = x @ w_ih[2 * H:].t() + b_ih_[2 * H:]
     if cell == "gru":

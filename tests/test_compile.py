@@ -181,12 +181,27 @@ def test_gpu_backends(backend):
 
 # ------------------------------------------------------- the Dynamo flag ----
 
-def test_dynamo_refuses_rnn_modules_without_allow_rnn():
-    """Why the flag is needed: Dynamo's isinstance check on torch.nn.RNN/GRU/LSTM.
-    When a torch release lifts it (pytorch PR 185163), this test fails: drop the
-    flag from the docs."""
-    m = rnnkern.GRU(3, 4, backend="cpu")
+@pytest.mark.parametrize("make", [lambda: rnnkern.GRU(3, 4, backend="cpu"), lambda: torch.nn.GRU(3, 4)],
+                         ids=["rnnkern", "torch.nn"])
+def test_dynamo_refuses_rnn_modules_without_allow_rnn(make):
+    """Why the flag is needed: Dynamo's isinstance check on torch.nn.RNN/GRU/LSTM,
+    the same for torch.nn's modules and rnnkern's (rnnkern leaves Dynamo as it
+    is).  When a torch release lifts it (pytorch PR 185163), this test fails:
+    drop the flag from the docs."""
+    m = make()
     with torch._dynamo.config.patch(allow_rnn=False):
         compiled = torch.compile(m, fullgraph=True)
         with pytest.raises(torch._dynamo.exc.Unsupported, match="allow_rnn"):
             compiled(torch.randn(2, 1, 3))
+
+
+@pytest.mark.parametrize("cls", [rnnkern.RNNCell, rnnkern.GRUCell, rnnkern.LSTMCell])
+def test_cells_compile_without_the_flag(cls):
+    """Dynamo's refusal concerns the sequence modules only."""
+    torch._dynamo.reset()
+    m = cls(3, 4, backend="cpu", dtype=torch.float64)
+    x = randn(generator("cell-no-flag", cls.__name__), 2, 3)
+    with torch._dynamo.config.patch(allow_rnn=False):
+        got = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    for a, b in zip(leaves(got), leaves(m(x))):
+        assert_close(a, b, what=cls.__name__)

@@ -1,0 +1,292 @@
+"""Autograd beyond the first-order backward, on every CPU-runnable backend
+(issue #15, items 1-3):
+
+- second derivatives (``create_graph=True``): gradgradcheck of the ops, the
+  gradient penalty of the issue against torch.nn, and the first-order gradients
+  of the differentiable path equal to the kernels' own backward;
+- forward-mode AD (dual tensors) and the torch.func transforms (jvp, grad,
+  jacrev, vmap) against torch.nn (vmap, which torch.nn's modules lack, against
+  a loop);
+- in-place edits of the outputs (a residual ``out += x``) train as with
+  torch.nn, and in the common case (no edit) the saved output is not copied.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn as nn
+
+import rnnkern
+from rnnkern import ops
+from conftest import (CELLS, TRITON_INTERPRET, assert_close, generator, randn, recurrence_inputs,
+                      rnnkern_module, run_recurrence, step_inputs, torch_module)
+
+BACKENDS = ["reference", "cpu"] + (["triton"] if TRITON_INTERPRET else [])
+TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
+CELL_CLASSES = {"rnn_tanh": (nn.RNNCell, rnnkern.RNNCell, {}),
+                "rnn_relu": (nn.RNNCell, rnnkern.RNNCell, {"nonlinearity": "relu"}),
+                "gru": (nn.GRUCell, rnnkern.GRUCell, {}),
+                "lstm": (nn.LSTMCell, rnnkern.LSTMCell, {})}
+
+
+def twins(cell, backend, input_size=5, hidden_size=7, **kwargs):
+    """torch.nn's module and rnnkern's on the same float64 weights."""
+    torch.manual_seed(len(cell) + 7 * len(backend))
+    theirs = torch_module(cell, input_size, hidden_size, dtype=torch.float64, **kwargs)
+    ours = rnnkern_module(cell, input_size, hidden_size, dtype=torch.float64, backend=backend, **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def cell_twins(cell, backend, input_size=5, hidden_size=7):
+    theirs_cls, ours_cls, kw = CELL_CLASSES[cell]
+    torch.manual_seed(len(cell) + 3 * len(backend))
+    theirs = theirs_cls(input_size, hidden_size, dtype=torch.float64, **kw)
+    ours = ours_cls(input_size, hidden_size, dtype=torch.float64, backend=backend, **kw)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def first(result):
+    """The output (sequence modules) or h (cells) of a module's result."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def recurrence_fn(cell, backend, names, args, lengths, reverse):
+    def f(*tensors):
+        a = dict(args) | dict(zip(names, tensors))
+        return tuple(t for t in run_recurrence(backend, cell, a, lengths, reverse) if t is not None)
+    return f
+
+
+# ------------------------------------------------------ second derivatives ----
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell,variant", [(c, v) for c in CELLS for v in ("plain", "lengths-reverse")]
+                         + [("lstm", "proj")])
+def test_recurrence_gradgradcheck(cell, backend, variant):
+    proj = 3 if variant == "proj" else 0
+    args = recurrence_inputs(cell, 4, 3, 4, proj=proj, requires_grad=True, key=("gradgrad", variant))
+    lengths = torch.tensor([4, 1, 3]) if variant == "lengths-reverse" else None
+    names = [n for n, t in args.items() if t is not None]
+    f = recurrence_fn(cell, backend, names, args, lengths, variant == "lengths-reverse")
+    assert torch.autograd.gradgradcheck(f, [args[n] for n in names], fast_mode=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", CELLS)
+def test_step_gradgradcheck(cell, backend):
+    args = step_inputs(cell, 3, 5, 4, requires_grad=True, key=("gradgrad",))
+    names = [n for n, t in args.items() if t is not None]
+
+    def f(*tensors):
+        a = dict(args) | dict(zip(names, tensors))
+        return tuple(t for t in ops.step(cell, *a.values(), backend=backend) if t is not None)
+
+    assert torch.autograd.gradgradcheck(f, [args[n] for n in names], fast_mode=True)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+@pytest.mark.parametrize("cell", CELLS)
+def test_differentiable_backward_equals_kernel_backward(cell, backend):
+    """create_graph=True takes the differentiable path; its first-order
+    gradients are the kernels' own, so switching paths changes no number."""
+    args = recurrence_inputs(cell, 5, 3, 4, requires_grad=True, key=("paths",))
+    lengths = torch.tensor([5, 2, 4])
+    names = [n for n, t in args.items() if t is not None]
+    out = [t for t in run_recurrence(backend, cell, args, lengths, True) if t is not None]
+    g = generator("paths-cotangent", cell)
+    cot = [randn(g, *o.shape) for o in out]
+    plain = torch.autograd.grad(out, [args[n] for n in names], cot, retain_graph=True)
+    graph = torch.autograd.grad(out, [args[n] for n in names], cot, create_graph=True)
+    for n, a, b in zip(names, graph, plain):
+        assert a.requires_grad, n
+        assert_close(a, b, what=f"grad {n}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_gradient_penalty_matches_torch_nn(cell, backend):
+    """The issue's case: |d penalty / dW_hh| was 0.0 where torch.nn gives 1.62."""
+    theirs, ours = twins(cell, backend, num_layers=2, bidirectional=True)
+    x = randn(generator("penalty", cell), 4, 3, 5, requires_grad=True)
+    results = []
+    for m in (theirs, ours):
+        out, _ = m(x)
+        g, = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        penalty = g.pow(2).sum()
+        results.append([penalty, *torch.autograd.grad(penalty, [x, *m.parameters()])])
+    assert results[0][2].abs().max() > 0  # the case is not degenerate
+    for k, (got, want) in enumerate(zip(*results)):
+        assert_close(got, want, what=f"{cell} penalty result {k}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_cell_gradient_penalty_matches_torch_nn(cell, backend):
+    theirs, ours = cell_twins(cell, backend)
+    g = generator("cell-penalty", cell)
+    x = randn(g, 3, 5, requires_grad=True)
+    state = (randn(g, 3, 7), randn(g, 3, 7)) if cell == "lstm" else randn(g, 3, 7)
+    results = []
+    for m in (theirs, ours):
+        g, = torch.autograd.grad(first(m(x, state)).pow(2).sum(), x, create_graph=True)
+        penalty = g.pow(2).sum()
+        results.append(list(torch.autograd.grad(penalty, [x, *m.parameters()])))
+    assert results[0][2].abs().max() > 0
+    for k, (got, want) in enumerate(zip(*results)):
+        assert_close(got, want, what=f"{cell} cell penalty gradient {k}")
+
+
+# ------------------------------------------- forward mode and torch.func ----
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_forward_mode_ad_matches_torch_nn(cell, backend):
+    theirs, ours = twins(cell, backend, num_layers=2)
+    g = generator("fwad", cell)
+    x, tangent = randn(g, 4, 3, 5), randn(g, 4, 3, 5)
+    results = []
+    for m in (theirs, ours):
+        with fwAD.dual_level():
+            out, hidden = m(fwAD.make_dual(x, tangent))
+            results.append([fwAD.unpack_dual(t).tangent
+                            for t in (out, *(hidden if isinstance(hidden, tuple) else (hidden,)))])
+    assert results[0][0].abs().max() > 0
+    for k, (got, want) in enumerate(zip(*results)):
+        assert_close(got, want, what=f"{cell} tangent {k}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_func_jvp_of_cells_matches_torch_nn(cell, backend):
+    """The issue's silent zero: torch.func.jvp through LSTMCell gave 0.0."""
+    theirs, ours = cell_twins(cell, backend)
+    g = generator("jvp", cell)
+    x, hx, tx = randn(g, 3, 5), randn(g, 3, 7), randn(g, 3, 5)
+    state = (hx, randn(g, 3, 7)) if cell == "lstm" else hx
+    results = [torch.func.jvp(lambda x, m=m: m(x, state), (x,), (tx,)) for m in (theirs, ours)]
+    assert torch.utils._pytree.tree_leaves(results[0][1])[0].abs().max() > 0
+    for k, (got, want) in enumerate(zip(torch.utils._pytree.tree_leaves(results[1]),
+                                        torch.utils._pytree.tree_leaves(results[0]))):
+        assert_close(got, want, what=f"{cell} jvp result {k}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_func_grad_and_jacrev_over_functional_call_match_torch_nn(cell, backend):
+    theirs, ours = twins(cell, backend, bidirectional=True)
+    x = randn(generator("func", cell), 3, 2, 5)
+
+    def loss(params, m):
+        return torch.func.functional_call(m, params, (x,))[0].pow(2).sum()
+
+    def output(x_, m):
+        return m(x_)[0]
+
+    for transform in ("grad", "jacrev"):
+        got, want = [(torch.func.grad(loss)(dict(m.named_parameters()), m) if transform == "grad"
+                      else torch.func.jacrev(output)(x, m)) for m in (ours, theirs)]
+        for k, (a, b) in enumerate(zip(torch.utils._pytree.tree_leaves(got),
+                                       torch.utils._pytree.tree_leaves(want))):
+            assert_close(a, b, what=f"{cell} {transform} result {k}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_vmap_equals_a_loop(cell, backend):
+    """torch.vmap over a batch of sequences (torch.nn's modules have no
+    batching rule: the loop over torch.nn is the reference)."""
+    theirs, ours = twins(cell, backend)
+    xs = randn(generator("vmap", cell), 2, 4, 3, 5)
+    got = torch.vmap(lambda x: ours(x)[0])(xs)
+    want = torch.stack([theirs(x)[0] for x in xs])
+    assert_close(got, want, what=f"{cell} vmap")
+
+
+# ---------------------------------------------------- in-place output edits ----
+
+# The pooled size puts the output in the CPU backend's buffer cache (>= 1 MiB);
+# the Triton interpreter runs the small size only (minutes at the large one).
+@pytest.mark.parametrize("backend,size", [(b, "small") for b in BACKENDS]
+                         + [("reference", "pooled"), ("cpu", "pooled")])
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_in_place_residual_on_output_trains_like_torch_nn(cell, backend, size):
+    """``out += x`` after the module, then backward: torch.nn trains."""
+    T, B, H = (4, 3, 5) if size == "small" else (64, 64, 40)  # 64*64*40*8 B = 1.25 MiB
+    theirs, ours = twins(cell, backend, input_size=H, hidden_size=H)
+    g = generator("inplace", cell, size)
+    x = randn(g, T, B, H, requires_grad=True)
+    cot = randn(g, T, B, H)
+    results = []
+    for m in (theirs, ours):
+        out, hidden = m(x)
+        out += x
+        out.mul_(2)
+        if isinstance(hidden, tuple):
+            hidden[1].add_(1)  # c_n edited too
+        loss = (out * cot).sum() + sum(h.sum() for h in (hidden if isinstance(hidden, tuple) else (hidden,)))
+        results.append([out.detach(), *torch.autograd.grad(loss, [x, *m.parameters()])])
+    for k, (got, want) in enumerate(zip(*results)):
+        assert_close(got, want, what=f"{cell} in-place result {k}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_in_place_edit_of_cell_state_trains_like_torch_nn(cell, backend):
+    """h += x on a cell's result.  torch.nn's RNNCell itself raises here (its
+    tanh saves its output): where torch.nn raises, the reference backend, which
+    is torch.nn's formulation, raises the same error; the kernels train."""
+    theirs, ours = cell_twins(cell, backend, input_size=7)
+    g = generator("cell-inplace", cell)
+    x = randn(g, 3, 7, requires_grad=True)
+    results = []
+    for m in (theirs, ours):
+        def run():
+            result = m(x)
+            h = first(result)
+            h += x
+            if isinstance(result, tuple):
+                result[1].mul_(3)
+            return [h.detach(), *torch.autograd.grad(sum(t.sum() for t in torch.utils._pytree.tree_leaves(result)),
+                                                     [x, *m.parameters()])]
+        if cell.startswith("rnn") and (m is theirs or backend == "reference"):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                run()
+            continue
+        results.append(run())
+    if len(results) == 2:
+        for k, (got, want) in enumerate(zip(*results)):
+            assert_close(got, want, what=f"{cell} cell in-place result {k}")
+    elif results:  # torch.nn raised: ours against the same edit made on a copy of torch.nn's output
+        result = theirs(x)
+        h = first(result) + x
+        want = [h.detach(), *torch.autograd.grad(h.sum(), [x, *theirs.parameters()])]
+        for k, (got, w) in enumerate(zip(results[0], want)):
+            assert_close(got, w, what=f"{cell} cell in-place result {k}")
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+def test_saved_output_is_not_copied_without_an_edit(cell):
+    """The backward keeps a copy-on-write alias of the output: the kernels read
+    it through const pointers, so without an in-place edit no copy is made, in
+    a two-layer model whose second layer reads the first layer's output."""
+    m = rnnkern_module(cell, 6, 8, num_layers=2, backend="cpu", dtype=torch.float64)
+    x = randn(generator("cow", cell), 5, 3, 6, requires_grad=True)
+    out, _ = m(x)
+    nodes, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "rnnkern_recurrence" in node.name():
+            nodes.append(node)
+        stack += [n for n, _ in node.next_functions]
+    assert len(nodes) == 2
+    out.sum().backward(retain_graph=True)
+    for node in nodes:
+        saved_output = node.saved_tensors[7]  # the order of setup_context in rnnkern/ops.py
+        assert saved_output.shape == (5, 3, 8) and torch._C._is_cow_tensor(saved_output), node.name()
+    assert torch._C._is_cow_tensor(out)

@@ -1,0 +1,247 @@
+"""Tracing and export of models holding rnnkern modules.
+
+- ``torch.jit.trace`` records torch.nn's forward on the same parameters
+  (aten::lstm & co.): the trace passes its own check, generalises over sequence
+  lengths, and trains even when it was taken under no_grad, as torch.nn's does.
+- ``torch.jit.script`` raises one clear error naming what to use instead.
+- ``torch.export.export`` captures rnnkern's own ops; the exported program
+  computes the eager numbers and trains.
+- ONNX export (both of torch's exporters) gives the operators torch.nn's own
+  export gives (ONNX LSTM / GRU / RNN), and onnxruntime computes our numbers.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rnnkern
+from conftest import assert_close, generator, randn
+
+
+# (name, constructor of the rnnkern module, input shape, aten op that torch.nn traces to)
+MODULES = [
+    ("lstm-proj-bi-2layers-batch_first",
+     lambda: rnnkern.LSTM(3, 6, num_layers=2, bidirectional=True, proj_size=4, batch_first=True,
+                          backend="cpu"), (2, 5, 3), "aten::lstm"),
+    ("gru-bi", lambda: rnnkern.GRU(3, 5, bidirectional=True, backend="cpu"), (5, 2, 3), "aten::gru"),
+    ("rnn-relu-2layers", lambda: rnnkern.RNN(3, 5, num_layers=2, nonlinearity="relu", backend="reference"),
+     (5, 2, 3), "aten::rnn_relu"),
+    ("rnn-tanh-unbatched", lambda: rnnkern.RNN(3, 5, backend="cpu"), (5, 3), "aten::rnn_tanh"),
+    ("lstmcell", lambda: rnnkern.LSTMCell(3, 5, backend="cpu"), (2, 3), "aten::lstm_cell"),
+    ("grucell", lambda: rnnkern.GRUCell(3, 5, backend="reference"), (2, 3), "aten::gru_cell"),
+    ("rnncell", lambda: rnnkern.RNNCell(3, 5, backend="cpu"), (2, 3), "aten::rnn_tanh_cell"),
+]
+IDS = [m[0] for m in MODULES]
+
+
+class Model(nn.Module):
+    """A recurrent module between two linear layers, as in a real model."""
+
+    def __init__(self, rnn: nn.Module, input_size: int, output_size: int):
+        super().__init__()
+        self.inp = nn.Linear(input_size, input_size)
+        self.rnn = rnn
+        self.out = nn.Linear(output_size, 2)
+
+    def forward(self, x):
+        y = self.rnn(self.inp(x))
+        y = y[0] if isinstance(y, tuple) else y
+        return self.out(y)
+
+
+def model(make, key):
+    torch.manual_seed(zlib_key(key))
+    rnn = make()
+    out_size = rnn.hidden_size if not getattr(rnn, "proj_size", 0) else rnn.proj_size
+    out_size *= 2 if getattr(rnn, "bidirectional", False) else 1
+    return Model(rnn, rnn.input_size, out_size).double()
+
+
+def zlib_key(key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def longer(shape, rnn):
+    """The input shape with another sequence length (or batch, for a cell)."""
+    shape = list(shape)
+    time_dim = 1 if getattr(rnn, "batch_first", False) else 0
+    shape[time_dim] += 3
+    return tuple(shape)
+
+
+def grads(m, x, key):
+    out = m(x)
+    loss = (out * randn(generator("export-cotangent", *key), *out.shape)).sum()
+    return [out, *torch.autograd.grad(loss, [x, *m.parameters()])]
+
+
+def torch_nn_twin(m: "Model") -> "Model":
+    """A copy of ``m`` whose recurrent module is torch.nn's class itself."""
+    twin = copy.deepcopy(m)
+    twin.rnn.__class__ = next(c for c in type(m.rnn).__mro__ if c.__module__.startswith("torch.nn"))
+    return twin
+
+
+def quiet_trace(m, x, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace's deprecation notice
+        return torch.jit.trace(m, (x,), **kwargs)
+
+
+@pytest.mark.parametrize("name,make,shape,aten_op", MODULES, ids=IDS)
+def test_jit_trace_records_torch_nn_and_generalises(name, make, shape, aten_op):
+    m = model(make, name)
+    g = generator("trace", name)
+    traced = quiet_trace(m, randn(g, *shape))  # check_trace=True: reruns and compares graphs
+    nodes = {n.kind() for n in traced.inlined_graph.nodes()}
+    # torch.nn's own trace of the same model: the sequence modules record
+    # aten::lstm & co.; the cells' aten ops are composite, recorded decomposed.
+    theirs = quiet_trace(torch_nn_twin(m), randn(g, *shape))
+    assert nodes == {n.kind() for n in theirs.inlined_graph.nodes()}, nodes
+    assert (aten_op in nodes) == (not aten_op.endswith("_cell")), nodes
+    assert not any(k.startswith("rnnkern") for k in nodes), nodes
+    for s in (shape, longer(shape, m.rnn)):
+        x = randn(g, *s, requires_grad=True)
+        for k, (got, want) in enumerate(zip(grads(traced, x, (name, s)), grads(m, x, (name, s)))):
+            assert_close(got, want, what=f"{name} shape {s} result {k}")
+
+
+@pytest.mark.parametrize("name,make,shape,aten_op", MODULES[:3], ids=IDS[:3])
+def test_trace_taken_under_no_grad_trains(name, make, shape, aten_op):
+    m = model(make, name)
+    g = generator("trace-no-grad", name)
+    with torch.no_grad():
+        traced = quiet_trace(m, randn(g, *shape))
+    x = randn(g, *shape, requires_grad=True)
+    for k, (got, want) in enumerate(zip(grads(traced, x, (name,)), grads(m, x, (name,)))):
+        assert_close(got, want, what=f"{name} result {k}")
+
+
+class WithLengths(nn.Module):
+    """The module called with fixed ``lengths=`` (a module, so that its
+    parameters are the trace's parameters, not constants)."""
+
+    def __init__(self, rnn: nn.Module, lengths: torch.Tensor):
+        super().__init__()
+        self.rnn = rnn
+        self.register_buffer("lengths", lengths)
+
+    def forward(self, x):
+        return self.rnn(x, lengths=self.lengths)
+
+
+def test_trace_with_lengths_packs_as_torch_nn_does():
+    lstm = rnnkern.LSTM(3, 4, bidirectional=True, batch_first=True, backend="cpu").double()
+    lengths = torch.tensor([5, 2, 4])
+    g = generator("trace-lengths")
+    x = randn(g, 3, 5, 3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the trace's notes on lengths used as constants
+        traced = torch.jit.trace(WithLengths(lstm, lengths), (x,), check_trace=False)
+    nodes = {n.kind() for n in traced.inlined_graph.nodes()}
+    assert "aten::_pack_padded_sequence" in nodes and "aten::lstm" in nodes, nodes
+    got, want = traced(x), lstm(x, lengths=lengths)
+    for k, (a, b) in enumerate(zip(torch.utils._pytree.tree_leaves(got),
+                                   torch.utils._pytree.tree_leaves(want))):
+        assert_close(a, b, what=f"result {k}")
+
+
+@pytest.mark.parametrize("cls", [rnnkern.GRU, rnnkern.GRUCell])
+def test_trace_of_classic_gru_says_what_to_use(cls):
+    m = cls(3, 4, reset_after=False)
+    x = torch.randn(5, 2, 3) if cls is rnnkern.GRU else torch.randn(2, 3)
+    with pytest.raises(NotImplementedError, match=r"reset_after=False.*torch\.export\.export or torch\.compile"):
+        quiet_trace(m, x)
+
+
+@pytest.mark.parametrize("make", [lambda: rnnkern.LSTM(3, 4), lambda: rnnkern.GRUCell(3, 4),
+                                  lambda: Model(rnnkern.GRU(3, 4), 3, 4)],
+                         ids=["LSTM", "GRUCell", "inside-a-model"])
+def test_jit_script_raises_one_clear_error(make):
+    m = make()
+    before = [type(s) for s in m.modules()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(RuntimeError, match=r"torch\.jit\.script cannot compile rnnkern\.\w+.*"
+                                               r"torch\.jit\.trace.*torch\.export\.export.*torch\.compile"):
+            torch.jit.script(m)
+    assert [type(s) for s in m.modules()] == before  # the eager model is left as it was
+
+
+@pytest.mark.parametrize("name,make,shape,aten_op", MODULES, ids=IDS)
+def test_torch_export_captures_rnnkern_ops_and_trains(name, make, shape, aten_op):
+    m = model(make, name)
+    g = generator("export", name)
+    ep = torch.export.export(m, (randn(g, *shape),))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    if m.rnn.backend != "reference":
+        assert any(t.startswith("rnnkern.") for t in targets), targets
+    exported = ep.module()
+    x = randn(g, *shape, requires_grad=True)
+    got, want = grads(exported, x, (name,)), grads(m, x, (name,))
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, what=f"{name} result {k}")
+
+
+# ------------------------------------------------------------------ ONNX ----
+
+def onnx_model(m, x, dynamo: bool):
+    import onnx
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            return torch.onnx.export(m, (x,), dynamo=True, verbose=False).model_proto
+        f = io.BytesIO()
+        torch.onnx.export(m, (x,), f, dynamo=False)
+        return onnx.load_from_string(f.getvalue())
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-exporter", "dynamo-exporter"])
+@pytest.mark.parametrize("name,make,shape,aten_op", MODULES[:3], ids=IDS[:3])
+def test_onnx_export_gives_torch_nn_operators(name, make, shape, aten_op, dynamo):
+    # float32: onnxruntime's CPU LSTM/GRU/RNN kernels take float only.
+    m = model(make, name).float().eval()
+    theirs = model(make, name).float().eval()
+    theirs.rnn = {rnnkern.LSTM: nn.LSTM, rnnkern.GRU: nn.GRU, rnnkern.RNN: nn.RNN}[type(m.rnn)](
+        **{k: getattr(m.rnn, k) for k in ("input_size", "hidden_size", "num_layers", "bias",
+                                           "batch_first", "bidirectional")},
+        **({"nonlinearity": m.rnn.nonlinearity} if isinstance(m.rnn, nn.RNN) else {}),
+        **({"proj_size": m.rnn.proj_size} if isinstance(m.rnn, nn.LSTM) else {}))
+    theirs.load_state_dict(m.state_dict())
+    g = generator("onnx", name)
+    x = randn(g, *shape, dtype=torch.float32)
+    try:
+        theirs_proto = onnx_model(theirs, x, dynamo)
+    except Exception as e:  # torch.nn's own export fails: ours fails the same way
+        with pytest.raises(type(e)):
+            onnx_model(m, x, dynamo)
+        assert "projection" in str(e) or "proj" in str(e), e  # the one such case: LSTM proj_size
+        return
+    ours_ops = [n.op_type for n in onnx_model(m, x, dynamo).graph.node]
+    theirs_ops = [n.op_type for n in theirs_proto.graph.node]
+    assert ours_ops == theirs_ops
+    standard = {"aten::lstm": "LSTM", "aten::gru": "GRU", "aten::rnn_relu": "RNN"}[aten_op]
+    if not (dynamo and standard == "RNN"):  # torch's dynamo exporter unrolls torch.nn.RNN itself
+        assert standard in ours_ops, ours_ops
+    ours_proto = onnx_model(m, x, dynamo)
+    try:
+        run_onnx(theirs_proto, x)
+    except Exception as e:  # torch's exporter wrote a model onnxruntime rejects: ours too
+        with pytest.raises(type(e)):
+            run_onnx(ours_proto, x)
+        return
+    assert_close(run_onnx(ours_proto, x), m(x).detach(), what=f"{name} onnxruntime")
+
+
+def run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    return torch.from_numpy(got)
