@@ -104,7 +104,13 @@ def _saved_output(output: Tensor) -> Tensor:
     storage until either side writes it: no copy unless the user edits in place
     (then torch copies, once).  The kernels read saved tensors through const
     pointers, which do not materialise the copy."""
-    return torch._lazy_clone(output)
+    try:
+        return torch._lazy_clone(output)
+    except RuntimeError:
+        # Memory from an allocator whose DataPtr carries its own context (a
+        # pluggable allocator) cannot be aliased copy-on-write: save the output
+        # itself, as before (an in-place edit then raises torch's error).
+        return output
 
 
 def _differentiable_grads(fn, inputs, needs, outputs_grads):

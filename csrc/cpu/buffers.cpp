@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace rnnkern::cpu {
@@ -49,8 +50,15 @@ class PoolAllocator final : public c10::Allocator {
     const size_t size = (nbytes + kGranule - 1) / kGranule * kGranule;
     Block block = take(size);
     if (block.ptr == nullptr) block = {map_block(size), size};
-    return {block.ptr, new Block(block), &PoolAllocator::give_back,
-            c10::Device(c10::DeviceType::CPU)};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_.emplace(block.ptr, block.size);
+    }
+    // The context is the data pointer itself (the block's size is looked up
+    // in live_): torch can then make copy-on-write aliases of these tensors
+    // (torch._lazy_clone, used by the autograd formulas in rnnkern/ops.py),
+    // which it refuses for a DataPtr with any other context.
+    return {block.ptr, block.ptr, &PoolAllocator::give_back, c10::Device(c10::DeviceType::CPU)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -99,10 +107,17 @@ class PoolAllocator final : public c10::Allocator {
     return block;
   }
 
-  static void give_back(void* ctx) {
-    auto* block = static_cast<Block*>(ctx);
-    get().keep_or_free(block->ptr, block->size);
-    delete block;
+  static void give_back(void* ptr) {
+    PoolAllocator& pool = get();
+    size_t size;
+    {
+      std::lock_guard<std::mutex> lock(pool.mu_);
+      auto it = pool.live_.find(ptr);
+      TORCH_INTERNAL_ASSERT(it != pool.live_.end(), "rnnkern: freeing a block it did not allocate");
+      size = it->second;
+      pool.live_.erase(it);
+    }
+    pool.keep_or_free(ptr, size);
   }
 
   // Keeps the block, first freeing the least recently returned ones when the
@@ -140,6 +155,7 @@ class PoolAllocator final : public c10::Allocator {
   };
 
   std::mutex mu_;
+  std::unordered_map<void*, size_t> live_;  // blocks in use -> their mapped size
   std::list<Cached> recent_;  // most recently returned first
   BySize by_size_;
   size_t cached_ = 0;
