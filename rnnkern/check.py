@@ -468,19 +468,23 @@ def strict_numerics():
     an output element a kernel forgets to write fails; float32 without TF32 in
     matmuls and cuDNN.  The user's settings come back afterwards."""
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.utils.deterministic.fill_uninitialized_memory,
-             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+             torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cuda.matmul.allow_tf32)
+    cudnn = torch.backends.cudnn
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        with warnings.catch_warnings():
+        # cuDNN's flags through its context manager: a plain assignment raises
+        # once torch's test utilities have frozen the flags (as in PyTorch's suite).
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                         deterministic=cudnn.deterministic, allow_tf32=False), \
+                warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*deterministic.*")
             yield
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.utils.deterministic.fill_uninitialized_memory = saved[2]
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[3:]
+        torch.backends.cuda.matmul.allow_tf32 = saved[3]
 
 
 # ------------------------------------------------------------ speed ----

@@ -98,10 +98,15 @@ def compared_in_low_precision(cell, name):
 @pytest.fixture
 def exact_fp32():
     """float32 without TF32, in cuDNN and in matmuls, for tight comparisons."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cudnn = torch.backends.cudnn
+    # The context manager: tests/test_torch_contract.py imports torch's test
+    # utilities, which forbid assigning cuDNN's flags.
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                     deterministic=cudnn.deterministic, allow_tf32=False):
+        yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 # ------------------------------------------------------------- gradcheck ----
