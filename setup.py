@@ -10,6 +10,11 @@ Environment knobs:
   RNNKERN_CPU_ISA          x86-64 | x86-64-v2 | x86-64-v3 | x86-64-v4: compile the CPU
                            kernels' vectorised loops for this one ISA level instead of
                            choosing at load time (CI tests the lower levels this way)
+  RNNKERN_CUDA_EMULATION   1: also build rnnkern._C_cuda_emu, the CUDA kernels compiled
+                           with g++ for an emulated device on the CPU (tests only, see
+                           csrc/cuda_emu/prelude.h); asan / tsan: the same under
+                           AddressSanitizer+UBSan / ThreadSanitizer (CI, .ci/cuda_emulation.sh)
+  RNNKERN_CUDA_EMULATION_ONLY=1  build that extension alone (beside an existing install)
 """
 import glob
 import os
@@ -119,11 +124,57 @@ def extensions():
                           extra_link_args=["-fopenmp"] + (link or (["-lcublas"] if has_cublas else [])))]
 
 
+def cuda_headers():
+    """Directories with the CUDA runtime, half/bf16 and cuBLAS headers: the
+    nvidia-* wheels of a CUDA build of torch, else the toolkit."""
+    dirs = [d for d in pip_cuda_libraries()[0] if os.path.exists(os.path.join(d, "cuda_runtime.h"))
+            or os.path.exists(os.path.join(d, "cublas_v2.h"))]
+    if CUDA_HOME:
+        dirs.append(os.path.join(CUDA_HOME, "include"))
+    return dirs
+
+
+EMULATION_SANITIZERS = {
+    "1": [],
+    "asan": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"],
+    "tsan": ["-fsanitize=thread"],
+}
+
+
+def emulation_extensions():
+    """rnnkern._C_cuda_emu: the CUDA sources compiled as C++ for the emulated
+    device (csrc/cuda_emu), with the real backend's op bodies.  Test-only."""
+    mode = os.environ.get("RNNKERN_CUDA_EMULATION", "")
+    if not mode:
+        return []
+    if mode not in EMULATION_SANITIZERS:
+        raise SystemExit(f"RNNKERN_CUDA_EMULATION={mode!r}: expected one of {', '.join(EMULATION_SANITIZERS)}")
+    headers = cuda_headers()
+    if not any(os.path.exists(os.path.join(d, "cuda_runtime.h")) for d in headers):
+        raise SystemExit("RNNKERN_CUDA_EMULATION: the CUDA headers are missing (a CUDA build of torch "
+                         "brings them in its nvidia-* wheels; or set CUDA_HOME)")
+    sanitize = EMULATION_SANITIZERS[mode]
+    kernels = ["csrc/cuda_emu/runtime.cpp", "csrc/cuda_emu/kernels_sm90.cpp",
+               "csrc/cuda_emu/kernels_sm70.cpp"]
+    # -O1 -g under the sanitizers: reports with lines, a build in minutes.
+    opt = ["-O1", "-g"] if sanitize else ["-O2", "-g0"]
+    return [CppExtension("rnnkern._C_cuda_emu", kernels + ["csrc/cuda_emu/bindings.cpp", "csrc/checks.cpp"],
+                         include_dirs=[os.path.join(ROOT, "csrc", "cuda_emu", "include")] + headers,
+                         extra_compile_args={"cxx": opt + sanitize + ["-Wno-attributes"]},
+                         extra_link_args=sanitize)]
+
+
 class BuildExtensionSaysWhat(BuildExtension):
     """torch's BuildExtension, first saying what it builds: a build takes minutes and
     pip shows nothing of it without -v."""
 
     def run(self):
+        if os.environ.get("RNNKERN_CUDA_EMULATION"):
+            print("rnnkern: building rnnkern._C_cuda_emu: the CUDA sources for an emulated device "
+                  f"(tests only, RNNKERN_CUDA_EMULATION={os.environ['RNNKERN_CUDA_EMULATION']})",
+                  flush=True)
+        if os.environ.get("RNNKERN_CUDA_EMULATION_ONLY") == "1":
+            return super().run()
         if WITH_CUDA:
             archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ")
             what = (f"C++ CPU kernels and CUDA kernels for compute capabilities {archs} "
@@ -139,6 +190,7 @@ class BuildExtensionSaysWhat(BuildExtension):
 
 setup(
     packages=find_packages(include=["rnnkern", "rnnkern.*"]),
-    ext_modules=extensions(),
+    ext_modules=(emulation_extensions() if os.environ.get("RNNKERN_CUDA_EMULATION_ONLY") == "1"
+                 else extensions() + emulation_extensions()),
     cmdclass={"build_ext": BuildExtensionSaysWhat},
 )

@@ -57,6 +57,7 @@ UNSUPPORTED: dict[str, frozenset] = {
     "cpu": frozenset(),
     "cuda": frozenset(),
     "triton": frozenset(),
+    "cuda_emulated": frozenset(),
 }
 
 

@@ -10,6 +10,9 @@ backend        op                                          devices
 ``cpu``        ``torch.ops.rnnkern.*`` (C++, csrc/cpu)      CPU
 ``cuda``       ``torch.ops.rnnkern.*`` (CUDA, csrc/cuda)    CUDA, when compiled in
 ``triton``     ``torch.ops.rnnkern_triton.*``               CUDA; CPU with TRITON_INTERPRET=1
+``cuda_emulated``  the CUDA backend on an emulated device     CPU; tests only, present when
+               (``torch.ops.rnnkern_cuda_emu.*``,             built with
+               :mod:`rnnkern.cuda_emulated`)                  RNNKERN_CUDA_EMULATION=1
 =============  ==========================================  ===========================
 
 Every op family has the same four schemas (csrc/ops.cpp): ``recurrence``,
@@ -23,6 +26,7 @@ backend without a graph break.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
@@ -34,7 +38,11 @@ from . import _C
 from .reference import CELLS, check_cell, gate_count, workspace_width
 from . import reference
 
-BACKENDS = ("auto", "reference", "cpu", "cuda", "triton")
+#: True when the emulated CUDA device was built (RNNKERN_CUDA_EMULATION=1): tests only.
+WITH_CUDA_EMULATION = importlib.util.find_spec("rnnkern._C_cuda_emu") is not None
+
+BACKENDS = ("auto", "reference", "cpu", "cuda", "triton") + (
+    ("cuda_emulated",) if WITH_CUDA_EMULATION else ())
 
 #: True when the CUDA kernels were compiled into rnnkern._C.
 WITH_CUDA = bool(_C.WITH_CUDA)
@@ -283,6 +291,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             raise RuntimeError("backend='cuda': rnnkern was built without its CUDA kernels "
                                "(nvcc or a CUDA build of torch was missing at build time); "
                                "rebuild, or use backend='triton'")
+    if backend == "cuda_emulated" and device.type != "cpu":
+        raise ValueError(f"backend='cuda_emulated' runs the CUDA kernels on an emulated device "
+                         f"with CPU tensors, got tensors on {device}")
     if backend == "triton" and device.type != "cuda":
         if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' runs on CUDA tensors (or CPU tensors under "
@@ -291,7 +302,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _op_family(backend: str):
-    return _triton_ops() if backend == "triton" else torch.ops.rnnkern
+    if backend == "triton":
+        return _triton_ops()
+    if backend == "cuda_emulated":
+        from . import cuda_emulated  # noqa: F401  (defines torch.ops.rnnkern_cuda_emu)
+        return torch.ops.rnnkern_cuda_emu
+    return torch.ops.rnnkern
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:

@@ -116,6 +116,13 @@ __host__ __device__ __forceinline__ int64_t position(const int64_t* lengths, int
 
 // --------------------------------------------------------------- launch ----
 
+// The one launch syntax of the sources: RNNKERN_LAUNCH(grid, block, smem,
+// stream, kernel)(args...).  The emulated device (csrc/cuda_emu/prelude.h)
+// defines it first, to run the kernel on the CPU.
+#ifndef RNNKERN_LAUNCH
+#define RNNKERN_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
 constexpr int kPointwiseThreads = 256;
 
 // Blocks of a grid-stride loop over n elements.

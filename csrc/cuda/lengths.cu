@@ -31,7 +31,7 @@ void upload_lengths(const int64_t* host, int64_t B, int64_t* device, cudaStream_
     chunk.dst = device + b0;
     chunk.n = B - b0 < kChunk ? B - b0 : kChunk;
     for (int64_t i = 0; i < chunk.n; ++i) chunk.values[i] = host[b0 + i];
-    upload_lengths_kernel<<<(kChunk + 127) / 128, 128, 0, stream>>>(chunk);
+    RNNKERN_LAUNCH((kChunk + 127) / 128, 128, 0, stream, upload_lengths_kernel)(chunk);
     RNNKERN_LAUNCH_CHECK();
   }
 }

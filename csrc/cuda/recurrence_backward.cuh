@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(kPointwiseThreads)
 template <typename S, BackwardPhase kPhase>
 void launch_backward_pointwise(const BackwardStep<S>& st, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  backward_pointwise_kernel<S, kPhase><<<pointwise_blocks(n), kPointwiseThreads, 0, stream>>>(st);
+  RNNKERN_LAUNCH(pointwise_blocks(n), kPointwiseThreads, 0, stream,
+                 backward_pointwise_kernel<S, kPhase>)(st);
   RNNKERN_LAUNCH_CHECK();
 }
 

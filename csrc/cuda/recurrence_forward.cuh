@@ -58,8 +58,8 @@ template <typename S, ForwardPhase kPhase>
 void launch_forward_pointwise(const ForwardStep<S>& st, const acc_t<S>* hproj, int64_t n,
                               cudaStream_t stream) {
   if (n == 0) return;
-  forward_pointwise_kernel<S, kPhase>
-      <<<pointwise_blocks(n), kPointwiseThreads, 0, stream>>>(st, hproj);
+  RNNKERN_LAUNCH(pointwise_blocks(n), kPointwiseThreads, 0, stream,
+                 forward_pointwise_kernel<S, kPhase>)(st, hproj);
   RNNKERN_LAUNCH_CHECK();
 }
 

@@ -171,7 +171,7 @@ struct FmaTile {
 template <typename S, int NG>
 struct WmmaTile;
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(RNNKERN_CUDA_EMULATION)
 template <typename S, int NG>
 struct WmmaTile {
   using Partial = float;
@@ -295,7 +295,7 @@ void launch_step(const StepArgs<S>& a, cudaStream_t stream) {
   const int64_t row_tiles = (a.B + kStepTile - 1) / kStepTile;
   const dim3 grid(static_cast<unsigned int>(unit_tiles),
                   static_cast<unsigned int>(row_tiles < 65535 ? row_tiles : 65535));
-  step_kernel<S, kPhase><<<grid, kStepThreads, 0, stream>>>(a);
+  RNNKERN_LAUNCH(grid, kStepThreads, 0, stream, step_kernel<S, kPhase>)(a);
   RNNKERN_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,114 @@
+"""Mutation check of the emulated CUDA device: plants one bug at a time in a copy
+of the CUDA sources, rebuilds the emulated extension there and runs the
+emulated tests, which must fail on every mutant (and pass on the real code).
+
+Usage (repository root, in the venv, after the in-place build):
+    python .ci/cuda_emu_mutations.py [--keep DIR]
+Prints one line per mutant with the first failure the tests report.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, file, original text, mutated text[, sanitizer]): each original must occur
+# exactly once.  A mutant with a sanitizer runs the tests on a build under it (a
+# read one row past the end changes no result: AddressSanitizer's to catch).
+MUTANTS = [
+    ("removed __syncthreads after staging the step tiles", "csrc/cuda/step.cuh",
+     "      __syncthreads();\n      tile.chunk(As, Ws, tid);",
+     "      tile.chunk(As, Ws, tid);"),
+    ("bound check b < B -> b <= B in the step kernel's staging", "csrc/cuda/step.cuh",
+     "if (b < B && kk < K) v = kk < I", "if (b <= B && kk < K) v = kk < I", "asan"),
+    ("swapped cuBLAS transpose flag of B", "csrc/cuda/gemm.cpp",
+     "const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;",
+     "const cublasOperation_t op_b = trans_b ? CUBLAS_OP_N : CUBLAS_OP_T;"),
+    ("skipped write of the LSTM step's c_new", "csrc/cuda/step.cuh",
+     "    store_at(a.c_new, o, r.c);\n", ""),
+    ("barrier under if (tid < 64)", "csrc/cuda/step.cuh",
+     "    tile.store(Ps, tid);\n    __syncthreads();",
+     "    tile.store(Ps, tid);\n    if (tid < 64) __syncthreads();"),
+]
+
+SOURCES = ["csrc", "rnnkern", "tests", "setup.py", "pyproject.toml"]
+
+
+def build(repo: str, mode: str = "1") -> None:
+    env = dict(os.environ, RNNKERN_CUDA_EMULATION=mode, RNNKERN_CUDA_EMULATION_ONLY="1",
+               MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "--build-temp",
+                    f"build-{mode}"], cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.STDOUT)
+
+
+def gcc_file(name: str) -> str:
+    return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def run_tests(repo: str, mode: str = "1") -> tuple[int, str]:
+    env = dict(os.environ, RNNKERN_REQUIRE_CUDA_EMULATION="1", PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    report = os.path.join(repo, "sanitizer-report")
+    if mode == "asan":
+        env.update(LD_PRELOAD=f"{gcc_file('libasan.so')} {gcc_file('libstdc++.so')}",
+                   ASAN_OPTIONS=f"detect_leaks=0:log_path={report}")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_cuda_emulated.py", "-x", "-q",
+                           "-p", "no:cacheprovider"], cwd=repo, env=env, capture_output=True, text=True)
+    for f in sorted(os.listdir(repo)):
+        if f.startswith("sanitizer-report"):
+            text = open(os.path.join(repo, f)).read()
+            os.remove(os.path.join(repo, f))
+            errors = [ln for ln in text.splitlines() if "ERROR:" in ln or ln.lstrip().startswith("#0 ")]
+            if "SUMMARY:" in text:
+                return proc.returncode or 1, " | ".join(errors[:2])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("E ", "FAILED"))]
+    return proc.returncode, (lines[0] + " | " + lines[-1]) if lines else proc.stdout[-300:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", help="work in this directory and keep it")
+    args = parser.parse_args()
+    work = args.keep or tempfile.mkdtemp(prefix="rnnkern-mutants-")
+    repo = os.path.join(work, "repo")
+    shutil.rmtree(repo, ignore_errors=True)
+    os.makedirs(repo)
+    for name in SOURCES:
+        src = os.path.join(ROOT, name)
+        (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(repo, name))
+    for f in os.listdir(os.path.join(repo, "rnnkern")):
+        if f.startswith("_C_cuda_emu"):
+            os.remove(os.path.join(repo, "rnnkern", f))
+    build(repo)
+    code, what = run_tests(repo)
+    print(f"real code: {'passes' if code == 0 else 'FAILS: ' + what}", flush=True)
+    missed = code != 0
+    for name, path, old, new, *sanitizer in MUTANTS:
+        mode = sanitizer[0] if sanitizer else "1"
+        full = os.path.join(repo, path)
+        text = open(full).read()
+        assert text.count(old) == 1, f"{name}: the original text occurs {text.count(old)} times in {path}"
+        open(full, "w").write(text.replace(old, new))
+        try:
+            build(repo, mode)
+            code, what = run_tests(repo, mode)
+        finally:
+            open(full, "w").write(text)
+        if mode != "1":
+            name += f" (under {mode})"
+        caught = code != 0
+        missed |= not caught
+        print(f"{'caught' if caught else 'MISSED'}: {name}: {what}", flush=True)
+    if not args.keep:
+        shutil.rmtree(work)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The CUDA kernels, executed on the CPU by the emulated device (csrc/cuda_emu,
+# tests/test_cuda_emulated.py), once more under the sanitizers, and the
+# mutation check that shows the emulated tests catch planted bugs:
+#   asan  every emulated test, AddressSanitizer + UBSan (out-of-bounds reads and
+#         writes, use after free, undefined behaviour), fiber switches annotated;
+#   tsan  the step kernel (barriers, shared memory, WMMA) in every thread-resume
+#         order, ThreadSanitizer with one TSan fiber per CUDA thread and the
+#         barriers as release/acquire (csrc/cuda_emu/runtime.cpp);
+#   .ci/cuda_emu_mutations.py: each planted bug is caught.
+# Zero sanitizer reports is the bar.  Each sanitized build is the emulated
+# extension alone, beside a copy of the package in build/emu-<mode>.
+# Usage: bash .ci/cuda_emulation.sh  (repository root, in the venv, after the
+# in-place build of .ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+preload_stdcxx=$(gcc -print-file-name=libstdc++.so)  # ASan/TSan intercept __cxa_throw: load it first
+
+run_mode() {
+    local mode=$1 runtime=$2 select=$3
+    local out=$root/build/emu-$mode
+    rm -rf "$out" "$out-obj" && mkdir -p "$out"
+    cp -r rnnkern "$out/" && rm -f "$out"/rnnkern/_C_cuda_emu*.so
+    RNNKERN_CUDA_EMULATION=$mode RNNKERN_CUDA_EMULATION_ONLY=1 MAX_JOBS=${MAX_JOBS:-2} \
+        python setup.py -q build_ext --build-lib "$out" --build-temp "$out-obj" >"$out.log" 2>&1 \
+        || { cat "$out.log"; exit 1; }
+    echo "== emulated CUDA under $mode: tests/test_cuda_emulated.py -k '$select'"
+    local status=0
+    (cd "$out" && LD_PRELOAD="$(gcc -print-file-name="$runtime") $preload_stdcxx" \
+        OMP_NUM_THREADS=1 RNNKERN_REQUIRE_CUDA_EMULATION=1 \
+        ASAN_OPTIONS="detect_leaks=0:log_path=$out/report" \
+        UBSAN_OPTIONS="print_stacktrace=1:log_path=$out/report" \
+        TSAN_OPTIONS="log_path=$out/report" \
+        python -m pytest "$root/tests/test_cuda_emulated.py" -q -p no:cacheprovider -k "$select") || status=$?
+    # Every sanitizer report ends with a SUMMARY line (ASan's one-time notice
+    # about swapcontext, which the fiber annotations address, is not a report).
+    if compgen -G "$out/report*" >/dev/null && grep -q "SUMMARY:" "$out"/report*; then
+        echo "== $mode reports:"; cat "$out"/report*; exit 1
+    fi
+    [ "$status" -eq 0 ] || { echo "== $mode: tests failed ($status)"; exit 1; }
+    echo "== $mode: zero reports"
+}
+
+run_mode asan libasan.so ""
+run_mode tsan libtsan.so "step"
+
+echo "== mutation check"
+python .ci/cuda_emu_mutations.py

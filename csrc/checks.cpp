@@ -1,0 +1,260 @@
+// The argument checks every backend runs first, and the small helpers of
+// ops.h (schemas and conventions: ops.cpp).  No registrations here: this file
+// is also compiled into the emulated CUDA build (csrc/cuda_emu).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
+#include "ops.h"
+
+#include <ATen/ops/empty.h>
+
+#include <sstream>
+
+namespace rnnkern {
+
+Cell parse_cell(c10::string_view name) {
+  if (name == "rnn_tanh") return Cell::RnnTanh;
+  if (name == "rnn_relu") return Cell::RnnRelu;
+  if (name == "lstm") return Cell::Lstm;
+  if (name == "gru") return Cell::Gru;
+  if (name == "gru_reset_before") return Cell::GruResetBefore;
+  TORCH_CHECK_VALUE(false, "rnnkern: unknown cell '", std::string(name),
+                    "'; expected one of rnn_tanh, rnn_relu, lstm, gru, gru_reset_before");
+}
+
+const char* cell_name(Cell cell) {
+  switch (cell) {
+    case Cell::RnnTanh: return "rnn_tanh";
+    case Cell::RnnRelu: return "rnn_relu";
+    case Cell::Lstm: return "lstm";
+    case Cell::Gru: return "gru";
+    case Cell::GruResetBefore: return "gru_reset_before";
+  }
+  return "?";
+}
+
+at::ScalarType acc_type(at::ScalarType t) {
+  return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
+}
+
+Tensor empty_like_options(const Tensor& like, at::ScalarType dtype) {
+  return at::empty({0}, like.options().dtype(dtype));
+}
+
+namespace {
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+// Checks one tensor argument: dimensionality, sizes, dtype and device.
+void check_arg(const char* op, const char* name, const Tensor& t, at::IntArrayRef sizes,
+               const Tensor& ref) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " must be a tensor");
+  TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(sizes.size()) && t.sizes() == sizes, op,
+                    ": expected ", name, " of shape ", sizes, ", got ", shape_str(t));
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": expected ", name, " of dtype ",
+                   ref.scalar_type(), " (the dtype of the input), got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": expected ", name, " on ", ref.device(),
+                    " (the device of the input), got ", t.device());
+}
+
+void check_floating(const char* op, const char* name, const Tensor& t) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kDouble || st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
+                   op, ": expected ", name,
+                   " of a floating dtype (float64, float32, float16, bfloat16), got ", st);
+}
+
+void check_lengths(const char* op, const OptTensor& lengths, int64_t T, int64_t B) {
+  if (!lengths.has_value()) return;
+  const Tensor& l = *lengths;
+  TORCH_CHECK_VALUE(l.dim() == 1 && l.size(0) == B, op, ": expected lengths of shape [", B,
+                    "] (one per sequence), got ", shape_str(l));
+  TORCH_CHECK_TYPE(l.scalar_type() == at::kLong, op, ": expected lengths of dtype int64, got ",
+                   l.scalar_type());
+  TORCH_CHECK_VALUE(l.device().is_cpu(), op, ": expected lengths on the CPU (as ",
+                    "torch.nn.utils.rnn.pack_padded_sequence), got ", l.device());
+  if (B == 0) return;
+  const auto c = l.contiguous();
+  const int64_t* p = c.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= T, op, ": lengths[", b, "] = ", p[b],
+                      " is outside [0, ", T, "] (T = xproj.size(0))");
+  }
+}
+
+// Sizes implied by w_hh (and w_hr): H from the gate rows, P from the columns.
+void sizes_from_weights(const char* op, Cell cell, const Tensor& w_hh, const OptTensor& w_hr,
+                        int64_t& H, int64_t& P, int64_t& G) {
+  G = gate_count(cell);
+  TORCH_CHECK_VALUE(w_hh.dim() == 2, op, ": expected w_hh to be 2-D [G*H, P], got ",
+                    shape_str(w_hh));
+  TORCH_CHECK_VALUE(w_hh.size(0) % G == 0 && w_hh.size(0) > 0, op, ": w_hh has ", w_hh.size(0),
+                    " rows, expected a positive multiple of ", G, " (the gates of ",
+                    cell_name(cell), ")");
+  H = w_hh.size(0) / G;
+  P = w_hh.size(1);
+  if (w_hr.has_value()) {
+    TORCH_CHECK_VALUE(cell == Cell::Lstm, op, ": w_hr (projection) is only defined for lstm, got ",
+                      cell_name(cell));
+    TORCH_CHECK_VALUE(w_hr->dim() == 2 && w_hr->size(0) == P && w_hr->size(1) == H, op,
+                      ": expected w_hr of shape [", P, ", ", H, "], got ", shape_str(*w_hr));
+  } else {
+    TORCH_CHECK_VALUE(P == H, op, ": expected w_hh of shape [", G * H, ", ", H, "], got ",
+                      shape_str(w_hh));
+  }
+}
+
+}  // namespace
+
+RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj, const Tensor& h0,
+                                 const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
+                                 const OptTensor& b_hh, const OptTensor& w_hr,
+                                 const OptTensor& lengths) {
+  const char* op = "rnnkern.recurrence";
+  RecurrenceSizes s{};
+  s.cell = parse_cell(cell_str);
+  check_floating(op, "xproj", xproj);
+  TORCH_CHECK_VALUE(xproj.dim() == 3, op, ": expected xproj to be 3-D [T, B, G*H], got ",
+                    shape_str(xproj));
+  sizes_from_weights(op, s.cell, w_hh, w_hr, s.H, s.P, s.G);
+  s.T = xproj.size(0);
+  s.B = xproj.size(1);
+  s.has_proj = w_hr.has_value();
+  TORCH_CHECK_VALUE(xproj.size(2) == s.G * s.H, op, ": expected xproj.size(2) == ", s.G * s.H,
+                    " (", s.G, " gates x hidden size ", s.H, "), got ", xproj.size(2));
+  check_arg(op, "w_hh", w_hh, {s.G * s.H, s.P}, xproj);
+  check_arg(op, "h0", h0, {s.B, s.P}, xproj);
+  if (s.cell == Cell::Lstm) {
+    TORCH_CHECK_VALUE(c0.has_value(), op, ": lstm needs c0");
+    check_arg(op, "c0", *c0, {s.B, s.H}, xproj);
+  } else {
+    TORCH_CHECK_VALUE(!c0.has_value(), op, ": c0 is only defined for lstm, got one for ",
+                      cell_name(s.cell));
+  }
+  if (b_ih.has_value()) check_arg(op, "b_ih", *b_ih, {s.G * s.H}, xproj);
+  if (b_hh.has_value()) check_arg(op, "b_hh", *b_hh, {s.G * s.H}, xproj);
+  if (w_hr.has_value()) check_arg(op, "w_hr", *w_hr, {s.P, s.H}, xproj);
+  check_lengths(op, lengths, s.T, s.B);
+  return s;
+}
+
+RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tensor& grad_output,
+                                          const Tensor& grad_h_n, const OptTensor& grad_c_n,
+                                          const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
+                                          const OptTensor& w_hr, const Tensor& output,
+                                          const Tensor& workspace, const OptTensor& lengths) {
+  const char* op = "rnnkern.recurrence_backward";
+  RecurrenceSizes s{};
+  s.cell = parse_cell(cell_str);
+  check_floating(op, "output", output);
+  TORCH_CHECK_VALUE(output.dim() == 3, op, ": expected output to be 3-D [T, B, P], got ",
+                    shape_str(output));
+  sizes_from_weights(op, s.cell, w_hh, w_hr, s.H, s.P, s.G);
+  s.T = output.size(0);
+  s.B = output.size(1);
+  s.has_proj = w_hr.has_value();
+  check_arg(op, "output", output, {s.T, s.B, s.P}, output);
+  check_arg(op, "grad_output", grad_output, {s.T, s.B, s.P}, output);
+  check_arg(op, "grad_h_n", grad_h_n, {s.B, s.P}, output);
+  check_arg(op, "h0", h0, {s.B, s.P}, output);
+  check_arg(op, "w_hh", w_hh, {s.G * s.H, s.P}, output);
+  if (w_hr.has_value()) check_arg(op, "w_hr", *w_hr, {s.P, s.H}, output);
+  if (s.cell == Cell::Lstm) {
+    TORCH_CHECK_VALUE(c0.has_value() && grad_c_n.has_value(), op, ": lstm needs c0 and grad_c_n");
+    check_arg(op, "c0", *c0, {s.B, s.H}, output);
+    check_arg(op, "grad_c_n", *grad_c_n, {s.B, s.H}, output);
+  }
+  const int64_t W = workspace_width(s.cell);
+  if (W > 0) {
+    TORCH_CHECK_VALUE(workspace.dim() == 3, op,
+                      ": the workspace is empty; the forward ran with train=False");
+    TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef({s.T, s.B, W * s.H}), op,
+                      ": expected workspace of shape [", s.T, ", ", s.B, ", ", W * s.H, "], got ",
+                      shape_str(workspace));
+    TORCH_CHECK_TYPE(workspace.scalar_type() == acc_type(output.scalar_type()), op,
+                     ": expected workspace of dtype ", acc_type(output.scalar_type()), ", got ",
+                     workspace.scalar_type());
+    TORCH_CHECK_VALUE(workspace.device() == output.device(), op, ": expected workspace on ",
+                      output.device(), ", got ", workspace.device());
+  }
+  check_lengths(op, lengths, s.T, s.B);
+  return s;
+}
+
+namespace {
+
+StepSizes check_step_args(const char* op, c10::string_view cell_str, const Tensor& x,
+                          const Tensor& h, const OptTensor& c, const Tensor& w_ih,
+                          const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh) {
+  StepSizes s{};
+  s.cell = parse_cell(cell_str);
+  check_floating(op, "x", x);
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": expected x to be 2-D [B, I], got ", shape_str(x));
+  int64_t P = 0;
+  sizes_from_weights(op, s.cell, w_hh, std::nullopt, s.H, P, s.G);
+  s.B = x.size(0);
+  s.I = x.size(1);
+  check_arg(op, "w_ih", w_ih, {s.G * s.H, s.I}, x);
+  check_arg(op, "w_hh", w_hh, {s.G * s.H, s.H}, x);
+  check_arg(op, "h", h, {s.B, s.H}, x);
+  if (s.cell == Cell::Lstm) {
+    TORCH_CHECK_VALUE(c.has_value(), op, ": lstm needs c");
+    check_arg(op, "c", *c, {s.B, s.H}, x);
+  } else {
+    TORCH_CHECK_VALUE(!c.has_value(), op, ": c is only defined for lstm, got one for ",
+                      cell_name(s.cell));
+  }
+  if (b_ih.has_value()) check_arg(op, "b_ih", *b_ih, {s.G * s.H}, x);
+  if (b_hh.has_value()) check_arg(op, "b_hh", *b_hh, {s.G * s.H}, x);
+  return s;
+}
+
+}  // namespace
+
+StepSizes check_step(c10::string_view cell_str, const Tensor& x, const Tensor& h,
+                     const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
+                     const OptTensor& b_ih, const OptTensor& b_hh) {
+  return check_step_args("rnnkern.step", cell_str, x, h, c, w_ih, w_hh, b_ih, b_hh);
+}
+
+StepSizes check_step_backward(c10::string_view cell_str, const Tensor& grad_h_new,
+                              const OptTensor& grad_c_new, const Tensor& x, const Tensor& h,
+                              const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
+                              const Tensor& h_new, const Tensor& workspace) {
+  const char* op = "rnnkern.step_backward";
+  StepSizes s = check_step_args(op, cell_str, x, h, c, w_ih, w_hh, std::nullopt, std::nullopt);
+  check_arg(op, "grad_h_new", grad_h_new, {s.B, s.H}, x);
+  check_arg(op, "h_new", h_new, {s.B, s.H}, x);
+  if (s.cell == Cell::Lstm) {
+    TORCH_CHECK_VALUE(grad_c_new.has_value(), op, ": lstm needs grad_c_new");
+    check_arg(op, "grad_c_new", *grad_c_new, {s.B, s.H}, x);
+  }
+  const int64_t W = workspace_width(s.cell);
+  TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef({s.B, W * s.H}), op,
+                    ": expected workspace of shape [", s.B, ", ", W * s.H, "], got ",
+                    shape_str(workspace));
+  TORCH_CHECK_TYPE(workspace.scalar_type() == acc_type(x.scalar_type()), op,
+                   ": expected workspace of dtype ", acc_type(x.scalar_type()), ", got ",
+                   workspace.scalar_type());
+  TORCH_CHECK_VALUE(workspace.device() == x.device(), op, ": expected workspace on ", x.device(),
+                    ", got ", workspace.device());
+  return s;
+}
+
+void check_linear(const Tensor& x, const Tensor& weight) {
+  const char* op = "rnnkern.linear";
+  check_floating(op, "x", x);
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": expected x to be 2-D [M, K], got ", shape_str(x));
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1), op,
+                    ": expected weight of shape [N, ", x.size(1), "], got ", shape_str(weight));
+  check_arg(op, "weight", weight, weight.sizes(), x);
+}
+
+void check_linear_backward(const Tensor& grad_y, const Tensor& x, const Tensor& weight) {
+  check_linear(x, weight);
+  check_arg("rnnkern.linear_backward", "grad_y", grad_y, {x.size(0), weight.size(0)}, x);
+}
+
+}  // namespace rnnkern

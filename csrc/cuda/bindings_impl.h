@@ -1,0 +1,360 @@
+// The CUDA backend's ops, device-independent: argument checks (ops.h), the
+// tensors -> params.h structs unpacking, scratch allocation and the weight
+// gradients after the time loop.  Instantiated for the real device
+// (bindings.cpp) and for the emulated one (csrc/cuda_emu/bindings.cpp), so
+// that the emulated tests run this very code.  `Dev` provides:
+//   Context context();                          stream, cuBLAS handle, TF32 flag
+//   void check_device(const char* op, const Tensor&);
+//   Guard (constructed from a c10::Device)      selects the device
+//   Tensor empty(IntArrayRef, TensorOptions)    device memory, contents undefined
+//   template <S> void step_forward(const StepParams&, const Context&)
+//
+// The weight and bias gradients are one large GEMM / reduction each, run
+// with ATen after the backward's time loop.
+#pragma once
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <torch/library.h>
+
+#include "../ops.h"
+#include "params.h"
+
+namespace rnnkern::cuda::bindings {
+
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<S>{}) with S the kernels' storage type of dtype t.
+template <typename F>
+void dispatch_storage(at::ScalarType t, const F& f) {
+  switch (t) {
+    case at::kDouble: return f(Tag<double>{});
+    case at::kFloat: return f(Tag<float>{});
+    case at::kHalf: return f(Tag<__half>{});
+    case at::kBFloat16: return f(Tag<__nv_bfloat16>{});
+    default: TORCH_CHECK_TYPE(false, "rnnkern (CUDA): unsupported dtype ", t);
+  }
+}
+
+// Inputs through const_data_ptr: a copy-on-write input stays shared (see ops.py).
+const void* ptr(const Tensor& t) { return t.defined() && t.numel() > 0 ? t.const_data_ptr() : nullptr; }
+void* mut_ptr(const Tensor& t) { return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr; }
+
+Tensor contiguous_or_undefined(const OptTensor& t) {
+  return t.has_value() ? t->contiguous() : Tensor();
+}
+
+// A per-step row source ([T, B, N] read row by row): kept as is when its
+// last dimension is dense (batch-first views need no copy).
+Tensor rows_dense(const Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); }
+
+// The device copy of the lengths, or an undefined tensor without lengths.
+template <typename Dev>
+Tensor device_lengths(const OptTensor& lengths, const at::TensorOptions& opt, cudaStream_t stream) {
+  if (!lengths.has_value()) return Tensor();
+  const Tensor host = lengths->contiguous();
+  Tensor dev = Dev::empty({host.size(0)}, opt.dtype(at::kLong));
+  upload_lengths(host.const_data_ptr<int64_t>(), host.size(0), dev.data_ptr<int64_t>(), stream);
+  return dev;
+}
+
+const int64_t kStepsAndRows[] = {0, 1};
+
+// dw = sum over positions p and rows b of d[p, b]^T h_{t-1}(p, b), where
+// h_{t-1} is the output one step earlier (p - 1, or p + 1 in reverse) and h0
+// at each sequence's first step.  As in the CPU backend, padding positions
+// have d = 0 and output 0, so two GEMMs cover every case without gathering
+// h_{t-1}: the later positions against the shifted output, and each row's
+// first step (d_first: the gate gradients of step 0, whatever its position)
+// against h0.  d: [T, B, N] (may be a column slice), out: [T, B, P].
+void weight_grad_by_prev_state(Tensor dw, const Tensor& d, const Tensor& d_first,
+                               const Tensor& out, const Tensor& h0, bool reverse) {
+  const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
+  at::mm_out(dw, d_first.t(), h0);
+  if (T > 1) {
+    const Tensor d_later = reverse ? d.narrow(0, 0, T - 1) : d.narrow(0, 1, T - 1);
+    const Tensor out_earlier = reverse ? out.narrow(0, 1, T - 1) : out.narrow(0, 0, T - 1);
+    dw.addmm_(d_later.reshape({(T - 1) * B, N}).t(), out_earlier.reshape({(T - 1) * B, P}));
+  }
+}
+
+// ------------------------------------------------------------- forward ----
+
+template <typename Dev>
+std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
+    c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
+    const OptTensor& lengths, bool reverse, bool train) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
+  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths);
+  Dev::check_device("rnnkern.recurrence", xproj);
+  const typename Dev::Guard device_guard(xproj.device());
+  const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
+  const int64_t W = workspace_width(z.cell);
+  const bool lstm = z.cell == Cell::Lstm, reset_before = z.cell == Cell::GruResetBefore;
+  const auto dtype = xproj.scalar_type(), acc = acc_type(dtype);
+  const auto opt = xproj.options(), acc_opt = opt.dtype(acc);
+
+  Tensor output = Dev::empty({T, B, P}, opt);
+  Tensor h_n = Dev::empty({B, P}, opt);
+  Tensor c_n = lstm ? Dev::empty({B, H}, opt) : empty_like_options(xproj, dtype);
+  Tensor ws = train ? Dev::empty({T, B, W * H}, acc_opt) : empty_like_options(xproj, acc);
+  if (T == 0 || B == 0) {
+    h_n.copy_(h0);
+    if (lstm) c_n.copy_(*c0);
+    return {output, h_n, c_n, ws};
+  }
+
+  const Context ctx = Dev::context();
+  const Tensor x = rows_dense(xproj);
+  const Tensor h0c = h0.contiguous(), w = w_hh.contiguous();
+  const Tensor bi = contiguous_or_undefined(b_ih), bh = contiguous_or_undefined(b_hh);
+  const Tensor wr = contiguous_or_undefined(w_hr);
+  const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
+  // Scratch of the time loop (params.h).
+  const Tensor hproj = Dev::empty({B, reset_before ? 2 * H : G * H}, acc_opt);
+  Tensor h_state, c_state;
+  if (lengths.has_value()) {
+    h_state = Dev::empty({2, B, P}, opt);
+    h_state[0].copy_(h0);
+  }
+  if (lstm) {
+    c_state = Dev::empty({2, B, H}, acc_opt);
+    c_state[0].copy_(*c0);
+  }
+  const Tensor rh = reset_before ? Dev::empty({B, H}, opt) : Tensor();
+  const Tensor hn = reset_before ? Dev::empty({B, H}, acc_opt) : Tensor();
+  const Tensor h_full = z.has_proj ? Dev::empty({B, H}, opt) : Tensor();
+
+  RecurrenceForwardParams p{};
+  p.cell = z.cell;
+  p.T = T, p.B = B, p.H = H, p.P = P;
+  p.reverse = reverse;
+  p.lengths = lengths_dev.defined() ? lengths_dev.data_ptr<int64_t>() : nullptr;
+  p.xproj = ptr(x);
+  p.xproj_stride_t = x.stride(0), p.xproj_stride_b = x.stride(1);
+  p.h0 = ptr(h0c);
+  p.w_hh = ptr(w);
+  p.b_ih = ptr(bi), p.b_hh = ptr(bh);
+  p.w_hr = ptr(wr);
+  p.output = mut_ptr(output);
+  p.workspace = train ? mut_ptr(ws) : nullptr;
+  p.hproj = mut_ptr(hproj);
+  p.h_state = mut_ptr(h_state);
+  p.c_state = mut_ptr(c_state);
+  p.rh = mut_ptr(rh), p.hn = mut_ptr(hn);
+  p.h_full = mut_ptr(h_full);
+  dispatch_storage(dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    recurrence_forward<S>(p, ctx);
+  });
+
+  // The final state: the last step's state slot, or (without lengths) the
+  // output row of the last step.
+  h_n.copy_(lengths.has_value() ? h_state[T & 1] : output[reverse ? 0 : T - 1]);
+  if (lstm) c_n.copy_(c_state[T & 1]);
+  return {output, h_n, c_n, ws};
+}
+
+// ------------------------------------------------------------ backward ----
+
+struct BackwardResult {
+  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr;
+};
+
+// The backward of `recurrence`, and (T = 1, no grad_output) of `step`.
+// Results in the storage dtype.  grad_output may be undefined (zeros).
+template <typename Dev>
+BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
+                            const Tensor& grad_h_n, const OptTensor& grad_c_n, const Tensor& h0,
+                            const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
+                            const Tensor& output, const Tensor& workspace,
+                            const OptTensor& lengths, bool reverse) {
+  const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
+  const bool lstm = z.cell == Cell::Lstm, gru = z.cell == Cell::Gru;
+  const bool reset_before = z.cell == Cell::GruResetBefore;
+  const auto dtype = output.scalar_type(), acc = acc_type(dtype);
+  const auto opt = output.options(), acc_opt = opt.dtype(acc);
+
+  BackwardResult r;
+  r.d_xproj = Dev::empty({T, B, G * H}, opt);
+  r.d_h0 = Dev::empty({B, P}, opt);
+  r.d_c0 = lstm ? Dev::empty({B, H}, opt) : empty_like_options(output, dtype);
+  r.d_w_hh = Dev::empty({G * H, P}, opt);
+  r.d_b_ih = Dev::empty({G * H}, opt);
+  r.d_b_hh = Dev::empty({G * H}, opt);
+  r.d_w_hr = z.has_proj ? Dev::empty({P, H}, opt) : empty_like_options(output, dtype);
+  if (T == 0 || B == 0) {
+    r.d_xproj.zero_();
+    r.d_h0.copy_(grad_h_n);
+    if (lstm) r.d_c0.copy_(*grad_c_n);
+    for (Tensor* t : {&r.d_w_hh, &r.d_b_ih, &r.d_b_hh, &r.d_w_hr}) t->zero_();
+    return r;
+  }
+
+  const Context ctx = Dev::context();
+  const Tensor gout = grad_output.defined() ? rows_dense(grad_output) : Tensor();
+  const Tensor h0c = h0.contiguous(), w = w_hh.contiguous(), out = output.contiguous();
+  const Tensor c0c = contiguous_or_undefined(c0), wr = contiguous_or_undefined(w_hr);
+  const Tensor wsc = workspace.contiguous();
+  const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
+  // The carried gradients (updated in place: fresh copies) and the scratch.
+  Tensor dh = Dev::empty({B, P}, acc_opt);
+  dh.copy_(grad_h_n);
+  Tensor dc;
+  if (lstm) {
+    dc = Dev::empty({B, H}, acc_opt);
+    dc.copy_(*grad_c_n);
+  }
+  const Tensor da = Dev::empty({B, reset_before ? 2 * H : G * H}, opt);
+  const Tensor dhn_all = gru ? Dev::empty({T, B, H}, opt) : Tensor();
+  const Tensor dn = reset_before ? Dev::empty({B, H}, opt) : Tensor();
+  const Tensor drh = reset_before ? Dev::empty({B, H}, acc_opt) : Tensor();
+  const Tensor rh_all = reset_before ? Dev::empty({T, B, H}, opt) : Tensor();
+  const Tensor dh_tot = z.has_proj ? Dev::empty({B, P}, opt) : Tensor();
+  const Tensor dh_tot_all = z.has_proj ? Dev::empty({T, B, P}, opt) : Tensor();
+  const Tensor dh_full = z.has_proj ? Dev::empty({B, H}, acc_opt) : Tensor();
+  const Tensor h_full_all = z.has_proj ? Dev::empty({T, B, H}, opt) : Tensor();
+
+  RecurrenceBackwardParams p{};
+  p.cell = z.cell;
+  p.T = T, p.B = B, p.H = H, p.P = P;
+  p.reverse = reverse;
+  p.lengths = lengths_dev.defined() ? lengths_dev.data_ptr<int64_t>() : nullptr;
+  p.grad_output = gout.defined() ? ptr(gout) : nullptr;
+  p.grad_output_stride_t = gout.defined() ? gout.stride(0) : 0;
+  p.grad_output_stride_b = gout.defined() ? gout.stride(1) : 0;
+  p.h0 = ptr(h0c), p.c0 = ptr(c0c);
+  p.w_hh = ptr(w), p.w_hr = ptr(wr);
+  p.output = ptr(out);
+  p.workspace = ptr(wsc);
+  p.d_xproj = mut_ptr(r.d_xproj);
+  p.dh = mut_ptr(dh), p.dc = mut_ptr(dc);
+  p.da = mut_ptr(da);
+  p.dhn_all = mut_ptr(dhn_all);
+  p.dn = mut_ptr(dn), p.drh = mut_ptr(drh), p.rh_all = mut_ptr(rh_all);
+  p.dh_tot = mut_ptr(dh_tot), p.dh_tot_all = mut_ptr(dh_tot_all);
+  p.dh_full = mut_ptr(dh_full), p.h_full_all = mut_ptr(h_full_all);
+  dispatch_storage(dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    recurrence_backward<S>(p, ctx);
+  });
+
+  r.d_h0.copy_(dh);
+  if (lstm) r.d_c0.copy_(dc);
+
+  // Weight and bias gradients: one GEMM or reduction over all steps each.
+  const Tensor& dx = r.d_xproj;
+  const at::IntArrayRef steps_and_rows(kStepsAndRows);
+  at::sum_out(r.d_b_ih, dx, steps_and_rows);
+  if (gru || reset_before) {
+    // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
+    // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
+    weight_grad_by_prev_state(r.d_w_hh.narrow(0, 0, 2 * H), dx.narrow(2, 0, 2 * H),
+                              da.narrow(1, 0, 2 * H), out, h0c, reverse);
+    Tensor dw_n = r.d_w_hh.narrow(0, 2 * H, H), db_n = r.d_b_hh.narrow(0, 2 * H, H);
+    if (gru) {
+      weight_grad_by_prev_state(dw_n, dhn_all, da.narrow(1, 2 * H, H), out, h0c, reverse);
+      at::sum_out(db_n, dhn_all, steps_and_rows);
+    } else {
+      at::mm_out(dw_n, dx.narrow(2, 2 * H, H).reshape({T * B, H}).t(), rh_all.view({T * B, H}));
+      db_n.copy_(r.d_b_ih.narrow(0, 2 * H, H));
+    }
+    r.d_b_hh.narrow(0, 0, 2 * H).copy_(r.d_b_ih.narrow(0, 0, 2 * H));
+  } else {
+    weight_grad_by_prev_state(r.d_w_hh, dx, da, out, h0c, reverse);
+    r.d_b_hh.copy_(r.d_b_ih);
+  }
+  if (z.has_proj) {
+    at::mm_out(r.d_w_hr, dh_tot_all.view({T * B, P}).t(), h_full_all.view({T * B, H}));
+  }
+  return r;
+}
+
+template <typename Dev>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_op(
+    c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
+    const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
+    const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
+    const OptTensor& lengths, bool reverse) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const RecurrenceSizes z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0,
+                                                      c0, w_hh, w_hr, output, workspace, lengths);
+  Dev::check_device("rnnkern.recurrence_backward", output);
+  const typename Dev::Guard device_guard(output.device());
+  const BackwardResult r = run_backward<Dev>(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
+                                        output, workspace, lengths, reverse);
+  return {r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_w_hr};
+}
+
+// ---------------------------------------------------------------- step ----
+
+template <typename Dev>
+std::tuple<Tensor, Tensor, Tensor> step_op(c10::string_view cell, const Tensor& x,
+                                             const Tensor& h, const OptTensor& c,
+                                             const Tensor& w_ih, const Tensor& w_hh,
+                                             const OptTensor& b_ih, const OptTensor& b_hh) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
+  Dev::check_device("rnnkern.step", x);
+  const typename Dev::Guard device_guard(x.device());
+  const bool lstm = s.cell == Cell::Lstm;
+  const auto dtype = x.scalar_type(), acc = acc_type(dtype);
+  const auto opt = x.options();
+  Tensor h_new = Dev::empty({s.B, s.H}, opt);
+  Tensor c_new = lstm ? Dev::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
+  Tensor ws = Dev::empty({s.B, workspace_width(s.cell) * s.H}, opt.dtype(acc));
+  if (s.B == 0) return {h_new, c_new, ws};
+
+  const Context ctx = Dev::context();
+  const Tensor xc = x.contiguous(), hc = h.contiguous(), cc = contiguous_or_undefined(c);
+  const Tensor wi = w_ih.contiguous(), wh = w_hh.contiguous();
+  const Tensor bi = contiguous_or_undefined(b_ih), bh = contiguous_or_undefined(b_hh);
+  const Tensor rh = s.cell == Cell::GruResetBefore ? Dev::empty({s.B, s.H}, opt) : Tensor();
+  StepParams p{};
+  p.cell = s.cell;
+  p.B = s.B, p.I = s.I, p.H = s.H;
+  p.x = ptr(xc), p.h = ptr(hc), p.c = ptr(cc);
+  p.w_ih = ptr(wi), p.w_hh = ptr(wh);
+  p.b_ih = ptr(bi), p.b_hh = ptr(bh);
+  p.h_new = mut_ptr(h_new), p.c_new = mut_ptr(c_new);
+  p.workspace = mut_ptr(ws);
+  p.rh = mut_ptr(rh);
+  dispatch_storage(dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    Dev::template step_forward<S>(p, ctx);
+  });
+  return {h_new, c_new, ws};
+}
+
+// The step's backward is the recurrence's with T = 1 (its single output is
+// also its final state, so its gradient enters once, as grad_h_n), plus the
+// input half of the product: dx = dA W_ih, dW_ih = dA^T x.
+template <typename Dev>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_op(
+    c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
+    const Tensor& h, const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
+    const Tensor& h_new, const Tensor& workspace) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const StepSizes s =
+      check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace);
+  Dev::check_device("rnnkern.step_backward", x);
+  const typename Dev::Guard device_guard(x.device());
+  const RecurrenceSizes z{s.cell, 1, s.B, s.H, s.H, s.G, false};
+  const BackwardResult r =
+      run_backward<Dev>(z, Tensor(), grad_h_new, grad_c_new, h, c, w_hh, std::nullopt,
+                   h_new.unsqueeze(0), workspace.contiguous().view({1, s.B, workspace.size(1)}),
+                   std::nullopt, false);
+  const Tensor dxp = r.d_xproj.select(0, 0);
+  const Tensor d_x = at::mm(dxp, w_ih);
+  const Tensor d_w_ih = at::mm(dxp.t(), x);
+  return {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh};
+}
+
+}  // namespace rnnkern::cuda::bindings

@@ -1,0 +1,92 @@
+// The CUDA backend's ops on the emulated device: torch.ops.rnnkern_cuda_emu.*
+// for CPU tensors (the schemas are rnnkern's, defined from Python by
+// rnnkern/cuda_emulated.py before this module loads).  The op bodies are the
+// real backend's (csrc/cuda/bindings_impl.h); only the device differs:
+// "device memory" is CPU memory that starts as 0xFF bytes (NaN), as fresh
+// cudaMalloc memory holds garbage, and the kernels run on the emulator.
+//
+// Built only with RNNKERN_CUDA_EMULATION=1 (tests); never part of an install.
+#include <ATen/ops/empty.h>
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "../cuda/bindings_impl.h"
+#include "prelude_api.h"
+
+namespace rnnkern::cuda_emu {
+
+template <typename S>
+void step_forward_sm70(const void* params, const void* context);  // kernels_sm70.cpp
+
+namespace {
+
+int g_arch = 900;  // the architecture whose step kernel runs (900 or 700)
+
+// Any non-null handle: the emulated cuBLAS checks it is set.
+struct BlasHandleTag {} g_blas_handle;
+
+struct EmulatedDevice {
+  static cuda::Context context() {
+    return cuda::Context{nullptr, reinterpret_cast<cublasHandle_t>(&g_blas_handle),
+                         at::globalContext().allowTF32CuBLAS()};
+  }
+  static void check_device(const char* op, const at::Tensor& t) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), op,
+                      ": the emulated CUDA backend runs on CPU tensors, got ", t.device());
+  }
+  struct Guard {
+    explicit Guard(c10::Device) {}
+  };
+  static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    at::Tensor t = at::empty(sizes, options);
+    if (t.numel() > 0) std::memset(t.data_ptr(), 0xFF, t.nbytes());
+    return t;
+  }
+  template <typename S>
+  static void step_forward(const cuda::StepParams& p, const cuda::Context& ctx) {
+    if (g_arch >= 800) {
+      cuda::step_forward<S>(p, ctx);
+    } else {
+      step_forward_sm70<S>(&p, &ctx);
+    }
+  }
+};
+
+void set_schedule(const std::string& order, int64_t seed) {
+  TORCH_CHECK_VALUE(order == "forward" || order == "reverse" || order == "shuffle",
+                    "set_schedule: order must be 'forward', 'reverse' or 'shuffle', got '", order,
+                    "'");
+  emu::set_order(order == "forward"   ? emu::Order::Forward
+                 : order == "reverse" ? emu::Order::Reverse
+                                      : emu::Order::Shuffle,
+                 static_cast<unsigned>(seed));
+}
+
+void set_arch(int64_t arch) {
+  TORCH_CHECK_VALUE(arch == 900 || arch == 700, "set_arch: 900 (sm_90, WMMA) or 700 (FMA), got ",
+                    arch);
+  g_arch = static_cast<int>(arch);
+}
+
+}  // namespace
+}  // namespace rnnkern::cuda_emu
+
+TORCH_LIBRARY_IMPL(rnnkern_cuda_emu, CPU, m) {
+  using Dev = rnnkern::cuda_emu::EmulatedDevice;
+  m.impl("recurrence", &rnnkern::cuda::bindings::recurrence_op<Dev>);
+  m.impl("recurrence_backward", &rnnkern::cuda::bindings::recurrence_backward_op<Dev>);
+  m.impl("step", &rnnkern::cuda::bindings::step_op<Dev>);
+  m.impl("step_backward", &rnnkern::cuda::bindings::step_backward_op<Dev>);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "rnnkern's CUDA kernels on an emulated device (tests only)";
+  module.def("set_schedule", &rnnkern::cuda_emu::set_schedule,
+             "Order in which a block's threads resume after a barrier: forward, reverse, shuffle",
+             pybind11::arg("order"), pybind11::arg("seed") = 0);
+  module.def("set_arch", &rnnkern::cuda_emu::set_arch,
+             "Architecture of the step kernel: 900 (WMMA for half types) or 700 (FMA)");
+  module.def("arch", [] { return rnnkern::cuda_emu::g_arch; });
+  module.def("launches", &rnnkern::emu::launches, "Kernels launched on the emulator so far");
+}

@@ -1,0 +1,139 @@
+// The emulated CUDA device: what the CUDA sources in csrc/cuda need to compile
+// with g++ as C++ and run on the CPU.  Test-only (built with
+// RNNKERN_CUDA_EMULATION=1, never part of a normal install).
+//
+// Force-included (-include) before every translation unit of the emulated
+// build.  The real CUDA headers are included first, in host mode, for the
+// half/bf16 types and their conversions and the runtime/cuBLAS declarations;
+// then __CUDA_ARCH__ is defined, so the kernels take the device code paths of
+// the architecture under test (RNNKERN_EMU_ARCH: 900 = sm_90 with WMMA, or
+// 700 for the FMA path of the half types).
+//
+// Model (runtime.cpp): a launch runs its blocks one after another; each CUDA
+// thread of a block is a fiber; __syncthreads() yields to the block's
+// scheduler, which resumes the threads in a selectable order and checks after
+// every round that all live threads wait at the same barrier.  Blocks running
+// one at a time make __shared__ a per-kernel static.  The runtime and cuBLAS
+// entry points the sources call are renamed to the emulator's (rnnkern_emu_*)
+// so that they never bind to a real libcudart loaded in the same process.
+#pragma once
+
+#if defined(__CUDACC__)
+#error "prelude.h is for the emulated (g++) build of the CUDA sources only"
+#endif
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "prelude_api.h"
+
+#ifndef RNNKERN_EMU_ARCH
+#define RNNKERN_EMU_ARCH 900
+#endif
+
+namespace rnnkern::emu {
+
+// ---- the running thread, as the kernels see it
+
+struct ThreadCoords {
+  uint3 thread_idx, block_idx;
+  dim3 block_dim, grid_dim;
+  int linear_tid;  // threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
+};
+
+// The coordinates of the fiber that runs now (runtime.cpp).
+const ThreadCoords& current();
+
+// __syncthreads(): yields to the block's scheduler.
+void syncthreads(const char* file, int line);
+
+// A launch of `body` on grid x block (checked like a real launch: a bad
+// configuration sets the error cudaGetLastError returns and runs nothing).
+struct LaunchSite {
+  dim3 grid, block;
+  size_t dynamic_smem;
+  const char* file;
+  int line;
+};
+template <typename F>
+void run_grid(const LaunchSite& site, F&& body);
+
+// The typed front of a launch: RNNKERN_LAUNCH(grid, block, smem, stream, kernel)(args...)
+template <typename... P>
+struct Launch {
+  void (*kernel)(P...);
+  LaunchSite site;
+  template <typename... A>
+  void operator()(A&&... args) const {
+    // Kernel parameters are copied at the launch, as the hardware does.
+    const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
+    auto* k = kernel;
+    run_grid(site, [k, &params] { std::apply(k, params); });
+  }
+};
+
+template <typename... P>
+Launch<P...> launcher(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t,
+                      const char* file, int line) {
+  return Launch<P...>{kernel, LaunchSite{grid, block, smem, file, line}};
+}
+
+// Type-erased core of run_grid (runtime.cpp).
+void run_grid_erased(const LaunchSite& site, void (*call)(void*), void* body);
+
+template <typename F>
+void run_grid(const LaunchSite& site, F&& body) {
+  using Body = std::remove_reference_t<F>;
+  run_grid_erased(site, [](void* b) { (*static_cast<Body*>(b))(); },
+                  const_cast<void*>(static_cast<const void*>(&body)));
+}
+
+}  // namespace rnnkern::emu
+
+// ---- CUDA's built-ins, device model
+
+#define threadIdx (::rnnkern::emu::current().thread_idx)
+#define blockIdx (::rnnkern::emu::current().block_idx)
+#define blockDim (::rnnkern::emu::current().block_dim)
+#define gridDim (::rnnkern::emu::current().grid_dim)
+#define __syncthreads() ::rnnkern::emu::syncthreads(__FILE__, __LINE__)
+#undef __shared__
+#define __shared__ static
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+
+// The one launch syntax of the sources (common.cuh defines the nvcc form).
+#define RNNKERN_LAUNCH(grid, block, smem, stream, ...) \
+  ::rnnkern::emu::launcher(&__VA_ARGS__, grid, block, smem, stream, __FILE__, __LINE__)
+
+// ---- the runtime and cuBLAS calls of the sources, renamed to the emulator's
+
+extern "C" {
+cudaError_t rnnkern_emu_cudaGetLastError(void);
+const char* rnnkern_emu_cudaGetErrorString(cudaError_t error);
+cudaError_t rnnkern_emu_cudaMemset2DAsync(void* ptr, size_t pitch, int value, size_t width,
+                                          size_t height, cudaStream_t stream);
+cublasStatus_t rnnkern_emu_cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
+                                        cublasOperation_t transb, int m, int n, int k,
+                                        const void* alpha, const void* A, cudaDataType Atype,
+                                        int lda, const void* B, cudaDataType Btype, int ldb,
+                                        const void* beta, void* C, cudaDataType Ctype, int ldc,
+                                        cublasComputeType_t computeType, cublasGemmAlgo_t algo);
+const char* rnnkern_emu_cublasGetStatusString(cublasStatus_t status);
+}
+#define cudaGetLastError rnnkern_emu_cudaGetLastError
+#define cudaGetErrorString rnnkern_emu_cudaGetErrorString
+#define cudaMemset2DAsync rnnkern_emu_cudaMemset2DAsync
+#define cublasGemmEx rnnkern_emu_cublasGemmEx
+#define cublasGetStatusString rnnkern_emu_cublasGetStatusString
+
+// Last: the sources below take the device paths of the emulated architecture.
+#define __CUDA_ARCH__ RNNKERN_EMU_ARCH

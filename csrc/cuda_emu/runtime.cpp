@@ -1,0 +1,457 @@
+// The emulated CUDA device's runtime (see prelude.h): launches, fibers and
+// barriers, WMMA's lane, and the CUDA runtime / cuBLAS calls of the sources.
+//
+// Under the sanitizers this file is compiled without instrumentation; it tells
+// them about fiber switches (ASan: __sanitizer_{start,finish}_switch_fiber;
+// TSan: one TSan fiber per CUDA thread, created once and reused) and about the
+// barriers (TSan: each barrier is a release by every arriving thread and an
+// acquire by every leaving one, on one of two addresses alternating with the
+// barrier's phase, so that a write after barrier n is not ordered before a
+// read after barrier n - 1).
+#define RNNKERN_CUDA_EMULATION 1
+#include "prelude.h"
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define RNNKERN_EMU_ASAN 1
+#endif
+#if defined(__SANITIZE_THREAD__) || defined(RNNKERN_EMU_TSAN)
+#undef RNNKERN_EMU_TSAN
+#define RNNKERN_EMU_TSAN 1
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
+}
+#endif
+
+// The emulator's own bookkeeping is not instrumented for TSan: its state
+// passes between fibers at every switch, which is the scheduler's business,
+// not a race of the emulated kernel.  (Fiber switches tell TSan nothing
+// either, __tsan_switch_to_fiber_no_sync: only the barriers order the threads.)
+#ifdef RNNKERN_EMU_TSAN
+#define RNNKERN_EMU_OWN __attribute__((no_sanitize_thread))
+constexpr unsigned kSwitchFlags = 1;  // __tsan_switch_to_fiber_no_sync
+#else
+#define RNNKERN_EMU_OWN
+#endif
+
+namespace rnnkern::emu {
+namespace {
+
+#if defined(RNNKERN_EMU_ASAN) || defined(RNNKERN_EMU_TSAN)
+constexpr size_t kStackBytes = size_t(512) << 10;  // sanitizers' frames are larger
+#else
+constexpr size_t kStackBytes = size_t(128) << 10;
+#endif
+
+enum class State { Ready, AtBarrier, Done };
+
+struct Fiber {
+  ucontext_t context;
+  std::unique_ptr<char[]> stack;
+#ifdef RNNKERN_EMU_TSAN
+  void* tsan = nullptr;
+#endif
+  ThreadCoords coords;
+  State state = State::Ready;
+  const char* barrier_file = nullptr;
+  int barrier_line = 0;
+  int64_t barriers_passed = 0;
+};
+
+struct Scheduler {
+  ucontext_t context;
+#ifdef RNNKERN_EMU_TSAN
+  void* tsan = nullptr;
+#endif
+#ifdef RNNKERN_EMU_ASAN
+  const void* stack_bottom = nullptr;
+  size_t stack_size = 0;
+#endif
+  std::vector<Fiber> fibers;  // reused across blocks and launches
+  Fiber* running = nullptr;
+  void (*call)(void*) = nullptr;
+  void* body = nullptr;
+  std::exception_ptr error;
+  Order order = Order::Forward;
+  std::mt19937 rng{0};
+  cudaError_t last_error = cudaSuccess;
+  int64_t launches = 0;
+  // TSan sync addresses: the launch's start (host writes before it happen
+  // before every thread) and end (every thread's writes before what the host
+  // does next, as a stream synchronisation gives), and the current block's
+  // two barrier phases (fresh memory per block: blocks are not ordered).
+  char launch_start, launch_end;
+  char* barrier_phase = nullptr;
+};
+
+RNNKERN_EMU_OWN Scheduler& sched() {
+  static Scheduler s;
+  return s;
+}
+
+// ---- fiber switches
+
+RNNKERN_EMU_OWN void switch_to_fiber(Scheduler& s, Fiber& f) {
+  s.running = &f;
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_switch_to_fiber(f.tsan, kSwitchFlags);
+#endif
+#ifdef RNNKERN_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack.get(), kStackBytes);
+#endif
+  swapcontext(&s.context, &f.context);
+#ifdef RNNKERN_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  s.running = nullptr;
+}
+
+RNNKERN_EMU_OWN void switch_to_scheduler(Scheduler& s, Fiber& f, bool exiting) {
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_switch_to_fiber(s.tsan, kSwitchFlags);
+#endif
+#ifdef RNNKERN_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(exiting ? nullptr : &fake, s.stack_bottom, s.stack_size);
+#endif
+  swapcontext(&f.context, &s.context);
+#ifdef RNNKERN_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, &s.stack_bottom, &s.stack_size);
+#endif
+  (void)exiting;
+}
+
+RNNKERN_EMU_OWN void fiber_entry() {
+  Scheduler& s = sched();
+  Fiber& f = *s.running;
+#ifdef RNNKERN_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &s.stack_bottom, &s.stack_size);
+#endif
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_acquire(&s.launch_start);
+#endif
+  try {
+    s.call(s.body);
+  } catch (...) {
+    if (!s.error) s.error = std::current_exception();
+  }
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_release(&s.launch_end);
+#endif
+  f.state = State::Done;
+  switch_to_scheduler(s, f, true);
+  std::abort();  // a finished fiber is never resumed
+}
+
+std::string where(const char* file, int line) {
+  return std::string(file ? file : "?") + ":" + std::to_string(line);
+}
+
+std::string dim_str(const dim3& d) {
+  return "(" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + ")";
+}
+
+// ---- one block
+
+RNNKERN_EMU_OWN void run_block(Scheduler& s, const LaunchSite& site, const uint3& block_idx, int threads) {
+  if (static_cast<int>(s.fibers.size()) < threads) {
+    const size_t old = s.fibers.size();
+    s.fibers.resize(threads);
+    for (size_t i = old; i < s.fibers.size(); ++i) {
+      s.fibers[i].stack.reset(new char[kStackBytes]);
+#ifdef RNNKERN_EMU_TSAN
+      s.fibers[i].tsan = __tsan_create_fiber(0);
+#endif
+    }
+  }
+  const dim3 bd = site.block;
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = s.fibers[t];
+    f.coords.thread_idx = make_uint3(t % bd.x, (t / bd.x) % bd.y, t / (bd.x * bd.y));
+    f.coords.block_idx = block_idx;
+    f.coords.block_dim = bd;
+    f.coords.grid_dim = site.grid;
+    f.coords.linear_tid = t;
+    f.state = State::Ready;
+    f.barriers_passed = 0;
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = nullptr;
+    makecontext(&f.context, fiber_entry, 0);
+  }
+  std::vector<int> order(threads);
+  std::unique_ptr<char[]> phases(new char[2]);
+  s.barrier_phase = phases.get();
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_release(&s.launch_start);  // per block: after the scheduler set up its threads
+#endif
+  for (;;) {
+    for (int t = 0; t < threads; ++t) order[t] = t;
+    if (s.order == Order::Reverse) std::reverse(order.begin(), order.end());
+    if (s.order == Order::Shuffle) std::shuffle(order.begin(), order.end(), s.rng);
+    int live = 0;
+    for (int t : order) {
+      Fiber& f = s.fibers[t];
+      if (f.state == State::Done) continue;
+      f.state = State::Ready;
+      switch_to_fiber(s, f);
+      if (s.error) std::rethrow_exception(std::exchange(s.error, nullptr));
+      if (f.state != State::Done) ++live;
+    }
+    if (live == 0) return;
+    // Every live thread must wait at the same barrier, and none may have left.
+    const Fiber* first = nullptr;
+    for (int t = 0; t < threads; ++t) {
+      const Fiber& f = s.fibers[t];
+      if (f.state == State::Done) {
+        const Fiber* waiting = nullptr;
+        for (int u = 0; u < threads && !waiting; ++u)
+          if (s.fibers[u].state == State::AtBarrier) waiting = &s.fibers[u];
+        throw std::runtime_error(
+            "emulated CUDA: divergent barrier in the launch at " + where(site.file, site.line) +
+            ": thread " + std::to_string(t) + " of block " + dim_str(dim3(block_idx)) +
+            " exited while thread " + std::to_string(waiting->coords.linear_tid) +
+            " waits at __syncthreads() " + where(waiting->barrier_file, waiting->barrier_line));
+      }
+      if (!first) {
+        first = &f;
+      } else if (f.barrier_file != first->barrier_file || f.barrier_line != first->barrier_line ||
+                 f.barriers_passed != first->barriers_passed) {
+        throw std::runtime_error(
+            "emulated CUDA: divergent barrier in the launch at " + where(site.file, site.line) +
+            ": in block " + dim_str(dim3(block_idx)) + " thread " +
+            std::to_string(first->coords.linear_tid) + " waits at " +
+            where(first->barrier_file, first->barrier_line) + " (barrier #" +
+            std::to_string(first->barriers_passed) + ") and thread " +
+            std::to_string(f.coords.linear_tid) + " at " + where(f.barrier_file, f.barrier_line) +
+            " (barrier #" + std::to_string(f.barriers_passed) + ")");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+RNNKERN_EMU_OWN const ThreadCoords& current() {
+  Scheduler& s = sched();
+  if (s.running == nullptr) throw std::logic_error("emulated CUDA: threadIdx read outside a kernel");
+  return s.running->coords;
+}
+
+RNNKERN_EMU_OWN void syncthreads(const char* file, int line) {
+  Scheduler& s = sched();
+  Fiber& f = *s.running;
+  f.state = State::AtBarrier;
+  f.barrier_file = file;
+  f.barrier_line = line;
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_release(s.barrier_phase + (f.barriers_passed & 1));
+#endif
+  switch_to_scheduler(s, f, false);
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_acquire(s.barrier_phase + (f.barriers_passed & 1));
+#endif
+  ++f.barriers_passed;
+}
+
+RNNKERN_EMU_OWN void set_order(Order order, unsigned seed) {
+  sched().order = order;
+  sched().rng.seed(seed);
+}
+
+RNNKERN_EMU_OWN int64_t launches() { return sched().launches; }
+
+[[noreturn]] RNNKERN_EMU_OWN void wmma_precondition_failed(const std::string& what) {
+  const ThreadCoords& c = current();
+  throw std::runtime_error("emulated CUDA: " + what + " (thread " + std::to_string(c.linear_tid) +
+                           " of block " + dim_str(dim3(c.block_idx)) + ")");
+}
+
+RNNKERN_EMU_OWN void run_grid_erased(const LaunchSite& site, void (*call)(void*), void* body) {
+  Scheduler& s = sched();
+  if (s.running != nullptr) throw std::logic_error("emulated CUDA: a launch from inside a kernel");
+  const dim3 g = site.grid, b = site.block;
+  const uint64_t threads = uint64_t(b.x) * b.y * b.z;
+  // The hardware's launch limits (sm_90): a launch outside them fails with
+  // cudaErrorInvalidConfiguration and runs nothing.
+  if (threads == 0 || threads > 1024 || b.z > 64 || g.x == 0 || g.y == 0 || g.z == 0 ||
+      g.x > 2147483647u || g.y > 65535 || g.z > 65535 || site.dynamic_smem > 48 * 1024) {
+    s.last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  ++s.launches;
+#ifdef RNNKERN_EMU_TSAN
+  if (s.tsan == nullptr) s.tsan = __tsan_get_current_fiber();
+#endif
+  s.call = call;
+  s.body = body;
+  for (unsigned z = 0; z < g.z; ++z)
+    for (unsigned y = 0; y < g.y; ++y)
+      for (unsigned x = 0; x < g.x; ++x) run_block(s, site, make_uint3(x, y, z), int(threads));
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_acquire(&s.launch_end);
+#endif
+}
+
+}  // namespace rnnkern::emu
+
+namespace nvcuda::wmma::detail {
+RNNKERN_EMU_OWN int lane() { return rnnkern::emu::current().linear_tid % 32; }
+}  // namespace nvcuda::wmma::detail
+
+// ------------------------------------------------------- runtime calls ----
+
+extern "C" RNNKERN_EMU_OWN cudaError_t rnnkern_emu_cudaGetLastError(void) {
+  return std::exchange(rnnkern::emu::sched().last_error, cudaSuccess);
+}
+
+extern "C" const char* rnnkern_emu_cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "no error (emulated)";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument (emulated)";
+    case cudaErrorInvalidValue: return "invalid argument (emulated)";
+    default: return "unknown error (emulated)";
+  }
+}
+
+extern "C" cudaError_t rnnkern_emu_cudaMemset2DAsync(void* ptr, size_t pitch, int value,
+                                                     size_t width, size_t height, cudaStream_t) {
+  if (width > pitch && height > 1) return cudaErrorInvalidValue;
+  if (height > 0 && width > 0 && ptr == nullptr) return cudaErrorInvalidValue;
+  for (size_t r = 0; r < height; ++r) std::memset(static_cast<char*>(ptr) + r * pitch, value, width);
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------------- cuBLAS ----
+
+namespace {
+
+using rnnkern::emu::Order;
+
+float tf32_round(float v) {
+  // TF32 keeps 10 mantissa bits: round to nearest, ties away (as the hardware's cvt.rna).
+  if (!std::isfinite(v)) return v;
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u = (u + 0x1000u) & 0xFFFFE000u;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+template <typename T>
+double load(const void* p, int64_t i) {
+  const T v = static_cast<const T*>(p)[i];
+  if constexpr (std::is_same_v<T, __half>) return __half2float(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
+  else return static_cast<double>(v);
+}
+
+double load_as(cudaDataType t, const void* p, int64_t i) {
+  switch (t) {
+    case CUDA_R_64F: return load<double>(p, i);
+    case CUDA_R_32F: return load<float>(p, i);
+    case CUDA_R_16F: return load<__half>(p, i);
+    case CUDA_R_16BF: return load<__nv_bfloat16>(p, i);
+    default: return NAN;
+  }
+}
+
+void store_as(cudaDataType t, void* p, int64_t i, double v) {
+  switch (t) {
+    case CUDA_R_64F: static_cast<double*>(p)[i] = v; break;
+    case CUDA_R_32F: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case CUDA_R_16F: static_cast<__half*>(p)[i] = __float2half_rn(static_cast<float>(v)); break;
+    case CUDA_R_16BF:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
+      break;
+    default: break;
+  }
+}
+
+// The type combinations of cublasGemmEx the sources may use (cuBLAS's table,
+// restricted to real types): A = B type, C type, compute type.
+bool supported_types(cudaDataType ab, cudaDataType c, cublasComputeType_t compute) {
+  if (ab == CUDA_R_64F) return c == CUDA_R_64F && compute == CUBLAS_COMPUTE_64F;
+  if (ab == CUDA_R_32F)
+    return c == CUDA_R_32F &&
+           (compute == CUBLAS_COMPUTE_32F || compute == CUBLAS_COMPUTE_32F_FAST_TF32);
+  if (ab == CUDA_R_16F || ab == CUDA_R_16BF)
+    return (c == ab || c == CUDA_R_32F) && compute == CUBLAS_COMPUTE_32F;
+  return false;
+}
+
+}  // namespace
+
+// Column-major C[m, n] = alpha op(A)[m, k] op(B)[k, n] + beta C, checked as cuBLAS checks.
+extern "C" cublasStatus_t rnnkern_emu_cublasGemmEx(
+    cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
+    const void* alpha, const void* A, cudaDataType Atype, int lda, const void* B,
+    cudaDataType Btype, int ldb, const void* beta, void* C, cudaDataType Ctype, int ldc,
+    cublasComputeType_t compute, cublasGemmAlgo_t) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  const bool ta = transa != CUBLAS_OP_N, tb = transb != CUBLAS_OP_N;
+  if ((transa != CUBLAS_OP_N && transa != CUBLAS_OP_T) ||
+      (transb != CUBLAS_OP_N && transb != CUBLAS_OP_T) || m < 0 || n < 0 || k < 0 ||
+      lda < std::max(1, ta ? k : m) || ldb < std::max(1, tb ? n : k) || ldc < std::max(1, m))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  if (Atype != Btype || !supported_types(Atype, Ctype, compute)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+  const bool f64 = compute == CUBLAS_COMPUTE_64F;
+  const double al = f64 ? *static_cast<const double*>(alpha) : *static_cast<const float*>(alpha);
+  const double be = f64 ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
+  const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < m; ++i) {
+      double s64 = 0;
+      float s32 = 0.f;
+      for (int l = 0; l < k; ++l) {
+        double a = load_as(Atype, A, ta ? int64_t(i) * lda + l : int64_t(l) * lda + i);
+        double b = load_as(Btype, B, tb ? int64_t(l) * ldb + j : int64_t(j) * ldb + l);
+        if (f64) {
+          s64 += a * b;
+        } else {
+          if (tf32) a = tf32_round(float(a)), b = tf32_round(float(b));
+          s32 += float(a) * float(b);
+        }
+      }
+      const double s = f64 ? s64 : double(s32);
+      const int64_t ci = int64_t(j) * ldc + i;
+      // beta == 0: C is not read (it may hold NaN), as cuBLAS guarantees.
+      const double v = be == 0.0 ? al * s : al * s + be * load_as(Ctype, C, ci);
+      store_as(Ctype, C, ci, f64 ? v : double(float(v)));
+    }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+extern "C" const char* rnnkern_emu_cublasGetStatusString(cublasStatus_t status) {
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS (emulated)";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED (emulated)";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE (emulated)";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED (emulated)";
+    default: return "cuBLAS error (emulated)";
+  }
+}

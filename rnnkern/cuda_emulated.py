@@ -1,0 +1,54 @@
+"""The CUDA kernels on an emulated device: backend ``"cuda_emulated"`` (tests only).
+
+Present only when rnnkern was built with ``RNNKERN_CUDA_EMULATION=1``: the
+sources of csrc/cuda compiled with g++ against a small emulation of the CUDA
+device (csrc/cuda_emu: threads as fibers, barriers checked, WMMA and cuBLAS as
+checked references), registered as ``torch.ops.rnnkern_cuda_emu.*`` for CPU
+tensors with the op bodies of the real CUDA backend.  So the CUDA code -- the
+kernels, their launches and the bindings that unpack tensors into them --
+executes in CI, where no GPU is, and is compared with the reference like every
+backend.  What it cannot tell: speed, the tensor cores' rounding, and memory
+ordering between blocks (blocks run one after another).
+
+``set_schedule(order, seed)`` chooses the order in which a block's threads
+resume after each barrier (``forward``, ``reverse``, ``shuffle``); ``set_arch(700)``
+runs the step kernel's FMA path for half types instead of WMMA (``900``).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+NAMESPACE = "rnnkern_cuda_emu"
+
+
+def available() -> bool:
+    """True when the emulated build is present (RNNKERN_CUDA_EMULATION=1 at build time)."""
+    return importlib.util.find_spec("rnnkern._C_cuda_emu") is not None
+
+
+def _define_ops() -> torch.library.Library:
+    """The four ops with rnnkern's own schemas (one source: csrc/ops.cpp)."""
+    from . import ops as rnnkern_ops  # noqa: F401  (loads rnnkern._C: the schemas)
+
+    lib = torch.library.Library(NAMESPACE, "DEF")
+    for name in ("recurrence", "recurrence_backward", "step", "step_backward"):
+        schema = str(getattr(torch.ops.rnnkern, name).default._schema)
+        lib.define(schema.split("::", 1)[1])
+    return lib
+
+
+if not available():
+    raise ImportError("rnnkern was built without the emulated CUDA device "
+                      "(rebuild with RNNKERN_CUDA_EMULATION=1)")
+_lib = _define_ops()
+from . import _C_cuda_emu  # noqa: E402  (implements the ops for CPU tensors)
+from . import ops as _ops  # noqa: E402
+
+_ops.register_op_family(NAMESPACE)
+
+set_schedule = _C_cuda_emu.set_schedule
+set_arch = _C_cuda_emu.set_arch
+arch = _C_cuda_emu.arch
+launches = _C_cuda_emu.launches

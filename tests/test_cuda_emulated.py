@@ -1,0 +1,276 @@
+"""The CUDA backend's code executed on the CPU: backend="cuda_emulated" (issue #12).
+
+rnnkern built with RNNKERN_CUDA_EMULATION=1 compiles csrc/cuda with g++ for an
+emulated device (csrc/cuda_emu: one fiber per CUDA thread, barriers checked,
+WMMA and cuBLAS as checked references, fresh "device" memory full of 0xFF =
+NaN) and registers the real backend's op bodies (csrc/cuda/bindings_impl.h) for
+CPU tensors.  These tests run the matrix the CPU backend passes on that code:
+float64 gradcheck of every cell and GRU form (recurrence and step, projection,
+lengths, reverse), the raw ops against the CPU backend's, half types within the
+reference's own error on both step paths (WMMA sm_90, FMA below sm_80), every
+thread-resume order, parity with torch.nn, edge sizes, strided views, opcheck.
+Emulated sizes stay small (B, H, I of 1-40, T of 1-12).
+
+CI builds the emulation and sets RNNKERN_REQUIRE_CUDA_EMULATION=1, so a build
+without it fails here; elsewhere the module is skipped with the reason.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rnnkern import ops
+from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
+                      outputs_and_grads, randn, recurrence_inputs, rnnkern_module, run_recurrence,
+                      step_inputs, torch_module)
+
+if not ops.WITH_CUDA_EMULATION:
+    if os.environ.get("RNNKERN_REQUIRE_CUDA_EMULATION") == "1":
+        raise RuntimeError("RNNKERN_REQUIRE_CUDA_EMULATION=1 but rnnkern was built without the "
+                           "emulated CUDA device: rebuild with RNNKERN_CUDA_EMULATION=1")
+    pytest.skip("rnnkern was built without the emulated CUDA device (RNNKERN_CUDA_EMULATION=1)",
+                allow_module_level=True)
+
+from rnnkern import cuda_emulated  # noqa: E402
+
+EMU = "cuda_emulated"
+CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
+CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
+TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
+ORDERS = ["forward", "reverse", "shuffle"]
+LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def default_schedule():
+    """Each test starts from the forward order on sm_90 and leaves it so."""
+    cuda_emulated.set_schedule("forward", 0)
+    cuda_emulated.set_arch(900)
+    yield
+    cuda_emulated.set_schedule("forward", 0)
+    cuda_emulated.set_arch(900)
+
+
+def test_backend_is_listed_and_runs_on_the_emulator():
+    assert EMU in ops.BACKENDS
+    assert ops.resolve_backend(EMU, torch.device("cpu")) == EMU
+    args = recurrence_inputs("lstm", 3, 2, 5)
+    before = cuda_emulated.launches()
+    run_recurrence(EMU, "lstm", args)
+    assert cuda_emulated.launches() > before  # the kernels ran on the emulated device
+
+
+# ------------------------------------------------------------- gradcheck ----
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("variant", ["plain", "reverse", "lengths", "lengths-reverse"])
+def test_recurrence_gradcheck(cell, proj, variant):
+    """float64 gradcheck w.r.t. xproj, states and every weight; one sequence
+    empty with lengths; sizes that are multiples of nothing."""
+    H = 6 if proj else 5
+    args = recurrence_inputs(cell, 4, 3, H, proj=proj, requires_grad=True, key=("emu", variant))
+    lengths = torch.tensor([4, 0, 2]) if "lengths" in variant else None
+    names = differentiable(args)
+
+    def f(*tensors):
+        out, h_n, c_n = run_recurrence(EMU, cell, {**args, **dict(zip(names, tensors))}, lengths,
+                                       "reverse" in variant)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names], fast_mode=True)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_step_gradcheck(cell, bias):
+    args = step_inputs(cell, 3, 7, 5, bias=bias, requires_grad=True, key=("emu",))
+    names = differentiable(args)
+
+    def f(*tensors):
+        kw = {**args, **dict(zip(names, tensors))}
+        h, c = ops.step(cell, kw["x"], kw["h"], kw["c"], kw["w_ih"], kw["w_hh"], kw["b_ih"],
+                        kw["b_hh"], backend=EMU)
+        return h if c is None else (h, c)
+
+    assert torch.autograd.gradcheck(f, [args[n] for n in names], fast_mode=True)
+
+
+# --------------------------------------- the raw ops against the CPU kernels ----
+
+def raw_ops_results(namespace, cell, args, lengths, reverse):
+    """Every output of recurrence and recurrence_backward, in the op's own layout."""
+    family = getattr(torch.ops, namespace)
+    a = {k: None if v is None else v.detach() for k, v in args.items()}
+    fwd = family.recurrence(cell, *a.values(), lengths, reverse, True)
+    out, h_n, c_n, ws = fwd
+    g = generator("emu-raw-ops", cell)
+    grad_out, grad_h = randn(g, *out.shape, dtype=out.dtype), randn(g, *h_n.shape, dtype=out.dtype)
+    grad_c = randn(g, *c_n.shape, dtype=out.dtype) if cell == "lstm" else None
+    bwd = family.recurrence_backward(cell, grad_out, grad_h, grad_c, a["h0"], a["c0"], a["w_hh"],
+                                     a["w_hr"], out, ws, lengths, reverse)
+    return list(fwd) + list(bwd)
+
+
+RAW_NAMES = ["output", "h_n", "c_n", "workspace", "grad_xproj", "grad_h0", "grad_c0", "grad_w_hh",
+             "grad_b_ih", "grad_b_hh", "grad_w_hr"]
+
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("variant", ["plain", "lengths-reverse"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_ops_match_cpu_backend(cell, proj, variant, dtype):
+    """Output, states, workspace, placeholders and every gradient as the CPU
+    kernels give them, in shape, dtype and value."""
+    T, B, H = 7, 5, 37
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, proj=proj and 11, key=("emu-raw", variant))
+    lengths = torch.tensor([7, 3, 0, 6, 1]) if variant != "plain" else None
+    reverse = variant != "plain"
+    want = raw_ops_results("rnnkern", cell, args, lengths, reverse)
+    got = raw_ops_results("rnnkern_cuda_emu", cell, args, lengths, reverse)
+    for name, a, b in zip(RAW_NAMES, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        assert_close(a, b, what=name)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("arch", [900, 700])
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("BIH", [(3, 7, 5), (20, 40, 33)], ids=["B3-I7-H5", "B20-I40-H33"])
+def test_step_ops_match_cpu_backend(cell, BIH, arch, order):
+    """The fused step kernel (several tiles and K chunks at the larger size)
+    under every resume order of its barriers, on both paths, float64."""
+    cuda_emulated.set_arch(arch)
+    cuda_emulated.set_schedule(order, 7)
+    B, I, H = BIH
+    s = step_inputs(cell, B, I, H, key=("emu-step", BIH))
+    results = []
+    for family in (torch.ops.rnnkern, torch.ops.rnnkern_cuda_emu):
+        h, c, ws = family.step(cell, *s.values())
+        g = generator("emu-step-grad", cell)
+        gh = randn(g, *h.shape)
+        gc = randn(g, *c.shape) if cell == "lstm" else None
+        bwd = family.step_backward(cell, gh, gc, s["x"], s["h"], s["c"], s["w_ih"], s["w_hh"], h, ws)
+        results.append([h, c, ws, *bwd])
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        assert_close(a, b, what=f"result {i}")
+
+
+# ------------------------------------------------------------ half types ----
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_half_types_within_reference_error(cell, proj, dtype):
+    """Every cell in half precision, lengths in reverse: no worse than the
+    reference's own error in that dtype (conftest's criterion)."""
+    T, B, H = 8, 5, 24
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, proj=proj and 9, key=("emu-half",))
+    lengths = torch.tensor([8, 5, 0, 3, 1])
+    a16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    a32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("emu-half-cot", cell)
+    want = outputs_and_grads("reference", cell, a32, lengths, True, key=key)
+    ref16 = outputs_and_grads("reference", cell, a16, lengths, True, key=key)
+    got = outputs_and_grads(EMU, cell, a16, lengths, True, key=key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name], ref16[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("arch", [900, 700], ids=["sm90-wmma", "sm70-fma"])
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_step_half_types_within_reference_error(cell, dtype, arch):
+    cuda_emulated.set_arch(arch)
+    s = step_inputs(cell, 19, 21, 18, dtype=dtype, requires_grad=True, key=("emu-step-half",))
+    s32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in s.items()}
+
+    def run(backend, a):
+        h, c = ops.step(cell, *a.values(), backend=backend)
+        out = [h] if c is None else [h, c]
+        g = generator("emu-step-half-cot", cell)
+        loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
+        names = differentiable(a)
+        return out + list(torch.autograd.grad(loss, [a[n] for n in names]))
+
+    want, ref16, got = run("reference", s32), run("reference", s), run(EMU, s)
+    for i, (a, r, w) in enumerate(zip(got, ref16, want)):
+        assert a.dtype == dtype, i
+        assert_low_precision(a, r, w, what=f"result {i}")
+
+
+# ---------------------------------------------------- torch.nn parity ----
+
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_packed_bidirectional_stack_matches_torch_nn(cell):
+    """Two layers, both directions, variable lengths: torch.nn on the same
+    weights, outputs and every gradient, float64."""
+    torch.manual_seed(3)
+    theirs = torch_module(cell, 7, 6, num_layers=2, bidirectional=True, dtype=torch.float64)
+    ours = rnnkern_module(cell, 7, 6, num_layers=2, bidirectional=True, dtype=torch.float64,
+                          backend=EMU)
+    ours.load_state_dict(theirs.state_dict())
+    g = generator("emu-packed", cell)
+    x = randn(g, 6, 4, 7, requires_grad=True)
+    lengths = torch.tensor([6, 2, 5, 1])
+    results = []
+    for m in (theirs, ours):
+        out, hidden = m(torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False))
+        leaves = [out.data] + list(hidden if isinstance(hidden, tuple) else (hidden,))
+        cot = generator("emu-packed-cot", cell)
+        loss = sum((t * randn(cot, *t.shape)).sum() for t in leaves)
+        results.append(leaves + list(torch.autograd.grad(loss, [x, *m.parameters()])))
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert_close(a, b, what=f"{cell} result {i}")
+
+
+# ------------------------------------------------------------ edge cases ----
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("T,B,H", [(0, 3, 4), (3, 0, 4), (2, 3, 1), (1, 1, 1)])
+def test_empty_and_tiny(cell, T, B, H):
+    args = recurrence_inputs(cell, T, B, H, requires_grad=True, key=("emu-tiny",))
+    got = outputs_and_grads(EMU, cell, args, key=("emu-tiny",))
+    want = outputs_and_grads("cpu", cell, args, key=("emu-tiny",))
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "gru_reset_before"])
+def test_strided_xproj_and_grad_output(cell):
+    """Batch-first views as xproj and grad_output (strided rows, no copy)."""
+    T, B, H = 5, 3, 6
+    G = 4 if cell == "lstm" else 3
+    g = generator("emu-strided", cell)
+    base = randn(g, B, T, G * H, requires_grad=True)
+    args = recurrence_inputs(cell, T, B, H, requires_grad=True, key=("emu-strided",))
+    results = []
+    for backend in ("cpu", EMU):
+        a = dict(args, xproj=base.transpose(0, 1))
+        assert not a["xproj"].is_contiguous()
+        out = [t for t in run_recurrence(backend, cell, a) if t is not None]
+        cot = randn(generator("emu-strided-cot"), B, T, H).transpose(0, 1)
+        loss = (out[0] * cot).sum() + sum(t.sum() for t in out[1:])
+        results.append(out + list(torch.autograd.grad(loss, [base, *[args[n] for n in differentiable(args) if n != "xproj"]])))
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert_close(a, b, what=f"result {i}")
+
+
+def test_bad_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="cuda_emulated.*CPU tensors"):
+        ops.resolve_backend(EMU, torch.device("meta"))
+
+
+# --------------------------------------------------------------- opcheck ----
+
+@pytest.mark.parametrize("cell,proj", [("lstm", 3), ("gru", 0), ("gru_reset_before", 0), ("rnn_relu", 0)])
+def test_opcheck(cell, proj):
+    """torch.library.opcheck on the emulated family: schema, fake, autograd registration."""
+    args = recurrence_inputs(cell, 3, 2, 5, proj=proj, requires_grad=True, key=("emu-opcheck",))
+    torch.library.opcheck(torch.ops.rnnkern_cuda_emu.recurrence.default,
+                          (cell, *args.values(), torch.tensor([3, 1]), True, True))
+    s = step_inputs(cell, 2, 3, 5, requires_grad=True, key=("emu-opcheck",))
+    torch.library.opcheck(torch.ops.rnnkern_cuda_emu.step.default, (cell, *s.values()))
