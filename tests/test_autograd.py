@@ -22,7 +22,9 @@ from rnnkern import ops
 from conftest import (CELLS, TRITON_INTERPRET, assert_close, generator, randn, recurrence_inputs,
                       rnnkern_module, run_recurrence, step_inputs, torch_module)
 
-BACKENDS = ["reference", "cpu"] + (["triton"] if TRITON_INTERPRET else [])
+# Every backend that runs on the CPU: the CUDA code through the emulated device.
+BACKENDS = (["reference", "cpu"] + (["triton"] if TRITON_INTERPRET else [])
+            + (["cuda_emulated"] if ops.WITH_CUDA_EMULATION else []))
 TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
 CELL_CLASSES = {"rnn_tanh": (nn.RNNCell, rnnkern.RNNCell, {}),
                 "rnn_relu": (nn.RNNCell, rnnkern.RNNCell, {"nonlinearity": "relu"}),

@@ -44,6 +44,8 @@ HAS_TRITON_OPS = importlib.util.find_spec("triton") is not None
 BACKENDS = ["reference", "cpu"]
 if TRITON_INTERPRET and HAS_TRITON_OPS:
     BACKENDS.append("triton")
+if rnnkern.ops.WITH_CUDA_EMULATION:  # the CUDA backend's code on the emulated device
+    BACKENDS.append("cuda_emulated")
 CLASS_IDS = [cls.__name__ for cls in TWINS]
 
 
