@@ -274,3 +274,36 @@ def test_opcheck(cell, proj):
                           (cell, *args.values(), torch.tensor([3, 1]), True, True))
     s = step_inputs(cell, 2, 3, 5, requires_grad=True, key=("emu-opcheck",))
     torch.library.opcheck(torch.ops.rnnkern_cuda_emu.step.default, (cell, *s.values()))
+
+
+# ------------------------------------------------------- launch bounds ----
+
+def test_every_launch_respects_its_kernels_launch_bounds():
+    """A kernel compiled with __launch_bounds__(N) must never be launched with
+    more than N threads (the launch fails on hardware).  The emulator cannot
+    see the attribute, so the sources are read: every RNNKERN_LAUNCH of a
+    kernel with bounds passes the same block-size expression as its bounds,
+    and every kernel is launched through RNNKERN_LAUNCH (no triple chevrons
+    outside common.cuh's definition)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "csrc" / "cuda"
+    text = {p.name: p.read_text() for p in sorted(root.glob("*.cu*"))}
+    bounds = {m.group(2): m.group(1).strip()
+              for src in text.values()
+              for m in re.finditer(r"__launch_bounds__\(([^)]*)\)\s*(\w+)\s*\(", src)}
+    launches = [(m.group(5), m.group(2).strip(), name)
+                for name, src in text.items()
+                for m in re.finditer(r"RNNKERN_LAUNCH\(\s*((?:[^,()]|\([^()]*\))+),\s*([^,]+),\s*([^,]+),"
+                                     r"\s*([^,]+),\s*(\w+)", src)]
+    assert bounds and launches
+    launched = {kernel for kernel, _, _ in launches}
+    assert set(bounds) <= launched, f"kernels with bounds never launched: {set(bounds) - launched}"
+    for kernel, block, where in launches:
+        if kernel in bounds:
+            assert block == bounds[kernel], (f"{where}: {kernel} is launched with {block} threads, "
+                                             f"its __launch_bounds__ is {bounds[kernel]}")
+    for name, src in text.items():
+        chevrons = [line for line in src.splitlines() if "<<<" in line and "#define" not in line]
+        assert not chevrons, f"{name}: a launch outside RNNKERN_LAUNCH: {chevrons}"
