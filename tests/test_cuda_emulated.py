@@ -307,3 +307,39 @@ def test_every_launch_respects_its_kernels_launch_bounds():
     for name, src in text.items():
         chevrons = [line for line in src.splitlines() if "<<<" in line and "#define" not in line]
         assert not chevrons, f"{name}: a launch outside RNNKERN_LAUNCH: {chevrons}"
+
+
+# -------------------------------------------- device semantics of test_cuda ----
+
+def test_tf32_is_honoured_and_close():
+    """allow_tf32 reaches cuBLAS (CUBLAS_COMPUTE_32F_FAST_TF32, which the emulated
+    GemmEx rounds to TF32's 10-bit mantissa): the results differ, within TF32
+    accuracy of float64 with it, within float32's without it."""
+    args = recurrence_inputs("lstm", 6, 4, 37, dtype=torch.float32, key=("emu-tf32",))
+    a64 = {k: None if v is None else v.double() for k, v in args.items()}
+    want = run_recurrence("reference", "lstm", a64)[0]
+    saved = torch.backends.cuda.matmul.allow_tf32
+    results = {}
+    try:
+        for allow in (True, False):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            results[allow] = run_recurrence(EMU, "lstm", args)[0]
+            err = ((results[allow].double() - want).norm() / want.norm()).item()
+            assert err < (1e-2 if allow else 1e-5), (allow, err)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert not torch.equal(results[True], results[False])
+
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+def test_padding_is_zero_and_states_kept(cell, proj):
+    """Finished sequences output exact zeros and keep their state; an empty
+    sequence returns its initial state."""
+    args = recurrence_inputs(cell, 6, 3, 5, proj=proj and 2, key=("emu-pad",))
+    out, h_n, c_n = run_recurrence(EMU, cell, args, torch.tensor([6, 2, 0]))
+    assert out.isfinite().all()
+    assert (out[2:, 1] == 0).all() and (out[:, 2] == 0).all()
+    assert torch.equal(h_n[2], args["h0"][2]) and torch.equal(h_n[1], out[1, 1])
+    if cell == "lstm":
+        assert torch.equal(c_n[2], args["c0"][2])
+
