@@ -16,22 +16,15 @@ runs the step kernel's FMA path for half types instead of WMMA (``900``).
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
+
+from . import ops as _ops  # loads rnnkern._C: the schemas
 
 NAMESPACE = "rnnkern_cuda_emu"
 
 
-def available() -> bool:
-    """True when the emulated build is present (RNNKERN_CUDA_EMULATION=1 at build time)."""
-    return importlib.util.find_spec("rnnkern._C_cuda_emu") is not None
-
-
 def _define_ops() -> torch.library.Library:
     """The four ops with rnnkern's own schemas (one source: csrc/ops.cpp)."""
-    from . import ops as rnnkern_ops  # noqa: F401  (loads rnnkern._C: the schemas)
-
     lib = torch.library.Library(NAMESPACE, "DEF")
     for name in ("recurrence", "recurrence_backward", "step", "step_backward"):
         schema = str(getattr(torch.ops.rnnkern, name).default._schema)
@@ -39,12 +32,11 @@ def _define_ops() -> torch.library.Library:
     return lib
 
 
-if not available():
+if not _ops.WITH_CUDA_EMULATION:
     raise ImportError("rnnkern was built without the emulated CUDA device "
                       "(rebuild with RNNKERN_CUDA_EMULATION=1)")
 _lib = _define_ops()
 from . import _C_cuda_emu  # noqa: E402  (implements the ops for CPU tensors)
-from . import ops as _ops  # noqa: E402
 
 _ops.register_op_family(NAMESPACE)
 
