@@ -123,6 +123,34 @@ def test_cpu_split_by_rows_matches_reference(threads, cell, proj, n_threads, B, 
         assert_close(got[name], want[name], what=name)
 
 
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n_threads,T,B", [(2, 1, None), (1, 5, 2), (2, 6, 5), (2, 4, 1)],
+                         ids=["one-step-unit-slices", "two-rows", "two-rows-per-thread", "one-row"])
+def test_cpu_weights_read_in_place_match_reference(threads, cell, proj, n_threads, T, B):
+    """Calls of one step, or of at most two rows per thread, read the per-step
+    weights where they lie instead of packing them (csrc/cpu/recurrence.cpp,
+    kMaxInPlaceRows): the whole weight, each thread's rows, and, for a single
+    step large enough to split by units (B chosen so), each thread's gate rows
+    of its unit slice (H = 520: slices off the 16-column panels, partial tails)."""
+    threads(n_threads)
+    H = 520 if B is None else 37
+    G = ops.gate_count(cell)
+    P = H // 2 + 1 if proj else H
+    if B is None:  # the smallest batch whose step splits by units on 2 threads
+        B = (1 << 25) // (G * H * P) + 1
+    args = recurrence_inputs(cell, T, B, H, proj=proj and P, requires_grad=True,
+                             key=("in-place", T, B))
+    for variant in ("plain", "lengths-reverse"):
+        lengths, reverse = None, False
+        if variant != "plain":
+            g = generator("in-place-lengths", B)
+            lengths, reverse = torch.randint(0, T + 1, (B,), generator=g), True
+        want = outputs_and_grads("reference", cell, args, lengths, reverse, key=(cell, T, B, variant))
+        got = outputs_and_grads("cpu", cell, args, lengths, reverse, key=(cell, T, B, variant))
+        for name in want:
+            assert_close(got[name], want[name], what=f"{variant} {name}")
+
+
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_step_matches_reference(cell, bias):

@@ -312,6 +312,16 @@ constexpr int64_t kMaxSharedWeightBytes = int64_t(2) << 20;
 // for each other, and on a machine where a core is taken by another process
 // each meeting can cost a scheduler time slice (parallel.h).
 constexpr int64_t kMinStepMacsPerWorker = int64_t(1) << 24;
+// The weights of the per-step products are packed once per call when its
+// steps reuse them, and read where they lie when the call has a single step
+// or each worker has at most kMaxInPlaceRows rows a step.  Packing costs
+// about two passes over a weight: at T = 1 more than the product itself (GRU
+// B=1 H=256 T=1 ran at 0.35x torch.nn's speed), and at one or two rows a step
+// (a matrix-vector product) the packed kernel reuses each panel for as few
+// rows as the in-place one.  Not cached between calls: a weight can change
+// without its version counter noticing (writes through .data or numpy), and a
+// stale cache would be a silently wrong answer.
+constexpr int64_t kMaxInPlaceRows = 2;
 
 struct Split {
   bool by_rows = false;
@@ -352,6 +362,12 @@ struct Split {
     Slice sl;
   };
   Work unit_work(size_t t) const { return {rows_of(t), slice_of(t), units[slice_of(t)]}; }
+  // Whether the per-step products read their weights in place (kMaxInPlaceRows).
+  bool weights_in_place(int64_t T) const {
+    int64_t most = 0;
+    for (const Rows& r : rows) most = std::max(most, r.nb);
+    return T == 1 || most <= kMaxInPlaceRows;
+  }
   Work out_work(size_t t) const { return {rows_of(t), slice_of(t), outs[slice_of(t)]}; }
 };
 
@@ -399,25 +415,61 @@ const A* cptr(const Tensor& t) {
   return t.defined() ? t.template const_data_ptr<A>() : nullptr;
 }
 
-// The per-step product C[M, N] (+)= A[M, K] W, W packed once per call.
+// The forward's per-step product  C[M, cols] (+)= A[M, K] W_s^T, where W_s is
+// rows [j0, j0 + n) of each of `blocks` gate blocks of a row-major
+// [blocks*H, K] weight (one unit slice's gates, in gate order).
 template <typename A>
-RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const gemm::PackedB<A>& w,
+struct StepWeightT {
+  bool in_place = false;
+  gemm::PackedB<A> packed;  // !in_place
+  const A* w = nullptr;     // in_place: the weight itself
+  int64_t K = 0, blocks = 0, H = 0, j0 = 0, n = 0;
+  int64_t cols() const { return blocks * n; }
+};
+
+template <typename A>
+RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const StepWeightT<A>& w,
                                   A* c, bool accumulate) {
-  gemm::multiply(M, a, gemm::StridesA{lda, 1}, w, c, w.N, accumulate);
+  if (!w.in_place) {
+    gemm::multiply(M, a, gemm::StridesA{lda, 1}, w.packed, c, w.packed.N, accumulate);
+  } else if (w.n == w.H) {  // the whole weight: its gate blocks are contiguous
+    gemm::multiply_nt(M, a, lda, w.w, w.K, w.blocks * w.H, w.K, c, w.cols(), accumulate);
+  } else {
+    for (int64_t g = 0; g < w.blocks; ++g)
+      gemm::multiply_nt(M, a, lda, w.w + (g * w.H + w.j0) * w.K, w.K, w.n, w.K, c + g * w.n,
+                        w.cols(), accumulate);
+  }
 }
 
-// Packs rows [r0, r0 + n) of each gate block of a [G*H, K] weight, transposed:
-// the B of  hproj = h W^T  for one slice (N = G*n, gates of the slice in order).
+// The backward's per-step product  C[M, N] (+)= A[M, K] B, B packed or a view.
 template <typename A>
-gemm::PackedB<A> pack_gate_rows_t(const Tensor& w, int64_t G, const Slice& sl) {
-  gemm::PackedB<A> p;
-  p.pack(cptr<A>(gate_rows(w, G, sl)), w.size(1), G * sl.n, 1, w.size(1));
-  return p;
+RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const gemm::PackedB<A>& b,
+                                  A* c, bool accumulate) {
+  gemm::multiply(M, a, gemm::StridesA{lda, 1}, b, c, b.N, accumulate);
 }
 
-// Packs columns [j0, j0 + n) of a [K, C] weight: the B of  dh = da W[:, slice].
+// W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
+// [G*H, K] weight.
 template <typename A>
-gemm::PackedB<A> pack_cols(const Tensor& w, const Slice& sl) {
+StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_place) {
+  StepWeightT<A> s;
+  s.in_place = in_place;
+  s.K = w.size(1);
+  s.blocks = G;
+  s.H = w.size(0) / G;
+  s.j0 = sl.j0;
+  s.n = sl.n;
+  if (in_place)
+    s.w = cptr<A>(w);
+  else
+    s.packed.pack(cptr<A>(gate_rows(w, G, sl)), s.K, G * sl.n, 1, s.K);
+  return s;
+}
+
+// Columns [j0, j0 + n) of a contiguous [K, C] weight: the B of  dh = da W[:, slice].
+template <typename A>
+gemm::PackedB<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place) {
+  if (in_place) return gemm::PackedB<A>::view_rows(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1));
   gemm::PackedB<A> p;
   p.pack(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
   return p;
@@ -448,18 +500,19 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 
   // Packed weights per unit (output) slice, scratch per worker, allocated once.
   const Split split(z, sizeof(A));
-  std::vector<gemm::PackedB<A>> w_slice, w_n_slice, w_r_slice;
+  const bool in_place = split.weights_in_place(T);
+  std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice;
   for (const Slice& sl : split.units) {
     // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
-    w_slice.push_back(pack_gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
-                                          reset_before ? 2 : G, sl));
-    if (reset_before) w_n_slice.push_back(pack_gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl));
+    w_slice.push_back(gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
+                                     reset_before ? 2 : G, sl, in_place));
+    if (reset_before) w_n_slice.push_back(gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl, in_place));
   }
-  for (const Slice& sl : split.outs) w_r_slice.push_back(pack_gate_rows_t<A>(a.w_hr, 1, sl));
+  for (const Slice& sl : split.outs) w_r_slice.push_back(gate_rows_t<A>(a.w_hr, 1, sl, in_place));
   std::vector<Tensor> hproj, hn, hq;
   for (size_t t = 0; t < split.unit_workers(); ++t) {
     const auto [r, u, sl] = split.unit_work(t);
-    hproj.push_back(at::empty({r.nb, w_slice[u].N}, opt));
+    hproj.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
     if (reset_before) hn.push_back(at::empty({r.nb, sl.n}, opt));
   }
   for (size_t t = 0; t < split.out_workers(); ++t)
@@ -670,10 +723,11 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const Tensor w_dh = reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh;
   std::vector<Tensor> dh, drh, dh_full;
   std::vector<gemm::PackedB<A>> w_dh_cols, w_n_cols, w_r_cols;
-  for (const Slice& sl : carry) w_dh_cols.push_back(pack_cols<A>(w_dh, sl));
+  const bool in_place = split.weights_in_place(T);
+  for (const Slice& sl : carry) w_dh_cols.push_back(weight_cols<A>(w_dh, sl, in_place));
   for (const Slice& sl : units) {
-    if (reset_before) w_n_cols.push_back(pack_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl));
-    if (z.has_proj) w_r_cols.push_back(pack_cols<A>(a.w_hr, sl));
+    if (reset_before) w_n_cols.push_back(weight_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl, in_place));
+    if (z.has_proj) w_r_cols.push_back(weight_cols<A>(a.w_hr, sl, in_place));
   }
   for (size_t t = 0; t < carry_workers; ++t) {
     const auto [r, ci, c] = carry_work(t);
