@@ -17,6 +17,7 @@
 // Half-precision inputs are computed in float; the workspace is kept in float.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
 #include "ops.h"
+#include "autograd.h"
 
 #include <Python.h>
 
@@ -50,6 +51,14 @@ TORCH_LIBRARY(rnnkern, m) {
   // The input projection X W_ih^T as one large product (CPU backend; other
   // backends use torch's matmul).
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  // The create_graph=True backward of `op` ("recurrence" or "step"): gradients
+  // of the reference formulation recomputed from the saved inputs (in that
+  // op's argument order, None where absent), differentiable, for the inputs
+  // whose bit is set in `needs`.  Implemented in Python (rnnkern/ops.py);
+  // called by the autograd formulas (autograd.cpp).
+  m.def(
+      "reference_grads(str op, str cell, Tensor?[] inputs, Tensor?[] grads, Tensor? lengths, "
+      "bool reverse, int needs) -> Tensor[]");
   m.def(
       "linear_backward(Tensor grad_y, Tensor x, Tensor weight, bool need_x, bool need_weight) "
       "-> (Tensor grad_x, Tensor grad_weight)");
@@ -77,6 +86,18 @@ PyObject* cpu_isa(PyObject*, PyObject*) {
 #endif
 }
 
+PyObject* register_autograd(PyObject*, PyObject* ns) {
+  const char* name = PyUnicode_AsUTF8(ns);
+  if (name == nullptr) return nullptr;
+  try {
+    rnnkern::register_autograd(name);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* cpu_parallel_regions(PyObject*, PyObject*) {
   return PyLong_FromLongLong(rnnkern::cpu::parallel_regions.load());
 }
@@ -86,6 +107,8 @@ PyMethodDef methods[] = {
      "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
     {"cpu_isa", cpu_isa, METH_NOARGS,
      "The x86 ISA level of the CPU kernels' vectorised loops in this process."},
+    {"register_autograd", register_autograd, METH_O,
+     "Registers rnnkern's autograd formulas for the op family in the given namespace."},
     {"cpu_parallel_regions", cpu_parallel_regions, METH_NOARGS,
      "The number of parallel regions rnnkern's CPU kernels have opened in this process."},
     {nullptr, nullptr, 0, nullptr}};

@@ -63,6 +63,8 @@ UNSUPPORTED: dict[str, frozenset] = {
 
 def _check_supported(name: str, backend: str, cell: str, dtype: torch.dtype, *,
                      proj: bool = False, lengths: bool = False, step: bool = False) -> None:
+    if not UNSUPPORTED.get(backend):
+        return
     used = [str(dtype)]
     if cell == "gru_reset_before":
         used.append("reset_after=False")
@@ -125,10 +127,16 @@ def _dtype_mismatch(name: str, what: str, got: torch.dtype, other: str, want: to
 
 # -------------------------------------------------------------- autocast ----
 
+#: torch._C._is_any_autocast_enabled where torch has it.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def _autocast_dtype(device_type: str, weight: Tensor) -> Optional[torch.dtype]:
     """The dtype autocast runs this module in, or None when autocast is off for
     it (autocast leaves float64 alone, as torch.nn's ops do)."""
-    if not torch.is_autocast_enabled(device_type) or weight.dtype == torch.float64:
+    # (the global check first: it is one C call, this runs on every call)
+    if not _any_autocast() or weight.dtype == torch.float64 \
+            or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
@@ -238,13 +246,26 @@ class _RecurrentMixin(_RnnkernOptions):
             return "gru" if self.reset_after else "gru_reset_before"
         return "rnn_tanh" if self.mode == "RNN_TANH" else "rnn_relu"
 
-    def _layer_weights(self, layer: int, direction: int):
-        suffix = "_reverse" if direction == 1 else ""
-
-        def get(name):
-            return getattr(self, f"{name}_l{layer}{suffix}", None)
-
-        return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh"), get("weight_hr")
+    def _layer_weights(self, D: int) -> list:
+        """(w_ih, w_hh, b_ih, b_hh, w_hr) of each (layer, direction): each
+        weight's current attribute (torch.func.functional_call and
+        parametrizations replace them), by the names torch.nn keeps in
+        ``_flat_weights_names``, read once per call (a one-step call feels
+        every lookup).  Order per layer and direction: w_ih, w_hh[, b_ih,
+        b_hh][, w_hr]."""
+        flat = [getattr(self, name) for name in self._flat_weights_names]
+        n = len(flat) // (self.num_layers * D)
+        groups = []
+        for i in range(0, len(flat), n):
+            if self.bias:
+                w_ih, w_hh, b_ih, b_hh = flat[i:i + 4]
+                w_hr = flat[i + 4] if n == 5 else None
+            else:
+                w_ih, w_hh = flat[i:i + 2]
+                b_ih = b_hh = None
+                w_hr = flat[i + 2] if n == 3 else None
+            groups.append((w_ih, w_hh, b_ih, b_hh, w_hr))
+        return groups
 
     # ---- the layer stack
 
@@ -257,7 +278,7 @@ class _RecurrentMixin(_RnnkernOptions):
         D = 2 if self.bidirectional else 1
         backend = ops.resolve_backend(self.backend, x.device)
         name = type(self).__name__
-        weights = [self._layer_weights(layer, d) for layer in range(self.num_layers) for d in range(D)]
+        weights = self._layer_weights(D)
         packed = lengths is not None
         result_dtypes = None
         dtype = _autocast_dtype(x.device.type, weights[0][0])
@@ -265,7 +286,8 @@ class _RecurrentMixin(_RnnkernOptions):
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
             weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
-        _check_supported(name, backend, self.cell, x.dtype, proj=self.proj_size > 0, lengths=packed)
+        cell = self.cell
+        _check_supported(name, backend, cell, x.dtype, proj=self.proj_size > 0, lengths=packed)
         h0 = hx[0]
         c0 = hx[1] if lstm else None
         h_n, c_n = [], []
@@ -274,10 +296,9 @@ class _RecurrentMixin(_RnnkernOptions):
             for d in range(D):
                 idx = layer * D + d
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
-                out, h, c = ops.recurrence(
-                    self.cell, ops.input_projection(x, w_ih, backend), h0[idx],
-                    c0[idx] if lstm else None, w_hh,
-                    b_ih, b_hh, w_hr, lengths, reverse=d == 1, backend=backend)
+                out, h, c = ops.run_recurrence(
+                    backend, cell, ops.input_projection(x, w_ih, backend), h0[idx],
+                    c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1)
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:
@@ -285,7 +306,8 @@ class _RecurrentMixin(_RnnkernOptions):
             x = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
             if self.dropout > 0 and self.training and layer + 1 < self.num_layers:
                 x = self._dropout(x, packing)
-        hidden = (torch.stack(h_n), torch.stack(c_n)) if lstm else (torch.stack(h_n),)
+        stack = torch.stack if len(h_n) > 1 else (lambda hs: hs[0].unsqueeze(0))
+        hidden = (stack(h_n), stack(c_n)) if lstm else (stack(h_n),)
         if result_dtypes is not None:
             x = x.to(result_dtypes[0])
             hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
@@ -362,7 +384,7 @@ class _RecurrentMixin(_RnnkernOptions):
                                    "Expected hidden[1] size {}, got {}")
         else:
             self.check_hidden_size(parts[0], (LD, batch, P))
-        if not torch._C._is_any_autocast_enabled():
+        if not _any_autocast():
             for i, h in enumerate(parts):
                 if h.dtype != input.dtype:
                     label = f"hx[{i}]" if self.mode == "LSTM" else "hx"
@@ -569,7 +591,8 @@ class _CellMixin(_RnnkernOptions):
     def forward(self, input: Tensor, hx=None):
         if _runs_torch_nn_forward():
             return self._torch_nn_forward(input, hx)
-        lstm = self.cell == "lstm"
+        cell = self.cell
+        lstm = cell == "lstm"
         name = type(self).__name__
         if input.dim() not in (1, 2):
             raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
@@ -581,9 +604,13 @@ class _CellMixin(_RnnkernOptions):
         if x.size(1) != self.input_size:
             raise RuntimeError(f"{name}: input has inconsistent input_size: got {x.size(1)} "
                                f"expected {self.input_size}")
-        autocast = _autocast_dtype(x.device.type, self.weight_ih)
-        if autocast is None and x.dtype != self.weight_ih.dtype:
-            raise _dtype_mismatch(name, "input", x.dtype, "weight", self.weight_ih.dtype)
+        # Each parameter read once: a module attribute lookup costs as much as
+        # a small step's arithmetic (this path is what a per-step loop pays).
+        weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        device_type = x.device.type
+        autocast = _autocast_dtype(device_type, weights[0])
+        if autocast is None and x.dtype != weights[0].dtype:
+            raise _dtype_mismatch(name, "input", x.dtype, "weight", weights[0].dtype)
         if parts is None:
             zeros = torch.zeros(B, self.hidden_size, dtype=x.dtype, device=x.device)
             parts = (zeros, zeros) if lstm else (zeros,)
@@ -596,20 +623,18 @@ class _CellMixin(_RnnkernOptions):
                                    f"{h.size(1)}, expected {self.hidden_size}")
             if autocast is None and h.dtype != x.dtype:
                 raise _dtype_mismatch(name, f"hx[{i}]" if lstm else "hx", h.dtype, "input", x.dtype)
-        weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
         result_dtypes = None
         if autocast is not None:
             result_dtypes = self._autocast_result_dtypes(x, parts, autocast)
             x, parts = x.to(autocast), tuple(h.to(autocast) for h in parts)
             weights = tuple(_cast(w, autocast) for w in weights)
         backend = ops.resolve_backend(self.backend, x.device)
-        _check_supported(name, backend, self.cell, x.dtype, step=True)
+        _check_supported(name, backend, cell, x.dtype, step=True)
         if self.hidden_size == 0:
             # Nothing to compute, but the empty results keep their autograd
             # graph as torch.nn's do; the kernels need at least one unit.
             backend = "reference"
-        h, c = ops.step(self.cell, x, parts[0], parts[1] if lstm else None, *weights,
-                        backend=backend)
+        h, c = ops.run_step(backend, cell, x, parts[0], parts[1] if lstm else None, *weights)
         if result_dtypes is not None:
             h = h.to(result_dtypes[0])
             c = c.to(result_dtypes[1]) if lstm else None

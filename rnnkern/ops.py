@@ -48,7 +48,7 @@ BACKENDS = ("auto", "reference", "cpu", "cuda", "triton") + (
 WITH_CUDA = bool(_C.WITH_CUDA)
 
 __all__ = ["BACKENDS", "CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
-           "resolve_backend", "register_op_family", "empty_cpu_cache"]
+           "run_recurrence", "run_step", "resolve_backend", "register_op_family", "empty_cpu_cache"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -100,27 +100,6 @@ def _step_backward_fake(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new
             new((G * H, I)), new((G * H, H)), new((G * H,)), new((G * H,)))
 
 
-def _zeros_if_none(grad: Optional[Tensor], like: Tensor) -> Tensor:
-    return torch.zeros_like(like) if grad is None else grad
-
-
-def _saved_output(output: Tensor) -> Tensor:
-    """What the backward keeps of an output it needs: a copy-on-write alias.
-    Saving the output itself would tie the backward to the user's tensor, so an
-    in-place edit of it (``out += x``, a residual) would fail backward with
-    torch's version-counter error, where torch.nn trains.  The alias shares the
-    storage until either side writes it: no copy unless the user edits in place
-    (then torch copies, once).  The kernels read saved tensors through const
-    pointers, which do not materialise the copy."""
-    try:
-        return torch._lazy_clone(output)
-    except RuntimeError:
-        # Memory from an allocator whose DataPtr carries its own context (a
-        # pluggable allocator) cannot be aliased copy-on-write: save the output
-        # itself, as before (an in-place edit then raises torch's error).
-        return output
-
-
 def _differentiable_grads(fn, inputs, needs, outputs_grads):
     """The gradients of ``fn(*inputs)`` as a differentiable function of the
     saved inputs, for a backward run with ``create_graph=True`` (second
@@ -139,83 +118,36 @@ def _differentiable_grads(fn, inputs, needs, outputs_grads):
     return [next(grads) if need and t is not None else None for t, need in zip(inputs, needs)]
 
 
-def _make_recurrence_autograd(backward_op):
-    def setup_context(ctx, inputs, output):
-        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train = inputs
-        out, h_n, c_n, workspace = output
-        ctx.cell, ctx.reverse = cell, reverse
-        # xproj and the biases serve only the differentiable (double) backward;
-        # xproj is the input projection, alive until the backward.
-        ctx.save_for_backward(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, _saved_output(out),
-                              workspace, lengths)
-        ctx.mark_non_differentiable(workspace)
-        # Unused outputs get no zero-filled gradient (the workspace alone would
-        # cost a pass over T*B*W*H values); missing ones are made below.
-        ctx.set_materialize_grads(False)
-
-    def backward(ctx, grad_output, grad_h_n, grad_c_n, _grad_workspace):
-        xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, out, workspace, lengths = ctx.saved_tensors
-        lstm = ctx.cell == "lstm"
-        if torch.is_grad_enabled():  # create_graph=True
-            def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr):
-                return reference.recurrence(ctx.cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                                            lengths, ctx.reverse)
-            grads = _differentiable_grads(fn, (xproj, h0, c0, w_hh, b_ih, b_hh, w_hr),
-                                          ctx.needs_input_grad[1:8],
-                                          (grad_output, grad_h_n, grad_c_n if lstm else None))
-            return (None, *grads, None, None, None)
-        gx, gh0, gc0, gw, gbi, gbh, gwr = backward_op(
-            ctx.cell, _zeros_if_none(grad_output, out), _zeros_if_none(grad_h_n, h0),
-            _zeros_if_none(grad_c_n, c0) if lstm else None, h0, c0, w_hh, w_hr, out,
-            workspace, lengths, ctx.reverse)
-        return (None, gx, gh0, gc0 if lstm else None, gw, gbi if b_ih is not None else None,
-                gbh if b_hh is not None else None, gwr if w_hr is not None else None,
-                None, None, None)
-
-    return setup_context, backward
-
-
-def _make_step_autograd(backward_op):
-    def setup_context(ctx, inputs, output):
-        cell, x, h, c, w_ih, w_hh, b_ih, b_hh = inputs
-        h_new, c_new, workspace = output
-        ctx.cell = cell
-        ctx.save_for_backward(x, h, c, w_ih, w_hh, b_ih, b_hh, _saved_output(h_new), workspace)
-        ctx.mark_non_differentiable(workspace)
-        ctx.set_materialize_grads(False)
-
-    def backward(ctx, grad_h_new, grad_c_new, _grad_workspace):
-        x, h, c, w_ih, w_hh, b_ih, b_hh, h_new, workspace = ctx.saved_tensors
-        lstm = ctx.cell == "lstm"
-        if torch.is_grad_enabled():  # create_graph=True
-            def fn(x, h, c, w_ih, w_hh, b_ih, b_hh):
-                return reference.step(ctx.cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
-            grads = _differentiable_grads(fn, (x, h, c, w_ih, w_hh, b_ih, b_hh),
-                                          ctx.needs_input_grad[1:8],
-                                          (grad_h_new, grad_c_new if lstm else None))
-            return (None, *grads)
-        gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh = backward_op(
-            ctx.cell, _zeros_if_none(grad_h_new, h_new),
-            _zeros_if_none(grad_c_new, c) if lstm else None, x, h, c, w_ih, w_hh, h_new,
-            workspace)
-        return (None, gx, gh, gc if lstm else None, gw_ih, gw_hh,
-                gb_ih if b_ih is not None else None, gb_hh if b_hh is not None else None)
-
-    return setup_context, backward
+@torch.library.impl("rnnkern::reference_grads", "CompositeImplicitAutograd")
+def _reference_grads(op, cell, inputs, grads, lengths, reverse, needs):
+    """rnnkern::reference_grads (schema in csrc/ops.cpp): the create_graph=True
+    backward of every op family, called by the autograd formulas in
+    csrc/autograd.cpp.  The first-order backward runs the kernels' own backward
+    ops; a differentiable one recomputes the reference from the saved inputs
+    (xproj and the biases are saved for it) and differentiates that."""
+    inputs = list(inputs)
+    wanted = [bool(needs >> i & 1) for i in range(len(inputs))]
+    if op == "recurrence":
+        def fn(*tensors):
+            return reference.recurrence(cell, *tensors, lengths, reverse)
+    else:
+        def fn(*tensors):
+            return reference.step(cell, *tensors)
+    result = _differentiable_grads(fn, inputs, wanted, list(grads))
+    # Every wanted input gets a tensor (the schema returns Tensor[]); unused: zeros.
+    return [torch.zeros_like(t) if g is None else g
+            for g, t, want in zip(result, inputs, wanted) if want]
 
 
 def register_op_family(namespace: str) -> None:
     """Registers the fake implementations and the autograd formulas of
-    ``torch.ops.<namespace>.{recurrence, recurrence_backward, step, step_backward}``."""
-    ops = getattr(torch.ops, namespace)
+    ``torch.ops.<namespace>.{recurrence, recurrence_backward, step, step_backward}``
+    (the formulas are C++, csrc/autograd.cpp, one source for every family)."""
     torch.library.register_fake(f"{namespace}::recurrence")(_recurrence_fake)
     torch.library.register_fake(f"{namespace}::recurrence_backward")(_recurrence_backward_fake)
     torch.library.register_fake(f"{namespace}::step")(_step_fake)
     torch.library.register_fake(f"{namespace}::step_backward")(_step_backward_fake)
-    setup, backward = _make_recurrence_autograd(ops.recurrence_backward.default)
-    torch.library.register_autograd(f"{namespace}::recurrence", backward, setup_context=setup)
-    setup, backward = _make_step_autograd(ops.step_backward.default)
-    torch.library.register_autograd(f"{namespace}::step", backward, setup_context=setup)
+    _C.register_autograd(namespace)
 
 
 register_op_family("rnnkern")
@@ -230,24 +162,6 @@ def _linear_fake(x, weight):
 def _linear_backward_fake(grad_y, x, weight, need_x, need_weight):
     return (x.new_empty(x.shape) if need_x else x.new_empty((0,)),
             weight.new_empty(weight.shape) if need_weight else x.new_empty((0,)))
-
-
-def _linear_setup_context(ctx, inputs, output):
-    x, weight = inputs
-    ctx.save_for_backward(x, weight)
-
-
-def _linear_backward(ctx, grad_y):
-    x, weight = ctx.saved_tensors
-    need_x, need_weight = ctx.needs_input_grad
-    if torch.is_grad_enabled():  # create_graph=True: the same products, differentiable
-        return (grad_y @ weight if need_x else None), (grad_y.t() @ x if need_weight else None)
-    gx, gw = torch.ops.rnnkern.linear_backward(grad_y, x, weight, need_x, need_weight)
-    return (gx if need_x else None), (gw if need_weight else None)
-
-
-torch.library.register_autograd("rnnkern::linear", _linear_backward,
-                                setup_context=_linear_setup_context)
 
 
 def empty_cpu_cache() -> int:
@@ -271,9 +185,12 @@ def _triton_ops():
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device``; a clear error when it cannot run there."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type == "cpu" and (backend == "cpu" or backend == "auto"):
+        return "cpu"  # the common case first: this runs on every call
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-    device = torch.device(device)
     if backend == "auto":
         if device.type == "cpu":
             return "cpu"
@@ -344,11 +261,19 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     int64 on the CPU.  Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
     """
     check_cell(cell)
-    backend = resolve_backend(backend, xproj.device)
+    return run_recurrence(resolve_backend(backend, xproj.device), cell, xproj, h0, c0, w_hh,
+                          b_ih, b_hh, w_hr, lengths, reverse)
+
+
+def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor],
+                   w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor],
+                   w_hr: Optional[Tensor], lengths: Optional[Tensor], reverse: bool):
+    """:func:`recurrence` on a backend already resolved (:func:`resolve_backend`)
+    and a checked cell name: the modules' per-call path."""
     if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr):
         return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse)
     train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr)
-    output, h_n, c_n, _ = _op_family(backend).recurrence(
+    output, h_n, c_n, _ = _op_family(backend).recurrence.default(
         cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train)
     return output, h_n, (c_n if cell == "lstm" else None)
 
@@ -370,8 +295,14 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
     x [B, I], h [B, H], c [B, H] (LSTM only).  Returns ``(h_new, c_new or None)``.
     """
     check_cell(cell)
-    backend = resolve_backend(backend, x.device)
+    return run_step(resolve_backend(backend, x.device), cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+
+
+def run_step(backend: str, cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor,
+             w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor]):
+    """:func:`step` on a backend already resolved (:func:`resolve_backend`) and a
+    checked cell name: the modules' per-call path."""
     if backend == "reference" or _transformed(x, h, c, w_ih, w_hh, b_ih, b_hh):
         return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
-    h_new, c_new, _ = _op_family(backend).step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+    h_new, c_new, _ = _op_family(backend).step.default(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
     return h_new, (c_new if cell == "lstm" else None)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,14 +126,21 @@ class _Planted:
     def __getattr__(self, name):
         return getattr(self._family, name)
 
-    def recurrence(self, *args):
-        output, h_n, c_n, workspace = self._family.recurrence(*args)
-        nudge = torch.zeros_like(output)
-        nudge.view(-1)[0] = 1e-3 if output.dtype == torch.float32 else math.nan
-        return output + nudge, h_n, c_n, workspace
+    # rnnkern.ops calls the ops' overloads (``family.recurrence.default``).
+    @property
+    def recurrence(self):
+        def planted(*args):
+            output, h_n, c_n, workspace = self._family.recurrence.default(*args)
+            nudge = torch.zeros_like(output)
+            nudge.view(-1)[0] = 1e-3 if output.dtype == torch.float32 else math.nan
+            return output + nudge, h_n, c_n, workspace
+        return SimpleNamespace(default=planted)
 
-    def step(self, *args):
-        raise RuntimeError("planted fault in step")
+    @property
+    def step(self):
+        def planted(*args):
+            raise RuntimeError("planted fault in step")
+        return SimpleNamespace(default=planted)
 
 
 def test_planted_mismatch_is_detected(tmp_path, monkeypatch, capsys):

@@ -1021,7 +1021,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_xproj = pooled_empty({z.T, z.B, z.G * z.H}, opt);
   r.d_h0 = at::empty({z.B, z.P}, opt);
   r.d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
-  r.d_w_hh = at::empty({z.G * z.H, z.P}, opt);
+  r.d_w_hh = pooled_empty({z.G * z.H, z.P}, opt);  // 1 MiB at LSTM H = 256: fresh pages cost
   r.d_b_ih = at::empty({z.G * z.H}, opt);
   r.d_b_hh = at::empty({z.G * z.H}, opt);
   r.d_w_hr = z.has_proj ? at::empty({z.P, z.H}, opt) : empty_like_options(h0, acc);
@@ -1088,7 +1088,12 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
-  const Tensor xproj = at::mm(x.to(acc), w_ih.to(acc).t());
+  const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
+  const Tensor xproj = pooled_empty({s.B, s.G * s.H}, xa.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_cpu", [&] {
+    blocked_gemm<scalar_t>(s.B, s.G * s.H, s.I, cptr<scalar_t>(xa), s.I, 1, cptr<scalar_t>(wa), 1,
+                           s.I, ptr<scalar_t>(xproj), s.G * s.H, false);
+  });
   auto [output, h_new, c_new, ws] =
       run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
                   std::nullopt, Positions{nullptr, 1, false}, true);
@@ -1110,9 +1115,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward
       step_as_recurrence(s), at::zeros({1, s.B, s.H}, h.options().dtype(acc)), grad_h_new,
       grad_c_new, h, c, w_hh, std::nullopt, h_new.unsqueeze(0),
       workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false});
-  const Tensor dxp = r.d_xproj.squeeze(0);
-  const Tensor d_x = at::mm(dxp, w_ih.to(acc));
-  const Tensor d_w_ih = at::mm(dxp.t(), x.to(acc));
+  // dX = dXproj W_ih, dW_ih = dXproj^T X (the GEMMs of rnnkern::linear's
+  // backward: in place at small batch, outputs pooled).
+  const int64_t GH = s.G * s.H;
+  const Tensor dxp = r.d_xproj.view({s.B, GH});
+  const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
+  const Tensor d_x = pooled_empty({s.B, s.I}, xa.options());
+  const Tensor d_w_ih = pooled_empty({GH, s.I}, xa.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_backward_cpu", [&] {
+    blocked_gemm<scalar_t>(s.B, s.I, GH, cptr<scalar_t>(dxp), GH, 1, cptr<scalar_t>(wa), s.I, 1,
+                           ptr<scalar_t>(d_x), s.I, false);
+    blocked_gemm<scalar_t>(GH, s.I, s.B, cptr<scalar_t>(dxp), 1, GH, cptr<scalar_t>(xa), s.I, 1,
+                           ptr<scalar_t>(d_w_ih), s.I, false);
+  });
   return {d_x.to(dtype),      r.d_h0.to(dtype),    r.d_c0.to(dtype),  d_w_ih.to(dtype),
           r.d_w_hh.to(dtype), r.d_b_ih.to(dtype), r.d_b_hh.to(dtype)};
 }

@@ -1,0 +1,302 @@
+// The autograd formulas of rnnkern's ops, registered at the Autograd key in C++.
+//
+// Every op family (torch.ops.rnnkern, and the same schemas under the other
+// backends' namespaces: rnnkern_triton, rnnkern_cuda_emu) gets the same
+// formulas, by name: rnnkern/ops.py's register_op_family calls
+// register_autograd(namespace).  In C++ a call records its graph node without
+// entering Python: the Python formula (torch.library.register_autograd) cost
+// about 15 us per call with grad and 3.5 us without, more than torch.nn's
+// whole RNNCell step at small sizes.
+//
+// First derivatives come from the family's backward ops (recurrence_backward,
+// step_backward).  A backward run with create_graph=True (double backward)
+// instead differentiates the reference formulation recomputed from the saved
+// inputs: rnnkern::reference_grads, implemented in Python (rnnkern/ops.py) as
+// plain torch ops that autograd records.  That is why the forward saves xproj
+// and the biases.
+//
+// Outputs the backward reads are saved as copy-on-write aliases
+// (at::_lazy_clone): saving the output itself would make an in-place edit of it
+// by the user (`out += x`) fail the backward with torch's version-counter error,
+// where torch.nn trains.  The kernels read saved tensors through const
+// pointers, which do not materialise the copy.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "autograd.h"
+
+namespace rnnkern {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using RecurrenceSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(
+    c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool);
+using RecurrenceBackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+    c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+    const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+    const OptTensor&, bool);
+using StepSig = std::tuple<Tensor, Tensor, Tensor>(c10::string_view, const Tensor&, const Tensor&,
+                                                   const OptTensor&, const Tensor&, const Tensor&,
+                                                   const OptTensor&, const OptTensor&);
+using StepBackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+    c10::string_view, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+    const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using ReferenceGradsSig = std::vector<Tensor>(c10::string_view, c10::string_view,
+                                              const c10::List<OptTensor>&,
+                                              const c10::List<OptTensor>&, const OptTensor&, bool,
+                                              int64_t);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const std::string& ns, const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "").typed<Sig>();
+}
+
+// The backward ops of one family.
+struct Family {
+  c10::TypedOperatorHandle<RecurrenceSig> recurrence;
+  c10::TypedOperatorHandle<RecurrenceBackwardSig> recurrence_backward;
+  c10::TypedOperatorHandle<StepSig> step;
+  c10::TypedOperatorHandle<StepBackwardSig> step_backward;
+};
+
+OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+Tensor def(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
+Tensor zeros_if_undefined(const Tensor& grad, const Tensor& like) {
+  return grad.defined() ? grad : at::zeros_like(like);
+}
+bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+
+Tensor saved_output(const Tensor& output) {
+  try {
+    return at::_lazy_clone(output);
+  } catch (const c10::Error&) {
+    // Memory from an allocator whose DataPtr carries its own context (a
+    // pluggable allocator) cannot be aliased copy-on-write: save the output
+    // itself (an in-place edit then raises torch's error).
+    return output;
+  }
+}
+
+// The gradients of the reference formulation with respect to `inputs` (those
+// that require grad), differentiable: the create_graph=True backward.
+std::vector<Tensor> reference_grads(const char* op, const std::string& cell,
+                                    const std::vector<Tensor>& inputs,
+                                    const std::vector<Tensor>& grads, const Tensor& lengths,
+                                    bool reverse) {
+  static const auto handle = find_op<ReferenceGradsSig>("rnnkern", "reference_grads");
+  c10::List<OptTensor> in, gr;
+  int64_t needs = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    in.push_back(opt(inputs[i]));
+    if (requires_grad(inputs[i])) needs |= int64_t(1) << i;
+  }
+  for (const Tensor& g : grads) gr.push_back(opt(g));
+  const std::vector<Tensor> wanted = handle.call(op, cell, in, gr, opt(lengths), reverse, needs);
+  std::vector<Tensor> out(inputs.size());
+  size_t k = 0;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (needs >> i & 1) out[i] = wanted.at(k++);
+  return out;
+}
+
+struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
+  static variable_list forward(AutogradContext* ctx, const Family* f, const std::string& cell,
+                               const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
+                               const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                               const OptTensor& w_hr, const OptTensor& lengths, bool reverse,
+                               bool train) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [out, h_n, c_n, ws] =
+        f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train);
+    ctx->saved_data["family"] = reinterpret_cast<int64_t>(f);
+    ctx->saved_data["cell"] = cell;
+    ctx->saved_data["reverse"] = reverse;
+    ctx->save_for_backward({xproj, h0, def(c0), w_hh, def(b_ih), def(b_hh), def(w_hr),
+                            saved_output(out), ws, def(lengths)});
+    ctx->mark_non_differentiable({ws});
+    // Unused outputs get no zero-filled gradient (the workspace alone would
+    // cost a pass over T*B*W*H values); missing ones are made in backward.
+    ctx->set_materialize_grads(false);
+    return {out, h_n, c_n, ws};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* f = reinterpret_cast<const Family*>(ctx->saved_data["family"].toInt());
+    const std::string cell = ctx->saved_data["cell"].toStringRef();
+    const bool reverse = ctx->saved_data["reverse"].toBool();
+    const bool lstm = cell == "lstm";
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &xproj = s[0], &h0 = s[1], &c0 = s[2], &w_hh = s[3], &b_ih = s[4],
+                 &b_hh = s[5], &w_hr = s[6], &out = s[7], &ws = s[8], &lengths = s[9];
+    const Tensor &g_out = grads[0], &g_hn = grads[1], &g_cn = grads[2];
+    // Gradients per forward argument: family, cell, the 7 inputs, lengths, reverse, train.
+    variable_list result(12);
+    if (at::GradMode::is_enabled()) {  // create_graph=True
+      const auto g = reference_grads("recurrence", cell, {xproj, h0, c0, w_hh, b_ih, b_hh, w_hr},
+                                     {g_out, g_hn, lstm ? g_cn : Tensor()}, lengths, reverse);
+      std::copy(g.begin(), g.end(), result.begin() + 2);
+      return result;
+    }
+    auto [gx, gh0, gc0, gw, gbi, gbh, gwr] = f->recurrence_backward.call(
+        cell, zeros_if_undefined(g_out, out), zeros_if_undefined(g_hn, h0),
+        lstm ? opt(zeros_if_undefined(g_cn, c0)) : std::nullopt, h0, opt(c0), w_hh, opt(w_hr),
+        out, ws, opt(lengths), reverse);
+    result[2] = gx;
+    result[3] = gh0;
+    if (lstm) result[4] = gc0;
+    result[5] = gw;
+    if (b_ih.defined()) result[6] = gbi;
+    if (b_hh.defined()) result[7] = gbh;
+    if (w_hr.defined()) result[8] = gwr;
+    return result;
+  }
+};
+
+struct StepFunction : torch::autograd::Function<StepFunction> {
+  static variable_list forward(AutogradContext* ctx, const Family* f, const std::string& cell,
+                               const Tensor& x, const Tensor& h, const OptTensor& c,
+                               const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                               const OptTensor& b_hh) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [h_new, c_new, ws] = f->step.call(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
+    ctx->saved_data["family"] = reinterpret_cast<int64_t>(f);
+    ctx->saved_data["cell"] = cell;
+    ctx->save_for_backward(
+        {x, h, def(c), w_ih, w_hh, def(b_ih), def(b_hh), saved_output(h_new), ws});
+    ctx->mark_non_differentiable({ws});
+    ctx->set_materialize_grads(false);
+    return {h_new, c_new, ws};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* f = reinterpret_cast<const Family*>(ctx->saved_data["family"].toInt());
+    const std::string cell = ctx->saved_data["cell"].toStringRef();
+    const bool lstm = cell == "lstm";
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &h = s[1], &c = s[2], &w_ih = s[3], &w_hh = s[4], &b_ih = s[5],
+                 &b_hh = s[6], &h_new = s[7], &ws = s[8];
+    const Tensor &g_h = grads[0], &g_c = grads[1];
+    // Gradients per forward argument: family, cell, the 7 inputs.
+    variable_list result(9);
+    if (at::GradMode::is_enabled()) {  // create_graph=True
+      const auto g = reference_grads("step", cell, {x, h, c, w_ih, w_hh, b_ih, b_hh},
+                                     {g_h, lstm ? g_c : Tensor()}, Tensor(), false);
+      std::copy(g.begin(), g.end(), result.begin() + 2);
+      return result;
+    }
+    auto [gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh] = f->step_backward.call(
+        cell, zeros_if_undefined(g_h, h_new), lstm ? opt(zeros_if_undefined(g_c, c)) : std::nullopt,
+        x, h, opt(c), w_ih, w_hh, h_new, ws);
+    result[2] = gx;
+    result[3] = gh;
+    if (lstm) result[4] = gc;
+    result[5] = gw_ih;
+    result[6] = gw_hh;
+    if (b_ih.defined()) result[7] = gb_ih;
+    if (b_hh.defined()) result[8] = gb_hh;
+    return result;
+  }
+};
+
+bool any_requires_grad(std::initializer_list<const Tensor*> ts,
+                       std::initializer_list<const OptTensor*> opts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const Tensor* t : ts)
+    if (requires_grad(*t)) return true;
+  for (const OptTensor* t : opts)
+    if (t->has_value() && requires_grad(**t)) return true;
+  return false;
+}
+
+// rnnkern::linear (CPU backend only, so no family): the input projection.
+using LinearSig = Tensor(const Tensor&, const Tensor&);
+using LinearBackwardSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                     bool, bool);
+
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight) {
+    static const auto op = find_op<LinearSig>("rnnkern", "linear");
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({x, weight});
+    return op.call(x, weight);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<LinearBackwardSig>("rnnkern", "linear_backward");
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &weight = s[1], &gy = grads[0];
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    if (at::GradMode::is_enabled())  // create_graph=True: the same products, differentiable
+      return {need_x ? gy.mm(weight) : Tensor(), need_w ? gy.t().mm(x) : Tensor()};
+    auto [gx, gw] = op.call(gy, x, weight, need_x, need_w);
+    return {need_x ? gx : Tensor(), need_w ? gw : Tensor()};
+  }
+};
+
+Tensor linear_autograd(const Tensor& x, const Tensor& weight) {
+  if (!any_requires_grad({&x, &weight}, {})) {
+    static const auto op = find_op<LinearSig>("rnnkern", "linear");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(x, weight);
+  }
+  return LinearFunction::apply(x, weight);
+}
+
+std::mutex registry_mutex;
+std::set<std::string> registered;
+std::deque<Family> families;  // stable addresses: the kernels keep pointers
+std::deque<std::unique_ptr<torch::Library>> libraries;
+
+}  // namespace
+
+void register_autograd(const std::string& ns) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (!registered.insert(ns).second) return;
+  families.push_back(Family{find_op<RecurrenceSig>(ns, "recurrence"),
+                            find_op<RecurrenceBackwardSig>(ns, "recurrence_backward"),
+                            find_op<StepSig>(ns, "step"),
+                            find_op<StepBackwardSig>(ns, "step_backward")});
+  const Family* f = &families.back();
+  libraries.push_back(std::make_unique<torch::Library>(
+      torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__));
+  torch::Library& m = *libraries.back();
+  m.impl("recurrence", [f](c10::string_view cell, const Tensor& xproj, const Tensor& h0,
+                           const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
+                           const OptTensor& b_hh, const OptTensor& w_hr,
+                           const OptTensor& lengths, bool reverse, bool train) {
+    if (!any_requires_grad({&xproj, &h0, &w_hh}, {&c0, &b_ih, &b_hh, &w_hr})) {
+      at::AutoDispatchBelowADInplaceOrView below;
+      return f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
+                                train);
+    }
+    const variable_list r = RecurrenceFunction::apply(
+        f, std::string(cell), xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train);
+    return std::make_tuple(r[0], r[1], r[2], r[3]);
+  });
+  m.impl("step", [f](c10::string_view cell, const Tensor& x, const Tensor& h, const OptTensor& c,
+                     const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
+                     const OptTensor& b_hh) {
+    if (!any_requires_grad({&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh})) {
+      at::AutoDispatchBelowADInplaceOrView below;
+      return f->step.call(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
+    }
+    const variable_list r =
+        StepFunction::apply(f, std::string(cell), x, h, c, w_ih, w_hh, b_ih, b_hh);
+    return std::make_tuple(r[0], r[1], r[2]);
+  });
+  if (ns == "rnnkern") m.impl("linear", &linear_autograd);
+}
+
+}  // namespace rnnkern
