@@ -42,21 +42,25 @@ using torch::autograd::variable_list;
 
 using RecurrenceSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool);
-using RecurrenceBackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
-    c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
-    const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
-    const OptTensor&, bool);
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool,
+    const OptTensor&, const OptTensor&, const OptTensor&);
+using RecurrenceBackwardSig =
+    std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+        c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+        const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+        const OptTensor&, bool, const OptTensor&, const OptTensor&, const OptTensor&);
 using StepSig = std::tuple<Tensor, Tensor, Tensor>(c10::string_view, const Tensor&, const Tensor&,
                                                    const OptTensor&, const Tensor&, const Tensor&,
-                                                   const OptTensor&, const OptTensor&);
-using StepBackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+                                                   const OptTensor&, const OptTensor&,
+                                                   const OptTensor&);
+using StepBackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
     c10::string_view, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
-    const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+    const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+    const OptTensor&);
 using ReferenceGradsSig = std::vector<Tensor>(c10::string_view, c10::string_view,
                                               const c10::List<OptTensor>&,
-                                              const c10::List<OptTensor>&, const OptTensor&, bool,
-                                              int64_t);
+                                              const c10::List<OptTensor>&,
+                                              const c10::List<OptTensor>&, bool, int64_t);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const std::string& ns, const char* name) {
@@ -93,17 +97,18 @@ Tensor saved_output(const Tensor& output) {
 // that require grad), differentiable: the create_graph=True backward.
 std::vector<Tensor> reference_grads(const char* op, const std::string& cell,
                                     const std::vector<Tensor>& inputs,
-                                    const std::vector<Tensor>& grads, const Tensor& lengths,
-                                    bool reverse) {
+                                    const std::vector<Tensor>& grads,
+                                    const std::vector<Tensor>& constants, bool reverse) {
   static const auto handle = find_op<ReferenceGradsSig>("rnnkern", "reference_grads");
-  c10::List<OptTensor> in, gr;
+  c10::List<OptTensor> in, gr, co;
   int64_t needs = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     in.push_back(opt(inputs[i]));
     if (requires_grad(inputs[i])) needs |= int64_t(1) << i;
   }
   for (const Tensor& g : grads) gr.push_back(opt(g));
-  const std::vector<Tensor> wanted = handle.call(op, cell, in, gr, opt(lengths), reverse, needs);
+  for (const Tensor& t : constants) co.push_back(opt(t));
+  const std::vector<Tensor> wanted = handle.call(op, cell, in, gr, co, reverse, needs);
   std::vector<Tensor> out(inputs.size());
   size_t k = 0;
   for (size_t i = 0; i < inputs.size(); ++i)
@@ -116,15 +121,17 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
                                const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
                                const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
                                const OptTensor& w_hr, const OptTensor& lengths, bool reverse,
-                               bool train) {
+                               bool train, const OptTensor& resets, const OptTensor& zoneout,
+                               const OptTensor& ln) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, h_n, c_n, ws] =
-        f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train);
+    auto [out, h_n, c_n, ws] = f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
+                                                  lengths, reverse, train, resets, zoneout, ln);
     ctx->saved_data["family"] = reinterpret_cast<int64_t>(f);
     ctx->saved_data["cell"] = cell;
     ctx->saved_data["reverse"] = reverse;
     ctx->save_for_backward({xproj, h0, def(c0), w_hh, def(b_ih), def(b_hh), def(w_hr),
-                            saved_output(out), ws, def(lengths)});
+                            saved_output(out), ws, def(lengths), def(resets), def(zoneout),
+                            def(ln)});
     ctx->mark_non_differentiable({ws});
     // Unused outputs get no zero-filled gradient (the workspace alone would
     // cost a pass over T*B*W*H values); missing ones are made in backward.
@@ -136,23 +143,27 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     const auto* f = reinterpret_cast<const Family*>(ctx->saved_data["family"].toInt());
     const std::string cell = ctx->saved_data["cell"].toStringRef();
     const bool reverse = ctx->saved_data["reverse"].toBool();
-    const bool lstm = cell == "lstm";
+    const bool lstm = c10::string_view(cell).substr(0, 4) == "lstm";  // lstm, lstm_ln: a cell state
     const variable_list s = ctx->get_saved_variables();
     const Tensor &xproj = s[0], &h0 = s[1], &c0 = s[2], &w_hh = s[3], &b_ih = s[4],
-                 &b_hh = s[5], &w_hr = s[6], &out = s[7], &ws = s[8], &lengths = s[9];
+                 &b_hh = s[5], &w_hr = s[6], &out = s[7], &ws = s[8], &lengths = s[9],
+                 &resets = s[10], &zoneout = s[11], &ln = s[12];
     const Tensor &g_out = grads[0], &g_hn = grads[1], &g_cn = grads[2];
-    // Gradients per forward argument: family, cell, the 7 inputs, lengths, reverse, train.
-    variable_list result(12);
+    // Gradients per forward argument: family, cell, the 7 inputs, lengths,
+    // reverse, train, resets, zoneout, ln.
+    variable_list result(15);
     if (at::GradMode::is_enabled()) {  // create_graph=True
-      const auto g = reference_grads("recurrence", cell, {xproj, h0, c0, w_hh, b_ih, b_hh, w_hr},
-                                     {g_out, g_hn, lstm ? g_cn : Tensor()}, lengths, reverse);
-      std::copy(g.begin(), g.end(), result.begin() + 2);
+      const auto g = reference_grads(
+          "recurrence", cell, {xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln},
+          {g_out, g_hn, lstm ? g_cn : Tensor()}, {lengths, resets, zoneout}, reverse);
+      std::copy(g.begin(), g.begin() + 7, result.begin() + 2);
+      result[14] = g[7];
       return result;
     }
-    auto [gx, gh0, gc0, gw, gbi, gbh, gwr] = f->recurrence_backward.call(
+    auto [gx, gh0, gc0, gw, gbi, gbh, gwr, gln] = f->recurrence_backward.call(
         cell, zeros_if_undefined(g_out, out), zeros_if_undefined(g_hn, h0),
         lstm ? opt(zeros_if_undefined(g_cn, c0)) : std::nullopt, h0, opt(c0), w_hh, opt(w_hr),
-        out, ws, opt(lengths), reverse);
+        out, ws, opt(lengths), reverse, opt(resets), opt(zoneout), opt(ln));
     result[2] = gx;
     result[3] = gh0;
     if (lstm) result[4] = gc0;
@@ -160,6 +171,7 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     if (b_ih.defined()) result[6] = gbi;
     if (b_hh.defined()) result[7] = gbh;
     if (w_hr.defined()) result[8] = gwr;
+    if (ln.defined()) result[14] = gln;
     return result;
   }
 };
@@ -168,13 +180,13 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
   static variable_list forward(AutogradContext* ctx, const Family* f, const std::string& cell,
                                const Tensor& x, const Tensor& h, const OptTensor& c,
                                const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
-                               const OptTensor& b_hh) {
+                               const OptTensor& b_hh, const OptTensor& ln) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [h_new, c_new, ws] = f->step.call(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
+    auto [h_new, c_new, ws] = f->step.call(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
     ctx->saved_data["family"] = reinterpret_cast<int64_t>(f);
     ctx->saved_data["cell"] = cell;
     ctx->save_for_backward(
-        {x, h, def(c), w_ih, w_hh, def(b_ih), def(b_hh), saved_output(h_new), ws});
+        {x, h, def(c), w_ih, w_hh, def(b_ih), def(b_hh), saved_output(h_new), ws, def(ln)});
     ctx->mark_non_differentiable({ws});
     ctx->set_materialize_grads(false);
     return {h_new, c_new, ws};
@@ -183,22 +195,22 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* f = reinterpret_cast<const Family*>(ctx->saved_data["family"].toInt());
     const std::string cell = ctx->saved_data["cell"].toStringRef();
-    const bool lstm = cell == "lstm";
+    const bool lstm = c10::string_view(cell).substr(0, 4) == "lstm";  // lstm, lstm_ln: a cell state
     const variable_list s = ctx->get_saved_variables();
     const Tensor &x = s[0], &h = s[1], &c = s[2], &w_ih = s[3], &w_hh = s[4], &b_ih = s[5],
-                 &b_hh = s[6], &h_new = s[7], &ws = s[8];
+                 &b_hh = s[6], &h_new = s[7], &ws = s[8], &ln = s[9];
     const Tensor &g_h = grads[0], &g_c = grads[1];
-    // Gradients per forward argument: family, cell, the 7 inputs.
-    variable_list result(9);
+    // Gradients per forward argument: family, cell, the 7 inputs, ln.
+    variable_list result(10);
     if (at::GradMode::is_enabled()) {  // create_graph=True
-      const auto g = reference_grads("step", cell, {x, h, c, w_ih, w_hh, b_ih, b_hh},
-                                     {g_h, lstm ? g_c : Tensor()}, Tensor(), false);
+      const auto g = reference_grads("step", cell, {x, h, c, w_ih, w_hh, b_ih, b_hh, ln},
+                                     {g_h, lstm ? g_c : Tensor()}, {}, false);
       std::copy(g.begin(), g.end(), result.begin() + 2);
       return result;
     }
-    auto [gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh] = f->step_backward.call(
+    auto [gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh, gln] = f->step_backward.call(
         cell, zeros_if_undefined(g_h, h_new), lstm ? opt(zeros_if_undefined(g_c, c)) : std::nullopt,
-        x, h, opt(c), w_ih, w_hh, h_new, ws);
+        x, h, opt(c), w_ih, w_hh, h_new, ws, opt(ln));
     result[2] = gx;
     result[3] = gh;
     if (lstm) result[4] = gc;
@@ -206,6 +218,7 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
     result[6] = gw_hh;
     if (b_ih.defined()) result[7] = gb_ih;
     if (b_hh.defined()) result[8] = gb_hh;
+    if (ln.defined()) result[9] = gln;
     return result;
   }
 };
@@ -275,25 +288,29 @@ void register_autograd(const std::string& ns) {
   m.impl("recurrence", [f](c10::string_view cell, const Tensor& xproj, const Tensor& h0,
                            const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
                            const OptTensor& b_hh, const OptTensor& w_hr,
-                           const OptTensor& lengths, bool reverse, bool train) {
-    if (!any_requires_grad({&xproj, &h0, &w_hh}, {&c0, &b_ih, &b_hh, &w_hr})) {
+                           const OptTensor& lengths, bool reverse, bool train,
+                           const OptTensor& resets, const OptTensor& zoneout,
+                           const OptTensor& ln) {
+    // (resets and zoneout are masks: not differentiated)
+    if (!any_requires_grad({&xproj, &h0, &w_hh}, {&c0, &b_ih, &b_hh, &w_hr, &ln})) {
       at::AutoDispatchBelowADInplaceOrView below;
       return f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
-                                train);
+                                train, resets, zoneout, ln);
     }
-    const variable_list r = RecurrenceFunction::apply(
-        f, std::string(cell), xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train);
+    const variable_list r =
+        RecurrenceFunction::apply(f, std::string(cell), xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
+                                  lengths, reverse, train, resets, zoneout, ln);
     return std::make_tuple(r[0], r[1], r[2], r[3]);
   });
   m.impl("step", [f](c10::string_view cell, const Tensor& x, const Tensor& h, const OptTensor& c,
                      const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
-                     const OptTensor& b_hh) {
-    if (!any_requires_grad({&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh})) {
+                     const OptTensor& b_hh, const OptTensor& ln) {
+    if (!any_requires_grad({&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh, &ln})) {
       at::AutoDispatchBelowADInplaceOrView below;
-      return f->step.call(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
+      return f->step.call(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
     }
     const variable_list r =
-        StepFunction::apply(f, std::string(cell), x, h, c, w_ih, w_hh, b_ih, b_hh);
+        StepFunction::apply(f, std::string(cell), x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
     return std::make_tuple(r[0], r[1], r[2]);
   });
   if (ns == "rnnkern") m.impl("linear", &linear_autograd);

@@ -16,7 +16,15 @@
 //         LSTM             i, f, g, o, c          (activated gates, cell)
 //         GRU reset-after  r, z, n, hn            (hn = W_hn h + b_hn)
 //         GRU reset-before r, z, n
-//         RNN              nothing (h_t itself is the output)
+//         RNN              nothing (h_t itself is the output); with zoneout
+//                          the candidate h~_t (the output is blended)
+//         LSTM-LN          i, f, g, o, c, then x^ (4 values: the normalised
+//                          x W_ih^T of gates i, f, g, o), h^ (4: the
+//                          normalised h W_hh^T), c^ (the normalised c_t);
+//                          after the W*H unit values, 3 per row: the
+//                          reciprocal standard deviations of x W_ih^T,
+//                          h W_hh^T and c_t  (workspace_size)
+//     where c is the cell state the step ends with (after zoneout).
 #pragma once
 
 #include <cmath>
@@ -38,17 +46,42 @@ enum class Cell : int {
   Lstm = 2,
   Gru = 3,             // torch/cuDNN form: n = tanh(x_n + r * (W_hn h + b_hn))
   GruResetBefore = 4,  // seed 000 form:    n = tanh(x_n + W_hn (r * h) + b_hn)
+  LstmLn = 5,          // layer-normalised LSTM (rnnkern/reference.py: lstm_ln_cell)
 };
+
+// Whether the cell carries a cell state c (LSTM and LSTM-LN).
+RNNKERN_HD constexpr bool has_cell_state(Cell cell) {
+  return cell == Cell::Lstm || cell == Cell::LstmLn;
+}
 
 // Rows of W_hh per hidden unit.
 RNNKERN_HD constexpr int gate_count(Cell cell) {
-  return cell == Cell::Lstm ? 4 : (cell == Cell::Gru || cell == Cell::GruResetBefore) ? 3 : 1;
+  return has_cell_state(cell) ? 4 : (cell == Cell::Gru || cell == Cell::GruResetBefore) ? 3 : 1;
 }
 
-// Values saved per hidden unit and time step for the backward.
-RNNKERN_HD constexpr int workspace_width(Cell cell) {
-  return cell == Cell::Lstm ? 5 : cell == Cell::Gru ? 4 : cell == Cell::GruResetBefore ? 3 : 0;
+// Values saved per hidden unit and time step for the backward.  Zoneout
+// changes only the RNN's: its backward needs the candidate, no longer the
+// output.  (The LSTMs recompute their candidate cell c~ = f c_{t-1} + i g.)
+RNNKERN_HD constexpr int workspace_width(Cell cell, bool zoneout = false) {
+  return cell == Cell::Lstm             ? 5
+         : cell == Cell::LstmLn         ? 14
+         : cell == Cell::Gru            ? 4
+         : cell == Cell::GruResetBefore ? 3
+         : zoneout                      ? 1
+                                        : 0;
 }
+
+// Values saved per batch row and time step beyond the per-unit ones (the
+// layer norms' reciprocal standard deviations of LSTM-LN).
+RNNKERN_HD constexpr int workspace_row_extra(Cell cell) { return cell == Cell::LstmLn ? 3 : 0; }
+
+// The workspace's last dimension: values per batch row and time step.
+RNNKERN_HD constexpr int64_t workspace_size(Cell cell, int64_t H, bool zoneout = false) {
+  return workspace_width(cell, zoneout) * H + workspace_row_extra(cell);
+}
+
+// Layer norm's epsilon for LSTM-LN (torch's default; rnnkern/reference.py LN_EPS).
+constexpr double kLayerNormEps = 1e-5;
 
 // Elementary functions per accumulate type.
 template <typename A>
@@ -120,10 +153,13 @@ struct LstmUnit {
     r.f = sigmoid(pf);
     r.g = Math<A>::tanh(pg);
     r.o = sigmoid(po);
-    r.c = r.f * c_prev + r.i * r.g;
+    r.c = candidate(r.i, r.f, r.g, c_prev);
     r.h = r.o * Math<A>::tanh(r.c);
     return r;
   }
+  // The new cell state before zoneout; the backward of a zoned-out step
+  // recomputes it from the saved gates (the workspace keeps the zoned state).
+  static RNNKERN_HD A candidate(A i, A f, A g, A c_prev) { return f * c_prev + i * g; }
   struct Bwd {
     A di, df, dg, do_, dc_prev;  // gradients of the pre-activations, and of c_{t-1}
   };
@@ -216,6 +252,75 @@ struct GruResetBeforeUnit {
     o.dr = sigmoid_backward(drh * h_prev, r);
     o.dh_prev = drh * r;
     return o;
+  }
+};
+
+// ------------------------------------------------------------ zoneout ----
+// The state a step ends with, per unit: h_t = m h_{t-1} + (1 - m) h~_t (and
+// c alike), m the mask value (0 or 1 in training, the probability in
+// evaluation).  Its gradient d splits into m d for the previous state and
+// (1 - m) d for the candidate.
+template <typename A>
+struct Zoneout {
+  static RNNKERN_HD A forward(A m, A prev, A cand) { return cand + m * (prev - cand); }
+  static RNNKERN_HD A to_prev(A m, A d) { return m * d; }
+  static RNNKERN_HD A to_candidate(A m, A d) { return (A(1) - m) * d; }
+};
+
+// --------------------------------------------------------- layer norm ----
+// Per element, given its row's statistics (each backend reduces over the row
+// its own way): the normalised value v^ = (v - mean) * rstd, and the backward
+// dv = rstd * (dv^ - mean(dv^) - v^ * mean(dv^ * v^)), mean over the row.
+// No affine part here: the callers apply their gains and shift.
+template <typename A>
+struct LayerNorm {
+  static RNNKERN_HD A rstd(A variance) {
+    return A(1) / std::sqrt(variance + A(kLayerNormEps));
+  }
+  static RNNKERN_HD A normalize(A v, A mean, A rstd) { return (v - mean) * rstd; }
+  static RNNKERN_HD A backward(A dvhat, A vhat, A rstd, A mean_dvhat, A mean_dvhat_vhat) {
+    return rstd * (dvhat - mean_dvhat - vhat * mean_dvhat_vhat);
+  }
+};
+
+// ------------------------------------------------------------ LSTM-LN ----
+// Per unit, between the row reductions of the three layer norms:
+//   gates:  a_k = x^_k g_ih_k + h^_k g_hh_k + b_k  (k = i, f, g, o), then
+//           LstmUnit's activations and candidate c~ (before zoneout);
+//   output: h~ = o tanh(c^ g_c + beta_c), c^ the normalised c~.
+template <typename A>
+struct LstmLnUnit {
+  static RNNKERN_HD A pre_activation(A xhat, A hhat, A g_ih, A g_hh, A b) {
+    return xhat * g_ih + hhat * g_hh + b;
+  }
+  static RNNKERN_HD A output(A o, A chat, A g_c, A beta_c) {
+    return o * Math<A>::tanh(chat * g_c + beta_c);
+  }
+  struct BwdOut {
+    A do_;     // gradient of o's pre-activation
+    A dchat;   // gradient of c^ (into the cell layer norm's backward)
+    A dy;      // gradient of c^ g_c + beta_c: d beta_c, and d g_c = dy * c^
+  };
+  // dh: gradient of h~ (after zoneout's split).
+  static RNNKERN_HD BwdOut backward_output(A dh, A o, A chat, A g_c, A beta_c) {
+    const A ty = Math<A>::tanh(chat * g_c + beta_c);
+    BwdOut r;
+    r.do_ = sigmoid_backward(dh * ty, o);
+    r.dy = tanh_backward(dh * o, ty);
+    r.dchat = r.dy * g_c;
+    return r;
+  }
+  struct BwdGates {
+    A di, df, dg, dc_prev;  // pre-activation gradients of i, f, g; gradient of c_{t-1}
+  };
+  // dc: the whole gradient of c~ (from the cell layer norm and from step t+1).
+  static RNNKERN_HD BwdGates backward_gates(A dc, A i, A f, A g, A c_prev) {
+    BwdGates r;
+    r.di = sigmoid_backward(dc * g, i);
+    r.df = sigmoid_backward(dc * c_prev, f);
+    r.dg = tanh_backward(dc * i, g);
+    r.dc_prev = dc * f;
+    return r;
   }
 };
 

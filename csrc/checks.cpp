@@ -16,8 +16,9 @@ Cell parse_cell(c10::string_view name) {
   if (name == "lstm") return Cell::Lstm;
   if (name == "gru") return Cell::Gru;
   if (name == "gru_reset_before") return Cell::GruResetBefore;
+  if (name == "lstm_ln") return Cell::LstmLn;
   TORCH_CHECK_VALUE(false, "rnnkern: unknown cell '", std::string(name),
-                    "'; expected one of rnn_tanh, rnn_relu, lstm, gru, gru_reset_before");
+                    "'; expected one of rnn_tanh, rnn_relu, lstm, gru, gru_reset_before, lstm_ln");
 }
 
 const char* cell_name(Cell cell) {
@@ -27,8 +28,16 @@ const char* cell_name(Cell cell) {
     case Cell::Lstm: return "lstm";
     case Cell::Gru: return "gru";
     case Cell::GruResetBefore: return "gru_reset_before";
+    case Cell::LstmLn: return "lstm_ln";
   }
   return "?";
+}
+
+int64_t zoneout_width(Cell cell, int64_t H, int64_t P) { return has_cell_state(cell) ? P + H : H; }
+
+void check_backend_has(bool lacking, const char* op, const char* backend, const char* what) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!lacking, op, ": the ", backend, " backend does not support ", what,
+                              " yet (see rnnkern.modules.UNSUPPORTED for the backends that do)");
 }
 
 at::ScalarType acc_type(at::ScalarType t) {
@@ -84,6 +93,38 @@ void check_lengths(const char* op, const OptTensor& lengths, int64_t T, int64_t 
   }
 }
 
+// ln: the layer norms' gains and shift of lstm_ln ([10H]), absent for every other cell.
+void check_ln(const char* op, Cell cell, const OptTensor& ln, int64_t H, const Tensor& ref) {
+  if (cell == Cell::LstmLn) {
+    TORCH_CHECK_VALUE(ln.has_value(), op, ": lstm_ln needs ln (the layer norms' gains and shift, [",
+                      10 * H, "])");
+    check_arg(op, "ln", *ln, {10 * H}, ref);
+  } else {
+    TORCH_CHECK_VALUE(!ln.has_value(), op, ": ln is only defined for lstm_ln, got one for ",
+                      cell_name(cell));
+  }
+}
+
+// resets [T, B] bool and zoneout [T, B, Z] (the dtype of the input), on its device.
+void check_resets_zoneout(const char* op, Cell cell, const OptTensor& resets,
+                          const OptTensor& zoneout, int64_t T, int64_t B, int64_t H, int64_t P,
+                          const Tensor& ref) {
+  if (resets.has_value()) {
+    const Tensor& r = *resets;
+    TORCH_CHECK_VALUE(r.dim() == 2 && r.size(0) == T && r.size(1) == B, op,
+                      ": expected resets of shape [", T, ", ", B, "] (time, batch), got ",
+                      shape_str(r));
+    TORCH_CHECK_TYPE(r.scalar_type() == at::kBool, op, ": expected resets of dtype torch.bool, got ",
+                     r.scalar_type());
+    TORCH_CHECK_VALUE(r.device() == ref.device(), op, ": expected resets on ", ref.device(),
+                      " (the device of the input), got ", r.device());
+  }
+  if (zoneout.has_value()) {
+    const int64_t Z = zoneout_width(cell, H, P);
+    check_arg(op, "zoneout", *zoneout, {T, B, Z}, ref);
+  }
+}
+
 // Sizes implied by w_hh (and w_hr): H from the gate rows, P from the columns.
 void sizes_from_weights(const char* op, Cell cell, const Tensor& w_hh, const OptTensor& w_hr,
                         int64_t& H, int64_t& P, int64_t& G) {
@@ -111,7 +152,8 @@ void sizes_from_weights(const char* op, Cell cell, const Tensor& w_hh, const Opt
 RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj, const Tensor& h0,
                                  const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
                                  const OptTensor& b_hh, const OptTensor& w_hr,
-                                 const OptTensor& lengths) {
+                                 const OptTensor& lengths, const OptTensor& resets,
+                                 const OptTensor& zoneout, const OptTensor& ln) {
   const char* op = "rnnkern.recurrence";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
@@ -126,8 +168,8 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
                     " (", s.G, " gates x hidden size ", s.H, "), got ", xproj.size(2));
   check_arg(op, "w_hh", w_hh, {s.G * s.H, s.P}, xproj);
   check_arg(op, "h0", h0, {s.B, s.P}, xproj);
-  if (s.cell == Cell::Lstm) {
-    TORCH_CHECK_VALUE(c0.has_value(), op, ": lstm needs c0");
+  if (has_cell_state(s.cell)) {
+    TORCH_CHECK_VALUE(c0.has_value(), op, ": ", cell_name(s.cell), " needs c0");
     check_arg(op, "c0", *c0, {s.B, s.H}, xproj);
   } else {
     TORCH_CHECK_VALUE(!c0.has_value(), op, ": c0 is only defined for lstm, got one for ",
@@ -137,6 +179,10 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
   if (b_hh.has_value()) check_arg(op, "b_hh", *b_hh, {s.G * s.H}, xproj);
   if (w_hr.has_value()) check_arg(op, "w_hr", *w_hr, {s.P, s.H}, xproj);
   check_lengths(op, lengths, s.T, s.B);
+  check_resets_zoneout(op, s.cell, resets, zoneout, s.T, s.B, s.H, s.P, xproj);
+  check_ln(op, s.cell, ln, s.H, xproj);
+  s.has_resets = resets.has_value();
+  s.has_zoneout = zoneout.has_value();
   return s;
 }
 
@@ -144,7 +190,9 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
                                           const Tensor& grad_h_n, const OptTensor& grad_c_n,
                                           const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
                                           const OptTensor& w_hr, const Tensor& output,
-                                          const Tensor& workspace, const OptTensor& lengths) {
+                                          const Tensor& workspace, const OptTensor& lengths,
+                                          const OptTensor& resets, const OptTensor& zoneout,
+                                          const OptTensor& ln) {
   const char* op = "rnnkern.recurrence_backward";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
@@ -161,17 +209,18 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
   check_arg(op, "h0", h0, {s.B, s.P}, output);
   check_arg(op, "w_hh", w_hh, {s.G * s.H, s.P}, output);
   if (w_hr.has_value()) check_arg(op, "w_hr", *w_hr, {s.P, s.H}, output);
-  if (s.cell == Cell::Lstm) {
-    TORCH_CHECK_VALUE(c0.has_value() && grad_c_n.has_value(), op, ": lstm needs c0 and grad_c_n");
+  if (has_cell_state(s.cell)) {
+    TORCH_CHECK_VALUE(c0.has_value() && grad_c_n.has_value(), op, ": ", cell_name(s.cell),
+                      " needs c0 and grad_c_n");
     check_arg(op, "c0", *c0, {s.B, s.H}, output);
     check_arg(op, "grad_c_n", *grad_c_n, {s.B, s.H}, output);
   }
-  const int64_t W = workspace_width(s.cell);
+  const int64_t W = workspace_size(s.cell, s.H, zoneout.has_value());
   if (W > 0) {
     TORCH_CHECK_VALUE(workspace.dim() == 3, op,
                       ": the workspace is empty; the forward ran with train=False");
-    TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef({s.T, s.B, W * s.H}), op,
-                      ": expected workspace of shape [", s.T, ", ", s.B, ", ", W * s.H, "], got ",
+    TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef({s.T, s.B, W}), op,
+                      ": expected workspace of shape [", s.T, ", ", s.B, ", ", W, "], got ",
                       shape_str(workspace));
     TORCH_CHECK_TYPE(workspace.scalar_type() == acc_type(output.scalar_type()), op,
                      ": expected workspace of dtype ", acc_type(output.scalar_type()), ", got ",
@@ -180,6 +229,10 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
                       output.device(), ", got ", workspace.device());
   }
   check_lengths(op, lengths, s.T, s.B);
+  check_resets_zoneout(op, s.cell, resets, zoneout, s.T, s.B, s.H, s.P, output);
+  check_ln(op, s.cell, ln, s.H, output);
+  s.has_resets = resets.has_value();
+  s.has_zoneout = zoneout.has_value();
   return s;
 }
 
@@ -187,7 +240,8 @@ namespace {
 
 StepSizes check_step_args(const char* op, c10::string_view cell_str, const Tensor& x,
                           const Tensor& h, const OptTensor& c, const Tensor& w_ih,
-                          const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh) {
+                          const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                          const OptTensor& ln) {
   StepSizes s{};
   s.cell = parse_cell(cell_str);
   check_floating(op, "x", x);
@@ -199,8 +253,9 @@ StepSizes check_step_args(const char* op, c10::string_view cell_str, const Tenso
   check_arg(op, "w_ih", w_ih, {s.G * s.H, s.I}, x);
   check_arg(op, "w_hh", w_hh, {s.G * s.H, s.H}, x);
   check_arg(op, "h", h, {s.B, s.H}, x);
-  if (s.cell == Cell::Lstm) {
-    TORCH_CHECK_VALUE(c.has_value(), op, ": lstm needs c");
+  check_ln(op, s.cell, ln, s.H, x);
+  if (has_cell_state(s.cell)) {
+    TORCH_CHECK_VALUE(c.has_value(), op, ": ", cell_name(s.cell), " needs c");
     check_arg(op, "c", *c, {s.B, s.H}, x);
   } else {
     TORCH_CHECK_VALUE(!c.has_value(), op, ": c is only defined for lstm, got one for ",
@@ -215,25 +270,26 @@ StepSizes check_step_args(const char* op, c10::string_view cell_str, const Tenso
 
 StepSizes check_step(c10::string_view cell_str, const Tensor& x, const Tensor& h,
                      const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-                     const OptTensor& b_ih, const OptTensor& b_hh) {
-  return check_step_args("rnnkern.step", cell_str, x, h, c, w_ih, w_hh, b_ih, b_hh);
+                     const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& ln) {
+  return check_step_args("rnnkern.step", cell_str, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
 }
 
 StepSizes check_step_backward(c10::string_view cell_str, const Tensor& grad_h_new,
                               const OptTensor& grad_c_new, const Tensor& x, const Tensor& h,
                               const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-                              const Tensor& h_new, const Tensor& workspace) {
+                              const Tensor& h_new, const Tensor& workspace, const OptTensor& ln) {
   const char* op = "rnnkern.step_backward";
-  StepSizes s = check_step_args(op, cell_str, x, h, c, w_ih, w_hh, std::nullopt, std::nullopt);
+  StepSizes s =
+      check_step_args(op, cell_str, x, h, c, w_ih, w_hh, std::nullopt, std::nullopt, ln);
   check_arg(op, "grad_h_new", grad_h_new, {s.B, s.H}, x);
   check_arg(op, "h_new", h_new, {s.B, s.H}, x);
-  if (s.cell == Cell::Lstm) {
-    TORCH_CHECK_VALUE(grad_c_new.has_value(), op, ": lstm needs grad_c_new");
+  if (has_cell_state(s.cell)) {
+    TORCH_CHECK_VALUE(grad_c_new.has_value(), op, ": ", cell_name(s.cell), " needs grad_c_new");
     check_arg(op, "grad_c_new", *grad_c_new, {s.B, s.H}, x);
   }
-  const int64_t W = workspace_width(s.cell);
-  TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef({s.B, W * s.H}), op,
-                    ": expected workspace of shape [", s.B, ", ", W * s.H, "], got ",
+  const int64_t W = workspace_size(s.cell, s.H);
+  TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef({s.B, W}), op,
+                    ": expected workspace of shape [", s.B, ", ", W, "], got ",
                     shape_str(workspace));
   TORCH_CHECK_TYPE(workspace.scalar_type() == acc_type(x.scalar_type()), op,
                    ": expected workspace of dtype ", acc_type(x.scalar_type()), ", got ",

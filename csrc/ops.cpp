@@ -13,7 +13,16 @@
 //             sequence keeps its state and its outputs are 0.  With reverse,
 //             each sequence runs from its own last step back to 0.
 //   output    [T, B, P]    h_t at its time position
-//   workspace [T, B, W*H]  what the backward needs (cells.h); empty when train=False
+//   workspace [T, B, workspace_size(cell, H)]  what the backward needs (cells.h);
+//             empty when train=False
+//   resets    [T, B] bool: the step at position t of sequence b starts from
+//             h0[b] (and c0[b]) where true; by position in either direction
+//   zoneout   [T, B, Z] (Z = P + H with a cell state, else H): per unit the
+//             weight of the state a step started from in its new state
+//             (h part first); any strides along T and B (an evaluation-mode
+//             mask may be an expanded [Z] vector)
+//   ln        [10H] lstm_ln only: gains of LN(x W_ih^T) (4H) and of
+//             LN(h W_hh^T) (4H), gain (H) and shift (H) of LN(c_t)
 // Half-precision inputs are computed in float; the workspace is kept in float.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
 #include "ops.h"
@@ -30,35 +39,41 @@
 // the emulated CUDA build, which registers no schemas of its own).
 
 TORCH_LIBRARY(rnnkern, m) {
+  // resets, zoneout and ln (rnnkern/reference.py's module docstring has the
+  // formulas) come last with defaults, so that calls without them keep their
+  // form; a backend lacking one raises NotImplementedError naming it.
   m.def(
       "recurrence(str cell, Tensor xproj, Tensor h0, Tensor? c0, Tensor w_hh, Tensor? b_ih, "
-      "Tensor? b_hh, Tensor? w_hr, Tensor? lengths, bool reverse, bool train) "
+      "Tensor? b_hh, Tensor? w_hr, Tensor? lengths, bool reverse, bool train, "
+      "Tensor? resets=None, Tensor? zoneout=None, Tensor? ln=None) "
       "-> (Tensor output, Tensor h_n, Tensor c_n, Tensor workspace)");
   m.def(
       "recurrence_backward(str cell, Tensor grad_output, Tensor grad_h_n, Tensor? grad_c_n, "
       "Tensor h0, Tensor? c0, Tensor w_hh, Tensor? w_hr, Tensor output, Tensor workspace, "
-      "Tensor? lengths, bool reverse) "
+      "Tensor? lengths, bool reverse, Tensor? resets=None, Tensor? zoneout=None, "
+      "Tensor? ln=None) "
       "-> (Tensor grad_xproj, Tensor grad_h0, Tensor grad_c0, Tensor grad_w_hh, "
-      "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_w_hr)");
+      "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_w_hr, Tensor grad_ln)");
   m.def(
       "step(str cell, Tensor x, Tensor h, Tensor? c, Tensor w_ih, Tensor w_hh, Tensor? b_ih, "
-      "Tensor? b_hh) -> (Tensor h_new, Tensor c_new, Tensor workspace)");
+      "Tensor? b_hh, Tensor? ln=None) -> (Tensor h_new, Tensor c_new, Tensor workspace)");
   m.def(
       "step_backward(str cell, Tensor grad_h_new, Tensor? grad_c_new, Tensor x, Tensor h, "
-      "Tensor? c, Tensor w_ih, Tensor w_hh, Tensor h_new, Tensor workspace) "
+      "Tensor? c, Tensor w_ih, Tensor w_hh, Tensor h_new, Tensor workspace, Tensor? ln=None) "
       "-> (Tensor grad_x, Tensor grad_h, Tensor grad_c, Tensor grad_w_ih, Tensor grad_w_hh, "
-      "Tensor grad_b_ih, Tensor grad_b_hh)");
+      "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_ln)");
   // The input projection X W_ih^T as one large product (CPU backend; other
   // backends use torch's matmul).
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
   // The create_graph=True backward of `op` ("recurrence" or "step"): gradients
-  // of the reference formulation recomputed from the saved inputs (in that
-  // op's argument order, None where absent), differentiable, for the inputs
-  // whose bit is set in `needs`.  Implemented in Python (rnnkern/ops.py);
-  // called by the autograd formulas (autograd.cpp).
+  // of the reference formulation recomputed from the saved inputs (the op's
+  // differentiable arguments in its order, then ln; None where absent),
+  // differentiable, for the inputs whose bit is set in `needs`.  `constants`:
+  // lengths, resets, zoneout (recurrence; empty for step).  Implemented in
+  // Python (rnnkern/ops.py); called by the autograd formulas (autograd.cpp).
   m.def(
-      "reference_grads(str op, str cell, Tensor?[] inputs, Tensor?[] grads, Tensor? lengths, "
-      "bool reverse, int needs) -> Tensor[]");
+      "reference_grads(str op, str cell, Tensor?[] inputs, Tensor?[] grads, "
+      "Tensor?[] constants, bool reverse, int needs) -> Tensor[]");
   m.def(
       "linear_backward(Tensor grad_y, Tensor x, Tensor weight, bool need_x, bool need_weight) "
       "-> (Tensor grad_x, Tensor grad_weight)");

@@ -28,20 +28,30 @@ struct RecurrenceSizes {
   int64_t P;  // size of h: H, or proj_size for an LSTM with w_hr
   int64_t G;  // gates per unit
   bool has_proj;
+  bool has_resets = false;   // resets [T, B] given
+  bool has_zoneout = false;  // zoneout [T, B, Z] given, Z = P + H (LSTM) or H
 };
 
+// Zoneout mask units per row: h's P then c's H for the cells with a cell
+// state, H otherwise.
+int64_t zoneout_width(Cell cell, int64_t H, int64_t P);
+
 // recurrence(cell, xproj[T,B,G*H], h0[B,P], c0[B,H]?, w_hh[G*H,P], b_ih[G*H]?,
-//            b_hh[G*H]?, w_hr[P,H]?, lengths[B]?, reverse, train)
+//            b_hh[G*H]?, w_hr[P,H]?, lengths[B]?, reverse, train,
+//            resets[T,B] bool?, zoneout[T,B,Z]?, ln[10H]? (lstm_ln only))
 RecurrenceSizes check_recurrence(c10::string_view cell, const Tensor& xproj, const Tensor& h0,
                                  const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
                                  const OptTensor& b_hh, const OptTensor& w_hr,
-                                 const OptTensor& lengths);
+                                 const OptTensor& lengths, const OptTensor& resets,
+                                 const OptTensor& zoneout, const OptTensor& ln);
 
 RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& grad_output,
                                           const Tensor& grad_h_n, const OptTensor& grad_c_n,
                                           const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
                                           const OptTensor& w_hr, const Tensor& output,
-                                          const Tensor& workspace, const OptTensor& lengths);
+                                          const Tensor& workspace, const OptTensor& lengths,
+                                          const OptTensor& resets, const OptTensor& zoneout,
+                                          const OptTensor& ln);
 
 // Sizes of one call of the single-step op.
 struct StepSizes {
@@ -52,15 +62,21 @@ struct StepSizes {
   int64_t G;  // gates per unit
 };
 
-// step(cell, x[B,I], h[B,H], c[B,H]?, w_ih[G*H,I], w_hh[G*H,H], b_ih[G*H]?, b_hh[G*H]?)
+// step(cell, x[B,I], h[B,H], c[B,H]?, w_ih[G*H,I], w_hh[G*H,H], b_ih[G*H]?, b_hh[G*H]?,
+//      ln[10H]? (lstm_ln only))
 StepSizes check_step(c10::string_view cell, const Tensor& x, const Tensor& h, const OptTensor& c,
                      const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih,
-                     const OptTensor& b_hh);
+                     const OptTensor& b_hh, const OptTensor& ln);
 
 StepSizes check_step_backward(c10::string_view cell, const Tensor& grad_h_new,
                               const OptTensor& grad_c_new, const Tensor& x, const Tensor& h,
                               const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-                              const Tensor& h_new, const Tensor& workspace);
+                              const Tensor& h_new, const Tensor& workspace, const OptTensor& ln);
+
+// Raises NotImplementedError naming `what` (an option of the ops) for a
+// backend that lacks it (rnnkern.modules.UNSUPPORTED says so to module users
+// before any call).
+void check_backend_has(bool lacking, const char* op, const char* backend, const char* what);
 
 // linear(x[M,K], weight[N,K]) -> x weight^T: the input projection of the CPU backend.
 void check_linear(const Tensor& x, const Tensor& weight);

@@ -51,13 +51,14 @@ __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "U
 #: place that says so.  Every module checks its call against it before running
 #: and raises NotImplementedError naming the option and the backends that can.
 #: Option names: "reset_after=False", "nonlinearity='relu'", "proj_size",
-#: "variable lengths", "cells", and dtypes as "torch.float64" etc.
+#: "variable lengths", "cells", "resets", "zoneout", "LayerNormLSTM", and
+#: dtypes as "torch.float64" etc.
 UNSUPPORTED: dict[str, frozenset] = {
     "reference": frozenset(),
-    "cpu": frozenset(),
-    "cuda": frozenset(),
-    "triton": frozenset(),
-    "cuda_emulated": frozenset(),
+    "cpu": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "cuda": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "triton": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "cuda_emulated": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
 }
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from . import _C
-from .reference import CELLS, check_cell, gate_count, workspace_width
+from .reference import ALL_CELLS, CELLS, check_cell, gate_count, ln_width, workspace_size
 from . import reference
 
 #: True when the emulated CUDA device was built (RNNKERN_CUDA_EMULATION=1): tests only.
@@ -47,7 +47,7 @@ BACKENDS = ("auto", "reference", "cpu", "cuda", "triton") + (
 #: True when the CUDA kernels were compiled into rnnkern._C.
 WITH_CUDA = bool(_C.WITH_CUDA)
 
-__all__ = ["BACKENDS", "CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
+__all__ = ["BACKENDS", "CELLS", "ALL_CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
            "run_recurrence", "run_step", "resolve_backend", "register_op_family", "empty_cpu_cache"]
 
 
@@ -59,45 +59,53 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------
 # Fake implementations and autograd, shared by every op family.
 
-def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train):
+def _has_cell_state(cell: str) -> bool:
+    return cell in ("lstm", "lstm_ln")
+
+
+def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
+                     resets=None, zoneout=None, ln=None):
     T, B = xproj.shape[0], xproj.shape[1]
     H = w_hh.shape[0] // gate_count(cell)
     P = h0.shape[1]
     output = xproj.new_empty((T, B, P))
     h_n = xproj.new_empty((B, P))
-    c_n = xproj.new_empty((B, H)) if cell == "lstm" else xproj.new_empty((0,))
-    ws_shape = (T, B, workspace_width(cell) * H) if train else (0,)
+    c_n = xproj.new_empty((B, H)) if _has_cell_state(cell) else xproj.new_empty((0,))
+    ws_shape = (T, B, workspace_size(cell, H, zoneout is not None)) if train else (0,)
     workspace = xproj.new_empty(ws_shape, dtype=acc_dtype(xproj.dtype))
     return output, h_n, c_n, workspace
 
 
 def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                              workspace, lengths, reverse):
+                              workspace, lengths, reverse, resets=None, zoneout=None, ln=None):
     T, B = output.shape[0], output.shape[1]
     G = gate_count(cell)
     H = w_hh.shape[0] // G
     P = h0.shape[1]
     new = output.new_empty
-    return (new((T, B, G * H)), new((B, P)), new((B, H)) if cell == "lstm" else new((0,)),
+    return (new((T, B, G * H)), new((B, P)), new((B, H)) if _has_cell_state(cell) else new((0,)),
             new((G * H, P)), new((G * H,)), new((G * H,)),
-            new((P, H)) if w_hr is not None else new((0,)))
+            new((P, H)) if w_hr is not None else new((0,)),
+            new((ln_width(cell) * H,)) if ln is not None else new((0,)))
 
 
-def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh):
+def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln=None):
     B = x.shape[0]
     H = w_hh.shape[0] // gate_count(cell)
-    c_new = x.new_empty((B, H)) if cell == "lstm" else x.new_empty((0,))
-    workspace = x.new_empty((B, workspace_width(cell) * H), dtype=acc_dtype(x.dtype))
+    c_new = x.new_empty((B, H)) if _has_cell_state(cell) else x.new_empty((0,))
+    workspace = x.new_empty((B, workspace_size(cell, H)), dtype=acc_dtype(x.dtype))
     return x.new_empty((B, H)), c_new, workspace
 
 
-def _step_backward_fake(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace):
+def _step_backward_fake(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
+                        ln=None):
     B, I = x.shape
     G = gate_count(cell)
     H = w_hh.shape[0] // G
     new = x.new_empty
-    return (new((B, I)), new((B, H)), new((B, H)) if cell == "lstm" else new((0,)),
-            new((G * H, I)), new((G * H, H)), new((G * H,)), new((G * H,)))
+    return (new((B, I)), new((B, H)), new((B, H)) if _has_cell_state(cell) else new((0,)),
+            new((G * H, I)), new((G * H, H)), new((G * H,)), new((G * H,)),
+            new((ln_width(cell) * H,)) if ln is not None else new((0,)))
 
 
 def _differentiable_grads(fn, inputs, needs, outputs_grads):
@@ -119,17 +127,23 @@ def _differentiable_grads(fn, inputs, needs, outputs_grads):
 
 
 @torch.library.impl("rnnkern::reference_grads", "CompositeImplicitAutograd")
-def _reference_grads(op, cell, inputs, grads, lengths, reverse, needs):
+def _reference_grads(op, cell, inputs, grads, constants, reverse, needs):
     """rnnkern::reference_grads (schema in csrc/ops.cpp): the create_graph=True
     backward of every op family, called by the autograd formulas in
     csrc/autograd.cpp.  The first-order backward runs the kernels' own backward
     ops; a differentiable one recomputes the reference from the saved inputs
-    (xproj and the biases are saved for it) and differentiates that."""
+    (xproj and the biases are saved for it) and differentiates that.
+    ``inputs``: the op's differentiable arguments in its order, then ``ln``;
+    ``constants``: lengths, resets, zoneout (recurrence)."""
     inputs = list(inputs)
     wanted = [bool(needs >> i & 1) for i in range(len(inputs))]
     if op == "recurrence":
-        def fn(*tensors):
-            return reference.recurrence(cell, *tensors, lengths, reverse)
+        lengths, resets, zoneout = constants
+
+        def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln):
+            return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
+                                        reverse, resets,
+                                        None if zoneout is None else zoneout.to(xproj.dtype), ln)
     else:
         def fn(*tensors):
             return reference.step(cell, *tensors)
@@ -252,30 +266,36 @@ def _transformed(*tensors: Optional[Tensor]) -> bool:
 def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
                b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
                w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
-               reverse: bool = False, backend: str = "auto"):
+               reverse: bool = False, backend: str = "auto", *, resets: Optional[Tensor] = None,
+               zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None):
     """The time loop of one layer in one direction (see :func:`rnnkern.reference.recurrence`).
 
     xproj [T, B, G*H] is the input projection ``X W_ih^T`` of all steps (without
     its bias: ``b_ih`` is added inside), h0 [B, P], c0 [B, H] (LSTM only),
     w_hh [G*H, P], b_ih, b_hh [G*H], w_hr [P, H] (LSTM projection), lengths [B]
-    int64 on the CPU.  Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
+    int64 on the CPU; resets [T, B] bool, zoneout [T, B, Z] (a mask, not
+    differentiated), ln [10H] (``lstm_ln``) as in :mod:`rnnkern.reference`.
+    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
     """
     check_cell(cell)
     return run_recurrence(resolve_backend(backend, xproj.device), cell, xproj, h0, c0, w_hh,
-                          b_ih, b_hh, w_hr, lengths, reverse)
+                          b_ih, b_hh, w_hr, lengths, reverse, resets, zoneout, ln)
 
 
 def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor],
                    w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor],
-                   w_hr: Optional[Tensor], lengths: Optional[Tensor], reverse: bool):
+                   w_hr: Optional[Tensor], lengths: Optional[Tensor], reverse: bool,
+                   resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
+                   ln: Optional[Tensor] = None):
     """:func:`recurrence` on a backend already resolved (:func:`resolve_backend`)
     and a checked cell name: the modules' per-call path."""
-    if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr):
-        return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse)
-    train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr)
+    if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln):
+        return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
+                                    resets, zoneout, ln)
+    train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln)
     output, h_n, c_n, _ = _op_family(backend).recurrence.default(
-        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train)
-    return output, h_n, (c_n if cell == "lstm" else None)
+        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln)
+    return output, h_n, (c_n if _has_cell_state(cell) else None)
 
 
 def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
@@ -289,20 +309,23 @@ def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
 
 
 def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,
-         b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None, backend: str = "auto"):
+         b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None, backend: str = "auto", *,
+         ln: Optional[Tensor] = None):
     """One step of a cell, ``[x, h] [W_ih; W_hh]^T`` fused with the gates.
 
-    x [B, I], h [B, H], c [B, H] (LSTM only).  Returns ``(h_new, c_new or None)``.
+    x [B, I], h [B, H], c [B, H] (LSTM only), ln [10H] (``lstm_ln`` only).
+    Returns ``(h_new, c_new or None)``.
     """
     check_cell(cell)
-    return run_step(resolve_backend(backend, x.device), cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+    return run_step(resolve_backend(backend, x.device), cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
 
 
 def run_step(backend: str, cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor,
-             w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor]):
+             w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor],
+             ln: Optional[Tensor] = None):
     """:func:`step` on a backend already resolved (:func:`resolve_backend`) and a
     checked cell name: the modules' per-call path."""
-    if backend == "reference" or _transformed(x, h, c, w_ih, w_hh, b_ih, b_hh):
-        return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
-    h_new, c_new, _ = _op_family(backend).step.default(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
-    return h_new, (c_new if cell == "lstm" else None)
+    if backend == "reference" or _transformed(x, h, c, w_ih, w_hh, b_ih, b_hh, ln):
+        return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
+    h_new, c_new, _ = _op_family(backend).step.default(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
+    return h_new, (c_new if _has_cell_state(cell) else None)

@@ -14,6 +14,28 @@ Cells (``cell`` argument):
 
 In both GRU forms ``h_t = (1 - z) * n + z * h_{t-1}`` (torch's convention; seed 003
 writes the same update with ``u = 1 - z``).
+
+Beyond torch.nn (one more cell, two options of the recurrence):
+
+- ``lstm_ln``: the layer-normalised LSTM (haste's formulation, torch's gate order)::
+
+      a   = LN(x W_ih^T) * g_ih + LN(h_{t-1} W_hh^T) * g_hh + b_ih + b_hh
+      c_t = sigmoid(f) * c_{t-1} + sigmoid(i) * tanh(g)
+      h_t = sigmoid(o) * tanh(LN(c_t) * g_c + beta_c)
+
+  ``LN`` normalises over its whole vector (4H values for the gates, H for the
+  cell) with eps = 1e-5 and no affine part of its own; ``ln`` packs the gains
+  and the shift as ``[g_ih (4H), g_hh (4H), g_c (H), beta_c (H)]`` (10H values).
+- ``resets`` [T, B] bool: where ``resets[t, b]`` is true, the step at time
+  position t of sequence b starts from ``h0[b]`` (and ``c0[b]``) instead of the
+  previous step's state (an episode boundary in reinforcement learning).  The
+  rule is by time position in both directions; the modules shift the mask for a
+  reverse direction (rnnkern/modules.py).
+- ``zoneout`` [T, B, Z] (Z = P + H for LSTM: the h part, then the c part; H
+  otherwise): per unit, the weight of the state the step started from in the
+  state it ends with, ``h_t = m * h_{t-1} + (1 - m) * h~_t`` (and c alike): 0 or 1
+  while training (a Bernoulli draw: 1 keeps the previous value), the zoneout
+  probability itself in evaluation (the expectation).
 """
 from __future__ import annotations
 
@@ -23,17 +45,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+#: torch.nn's cells (and the classic GRU): every backend, every option.
 CELLS = ("rnn_tanh", "rnn_relu", "lstm", "gru", "gru_reset_before")
+#: Cells torch.nn lacks, with parameters of their own (``ln``).
+LN_CELLS = ("lstm_ln",)
+ALL_CELLS = CELLS + LN_CELLS
+#: Layer norm's epsilon in ``lstm_ln`` (torch's default).
+LN_EPS = 1e-5
 
-_GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3, "gru_reset_before": 3}
+_GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3, "gru_reset_before": 3, "lstm_ln": 4}
 # Values the kernels save per hidden unit and step for the backward (csrc/cells.h).
-_WORKSPACE = {"rnn_tanh": 0, "rnn_relu": 0, "lstm": 5, "gru": 4, "gru_reset_before": 3}
+# lstm_ln keeps 3 values per row beyond (workspace_size).
+_WORKSPACE = {"rnn_tanh": 0, "rnn_relu": 0, "lstm": 5, "gru": 4, "gru_reset_before": 3,
+              "lstm_ln": 14}
 
 
 def gate_count(cell: str) -> int:
     """Rows of ``w_hh`` per hidden unit."""
     check_cell(cell)
     return _GATES[cell]
+
+
+def workspace_size(cell: str, H: int, zoneout: bool = False) -> int:
+    """The workspace's last dimension: values per batch row and step (csrc/cells.h;
+    with zoneout the RNN keeps its candidate h~, one value per unit)."""
+    check_cell(cell)
+    width = 1 if zoneout and cell in ("rnn_tanh", "rnn_relu") else _WORKSPACE[cell]
+    return width * H + (3 if cell == "lstm_ln" else 0)
 
 
 def workspace_width(cell: str) -> int:
@@ -44,7 +82,34 @@ def workspace_width(cell: str) -> int:
 
 def check_cell(cell: str) -> None:
     if cell not in _GATES:
-        raise ValueError(f"unknown cell {cell!r}; expected one of {', '.join(CELLS)}")
+        raise ValueError(f"unknown cell {cell!r}; expected one of {', '.join(ALL_CELLS)}")
+
+
+def ln_width(cell: str) -> int:
+    """Values of ``ln`` per hidden unit: 10 for ``lstm_ln``, 0 otherwise."""
+    return 10 if cell == "lstm_ln" else 0
+
+
+def zoneout_width(cell: str, H: int, P: int) -> int:
+    """Units of a ``zoneout`` mask row: h's (P) and c's (H) for an LSTM, H otherwise."""
+    return P + H if cell.startswith("lstm") else H
+
+
+def _norm(v: Tensor) -> Tensor:
+    """Layer norm over the last dimension, without an affine part."""
+    return F.layer_norm(v, v.shape[-1:], eps=LN_EPS)
+
+
+def lstm_ln_cell(xp: Tensor, h: Tensor, c: Tensor, w_hh: Tensor, b_ih: Optional[Tensor],
+                 b_hh: Optional[Tensor], ln: Tensor):
+    """One ``lstm_ln`` step from the raw input projection ``xp = x W_ih^T``
+    ([B, 4H], no bias): returns ``(h_new, c_new)``."""
+    H = c.shape[1]
+    g_ih, g_hh, g_c, beta_c = ln[:4 * H], ln[4 * H:8 * H], ln[8 * H:9 * H], ln[9 * H:]
+    pre = _norm(xp) * g_ih + _norm(h @ w_hh.t()) * g_hh + _bias(b_ih) + _bias(b_hh)
+    i, f, g, o = pre.chunk(4, 1)
+    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(_norm(c_new) * g_c + beta_c), c_new
 
 
 def _bias(b: Optional[Tensor]) -> Tensor | float:
@@ -93,8 +158,10 @@ def cell_from_projections(cell: str, xp: Tensor, h: Tensor, c: Optional[Tensor],
 
 
 def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,
-         b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None):
-    """One step of a cell on ``x`` [B, I], ``h`` [B, H] (and ``c`` for LSTM).
+         b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
+         ln: Optional[Tensor] = None):
+    """One step of a cell on ``x`` [B, I], ``h`` [B, H] (and ``c`` for LSTM;
+    ``ln`` [10H] for ``lstm_ln``).
 
     The pre-activation is the product of the concatenations
     ``[x, h] [W_ih; W_hh]^T`` (seed 000) wherever a gate takes x and h together,
@@ -104,6 +171,8 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
     The GRU candidate keeps its x and h parts apart, as its formula requires.
     """
     check_cell(cell)
+    if cell == "lstm_ln":
+        return lstm_ln_cell(x @ w_ih.t(), h, c, w_hh, b_ih, b_hh, ln)
     G = gate_count(cell)
     H = w_hh.shape[0] // G
     if cell in ("rnn_tanh", "rnn_relu", "lstm"):
@@ -131,7 +200,8 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
 def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
                b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
                w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
-               reverse: bool = False):
+               reverse: bool = False, resets: Optional[Tensor] = None,
+               zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None):
     """The time loop of one layer in one direction.
 
     xproj [T, B, G*H] (``X W_ih^T``, the bias ``b_ih`` is added here), h0 [B, P],
@@ -139,12 +209,15 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     projection), lengths [B] int64:
     sequence b has ``lengths[b]`` steps; after them its state stays and its
     outputs are 0.  With ``reverse`` each sequence runs from its own last step
-    back to step 0.  Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
+    back to step 0.  ``resets`` [T, B] bool, ``zoneout`` [T, B, Z] and ``ln``
+    [10H] (``lstm_ln``) as in the module docstring.
+    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
     """
     check_cell(cell)
     T, B = xproj.shape[0], xproj.shape[1]
     P = h0.shape[1]
-    if b_ih is not None:
+    ln_cell = cell == "lstm_ln"
+    if b_ih is not None and not ln_cell:
         xproj = xproj + b_ih
     rows = torch.arange(B, device=xproj.device)
     if lengths is None:
@@ -156,7 +229,22 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     for s in range(T):
         active = s < lens
         t_of_row = (lens - 1 - s if reverse else torch.full_like(lens, s)).clamp(min=0)
-        h_new, c_new = cell_from_projections(cell, xproj[t_of_row, rows], h, c, w_hh, b_hh, w_hr)
+        if resets is not None:
+            # (past a sequence's end its state stays, whatever resets says)
+            restart = (resets[t_of_row, rows] & active).unsqueeze(1)
+            h = torch.where(restart, h0, h)
+            if c is not None:
+                c = torch.where(restart, c0, c)
+        if ln_cell:
+            h_new, c_new = lstm_ln_cell(xproj[t_of_row, rows], h, c, w_hh, b_ih, b_hh, ln)
+        else:
+            h_new, c_new = cell_from_projections(cell, xproj[t_of_row, rows], h, c, w_hh, b_hh,
+                                                 w_hr)
+        if zoneout is not None:
+            m = zoneout[t_of_row, rows]
+            h_new = m[:, :P] * h + (1 - m[:, :P]) * h_new
+            if c is not None:
+                c_new = m[:, P:] * c + (1 - m[:, P:]) * c_new
         keep = active.unsqueeze(1)
         h = torch.where(keep, h_new, h)
         if c is not None:
@@ -169,7 +257,10 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
 
 def layer(cell: str, x: Tensor, h0: Tensor, c0: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,
           b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
-          w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None, reverse: bool = False):
+          w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None, reverse: bool = False,
+          resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
+          ln: Optional[Tensor] = None):
     """One layer on the input sequence ``x`` [T, B, I]: the input projection as one
     GEMM over all steps, then :func:`recurrence`."""
-    return recurrence(cell, F.linear(x, w_ih), h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse)
+    return recurrence(cell, F.linear(x, w_ih), h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
+                      resets, zoneout, ln)

@@ -971,6 +971,13 @@ struct LengthsHolder {
   }
 };
 
+// The options of the ops this backend does not run yet.
+void check_cpu_has(const RecurrenceSizes& z, const char* op) {
+  check_backend_has(z.cell == Cell::LstmLn, op, "cpu", "the lstm_ln cell (LayerNormLSTM)");
+  check_backend_has(z.has_resets, op, "cpu", "resets");
+  check_backend_has(z.has_zoneout, op, "cpu", "zoneout");
+}
+
 Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt) {
   return b.has_value() ? to_acc(*b, opt.dtype().toScalarType()) : at::zeros({n}, opt);
 }
@@ -986,7 +993,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   Tensor output = pooled_empty({z.T, z.B, z.P}, opt);
   Tensor h_n = at::empty({z.B, z.P}, opt);
   Tensor c_n = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
-  Tensor ws = train ? pooled_empty({z.T, z.B, workspace_width(z.cell) * z.H}, opt)
+  Tensor ws = train ? pooled_empty({z.T, z.B, workspace_size(z.cell, z.H, z.has_zoneout)}, opt)
                     : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
     ForwardArgs<scalar_t> a{z,
@@ -1005,7 +1012,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
 }
 
 struct BackwardResult {
-  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr;
+  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln;
 };
 
 // Backward on tensors of any floating dtype; results in the accumulate dtype.
@@ -1025,6 +1032,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_b_ih = at::empty({z.G * z.H}, opt);
   r.d_b_hh = at::empty({z.G * z.H}, opt);
   r.d_w_hr = z.has_proj ? at::empty({z.P, z.H}, opt) : empty_like_options(h0, acc);
+  r.d_ln = empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
     BackwardArgs<scalar_t> a{z,
                              to_acc(grad_output, acc),
@@ -1046,10 +1054,12 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
 std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
     c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
-    const OptTensor& lengths, bool reverse, bool train) {
+    const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
+    const OptTensor& zoneout, const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
-  const RecurrenceSizes z =
-      check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths);
+  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
+                                             resets, zoneout, ln);
+  check_cpu_has(z, "rnnkern.recurrence");
   LengthsHolder holder;
   auto [output, h_n, c_n, ws] = run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
                                             holder.positions(lengths, z.T, reverse), train);
@@ -1057,20 +1067,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
   return {output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_cpu(
     c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
     const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
     const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
-    const OptTensor& lengths, bool reverse) {
+    const OptTensor& lengths, bool reverse, const OptTensor& resets, const OptTensor& zoneout,
+    const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
-  const RecurrenceSizes z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0,
-                                                      c0, w_hh, w_hr, output, workspace, lengths);
+  const RecurrenceSizes z =
+      check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                                workspace, lengths, resets, zoneout, ln);
+  check_cpu_has(z, "rnnkern.recurrence_backward");
   LengthsHolder holder;
   const BackwardResult r = run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
                                         output, workspace, holder.positions(lengths, z.T, reverse));
   const auto dtype = output.scalar_type();
   return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),  r.d_w_hh.to(dtype),
-          r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype)};
+          r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype)};
 }
 
 RecurrenceSizes step_as_recurrence(const StepSizes& s) {
@@ -1083,9 +1096,11 @@ RecurrenceSizes step_as_recurrence(const StepSizes& s) {
 std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor& x,
                                             const Tensor& h, const OptTensor& c,
                                             const Tensor& w_ih, const Tensor& w_hh,
-                                            const OptTensor& b_ih, const OptTensor& b_hh) {
+                                            const OptTensor& b_ih, const OptTensor& b_hh,
+                                            const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
-  const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
+  const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
+  check_cpu_has(step_as_recurrence(s), "rnnkern.step");
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
   const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
@@ -1097,16 +1112,17 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   auto [output, h_new, c_new, ws] =
       run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
                   std::nullopt, Positions{nullptr, 1, false}, true);
-  return {h_new.to(dtype), c_new.to(dtype), ws.view({s.B, workspace_width(s.cell) * s.H})};
+  return {h_new.to(dtype), c_new.to(dtype), ws.view({s.B, workspace_size(s.cell, s.H)})};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_cpu(
     c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
     const Tensor& h, const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-    const Tensor& h_new, const Tensor& workspace) {
+    const Tensor& h_new, const Tensor& workspace, const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
-  const StepSizes s =
-      check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace);
+  const StepSizes s = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
+                                          workspace, ln);
+  check_cpu_has(step_as_recurrence(s), "rnnkern.step_backward");
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
   // The step's single output is also its final state: its gradient enters
@@ -1128,8 +1144,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward
     blocked_gemm<scalar_t>(GH, s.I, s.B, cptr<scalar_t>(dxp), 1, GH, cptr<scalar_t>(xa), s.I, 1,
                            ptr<scalar_t>(d_w_ih), s.I, false);
   });
-  return {d_x.to(dtype),      r.d_h0.to(dtype),    r.d_c0.to(dtype),  d_w_ih.to(dtype),
-          r.d_w_hh.to(dtype), r.d_b_ih.to(dtype), r.d_b_hh.to(dtype)};
+  return {d_x.to(dtype),      r.d_h0.to(dtype),   r.d_c0.to(dtype),  d_w_ih.to(dtype),
+          r.d_w_hh.to(dtype), r.d_b_ih.to(dtype), r.d_b_hh.to(dtype), r.d_ln.to(dtype)};
 }
 
 }  // namespace

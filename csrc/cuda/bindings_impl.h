@@ -66,6 +66,13 @@ Tensor device_lengths(const OptTensor& lengths, const at::TensorOptions& opt, cu
 
 const int64_t kStepsAndRows[] = {0, 1};
 
+// The options of the ops this backend does not run yet.
+void check_cuda_has(const RecurrenceSizes& z, const char* op) {
+  check_backend_has(z.cell == Cell::LstmLn, op, "cuda", "the lstm_ln cell (LayerNormLSTM)");
+  check_backend_has(z.has_resets, op, "cuda", "resets");
+  check_backend_has(z.has_zoneout, op, "cuda", "zoneout");
+}
+
 // dw = sum over positions p and rows b of d[p, b]^T h_{t-1}(p, b), where
 // h_{t-1} is the output one step earlier (p - 1, or p + 1 in reverse) and h0
 // at each sequence's first step.  As in the CPU backend, padding positions
@@ -90,13 +97,16 @@ template <typename Dev>
 std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
     c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
-    const OptTensor& lengths, bool reverse, bool train) {
+    const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
+    const OptTensor& zoneout, const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
-  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths);
+  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
+                                             resets, zoneout, ln);
+  check_cuda_has(z, "rnnkern.recurrence");
   Dev::check_device("rnnkern.recurrence", xproj);
   const typename Dev::Guard device_guard(xproj.device());
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
-  const int64_t W = workspace_width(z.cell);
+  const int64_t W = workspace_size(z.cell, H, z.has_zoneout);
   const bool lstm = z.cell == Cell::Lstm, reset_before = z.cell == Cell::GruResetBefore;
   const auto dtype = xproj.scalar_type(), acc = acc_type(dtype);
   const auto opt = xproj.options(), acc_opt = opt.dtype(acc);
@@ -104,7 +114,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
   Tensor output = Dev::empty({T, B, P}, opt);
   Tensor h_n = Dev::empty({B, P}, opt);
   Tensor c_n = lstm ? Dev::empty({B, H}, opt) : empty_like_options(xproj, dtype);
-  Tensor ws = train ? Dev::empty({T, B, W * H}, acc_opt) : empty_like_options(xproj, acc);
+  Tensor ws = train ? Dev::empty({T, B, W}, acc_opt) : empty_like_options(xproj, acc);
   if (T == 0 || B == 0) {
     h_n.copy_(h0);
     if (lstm) c_n.copy_(*c0);
@@ -165,7 +175,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
 // ------------------------------------------------------------ backward ----
 
 struct BackwardResult {
-  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr;
+  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln;
 };
 
 // The backward of `recurrence`, and (T = 1, no grad_output) of `step`.
@@ -190,6 +200,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_b_ih = Dev::empty({G * H}, opt);
   r.d_b_hh = Dev::empty({G * H}, opt);
   r.d_w_hr = z.has_proj ? Dev::empty({P, H}, opt) : empty_like_options(output, dtype);
+  r.d_ln = empty_like_options(output, dtype);
   if (T == 0 || B == 0) {
     r.d_xproj.zero_();
     r.d_h0.copy_(grad_h_n);
@@ -278,19 +289,22 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
 }
 
 template <typename Dev>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_op(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_op(
     c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
     const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
     const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
-    const OptTensor& lengths, bool reverse) {
+    const OptTensor& lengths, bool reverse, const OptTensor& resets, const OptTensor& zoneout,
+    const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const RecurrenceSizes z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0,
-                                                      c0, w_hh, w_hr, output, workspace, lengths);
+  const RecurrenceSizes z =
+      check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                                workspace, lengths, resets, zoneout, ln);
+  check_cuda_has(z, "rnnkern.recurrence_backward");
   Dev::check_device("rnnkern.recurrence_backward", output);
   const typename Dev::Guard device_guard(output.device());
   const BackwardResult r = run_backward<Dev>(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
                                         output, workspace, lengths, reverse);
-  return {r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_w_hr};
+  return {r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_w_hr, r.d_ln};
 }
 
 // ---------------------------------------------------------------- step ----
@@ -299,9 +313,11 @@ template <typename Dev>
 std::tuple<Tensor, Tensor, Tensor> step_op(c10::string_view cell, const Tensor& x,
                                              const Tensor& h, const OptTensor& c,
                                              const Tensor& w_ih, const Tensor& w_hh,
-                                             const OptTensor& b_ih, const OptTensor& b_hh) {
+                                             const OptTensor& b_ih, const OptTensor& b_hh,
+                                             const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh);
+  const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
+  check_cuda_has(RecurrenceSizes{s.cell, 1, s.B, s.H, s.H, s.G, false}, "rnnkern.step");
   Dev::check_device("rnnkern.step", x);
   const typename Dev::Guard device_guard(x.device());
   const bool lstm = s.cell == Cell::Lstm;
@@ -309,7 +325,7 @@ std::tuple<Tensor, Tensor, Tensor> step_op(c10::string_view cell, const Tensor& 
   const auto opt = x.options();
   Tensor h_new = Dev::empty({s.B, s.H}, opt);
   Tensor c_new = lstm ? Dev::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
-  Tensor ws = Dev::empty({s.B, workspace_width(s.cell) * s.H}, opt.dtype(acc));
+  Tensor ws = Dev::empty({s.B, workspace_size(s.cell, s.H)}, opt.dtype(acc));
   if (s.B == 0) return {h_new, c_new, ws};
 
   const Context ctx = Dev::context();
@@ -337,13 +353,14 @@ std::tuple<Tensor, Tensor, Tensor> step_op(c10::string_view cell, const Tensor& 
 // also its final state, so its gradient enters once, as grad_h_n), plus the
 // input half of the product: dx = dA W_ih, dW_ih = dA^T x.
 template <typename Dev>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_op(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_op(
     c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
     const Tensor& h, const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-    const Tensor& h_new, const Tensor& workspace) {
+    const Tensor& h_new, const Tensor& workspace, const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const StepSizes s =
-      check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace);
+  const StepSizes s = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
+                                          workspace, ln);
+  check_cuda_has(RecurrenceSizes{s.cell, 1, s.B, s.H, s.H, s.G, false}, "rnnkern.step_backward");
   Dev::check_device("rnnkern.step_backward", x);
   const typename Dev::Guard device_guard(x.device());
   const RecurrenceSizes z{s.cell, 1, s.B, s.H, s.H, s.G, false};
@@ -354,7 +371,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward
   const Tensor dxp = r.d_xproj.select(0, 0);
   const Tensor d_x = at::mm(dxp, w_ih);
   const Tensor d_w_ih = at::mm(dxp.t(), x);
-  return {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh};
+  return {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_ln};
 }
 
 }  // namespace rnnkern::cuda::bindings

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..reference import CELLS, gate_count, workspace_width
+from ..reference import ALL_CELLS, gate_count, workspace_size, zoneout_width
 
 FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -31,6 +31,8 @@ class RecurrenceSizes:
     P: int  # size of h: H, or proj_size for an LSTM with w_hr
     G: int  # gates per unit
     has_proj: bool
+    has_resets: bool = False
+    has_zoneout: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,47 @@ class StepSizes:
 
 
 def parse_cell(cell: str) -> str:
-    if cell not in CELLS:
-        raise ValueError(f"rnnkern: unknown cell '{cell}'; expected one of {', '.join(CELLS)}")
+    if cell not in ALL_CELLS:
+        raise ValueError(f"rnnkern: unknown cell '{cell}'; expected one of {', '.join(ALL_CELLS)}")
     return cell
+
+
+def has_cell_state(cell: str) -> bool:
+    return cell in ("lstm", "lstm_ln")
+
+
+def check_backend_has(lacking: bool, op: str, what: str) -> None:
+    """NotImplementedError naming an option the Triton backend lacks (csrc's check_backend_has)."""
+    if lacking:
+        raise NotImplementedError(f"{op}: the triton backend does not support {what} yet (see "
+                                  f"rnnkern.modules.UNSUPPORTED for the backends that do)")
+
+
+def check_ln(op: str, cell: str, ln: Optional[Tensor], H: int, ref: Tensor) -> None:
+    """ln: the layer norms' gains and shift of lstm_ln ([10H]), absent for every other cell."""
+    if cell == "lstm_ln":
+        if ln is None:
+            raise ValueError(f"{op}: lstm_ln needs ln (the layer norms' gains and shift, "
+                             f"[{10 * H}])")
+        check_arg(op, "ln", ln, [10 * H], ref)
+    elif ln is not None:
+        raise ValueError(f"{op}: ln is only defined for lstm_ln, got one for {cell}")
+
+
+def check_resets_zoneout(op: str, cell: str, resets: Optional[Tensor], zoneout: Optional[Tensor],
+                         T: int, B: int, H: int, P: int, ref: Tensor) -> None:
+    """resets [T, B] bool and zoneout [T, B, Z] (the input's dtype), on the input's device."""
+    if resets is not None:
+        if resets.dim() != 2 or list(resets.shape) != [T, B]:
+            raise ValueError(f"{op}: expected resets of shape [{T}, {B}] (time, batch), got "
+                             f"{_shape(resets)}")
+        if resets.dtype != torch.bool:
+            raise TypeError(f"{op}: expected resets of dtype torch.bool, got {resets.dtype}")
+        if resets.device != ref.device:
+            raise ValueError(f"{op}: expected resets on {ref.device} (the device of the input), "
+                             f"got {resets.device}")
+    if zoneout is not None:
+        check_arg(op, "zoneout", zoneout, [T, B, zoneout_width(cell, H, P)], ref)
 
 
 def _shape(t: Tensor) -> str:
@@ -109,7 +149,8 @@ def sizes_from_weights(op: str, cell: str, w_hh: Tensor, w_hr: Optional[Tensor])
     return H, P, G
 
 
-def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths) -> RecurrenceSizes:
+def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets=None,
+                     zoneout=None, ln=None) -> RecurrenceSizes:
     op = "rnnkern_triton.recurrence"
     parse_cell(cell)
     check_floating(op, "xproj", xproj)
@@ -122,9 +163,9 @@ def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths) -> Re
                          f"{H}), got {xproj.size(2)}")
     check_arg(op, "w_hh", w_hh, [G * H, P], xproj)
     check_arg(op, "h0", h0, [B, P], xproj)
-    if cell == "lstm":
+    if has_cell_state(cell):
         if c0 is None:
-            raise ValueError(f"{op}: lstm needs c0")
+            raise ValueError(f"{op}: {cell} needs c0")
         check_arg(op, "c0", c0, [B, H], xproj)
     elif c0 is not None:
         raise ValueError(f"{op}: c0 is only defined for lstm, got one for {cell}")
@@ -135,11 +176,15 @@ def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths) -> Re
     if w_hr is not None:
         check_arg(op, "w_hr", w_hr, [P, H], xproj)
     check_lengths(op, lengths, T, B)
-    return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None)
+    check_resets_zoneout(op, cell, resets, zoneout, T, B, H, P, xproj)
+    check_ln(op, cell, ln, H, xproj)
+    return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None, resets is not None,
+                           zoneout is not None)
 
 
 def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                              workspace, lengths) -> RecurrenceSizes:
+                              workspace, lengths, resets=None, zoneout=None,
+                              ln=None) -> RecurrenceSizes:
     op = "rnnkern_triton.recurrence_backward"
     parse_cell(cell)
     check_floating(op, "output", output)
@@ -154,17 +199,17 @@ def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
     check_arg(op, "w_hh", w_hh, [G * H, P], output)
     if w_hr is not None:
         check_arg(op, "w_hr", w_hr, [P, H], output)
-    if cell == "lstm":
+    if has_cell_state(cell):
         if c0 is None or grad_c_n is None:
-            raise ValueError(f"{op}: lstm needs c0 and grad_c_n")
+            raise ValueError(f"{op}: {cell} needs c0 and grad_c_n")
         check_arg(op, "c0", c0, [B, H], output)
         check_arg(op, "grad_c_n", grad_c_n, [B, H], output)
-    W = workspace_width(cell)
+    W = workspace_size(cell, H, zoneout is not None)
     if W > 0:
         if workspace.dim() != 3:
             raise ValueError(f"{op}: the workspace is empty; the forward ran with train=False")
-        if list(workspace.shape) != [T, B, W * H]:
-            raise ValueError(f"{op}: expected workspace of shape [{T}, {B}, {W * H}], got "
+        if list(workspace.shape) != [T, B, W]:
+            raise ValueError(f"{op}: expected workspace of shape [{T}, {B}, {W}], got "
                              f"{_shape(workspace)}")
         if workspace.dtype != acc_dtype(output.dtype):
             raise TypeError(f"{op}: expected workspace of dtype {acc_dtype(output.dtype)}, got "
@@ -172,10 +217,14 @@ def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
         if workspace.device != output.device:
             raise ValueError(f"{op}: expected workspace on {output.device}, got {workspace.device}")
     check_lengths(op, lengths, T, B)
-    return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None)
+    check_resets_zoneout(op, cell, resets, zoneout, T, B, H, P, output)
+    check_ln(op, cell, ln, H, output)
+    return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None, resets is not None,
+                           zoneout is not None)
 
 
-def check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, op="rnnkern_triton.step") -> StepSizes:
+def check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln=None,
+               op="rnnkern_triton.step") -> StepSizes:
     parse_cell(cell)
     check_floating(op, "x", x)
     if x.dim() != 2:
@@ -185,9 +234,10 @@ def check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, op="rnnkern_triton.step") 
     check_arg(op, "w_ih", w_ih, [G * H, I], x)
     check_arg(op, "w_hh", w_hh, [G * H, H], x)
     check_arg(op, "h", h, [B, H], x)
-    if cell == "lstm":
+    check_ln(op, cell, ln, H, x)
+    if has_cell_state(cell):
         if c is None:
-            raise ValueError(f"{op}: lstm needs c")
+            raise ValueError(f"{op}: {cell} needs c")
         check_arg(op, "c", c, [B, H], x)
     elif c is not None:
         raise ValueError(f"{op}: c is only defined for lstm, got one for {cell}")
@@ -199,18 +249,18 @@ def check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, op="rnnkern_triton.step") 
 
 
 def check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
-                        workspace) -> StepSizes:
+                        workspace, ln=None) -> StepSizes:
     op = "rnnkern_triton.step_backward"
-    s = check_step(cell, x, h, c, w_ih, w_hh, None, None, op=op)
+    s = check_step(cell, x, h, c, w_ih, w_hh, None, None, ln, op=op)
     check_arg(op, "grad_h_new", grad_h_new, [s.B, s.H], x)
     check_arg(op, "h_new", h_new, [s.B, s.H], x)
-    if cell == "lstm":
+    if has_cell_state(cell):
         if grad_c_new is None:
-            raise ValueError(f"{op}: lstm needs grad_c_new")
+            raise ValueError(f"{op}: {cell} needs grad_c_new")
         check_arg(op, "grad_c_new", grad_c_new, [s.B, s.H], x)
-    W = workspace_width(cell)
-    if list(workspace.shape) != [s.B, W * s.H]:
-        raise ValueError(f"{op}: expected workspace of shape [{s.B}, {W * s.H}], got "
+    W = workspace_size(cell, s.H)
+    if list(workspace.shape) != [s.B, W]:
+        raise ValueError(f"{op}: expected workspace of shape [{s.B}, {W}], got "
                          f"{_shape(workspace)}")
     if workspace.dtype != acc_dtype(x.dtype):
         raise TypeError(f"{op}: expected workspace of dtype {acc_dtype(x.dtype)}, got "

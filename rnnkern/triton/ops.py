@@ -36,8 +36,8 @@ from .. import ops as rnnkern_ops
 from ..reference import gate_count, workspace_width
 from . import sequence, step as step_kernels
 from .cells import CELL_IDS
-from .checks import (acc_dtype, check_recurrence, check_recurrence_backward, check_step,
-                     check_step_backward)
+from .checks import (acc_dtype, check_backend_has, check_recurrence, check_recurrence_backward,
+                     check_step, check_step_backward)
 from .sequence import block_size, fits_on_chip
 from .tuning import INTERPRET
 
@@ -125,10 +125,20 @@ def _input_grad_grid(B: int, I: int, P: int):
 
 # ------------------------------------------------------------- recurrence ----
 
+def _check_triton_has(op: str, cell: str, z) -> None:
+    """The options of the ops this backend does not run yet."""
+    check_backend_has(cell == "lstm_ln", op, "the lstm_ln cell (LayerNormLSTM)")
+    check_backend_has(getattr(z, "has_resets", False), op, "resets")
+    check_backend_has(getattr(z, "has_zoneout", False), op, "zoneout")
+
+
 def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
                b_ih: Optional[Tensor], b_hh: Optional[Tensor], w_hr: Optional[Tensor],
-               lengths: Optional[Tensor], reverse: bool, train: bool):
-    z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths)
+               lengths: Optional[Tensor], reverse: bool, train: bool,
+               resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
+               ln: Optional[Tensor] = None):
+    z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets, zoneout, ln)
+    _check_triton_has("rnnkern_triton.recurrence", cell, z)
     _check_device("rnnkern_triton.recurrence", xproj)
     T, B, H, P = z.T, z.B, z.H, z.P
     lstm = cell == "lstm"
@@ -202,9 +212,12 @@ def _forward_by_steps(k, flags, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, out
 def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                         grad_c_n: Optional[Tensor], h0: Tensor, c0: Optional[Tensor],
                         w_hh: Tensor, w_hr: Optional[Tensor], output: Tensor, workspace: Tensor,
-                        lengths: Optional[Tensor], reverse: bool):
+                        lengths: Optional[Tensor], reverse: bool,
+                        resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
+                        ln: Optional[Tensor] = None):
     z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
-                                  output, workspace, lengths)
+                                  output, workspace, lengths, resets, zoneout, ln)
+    _check_triton_has("rnnkern_triton.recurrence_backward", cell, z)
     _check_device("rnnkern_triton.recurrence_backward", output)
     T, B, H, P, G = z.T, z.B, z.H, z.P, z.G
     lstm, proj = cell == "lstm", z.has_proj
@@ -247,7 +260,7 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                                dh_tot_all, T, B, H, P)
     grads = _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, output, h0, lens, reverse,
                                      H, P)
-    return (dx.to(dtype), grad_h0, grad_c0) + tuple(g.to(dtype) for g in grads)
+    return (dx.to(dtype), grad_h0, grad_c0) + tuple(g.to(dtype) for g in grads) + (_empty(output),)
 
 
 def _backward_by_steps(k, flags, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
@@ -356,8 +369,9 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, output, h0, lens, re
 # ------------------------------------------------------------------- step ----
 
 def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,
-         b_ih: Optional[Tensor], b_hh: Optional[Tensor]):
-    z = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)
+         b_ih: Optional[Tensor], b_hh: Optional[Tensor], ln: Optional[Tensor] = None):
+    z = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
+    _check_triton_has("rnnkern_triton.step", cell, z)
     _check_device("rnnkern_triton.step", x)
     B, I, H, G = z.B, z.I, z.H, z.G
     lstm, rb = cell == "lstm", cell == "gru_reset_before"
@@ -388,8 +402,10 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
 
 def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x: Tensor,
                   h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor, h_new: Tensor,
-                  workspace: Tensor):
-    z = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace)
+                  workspace: Tensor, ln: Optional[Tensor] = None):
+    z = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
+                            ln)
+    _check_triton_has("rnnkern_triton.step_backward", cell, z)
     _check_device("rnnkern_triton.step_backward", x)
     B, I, H, G = z.B, z.I, z.H, z.G
     lstm, rb = cell == "lstm", cell == "gru_reset_before"
@@ -439,7 +455,7 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
         grad_w_hh = da.t() @ ha
         grad_b_hh = da.sum(0)
     return (grad_x, grad_h, grad_c, grad_w_ih.to(dtype), grad_w_hh.to(dtype), grad_b_ih.to(dtype),
-            grad_b_hh.to(dtype))
+            grad_b_hh.to(dtype), _empty(x))
 
 
 # ----------------------------------------------------------- registration ----
