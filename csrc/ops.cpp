@@ -31,6 +31,7 @@
 #include <Python.h>
 
 #include "cpu/buffers.h"
+#include "cpu/gemm.h"
 #include "cpu/isa.h"
 #include "cpu/parallel.h"
 #include <torch/library.h>
@@ -101,6 +102,12 @@ PyObject* cpu_isa(PyObject*, PyObject*) {
 #endif
 }
 
+// The width of the CPU products' vectors in this process (gemm.h): 512 on
+// CPUs with AVX-512 unless RNNKERN_CPU_VECTOR_BITS=256, else 256.
+PyObject* cpu_vector_bits(PyObject*, PyObject*) {
+  return PyLong_FromLong(rnnkern::cpu::gemm::wide_vectors() ? 512 : 256);
+}
+
 PyObject* register_autograd(PyObject*, PyObject* ns) {
   const char* name = PyUnicode_AsUTF8(ns);
   if (name == nullptr) return nullptr;
@@ -122,6 +129,8 @@ PyMethodDef methods[] = {
      "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
     {"cpu_isa", cpu_isa, METH_NOARGS,
      "The x86 ISA level of the CPU kernels' vectorised loops in this process."},
+    {"cpu_vector_bits", cpu_vector_bits, METH_NOARGS,
+     "The vector width (bits) of the CPU kernels' products in this process."},
     {"register_autograd", register_autograd, METH_O,
      "Registers rnnkern's autograd formulas for the op family in the given namespace."},
     {"cpu_parallel_regions", cpu_parallel_regions, METH_NOARGS,

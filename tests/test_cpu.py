@@ -371,3 +371,54 @@ def test_cpu_isa_level_is_the_expected_one():
     expected = os.environ.get("RNNKERN_EXPECT_CPU_ISA")
     if expected is not None:
         assert level == expected
+
+
+def test_cpu_vector_width_follows_the_isa():
+    """The products run 512-bit on CPUs with AVX-512 (x86-64-v4) unless
+    RNNKERN_CPU_VECTOR_BITS=256 asks for the 256-bit kernels; 256-bit
+    elsewhere and in builds pinned below v4 (.ci/isa_levels.sh)."""
+    wide = rnnkern._C.cpu_isa() == "x86-64-v4" and os.environ.get("RNNKERN_CPU_VECTOR_BITS") != "256"
+    assert rnnkern._C.cpu_vector_bits() == (512 if wide else 256)
+
+
+_WIDTH_SCRIPT = '''
+import sys, torch, rnnkern
+from rnnkern import reference
+torch.manual_seed(0)
+worst = 0.0
+for cell in ("lstm", "gru", "rnn_tanh", "gru_reset_before"):
+    G = reference.gate_count(cell)
+    for B, T, H in ((1, 5, 70), (2, 4, 33), (3, 3, 40), (32, 3, 64)):
+        xp = torch.randn(T, B, G * H, dtype=torch.float64, requires_grad=True)
+        h0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+        c0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True) if cell == "lstm" else None
+        w = (torch.randn(G * H, H, dtype=torch.float64) * H ** -0.5).requires_grad_()
+        b = torch.randn(G * H, dtype=torch.float64, requires_grad=True)
+        ins = [t for t in (xp, h0, c0, w, b) if t is not None]
+        got, want = [], []
+        for backend, sink in (("cpu", got), ("reference", want)):
+            out = rnnkern.ops.recurrence(cell, xp, h0, c0, w, b, b, None, None, False, backend=backend)
+            outs = [o for o in out if o is not None]
+            sink += [o.detach() for o in outs]
+            sink += torch.autograd.grad(sum(o.sum() for o in outs), ins)
+        worst = max(worst, max(((g - r).abs().max() / (1 + r.abs().max())).item() for g, r in zip(got, want)))
+print(rnnkern._C.cpu_vector_bits(), worst)
+'''
+
+
+@pytest.mark.parametrize("bits", ["256", "default"])
+def test_both_vector_widths_match_reference(bits):
+    """Both widths of the products in this build (on an AVX-512 CPU the default
+    is 512-bit; RNNKERN_CPU_VECTOR_BITS=256 runs the 256-bit kernels), batch 1
+    and 2 (the two-panel matrix-vector form) to 32, float64 values and
+    gradients against the reference."""
+    env = dict(os.environ)
+    env.pop("RNNKERN_CPU_VECTOR_BITS", None)
+    if bits == "256":
+        env["RNNKERN_CPU_VECTOR_BITS"] = "256"
+    run = subprocess.run([sys.executable, "-c", _WIDTH_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    width, worst = run.stdout.split()
+    assert width == ("256" if bits == "256" or rnnkern._C.cpu_isa() != "x86-64-v4" else "512")
+    assert float(worst) < 1e-10

@@ -1,8 +1,13 @@
 // The GEMMs of the CPU backend:
 //     C[M, N] (+)= A[M, K] * B[K, N]
 // with B packed into column panels.  Register-blocked MR x NR micro-kernel
-// written with GCC vector extensions (256-bit vectors); the caller compiles it
-// per ISA level (target_clones).  Two drivers:
+// written with GCC vector extensions, in two widths: 256-bit vectors, which the
+// caller compiles per ISA level (target_clones), and 512-bit vectors compiled
+// for x86-64-v4 (isa.h), used on CPUs with AVX-512.  On an AMD Zen 5 core (full
+// 512-bit FMA units) the 512-bit kernel runs at 270 GFLOP/s, the 256-bit one
+// at 137: oneDNN's LSTM in torch.nn, 512-bit there, ran the B=32 T=256 H=256
+// forward 1.8x faster than the 256-bit kernels.  The panel width (PackedB::nr,
+// two vectors) follows the width chosen.  Two drivers:
 //  * multiply(): the per-step products of the recurrence, B packed once per
 //    call so the T steps that multiply by the same W_hh slice do not repack it
 //    each time (a BLAS call does); single-threaded, each thread owns a slice;
@@ -28,34 +33,47 @@
 
 namespace rnnkern::cpu::gemm {
 
-template <typename T>
+// Whether the products use 512-bit vectors: built with them (isa.h) and the CPU
+// has AVX-512 (F, VL, BW, DQ: x86-64-v4).  Decided once per process.
+bool wide_vectors();
+
+template <typename T, int Bytes>
 struct Vec {
-  // 256 bits: 8 floats or 4 doubles.
-  typedef T type __attribute__((vector_size(32)));
-  static constexpr int kLanes = 32 / sizeof(T);
+  typedef T type __attribute__((vector_size(Bytes)));
+  static constexpr int kLanes = Bytes / sizeof(T);
 };
+constexpr int kNarrow = 32;  // bytes of a vector: AVX2 and below
+constexpr int kWide = 64;    // AVX-512
 
 constexpr int kMR = 6;  // rows of C per micro-kernel call
+// Columns per packed panel: two vectors.
+template <typename T, int Bytes>
+constexpr int kNR = 2 * Vec<T, Bytes>::kLanes;
+// The panel width of this process's products.
 template <typename T>
-constexpr int kNR = 2 * Vec<T>::kLanes;  // columns per packed panel
+inline int64_t panel_cols() {
+  return wide_vectors() ? kNR<T, kWide> : kNR<T, kNarrow>;
+}
 
-// B packed as panels of kNR columns: panel p holds B[k][p*kNR + c] at
-// data[(p*K + k)*kNR + c], zero-padded past N.  Or, made by view_rows(), B
+// B packed as panels of nr columns: panel p holds B[k][p*nr + c] at
+// data[(p*K + k)*nr + c], zero-padded past N.  Or, made by view_rows(), B
 // read where it lies (row-major, row stride ld) for its whole panels and only
 // the last, partial one packed: for a product used by one or two steps, where
 // packing all of B would cost more than the product.
 template <typename T>
 struct PackedB {
   int64_t K = 0, N = 0;
+  int64_t nr = panel_cols<T>();
   std::vector<T> data;
   const T* src = nullptr;  // view_rows(): B[k][n] = src[k*ld + n] for panels < src_panels
   int64_t ld = 0, src_panels = 0;
 
-  int64_t panels() const { return (N + kNR<T> - 1) / kNR<T>; }
+  int64_t panels() const { return (N + nr - 1) / nr; }
   const T* panel(int64_t p) const {
-    return p < src_panels ? src + p * kNR<T> : data.data() + (p - src_panels) * K * kNR<T>;
+    return p < src_panels ? src + p * nr : data.data() + (p - src_panels) * K * nr;
   }
-  int64_t panel_ld(int64_t p) const { return p < src_panels ? ld : kNR<T>; }
+  int64_t panel_ld(int64_t p) const { return p < src_panels ? ld : nr; }
+  bool wide() const { return nr == kNR<T, kWide>; }
 
   static PackedB view_rows(const T* b, int64_t K_, int64_t N_, int64_t ld_) {
     PackedB v;
@@ -63,12 +81,12 @@ struct PackedB {
     v.N = N_;
     v.src = b;
     v.ld = ld_;
-    v.src_panels = N_ / kNR<T>;
-    const int64_t tail = N_ - v.src_panels * kNR<T>;
+    v.src_panels = N_ / v.nr;
+    const int64_t tail = N_ - v.src_panels * v.nr;
     if (tail > 0) {
-      v.data.assign(static_cast<size_t>(K_ * kNR<T>), T(0));
+      v.data.assign(static_cast<size_t>(K_ * v.nr), T(0));
       for (int64_t k = 0; k < K_; ++k)
-        std::memcpy(v.data.data() + k * kNR<T>, b + k * ld_ + v.src_panels * kNR<T>, tail * sizeof(T));
+        std::memcpy(v.data.data() + k * v.nr, b + k * ld_ + v.src_panels * v.nr, tail * sizeof(T));
     }
     return v;
   }
@@ -76,22 +94,22 @@ struct PackedB {
   void resize(int64_t K_, int64_t N_) {
     K = K_;
     N = N_;
-    data.resize(static_cast<size_t>(panels() * K * kNR<T>));
+    data.resize(static_cast<size_t>(panels() * K * nr));
   }
 
   // Panels [p0, p1) of B[k][n] = src[k*sk + n*sn] (after resize).
-  void pack_panels(const T* src, int64_t sk, int64_t sn, int64_t p0, int64_t p1) {
+  void pack_panels(const T* src_, int64_t sk, int64_t sn, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kNR<T>, nc = std::min<int64_t>(kNR<T>, N - n0);
-      T* dst = data.data() + p * K * kNR<T>;
+      const int64_t n0 = p * nr, nc = std::min<int64_t>(nr, N - n0);
+      T* dst = data.data() + p * K * nr;
       for (int64_t k = 0; k < K; ++k)
-        for (int64_t c = 0; c < kNR<T>; ++c) dst[k * kNR<T> + c] = c < nc ? src[k * sk + (n0 + c) * sn] : T(0);
+        for (int64_t c = 0; c < nr; ++c) dst[k * nr + c] = c < nc ? src_[k * sk + (n0 + c) * sn] : T(0);
     }
   }
 
-  void pack(const T* src, int64_t K_, int64_t N_, int64_t sk, int64_t sn) {
+  void pack(const T* src_, int64_t K_, int64_t N_, int64_t sk, int64_t sn) {
     resize(K_, N_);
-    pack_panels(src, sk, sn, 0, panels());
+    pack_panels(src_, sk, sn, 0, panels());
   }
 };
 
@@ -100,79 +118,122 @@ struct StridesA {
   int64_t rows, ks;
 };
 
-template <typename T, int MR>
-RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, const T* panel,
-                                        int64_t ldb, T* C, int64_t ldc, int64_t ncols,
+// C[MR rows, NP panels] (+)= A[MR, K] * the panels (each 2 vectors wide, row
+// k of panel q at panel[q] + k * ldb[q]).  NP = 2 for one or two rows of A
+// (a matrix-vector product at batch 1): four independent accumulators per row
+// instead of two, so the FMAs' latency no longer bounds it (1.09 us instead
+// of 2.46 for the 512 x 128 product of an LSTM step at H = 128, Zen 5).
+template <typename T, int MR, int Bytes, int NP>
+RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, const T* const* panel,
+                                        const int64_t* ldb, T* C, int64_t ldc, int64_t ncols,
                                         bool accumulate) {
-  using V = typename Vec<T>::type;
-  constexpr int L = Vec<T>::kLanes;
-  V c0[MR], c1[MR];
-  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = V{};
+  using V = typename Vec<T, Bytes>::type;
+  constexpr int L = Vec<T, Bytes>::kLanes;
+  constexpr int NV = 2 * NP;  // vectors of C per row
+  V c[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = V{};
   for (int64_t k = 0; k < K; ++k) {
-    V b0, b1;
-    std::memcpy(&b0, panel + k * ldb, sizeof(V));
-    std::memcpy(&b1, panel + k * ldb + L, sizeof(V));
+    V b[NV];
+    for (int q = 0; q < NP; ++q) {
+      std::memcpy(&b[2 * q], panel[q] + k * ldb[q], sizeof(V));
+      std::memcpy(&b[2 * q + 1], panel[q] + k * ldb[q] + L, sizeof(V));
+    }
     for (int r = 0; r < MR; ++r) {
       const T a = A[r * sa.rows + k * sa.ks];
-      c0[r] += a * b0;
-      c1[r] += a * b1;
+      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < MR; ++r) {
-    T* c = C + r * ldc;
-    if (ncols == 2 * L) {
-      if (accumulate) {
-        V o0, o1;
-        std::memcpy(&o0, c, sizeof(V));
-        std::memcpy(&o1, c + L, sizeof(V));
-        c0[r] += o0;
-        c1[r] += o1;
+    T* cr = C + r * ldc;
+    if (ncols == NV * L) {
+      for (int v = 0; v < NV; ++v) {
+        if (accumulate) {
+          V o;
+          std::memcpy(&o, cr + v * L, sizeof(V));
+          c[r][v] += o;
+        }
+        std::memcpy(cr + v * L, &c[r][v], sizeof(V));
       }
-      std::memcpy(c, &c0[r], sizeof(V));
-      std::memcpy(c + L, &c1[r], sizeof(V));
     } else {
-      T tmp[2 * L];
-      std::memcpy(tmp, &c0[r], sizeof(V));
-      std::memcpy(tmp + L, &c1[r], sizeof(V));
-      for (int64_t j = 0; j < ncols; ++j) c[j] = accumulate ? c[j] + tmp[j] : tmp[j];
+      T tmp[NV * L];
+      for (int v = 0; v < NV; ++v) std::memcpy(tmp + v * L, &c[r][v], sizeof(V));
+      for (int64_t j = 0; j < ncols; ++j) cr[j] = accumulate ? cr[j] + tmp[j] : tmp[j];
     }
   }
 }
 
 // The micro-kernel for a block of mr <= kMR rows (the row count is a template
 // parameter so the accumulators stay in registers).
-template <typename T>
+template <typename T, int Bytes, int NP>
 RNNKERN_ALWAYS_INLINE void micro_kernel_rows(int64_t mr, int64_t K, const T* A, StridesA sa,
-                                             const T* panel, int64_t ldb, T* C, int64_t ldc,
-                                             int64_t ncols, bool accumulate) {
+                                             const T* const* panel, const int64_t* ldb, T* C,
+                                             int64_t ldc, int64_t ncols, bool accumulate) {
   switch (mr) {
-    case 6: micro_kernel<T, 6>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    case 5: micro_kernel<T, 5>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    case 4: micro_kernel<T, 4>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    case 3: micro_kernel<T, 3>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    case 2: micro_kernel<T, 2>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    default: micro_kernel<T, 1>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
+    case 6: micro_kernel<T, 6, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
+    case 5: micro_kernel<T, 5, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
+    case 4: micro_kernel<T, 4, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
+    case 3: micro_kernel<T, 3, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
+    case 2: micro_kernel<T, 2, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
+    default: micro_kernel<T, 1, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
   }
 }
 static_assert(kMR == 6, "micro_kernel_rows dispatches up to 6 rows");
 
-// C[M, N] (+)= A[M, K] B[:, panels p0..p1), A[r][k] = A[r*sa.rows + k*sa.ks].
-template <typename T>
-RNNKERN_ALWAYS_INLINE void multiply(int64_t M, const T* A, StridesA sa, const PackedB<T>& B,
-                                    T* C, int64_t ldc, bool accumulate, int64_t p0 = 0,
-                                    int64_t p1 = -1) {
+// C[M, N] (+)= A[M, K] B[:, panels p0..p1), A[r][k] = A[r*sa.rows + k*sa.ks],
+// with vectors of `Bytes` (B.nr must be kNR<T, Bytes>).
+template <typename T, int Bytes>
+RNNKERN_ALWAYS_INLINE void multiply_impl(int64_t M, const T* A, StridesA sa, const PackedB<T>& B,
+                                         T* C, int64_t ldc, bool accumulate, int64_t p0,
+                                         int64_t p1) {
+  constexpr int64_t NR = kNR<T, Bytes>;
   const int64_t K = B.K, N = B.N;
-  if (p1 < 0) p1 = B.panels();
   // Rows in blocks of near-equal size (M = 32: 6 6 5 5 5 5, not 6 6 6 6 6 2).
   const int64_t blocks = (M + kMR - 1) / kMR;
   for (int64_t bi = 0, i = 0, mr = 0; bi < blocks; ++bi, i += mr) {
     mr = (M - i + (blocks - bi) - 1) / (blocks - bi);
     const T* a = A + i * sa.rows;
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kNR<T>;
-      const int64_t nc = std::min<int64_t>(kNR<T>, N - n0);
-      T* c = C + i * ldc + n0;
-      micro_kernel_rows<T>(mr, K, a, sa, B.panel(p), B.panel_ld(p), c, ldc, nc, accumulate);
+    int64_t p = p0;
+    if (mr <= 2) {  // two panels per call while both are whole
+      for (; p + 2 <= p1 && (p + 2) * NR <= N; p += 2) {
+        const T* panels[2] = {B.panel(p), B.panel(p + 1)};
+        const int64_t lds[2] = {B.panel_ld(p), B.panel_ld(p + 1)};
+        T* c = C + i * ldc + p * NR;
+        if (mr == 2)
+          micro_kernel<T, 2, Bytes, 2>(K, a, sa, panels, lds, c, ldc, 2 * NR, accumulate);
+        else
+          micro_kernel<T, 1, Bytes, 2>(K, a, sa, panels, lds, c, ldc, 2 * NR, accumulate);
+      }
+    }
+    for (; p < p1; ++p) {
+      const int64_t n0 = p * NR;
+      const int64_t nc = std::min<int64_t>(NR, N - n0);
+      const T* panel = B.panel(p);
+      const int64_t ld = B.panel_ld(p);
+      micro_kernel_rows<T, Bytes, 1>(mr, K, a, sa, &panel, &ld, C + i * ldc + n0, ldc, nc,
+                                     accumulate);
+    }
+  }
+}
+
+// C[m rows, panels p0..p1) (+)= packed A block (from pack_a_block) * packed B.
+template <typename T, int Bytes>
+RNNKERN_ALWAYS_INLINE void multiply_packed_impl(int64_t m, const T* a_packed, const PackedB<T>& B,
+                                                T* C, int64_t ldc, bool accumulate, int64_t p0,
+                                                int64_t p1) {
+  constexpr int64_t NR = kNR<T, Bytes>;
+  const int64_t K = B.K, N = B.N;
+  const StridesA sa{1, kMR};
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * NR;
+    const int64_t nc = std::min<int64_t>(NR, N - n0);
+    const T* panel = B.panel(p);
+    const int64_t ldb = B.panel_ld(p);
+    for (int64_t i = 0; i < m; i += kMR) {
+      const int64_t mr = std::min<int64_t>(kMR, m - i);
+      const T* a = a_packed + (i / kMR) * K * kMR;
+      micro_kernel_rows<T, Bytes, 1>(mr, K, a, sa, &panel, &ldb, C + i * ldc + n0, ldc, nc,
+                                     accumulate);
     }
   }
 }
@@ -180,14 +241,13 @@ RNNKERN_ALWAYS_INLINE void multiply(int64_t M, const T* A, StridesA sa, const Pa
 // C[M, N] (+)= A[M, K] W^T for a row-major W [N, K] (row n at W + n*ldw), W
 // unpacked: dot products of the rows of A with the rows of W, NB rows of W at
 // a time so that each load of A serves NB of them.  The per-step product of a
-// call of one step, or of one or two rows a step (a matrix-vector product at
-// batch 1), where the packed kernel would reuse a panel for as few rows and
-// packing costs about two passes over W.
-template <typename T, int MB, int NB>
+// call of one step, where packing W would cost about two passes over it, more
+// than the product.
+template <typename T, int MB, int NB, int Bytes>
 RNNKERN_ALWAYS_INLINE void dot_block(int64_t K, const T* A, int64_t lda, const T* W, int64_t ldw,
                                      T* C, int64_t ldc, bool accumulate) {
-  using V = typename Vec<T>::type;
-  constexpr int L = Vec<T>::kLanes;
+  using V = typename Vec<T, Bytes>::type;
+  constexpr int L = Vec<T, Bytes>::kLanes;
   V acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = V{};
@@ -212,25 +272,85 @@ RNNKERN_ALWAYS_INLINE void dot_block(int64_t K, const T* A, int64_t lda, const T
   }
 }
 
-template <typename T>
-RNNKERN_ALWAYS_INLINE void multiply_nt(int64_t M, const T* A, int64_t lda, const T* W,
-                                       int64_t ldw, int64_t N, int64_t K, T* C, int64_t ldc,
-                                       bool accumulate) {
+template <typename T, int Bytes>
+RNNKERN_ALWAYS_INLINE void multiply_nt_impl(int64_t M, const T* A, int64_t lda, const T* W,
+                                            int64_t ldw, int64_t N, int64_t K, T* C, int64_t ldc,
+                                            bool accumulate) {
   int64_t m = 0;
   for (; m + 2 <= M; m += 2) {
     int64_t n = 0;
     for (; n + 4 <= N; n += 4)
-      dot_block<T, 2, 4>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc, accumulate);
+      dot_block<T, 2, 4, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+                                accumulate);
     for (; n < N; ++n)
-      dot_block<T, 2, 1>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc, accumulate);
+      dot_block<T, 2, 1, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+                                accumulate);
   }
   if (m < M) {
     int64_t n = 0;
     for (; n + 8 <= N; n += 8)
-      dot_block<T, 1, 8>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc, accumulate);
+      dot_block<T, 1, 8, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+                                accumulate);
     for (; n < N; ++n)
-      dot_block<T, 1, 1>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc, accumulate);
+      dot_block<T, 1, 1, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+                                accumulate);
   }
+}
+
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+// The 512-bit versions, compiled for x86-64-v4 whatever the caller's target
+// (not inlined into it: a v4 body cannot inline into a baseline function).
+template <typename T>
+RNNKERN_CPU_WIDE_TARGET void multiply_wide(int64_t M, const T* A, StridesA sa, const PackedB<T>& B,
+                                           T* C, int64_t ldc, bool accumulate, int64_t p0,
+                                           int64_t p1) {
+  multiply_impl<T, kWide>(M, A, sa, B, C, ldc, accumulate, p0, p1);
+}
+template <typename T>
+RNNKERN_CPU_WIDE_TARGET void multiply_packed_wide(int64_t m, const T* a_packed,
+                                                  const PackedB<T>& B, T* C, int64_t ldc,
+                                                  bool accumulate, int64_t p0, int64_t p1) {
+  multiply_packed_impl<T, kWide>(m, a_packed, B, C, ldc, accumulate, p0, p1);
+}
+template <typename T>
+RNNKERN_CPU_WIDE_TARGET void multiply_nt_wide(int64_t M, const T* A, int64_t lda, const T* W,
+                                              int64_t ldw, int64_t N, int64_t K, T* C,
+                                              int64_t ldc, bool accumulate) {
+  multiply_nt_impl<T, kWide>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
+}
+#endif
+
+// The drivers: the width B was packed for (PackedB::nr), or the process's.
+// C[M, N] (+)= A[M, K] B[:, panels p0..p1).
+template <typename T>
+RNNKERN_ALWAYS_INLINE void multiply(int64_t M, const T* A, StridesA sa, const PackedB<T>& B,
+                                    T* C, int64_t ldc, bool accumulate, int64_t p0 = 0,
+                                    int64_t p1 = -1) {
+  if (p1 < 0) p1 = B.panels();
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+  if (B.wide()) return multiply_wide<T>(M, A, sa, B, C, ldc, accumulate, p0, p1);
+#endif
+  multiply_impl<T, kNarrow>(M, A, sa, B, C, ldc, accumulate, p0, p1);
+}
+
+template <typename T>
+RNNKERN_ALWAYS_INLINE void multiply_packed(int64_t m, const T* a_packed, const PackedB<T>& B,
+                                           T* C, int64_t ldc, bool accumulate, int64_t p0,
+                                           int64_t p1) {
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+  if (B.wide()) return multiply_packed_wide<T>(m, a_packed, B, C, ldc, accumulate, p0, p1);
+#endif
+  multiply_packed_impl<T, kNarrow>(m, a_packed, B, C, ldc, accumulate, p0, p1);
+}
+
+template <typename T>
+RNNKERN_ALWAYS_INLINE void multiply_nt(int64_t M, const T* A, int64_t lda, const T* W,
+                                       int64_t ldw, int64_t N, int64_t K, T* C, int64_t ldc,
+                                       bool accumulate) {
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+  if (wide_vectors()) return multiply_nt_wide<T>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
+#endif
+  multiply_nt_impl<T, kNarrow>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
 }
 
 // ---- blocked large products ----------------------------------------------
@@ -246,27 +366,6 @@ RNNKERN_ALWAYS_INLINE void pack_a_block(const T* A, StridesA sa, int64_t m0, int
     // k outer: a transposed A (dW = dY^T X) reads kMR neighbours per k.
     for (int64_t k = 0; k < kc; ++k) {
       for (int r = 0; r < kMR; ++r) panel[k * kMR + r] = r < rows ? a[r * sa.rows + k * sa.ks] : T(0);
-    }
-  }
-}
-
-// C[m rows, panels p0..p1) (+)= packed A block (from pack_a_block) * packed B.
-template <typename T>
-RNNKERN_ALWAYS_INLINE void multiply_packed(int64_t m, const T* a_packed, const PackedB<T>& B,
-                                           T* C, int64_t ldc, bool accumulate, int64_t p0,
-                                           int64_t p1) {
-  const int64_t K = B.K, N = B.N;
-  const StridesA sa{1, kMR};
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n0 = p * kNR<T>;
-    const int64_t nc = std::min<int64_t>(kNR<T>, N - n0);
-    const T* panel = B.panel(p);
-    const int64_t ldb = B.panel_ld(p);
-    for (int64_t i = 0; i < m; i += kMR) {
-      const int64_t mr = std::min<int64_t>(kMR, m - i);
-      const T* a = a_packed + (i / kMR) * K * kMR;
-      T* c = C + i * ldc + n0;
-      micro_kernel_rows<T>(mr, K, a, sa, panel, ldb, c, ldc, nc, accumulate);
     }
   }
 }

@@ -16,3 +16,14 @@
 #else
 #define RNNKERN_CPU_CLONES
 #endif
+
+// The products (gemm.h) also come in a 512-bit version, compiled for
+// x86-64-v4 and chosen at run time on CPUs with AVX-512 (gemm::wide_vectors):
+// GCC's target_clones compile one source per level, so the vector width, a
+// type, cannot differ between the clones.  A pinned build uses it only when
+// pinned to x86-64-v4 (setup.py passes RNNKERN_CPU_ISA_V4).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    (!defined(RNNKERN_CPU_ISA) || defined(RNNKERN_CPU_ISA_V4))
+#define RNNKERN_CPU_WIDE_VECTORS 1
+#define RNNKERN_CPU_WIDE_TARGET __attribute__((target("arch=x86-64-v4"), noinline))
+#endif

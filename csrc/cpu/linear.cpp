@@ -18,6 +18,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "../ops.h"
@@ -26,6 +28,27 @@
 #include "parallel.h"
 
 namespace rnnkern::cpu {
+
+namespace gemm {
+
+bool wide_vectors() {
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+  // RNNKERN_CPU_VECTOR_BITS=256 keeps the 256-bit kernels on an AVX-512 CPU
+  // (tests and A/B timings run both widths in one build).
+  static const bool wide = [] {
+    const char* bits = std::getenv("RNNKERN_CPU_VECTOR_BITS");
+    if (bits != nullptr && std::string(bits) == "256") return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v4") != 0;
+  }();
+  return wide;
+#else
+  return false;
+#endif
+}
+
+}  // namespace gemm
+
 namespace {
 
 constexpr int64_t kKC = 256;
