@@ -83,11 +83,39 @@ RNNKERN_CPU_CLONES void multiply_rows(int64_t m0, int64_t m, int64_t M, const T*
 // torch's mm).
 constexpr int64_t kInPlace = 4;
 
+// C (+)= A B for a K of at most kInPlace and a row-major B: each row of C is
+// the sum of K rows of B scaled by that row's A (outer products: the weight
+// gradients of a one-step call, K = the batch).  A plain row loop that the
+// compiler vectorises writes C once; the micro-kernel's tiles cost as much
+// setting up as multiplying at K = 1 (dW_ih of a GRU step at H = 256: 16.6 us,
+// against 11.4 us for torch's mm).
+template <typename T>
+RNNKERN_CPU_CLONES void sum_of_scaled_rows(int64_t M, int64_t N, int64_t K, const T* A,
+                                           gemm::StridesA sa, const T* B, int64_t b_ks, T* C,
+                                           int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < M; ++m) {
+    T* __restrict c = C + m * ldc;
+    const T a0 = A[m * sa.rows];
+    const T* __restrict b0 = B;
+    if (accumulate)
+      for (int64_t n = 0; n < N; ++n) c[n] += a0 * b0[n];
+    else
+      for (int64_t n = 0; n < N; ++n) c[n] = a0 * b0[n];
+    for (int64_t k = 1; k < K; ++k) {
+      const T ak = A[m * sa.rows + k * sa.ks];
+      const T* __restrict bk = B + k * b_ks;
+      for (int64_t n = 0; n < N; ++n) c[n] += ak * bk[n];
+    }
+  }
+}
+
 template <typename T>
 RNNKERN_CPU_CLONES void multiply_in_place(int64_t M, int64_t N, int64_t K, const T* A,
                                           gemm::StridesA sa, const T* B, int64_t b_ks,
                                           int64_t b_ns, T* C, int64_t ldc, bool accumulate) {
-  if (b_ns == 1)  // B row-major: the micro-kernel reads its panels in place
+  if (b_ns == 1 && K <= kInPlace)
+    sum_of_scaled_rows(M, N, K, A, sa, B, b_ks, C, ldc, accumulate);
+  else if (b_ns == 1)  // B row-major: the micro-kernel reads its panels in place
     gemm::multiply(M, A, sa, gemm::PackedB<T>::view_rows(B, K, N, b_ks), C, ldc, accumulate);
   else  // B transposed (x W^T), A row-major: dot products with the rows of W
     gemm::multiply_nt(M, A, sa.rows, B, b_ns, N, K, C, ldc, accumulate);
