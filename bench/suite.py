@@ -527,7 +527,7 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
                     "FlashRNN: forward and forward+backward over a size grid (bench/README.md).")
     p.add_argument("--quick", action="store_true", help="tiny grid, 3 rounds (about a minute on CPU)")
     p.add_argument("--full", action="store_true",
-                   help="the whole grid with every candidate (CPU: about 30 minutes; bench/grid.py)")
+                   help="the whole grid with every candidate (CPU: about 40 minutes; bench/grid.py)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cells", nargs="+", choices=CELLS, default=list(DEFAULT_CELLS))
