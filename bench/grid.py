@@ -1,6 +1,6 @@
-"""The size grid: which (cell, B, T, H, dtype) cases a run measures.
+"""The size grid: which (cell, B, T, H, dtype, call) cases a run measures.
 
-Four families of sizes, one list per device:
+Six families of sizes, one list per device:
 
 ============  =====================================  ======================================
 family        GPU (the issue's grid)                 CPU (scaled to 2 shared cores)
@@ -9,7 +9,21 @@ latency       B 1, 16, 64 x H 256, 768, 1024; T 1024  B 1, 16, 64 x H 64, 128, 2
 throughput    B 256; H 512, 1024; T 256               B 128; H 128, 256; T 64
 long          B 16, H 768; T 2k, 4k, 8k, 16k          B 4, H 128; T 512, 2k, 8k
 headline      B 16, H 768, T 1024 (GUIDE's targets)   B 32, H 256, T 256 (README's CPU table)
+peers         the CPU sizes (the peers are CPU only)  LSTM B32 T256 H256, B1 T256 H128,
+                                                     B64 T64 H128; GRU B1 T256 H128,
+                                                     B32 T256 H256; RNN B32 T256 H256
+step          B 1, 16 x H 64, 256; T 1, as a          the same
+              sequence call and as a cell call
 ============  =====================================  ======================================
+
+``peers`` is issue #14's table of rnnkern against the CPU inference engines a user
+would pick instead (ONNX Runtime, OpenVINO; bench/candidates.py): its sizes are set
+per cell.  ``step`` is the one-step regime (RL agents stepping one observation at a
+time, streaming inference, token-by-token generation): every size is measured twice,
+as a T=1 call of the sequence module (``rnnkern.LSTM`` vs ``torch.nn.LSTM``) and as a
+call of the cell (``rnnkern.LSTMCell`` vs ``torch.nn.LSTMCell``).  Neither family is
+in the default run (``--families peers step`` asks for them; ``--full`` and
+``--quick`` include them).
 
 The CPU grid keeps the shape of the GPU one (three batch sizes against three hidden
 sizes, a large-batch family, sequences up to thousands of steps) at a size where
@@ -27,7 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILIES = ("latency", "throughput", "long", "headline")
+FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step")
+#: The families of ``python -m bench`` without --families (--full and --quick: all).
+DEFAULT_FAMILIES = ("latency", "throughput", "long", "headline")
+#: How a case calls its module: "sequence" (nn.LSTM & co. on [T, B, I]) or "cell"
+#: (nn.LSTMCell & co. on [B, I], one step).
+CALLS = ("sequence", "cell")
+#: The calls of each family's sizes (default: sequence calls only).
+FAMILY_CALLS = {"step": CALLS}
 #: Cells with a torch.nn twin (the baseline every candidate is compared with).
 CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 DEFAULT_CELLS = ("lstm", "gru", "rnn_tanh")
@@ -42,38 +63,64 @@ def _cross(Bs, Hs, Ts):
     return [(B, T, H) for B in Bs for H in Hs for T in Ts]
 
 
-#: (B, T, H) per family, per device kind, per mode.
+#: Issue #14's peer table: (B, T, H) per cell (ReLU RNN: the tanh one's size).
+PEER_SIZES = {
+    "lstm": [(32, 256, 256), (1, 256, 128), (64, 64, 128)],
+    "gru": [(1, 256, 128), (32, 256, 256)],
+    "rnn_tanh": [(32, 256, 256)],
+    "rnn_relu": [(32, 256, 256)],
+}
+STEP_SIZES = _cross((1, 16), (64, 256), (1,))
+
+
+#: (B, T, H) per family, per device kind, per mode; a family whose sizes depend on
+#: the cell (peers) maps each cell to its list.
 SIZES = {
     "cuda": {
         "latency": _cross((1, 16, 64), (256, 768, 1024), (1024,)),
         "throughput": _cross((256,), (512, 1024), (256,)),
         "long": _cross((16,), (768,), (2048, 4096, 8192, 16384)),
         "headline": [(16, 1024, 768)],
+        "peers": PEER_SIZES,
+        "step": STEP_SIZES,
     },
     "cpu": {
         "latency": _cross((1, 16, 64), (64, 128, 256), (256,)),
         "throughput": _cross((128,), (128, 256), (64,)),
         "long": _cross((4,), (128,), (512, 2048, 8192)),
         "headline": [(32, 256, 256)],
+        "peers": PEER_SIZES,
+        "step": STEP_SIZES,
     },
     "quick": {
         "latency": [(1, 32, 32), (8, 32, 64)],
         "throughput": [(64, 16, 64)],
         "long": [(2, 256, 32)],
         "headline": [(8, 32, 64)],
+        "peers": {cell: [(4, 16, 32)] for cell in PEER_SIZES},
+        "step": [(1, 1, 32)],
     },
 }
 
 
 @dataclass(frozen=True)
 class Case:
-    """One size of one cell in one dtype; measured forward and forward + backward."""
+    """One size of one cell in one dtype; measured forward and forward + backward.
+    ``call`` is "sequence" (the layer: nn.LSTM & co.) or "cell" (nn.LSTMCell & co.,
+    one step: T is then 1)."""
     cell: str
     B: int
     T: int
     H: int
     dtype: str
     families: tuple
+    call: str = "sequence"
+
+    def __post_init__(self):
+        if self.call not in CALLS:
+            raise ValueError(f"call {self.call!r}: expected one of {', '.join(CALLS)}")
+        if self.call == "cell" and self.T != 1:
+            raise ValueError(f"a cell call is one step: T must be 1, got {self.T}")
 
     @property
     def I(self) -> int:  # noqa: E743  (the input size, as in the formulas)
@@ -85,6 +132,8 @@ class Case:
 
     @property
     def label(self) -> str:
+        if self.call == "cell":
+            return f"{self.cell} cell B{self.B} H{self.H} {self.dtype}"
         return f"{self.cell} B{self.B} T{self.T} H{self.H} {self.dtype}"
 
 
@@ -96,12 +145,16 @@ DEFAULT_SIZES = {
         "throughput": [(256, 256, 1024)],
         "long": [(16, 4096, 768)],
         "headline": [(16, 1024, 768)],
+        "peers": PEER_SIZES,
+        "step": STEP_SIZES,
     },
     "cpu": {
         "latency": [(1, 256, 128), (16, 256, 128)],
         "throughput": [(128, 64, 256)],
         "long": [(4, 2048, 128)],
         "headline": [(32, 256, 256)],
+        "peers": PEER_SIZES,
+        "step": STEP_SIZES,
     },
 }
 GRIDS = ("quick", "default", "full")
@@ -116,16 +169,24 @@ def sizes(device: str, grid: str) -> dict:
     return (DEFAULT_SIZES if grid == "default" else SIZES)[device]
 
 
+def family_sizes(table: dict, family: str, cell: str) -> list:
+    """The (B, T, H) of one family for one cell (peers: the cell's own list)."""
+    entry = table[family]
+    return list(entry.get(cell, ())) if isinstance(entry, dict) else list(entry)
+
+
 def build_grid(device: str, cells, dtypes, families, grid: str) -> list[Case]:
-    """Every case of the run, in a stable order (cell, dtype, then sizes by family)."""
+    """Every case of the run, in a stable order (cell, dtype, then sizes by family;
+    a step size's sequence call before its cell call)."""
     table = sizes(device, grid)
     cases = []
     for cell in cells:
         for dtype in dtypes:
             tags: dict[tuple, list] = {}
             for family in families:
-                for size in table[family]:
-                    tags.setdefault(size, []).append(family)
-            for (B, T, H), fams in tags.items():
-                cases.append(Case(cell, B, T, H, dtype, tuple(fams)))
+                for size in family_sizes(table, family, cell):
+                    for call in FAMILY_CALLS.get(family, ("sequence",)):
+                        tags.setdefault((*size, call), []).append(family)
+            for (B, T, H, call), fams in tags.items():
+                cases.append(Case(cell, B, T, H, dtype, tuple(fams), call))
     return cases

@@ -15,8 +15,25 @@ def _num(v, fmt):
     return "-" if v is None else format(v, fmt)
 
 
+def _call(r) -> str:
+    return r.get("call", "sequence")  # JSON written before the step family has no "call"
+
+
 def _case_label(r) -> str:
+    if _call(r) == "cell":
+        return f"{r['cell']} cell B{r['B']} H{r['H']} {r['dtype']}"
     return f"{r['cell']} B{r['B']} T{r['T']} H{r['H']} {r['dtype']}"
+
+
+def _is_step(r) -> bool:
+    """A one-step case (T=1 sequence call or cell call): its tables give µs per call."""
+    return _call(r) == "cell" or r["T"] == 1
+
+
+def _us(ms) -> str:
+    """Microseconds to three significant figures, without an exponent."""
+    us = ms * 1e3
+    return f"{us:.0f}" if us >= 1000 else f"{us:.3g}"
 
 
 def _device_line(doc) -> str:
@@ -39,9 +56,11 @@ def case_line(r) -> str:
         if e["status"] != "timed":
             parts.append(f"{e['label']} {STATUS_MARK[e['status']]}")
         elif name == BASELINE:
-            parts.append(f"{e['label']} {e['median_ms']:.3g} ms")
+            parts.append(f"{e['label']} {_us(e['median_ms'])} us" if _is_step(r) else
+                         f"{e['label']} {e['median_ms']:.3g} ms")
         else:
-            parts.append(f"{e['label']} {e['speedup_vs_torch']:.2f}x ({e['median_ms']:.3g} ms)")
+            parts.append(f"{e['label']} {e['speedup_vs_torch']:.2f}x ("
+                         + (f"{_us(e['median_ms'])} us)" if _is_step(r) else f"{e['median_ms']:.3g} ms)"))
     return f"{_case_label(r)} {PHASE_LABEL[r['phase']]}: " + "; ".join(parts)
 
 
@@ -95,50 +114,81 @@ def table(doc) -> str:
     return "\n".join(lines)
 
 
-def _summary(doc, phase):
-    """Header and rows of the ratio table of one phase (torch.nn time, then speed ratios)."""
+#: The summary's sections: sequence calls (ratios, torch.nn's time in ms) and one-step
+#: calls (ratios and every candidate's time per call in µs).
+SECTIONS = ("sequence", "step")
+
+
+def _summary(doc, phase, section="sequence"):
+    """Header and rows of the ratio table of one phase and section (torch.nn's time,
+    then each candidate's speed ratio; one-step calls also give each time in µs)."""
+    step = section == "step"
+    results = [r for r in doc["results"] if _is_step(r) == step]
     names = []
-    for r in doc["results"]:
+    for r in results:
         for n in r["candidates"]:
             if n != BASELINE and n not in names:
                 names.append(n)
     labels = {}
-    for r in doc["results"]:
+    for r in results:
         for n, e in r["candidates"].items():
             labels[n] = e["label"]
-    header = ["cell", "dtype", "B", "T", "H", "torch.nn ms"] + [labels[n] for n in names]
+    if step:
+        header = ["cell", "call", "dtype", "B", "H", "torch.nn us"] + [f"{labels[n]} (us)" for n in names]
+    else:
+        header = ["cell", "dtype", "B", "T", "H", "torch.nn ms"] + [labels[n] for n in names]
     rows = []
-    for r in doc["results"]:
+    for r in results:
         if r["phase"] != phase:
             continue
         base = r["candidates"][BASELINE]
-        row = [r["cell"], r["dtype"], str(r["B"]), str(r["T"]), str(r["H"]),
-               f"{base['median_ms']:.3g}" if base["status"] == "timed" else base["status"]]
+        timed = base["status"] == "timed"
+        if step:
+            call = "cell" if _call(r) == "cell" else "T=1"
+            row = [r["cell"], call, r["dtype"], str(r["B"]), str(r["H"]),
+                   _us(base["median_ms"]) if timed else base["status"]]
+        else:
+            row = [r["cell"], r["dtype"], str(r["B"]), str(r["T"]), str(r["H"]),
+                   f"{base['median_ms']:.3g}" if timed else base["status"]]
         for n in names:
             e = r["candidates"].get(n)
             if e is None:
                 row.append("")
             elif e["status"] == "timed":
-                row.append(f"{e['speedup_vs_torch']:.2f}x")
+                row.append(f"{e['speedup_vs_torch']:.2f}x" + (f" ({_us(e['median_ms'])})" if step else ""))
             else:
                 row.append(STATUS_MARK[e["status"]])
         rows.append(row)
     return header, rows
 
 
+def _title(phase, section) -> str:
+    what = "forward" if phase == "forward" else "forward + backward"
+    if section == "step":
+        return f"{what}, one step (T=1 sequence call, cell call; time per call in us)"
+    return what
+
+
 def summary(doc) -> str:
-    """Speed ratios against torch.nn (> 1: faster than torch.nn), one table per phase."""
+    """Speed ratios against torch.nn (> 1: faster than torch.nn), one table per phase
+    (and per section: sequences, one-step calls)."""
     out = []
-    for phase in ("forward", "forward_backward"):
-        header, rows = _summary(doc, phase)
-        if not rows:
-            continue
-        widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-        out.append(f"speed vs torch.nn, {PHASE_LABEL[phase]} (torch.nn time / candidate time; "
-                   f"'-' not run, DISAGREES: not timed)")
-        out.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-        out += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
-        out.append("")
+    for section in SECTIONS:
+        for phase in ("forward", "forward_backward"):
+            header, rows = _summary(doc, phase, section)
+            if not rows:
+                continue
+            widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+            step = (", one step: T=1 sequence call or cell call, us per call in ()" if section == "step"
+                    else "")
+            out.append(f"speed vs torch.nn, {PHASE_LABEL[phase]}{step} (torch.nn time / candidate time; "
+                       f"'-' not run, DISAGREES: not timed)")
+            out.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+            out += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
+            out.append("")
+    notes = _not_run_notes(doc)
+    if notes and doc["results"]:
+        out.append("not run: " + "; ".join(notes))
     return "\n".join(out).rstrip()
 
 
@@ -151,17 +201,33 @@ def markdown(doc) -> str:
            + (f", load average {load} (start, end)" if load and dev["type"] == "cpu" else "") + ".", "",
            "Speed ratio = torch.nn time / candidate time, measured interleaved in one process "
            "on the same inputs (> 1: faster than torch.nn).", ""]
-    for phase in ("forward", "forward_backward"):
-        header, rows = _summary(doc, phase)
-        if not rows:
-            continue
-        out.append(f"**{'forward' if phase == 'forward' else 'forward + backward'}**")
-        out.append("")
-        out.append("| " + " | ".join(header) + " |")
-        out.append("|" + "|".join("---" for _ in header) + "|")
-        out += ["| " + " | ".join(row) + " |" for row in rows]
-        out.append("")
+    for section in SECTIONS:
+        for phase in ("forward", "forward_backward"):
+            header, rows = _summary(doc, phase, section)
+            if not rows:
+                continue
+            out.append(f"**{_title(phase, section)}**")
+            out.append("")
+            out.append("| " + " | ".join(header) + " |")
+            out.append("|" + "|".join("---" for _ in header) + "|")
+            out += ["| " + " | ".join(row) + " |" for row in rows]
+            out.append("")
+    notes = _not_run_notes(doc)
+    if notes:
+        out += ["Not run: " + "; ".join(notes) + ".", ""]
     return "\n".join(out)
+
+
+def _not_run_notes(doc) -> list:
+    """Why each candidate that is not available, or that skips a phase, did not run."""
+    notes = [f"{c['label']} ({c['note']})" for c in doc["meta"]["candidates"].values() if not c["available"]]
+    seen = set()
+    for r in doc["results"]:
+        for e in r["candidates"].values():
+            if e.get("phase_not_run") and e["label"] not in seen:
+                seen.add(e["label"])
+                notes.append(f"{e['label']} in training ({e['note']})")
+    return notes
 
 
 def write_json(doc, path) -> None:
@@ -222,7 +288,8 @@ def _panel_has_a_line(rs, panel) -> bool:
 def _grouped_bars(ax, rs, figure: str, ylabel: str, skip=()):
     """One bar per timed candidate (but ``skip``) at every size of ``rs`` (one
     phase), grouped by size: the candidate's ``figure`` on a log scale."""
-    labels = [f"B{r['B']} T{r['T']} H{r['H']}" for r in rs]
+    labels = [f"cell B{r['B']} H{r['H']}" if _call(r) == "cell" else f"B{r['B']} T{r['T']} H{r['H']}"
+              for r in rs]
     names = []
     for r in rs:
         for n, e in r["candidates"].items():

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -40,9 +40,11 @@ import torch
 import rnnkern
 
 from . import agreement, report, timing
-from .candidates import BASELINE, CANDIDATES, LOOP_MAX_T, FLASHRNN_FAMILIES, torch_module
+from .candidates import (BASELINE, CANDIDATES, FLASHRNN_FAMILIES, LOOP_MAX_T, ONNX_EXPORT, OPENVINO_HINTS,
+                         PEERS, torch_module)
 from .cost import cost
-from .grid import CELLS, DEFAULT_CELLS, DEFAULT_DTYPES, DTYPES, FAMILIES, Case, build_grid, sizes
+from .grid import (CELLS, DEFAULT_CELLS, DEFAULT_DTYPES, DEFAULT_FAMILIES, DTYPES, FAMILIES, FAMILY_CALLS, Case,
+                   build_grid, sizes)
 
 SCHEMA = "rnnkern-bench/1"
 PHASES = ("forward", "forward_backward")
@@ -52,6 +54,8 @@ OUT_ROOT = Path(__file__).resolve().parent / "out"
 #: backends (FlashRNN too on a GPU, at the headline size); the Python loops, whose
 #: training phase takes seconds per call at these sizes, run with --full or --quick.
 DEFAULT_CANDIDATES = ("torch", "cpu", "cuda", "triton", "flashrnn")
+#: Families that bring the inference engines (PEERS) into the default candidates.
+PEER_FAMILIES = ("peers", "step")
 
 
 @dataclass
@@ -60,7 +64,7 @@ class Config:
     cells: tuple = DEFAULT_CELLS
     backends: Optional[tuple] = None   # None: every available candidate
     dtypes: Optional[tuple] = None     # None: the device's default
-    families: tuple = FAMILIES
+    families: Optional[tuple] = None   # None: DEFAULT_FAMILIES (--quick, --full: every family)
     grid: str = "default"              # "quick", "default" or "full" (bench/grid.py)
     rounds: Optional[int] = None
     progress: bool = True
@@ -71,6 +75,20 @@ class Config:
     @property
     def quick(self) -> bool:
         return self.grid == "quick"
+
+    def run_families(self) -> tuple:
+        if self.families is not None:
+            return tuple(self.families)
+        return DEFAULT_FAMILIES if self.grid == "default" else FAMILIES
+
+    def default_candidates(self) -> tuple:
+        """The candidates when --backends is not given: every one with --quick and
+        --full; else DEFAULT_CANDIDATES, and the inference engines when the run
+        measures the peers or step family."""
+        if self.grid != "default":
+            return tuple(CANDIDATES)
+        peers = PEERS if set(self.run_families()) & set(PEER_FAMILIES) else ()
+        return DEFAULT_CANDIDATES + peers
 
     def timing(self) -> dict:
         """Rounds, the length of one sample and the time budget per candidate and case."""
@@ -83,9 +101,9 @@ class Config:
             t = {"rounds": 7, "round_target_s": 0.05, "budget_s": 1.0, "min_rounds": 3}
         else:
             t = {"rounds": 7, "round_target_s": 0.1, "budget_s": 2.5, "min_rounds": 3}
-        if self.rounds is not None:
+        if self.rounds is not None:  # asked for: exactly that many, however slow
             t["rounds"] = self.rounds
-            t["min_rounds"] = min(t["min_rounds"], self.rounds)
+            t["min_rounds"] = self.rounds
         return t
 
 
@@ -158,13 +176,16 @@ def phase_fn(phase: str, built, lstm: bool):
 # ------------------------------------------------------------------ run ----
 
 def case_seed(case: Case) -> int:
+    """Weights and inputs of a case: a T=1 sequence call and the cell call of the
+    same size get the same ones."""
     return zlib.crc32(f"{case.cell}-{case.B}-{case.T}-{case.H}".encode())
 
 
 def truth_results(case: Case, src, inputs: Inputs, device: torch.device) -> tuple[dict, str]:
-    """torch.nn in float64 on the device, both phases (ground truth for agreement)."""
+    """torch.nn in float64 on the device, both phases (ground truth for agreement);
+    for a cell call, torch.nn's cell."""
     s64 = inputs.to(torch.float64)
-    case64 = Case(case.cell, case.B, case.T, case.H, "float64", case.families)
+    case64 = replace(case, dtype="float64")
     lstm = case.cell == "lstm"
     try:
         built = CANDIDATES[BASELINE].build(case64, src, device)
@@ -199,7 +220,7 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
         try:
             built[name] = CANDIDATES[name].build(case, src, device)
         except Exception as e:  # a candidate that cannot be built is reported, the run goes on
-            pre[name] = {"status": "error", "note": f"build: {type(e).__name__}: {e}"}
+            pre[name] = {"status": "error", "note": f"build: {type(e).__name__}: {e}".strip()[:500]}
 
     records = []
     for phase in PHASES:
@@ -210,7 +231,13 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
         fns, estimates, results = {}, {}, {}
         for name, b in built.items():
             entry = {"label": CANDIDATES[name].label}
+            if b.info:
+                entry["engine"] = b.info
             entries[name] = entry
+            if phase not in CANDIDATES[name].phases:
+                entry.update(status="skipped", note=CANDIDATES[name].phase_note or f"runs no {phase} phase",
+                             phase_not_run=True)
+                continue
             fn = phase_fn(phase, b, lstm)
             try:
                 fn(pool[0])  # warm-up: compiles, autotunes, allocates caches
@@ -225,7 +252,12 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
                 entry.update(status="error", note=f"{type(e).__name__}: {e}".strip()[:500])
                 results.pop(name, None)
                 continue
-            estimates[name] = t
+            try:
+                estimates[name] = timing.estimate(fn, pool, device, t)
+            except Exception as e:  # as above: a call that fails later is reported, not fatal
+                entry.update(status="error", note=f"{type(e).__name__}: {e}".strip()[:500])
+                results.pop(name, None)
+                continue
             fns[name] = fn
 
         if BASELINE not in results:
@@ -243,7 +275,7 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
 
         if fns:
             plans = {n: timing.plan(estimates[n], tcfg["rounds"], tcfg["round_target_s"], tcfg["budget_s"],
-                                    tcfg["min_rounds"]) for n in fns}
+                                    tcfg["min_rounds"], timing.MAX_CALLS[device.type]) for n in fns}
             samples = timing.interleaved(fns, pool, plans, device)
             base = timing.summarize(samples[BASELINE])["median_s"]
             for name, s in samples.items():
@@ -262,8 +294,8 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
 
         order = [n for n in names if n in entries]
         records.append({
-            "cell": case.cell, "families": list(case.families), "B": case.B, "T": case.T, "H": case.H,
-            "I": case.I, "dtype": case.dtype, "phase": phase, "flops": c.flops, "bytes": c.bytes,
+            "cell": case.cell, "call": case.call, "families": list(case.families), "B": case.B, "T": case.T,
+            "H": case.H, "I": case.I, "dtype": case.dtype, "phase": phase, "flops": c.flops, "bytes": c.bytes,
             "truth": truth_name, "candidates": {n: entries[n] for n in order}})
         progress.update(1)
     return records
@@ -326,6 +358,13 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
     else:
         dev["name"] = dev["cpu"]
     table = sizes(device.type, cfg.grid)
+    families = cfg.run_families()
+
+    def grid_entry(sizes_):
+        if isinstance(sizes_, dict):  # per cell (peers)
+            return {cell: [list(s) for s in v] for cell, v in sizes_.items() if cell in cfg.cells}
+        return [list(s) for s in sizes_]
+
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -336,7 +375,8 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
                      "rnnkern": rnnkern.__version__, "triton": _version("triton"),
                      "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-                     "flashrnn": _version("flashrnn")},
+                     "flashrnn": _version("flashrnn"), "onnxruntime": _version("onnxruntime"),
+                     "openvino": _version("openvino"), "numpy": _version("numpy")},
         "settings": {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
                      "tf32_cudnn": torch.backends.cudnn.allow_tf32,
                      "rnnkern_cuda_built": rnnkern.ops.WITH_CUDA},
@@ -344,10 +384,21 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
         "grid_name": cfg.grid,
         "complete": False,      # true once every case is measured
         "stopped_by": None,     # "SIGINT" / "SIGTERM" when the run was stopped
-        "cells": list(cfg.cells), "dtypes": list(dtypes), "families": list(cfg.families),
-        "grid": {f: [list(s) for s in table[f]] for f in cfg.families},
-        "grid_note": "sizes are [B, T, H]; input size I = H; one layer, one direction",
+        "cells": list(cfg.cells), "dtypes": list(dtypes), "families": list(families),
+        "grid": {f: grid_entry(table[f]) for f in families},
+        "grid_calls": {f: list(FAMILY_CALLS.get(f, ("sequence",))) for f in families},
+        "grid_note": ("sizes are [B, T, H] (peers: per cell); input size I = H; one layer, one direction; "
+                      "grid_calls: how each family's sizes are called (sequence: nn.LSTM & co.; "
+                      "cell: nn.LSTMCell & co. on x[0], T = 1)"),
         "candidates": candidates,
+        "peers": {"onnx_export": ONNX_EXPORT,
+                  "onnxruntime": {"intra_op_num_threads": torch.get_num_threads(), "inter_op_num_threads": 1,
+                                  "graph_optimization_level": "default (ORT_ENABLE_ALL)",
+                                  "providers": ["CPUExecutionProvider"]},
+                  "openvino": {"device": "CPU",
+                               "config": dict(OPENVINO_HINTS, INFERENCE_NUM_THREADS=torch.get_num_threads())},
+                  "note": ("forward only, float32, CPU; the engine's own report of its settings is in "
+                           "each result's candidates.<name>.engine")},
         "baseline": BASELINE,
         "timing": dict(cfg.timing(), interleaved=True,
                        method=("CUDA events around every call" if device.type == "cuda" else
@@ -409,15 +460,15 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     dtypes = tuple(cfg.dtypes or DEFAULT_DTYPES[device.type])
-    default = DEFAULT_CANDIDATES if cfg.grid == "default" else tuple(CANDIDATES)
-    requested = [BASELINE] + [n for n in (cfg.backends or default) if n != BASELINE]
+    requested = [BASELINE] + [n for n in (cfg.backends or cfg.default_candidates()) if n != BASELINE]
     candidates, names = {}, []
     for n in requested:
         reason = CANDIDATES[n].unavailable(device)
-        candidates[n] = {"label": CANDIDATES[n].label, "available": reason is None, "note": reason}
+        candidates[n] = {"label": CANDIDATES[n].label, "available": reason is None, "note": reason,
+                         "phases": list(CANDIDATES[n].phases)}
         if reason is None:
             names.append(n)
-    cases = build_grid(device.type, cfg.cells, dtypes, cfg.families, cfg.grid)
+    cases = build_grid(device.type, cfg.cells, dtypes, cfg.run_families(), cfg.grid)
     doc = {"meta": metadata(device, cfg, dtypes, candidates), "results": []}
     say = tqdm.write
     n_threads = torch.get_num_threads()
@@ -438,6 +489,9 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
     progress.set_postfix_str("measuring peaks")
     try:
         doc["peaks"] = timing.measure_peaks(device, [DTYPES[d] for d in dtypes])
+        if device.type == "cpu":
+            overhead = timing.harness_overhead([None] * 4)
+            doc["meta"]["timing"]["harness_overhead_us"] = overhead * 1e6
         for i, case in enumerate(cases):
             t0 = time.perf_counter()
             part = run_case(case, names, device, cfg, progress)
@@ -473,7 +527,7 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
                     "FlashRNN: forward and forward+backward over a size grid (bench/README.md).")
     p.add_argument("--quick", action="store_true", help="tiny grid, 3 rounds (about a minute on CPU)")
     p.add_argument("--full", action="store_true",
-                   help="the whole grid with every candidate (CPU: about 30 minutes; bench/grid.py)")
+                   help="the whole grid with every candidate (CPU: about 40 minutes; bench/grid.py)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cells", nargs="+", choices=CELLS, default=list(DEFAULT_CELLS))
@@ -482,11 +536,15 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
                         "default: all available on the device")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                    help="default: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--families", nargs="+", choices=FAMILIES,
+                   help=f"default: {' '.join(DEFAULT_FAMILIES)} (--full, --quick: all); peers and step "
+                        "also bring ONNX Runtime and OpenVINO into the default candidates")
     p.add_argument("--threads", type=int,
                    help="CPU threads for every candidate (default: torch's, i.e. one per core; "
                         "--quick: 1, as a smoke test that oversubscribed machines cannot stall)")
-    p.add_argument("--rounds", type=int, help="interleaved rounds per measurement (default 7 CPU, 10 GPU)")
+    p.add_argument("--rounds", type=int,
+                   help="interleaved rounds per measurement, exactly (default: up to 7 CPU, 10 GPU, at least 3, "
+                        "fewer for slow candidates)")
     p.add_argument("--out", metavar="DIR",
                    help="write bench.json, bench.md and plots/ here (default: bench/out/<device>-<time>/)")
     p.add_argument("--json", metavar="PATH", help="write every figure here (default: OUT/bench.json)")
@@ -505,7 +563,8 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
         p.error("--quick and --full are different grids: choose one")
     grid = "quick" if a.quick else "full" if a.full else "default"
     cfg = Config(device=a.device, cells=tuple(a.cells), backends=tuple(a.backends) if a.backends else None,
-                 dtypes=tuple(a.dtypes) if a.dtypes else None, families=tuple(a.families), grid=grid,
+                 dtypes=tuple(a.dtypes) if a.dtypes else None,
+                 families=tuple(a.families) if a.families else None, grid=grid,
                  rounds=a.rounds, progress=not a.no_progress, flashrnn_everywhere=a.flashrnn_everywhere,
                  threads=a.threads,
                  argv=list(argv))

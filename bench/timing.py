@@ -5,8 +5,10 @@ Candidates are always timed *interleaved*: round r runs every candidate in turn
 shared machine hits all of them alike, and the figures kept are medians.
 
 - CPU: each sample is ``torch.utils.benchmark.Timer.timeit(k)`` (the mean of k
-  calls) with ``num_threads=torch.get_num_threads()`` (the Timer's default is 1
-  thread, which would handicap every multi-threaded kernel).
+  calls, k sized from :func:`estimate` so that a sample lasts the run's target:
+  thousands of calls for a one-step call of microseconds) with
+  ``num_threads=torch.get_num_threads()`` (the Timer's default is 1 thread, which
+  would handicap every multi-threaded kernel).
 - CUDA: one pair of CUDA events around every call, no synchronisation between
   calls of a round; each sample is one call.
 
@@ -47,15 +49,50 @@ class Plan:
     rounds: int
 
 
+#: Most calls in one sample.  CPU: a sample is one timeit loop, so a one-step call
+#: of ~10 us needs thousands of calls to fill a sample of 0.01-0.1 s.  GPU: every
+#: call is its own sample (a pair of CUDA events), so a round stays at 100 calls.
+MAX_CALLS = {"cpu": 100_000, "cuda": 100}
+
+
 def plan(estimate_s: float, rounds: int, round_target_s: float, budget_s: float,
-         min_rounds: int = 3) -> Plan:
-    """Calls per sample so that a sample lasts about ``round_target_s``; rounds
-    capped so that one candidate costs about ``budget_s`` (but never fewer than
-    ``min_rounds``: a slow candidate still gets a median of several samples)."""
-    estimate_s = max(estimate_s, 1e-6)
-    calls = max(1, min(100, int(round_target_s / estimate_s)))
+         min_rounds: int = 3, max_calls: int = MAX_CALLS["cpu"]) -> Plan:
+    """Calls per sample so that a sample lasts about ``round_target_s`` (at most
+    ``max_calls``); rounds capped so that one candidate costs about ``budget_s``
+    (but never fewer than ``min_rounds``: a slow candidate still gets a median of
+    several samples)."""
+    estimate_s = max(estimate_s, 1e-7)
+    calls = max(1, min(max_calls, int(round_target_s / estimate_s)))
     affordable = int(budget_s / (calls * estimate_s))
     return Plan(calls=calls, rounds=max(min_rounds, min(rounds, affordable)))
+
+
+def estimate(fn: Callable[[object], object], pool: Sequence, device: torch.device, first_s: float,
+             min_s: float = 5e-3) -> float:
+    """Seconds per call for planning.  ``first_s`` is one call's wall time; a call
+    shorter than ``min_s`` is timed again as a loop over the pool lasting about
+    ``min_s``: one call of a few microseconds is mostly the clock's and the
+    interpreter's noise, and a bad estimate would size every sample wrongly."""
+    if first_s >= min_s:
+        return first_s
+    n = max(2, min(100_000, int(min_s / max(first_s, 1e-7))))
+    nxt = rotate(pool)
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(nxt())
+    synchronize(device)
+    return (time.perf_counter() - t0) / n
+
+
+def harness_overhead(pool: Sequence, calls: int = 20_000, samples: int = 5) -> float:
+    """Seconds the CPU timing loop itself adds to each call (the Timer's loop, the
+    pool's rotation and the call of an empty function): the floor under every
+    per-call figure, recorded in the JSON."""
+    nxt = rotate(pool)
+    timer = tbench.Timer(stmt="fn(nxt())", globals={"fn": lambda s: None, "nxt": nxt},
+                         num_threads=torch.get_num_threads())
+    return min(timer.timeit(calls).mean for _ in range(samples))
 
 
 def rotate(pool: Sequence) -> Callable[[], object]:

@@ -1,11 +1,15 @@
 """The benchmark suite's own tests: `python -m bench --quick` runs end to end and
 writes well-formed JSON, markdown and plots; the cost formulas, the agreement
-criterion and the strict JSON writer do what bench/README.md says.
+criterion and the strict JSON writer do what bench/README.md says; the inference
+engines (ONNX Runtime, OpenVINO) run forward only with the run's threads, or are
+listed as not run with the reason when their package is absent; the step family
+times T=1 sequence calls and cell calls.
 
 No timing is asserted here (speed lives in the benchmark, not in tests).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -19,13 +23,16 @@ import torch
 
 from bench import agreement, report
 from bench.cost import cost
-from bench.grid import build_grid
+from bench.grid import DEFAULT_FAMILIES, FAMILIES, build_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = ("lstm", "gru", "rnn_tanh")
-FAMILIES = ("latency", "throughput", "long", "headline")
 PHASES = ("forward", "forward_backward")
-CPU_CANDIDATES = ("torch", "cpu", "reference", "compile")
+PEERS = ("onnxruntime", "openvino")
+#: Each inference engine runs where its package is installed (requirements-dev.txt
+#: installs both); where it is not, the run must list it as not run, with the reason.
+PEER_INSTALLED = {p: importlib.util.find_spec(p) is not None for p in PEERS}
+CPU_CANDIDATES = ("torch", "cpu", "reference", "compile") + tuple(p for p in PEERS if PEER_INSTALLED[p])
 TIMED_FIGURES = ("median_ms", "min_ms", "speedup_vs_torch", "us_per_step", "tflops", "gbps", "pct_peak_flops",
                  "pct_peak_bw")
 
@@ -59,9 +66,18 @@ def test_quick_json_is_well_formed(quick_run):
     assert meta["device"]["type"] == "cpu" and meta["device"]["threads"] >= 1
     assert meta["versions"]["torch"] == torch.__version__
     assert sorted(meta["grid"]) == sorted(FAMILIES)
+    assert meta["grid_calls"]["step"] == ["sequence", "cell"] and meta["grid_calls"]["peers"] == ["sequence"]
     assert positive(doc["peaks"]["gemm_tflops"]["float32"]) and positive(doc["peaks"]["copy_gbps"])
+    assert positive(meta["timing"]["harness_overhead_us"])
     for name in CPU_CANDIDATES:
         assert meta["candidates"][name]["available"], meta["candidates"][name]
+    for name in PEERS:
+        c = meta["candidates"][name]
+        assert c["phases"] == ["forward"], c
+        if not PEER_INSTALLED[name]:
+            assert c["available"] is False and "pip install 'rnnkern[peers]'" in c["note"], c
+    assert meta["peers"]["openvino"]["config"]["INFERENCE_PRECISION_HINT"] == "f32"
+    assert meta["peers"]["onnx_export"]["opset"] >= 14
 
     results = doc["results"]
     seen = {(r["cell"], r["phase"], f) for r in results for f in r["families"]}
@@ -72,10 +88,16 @@ def test_quick_json_is_well_formed(quick_run):
         for key in ("B", "T", "H", "flops", "bytes"):
             assert positive(r[key]), (where, key)
         assert r["truth"] == "torch.nn float64", where
+        assert r["call"] in ("sequence", "cell") and (r["call"] == "sequence" or r["T"] == 1), where
         assert list(r["candidates"]) == list(CPU_CANDIDATES), where
         base = r["candidates"]["torch"]
         for name, e in r["candidates"].items():
-            # Nothing is skipped at the quick sizes: every candidate must have agreed and been timed.
+            if name in PEERS and r["phase"] == "forward_backward":
+                # An inference engine: its training phase is listed as not run, and why.
+                assert e["status"] == "skipped" and e["phase_not_run"] is True, (where, name, e)
+                assert "forward only" in e["note"] and "median_ms" not in e, (where, name, e)
+                continue
+            # Nothing else is skipped at the quick sizes: every candidate must have agreed and been timed.
             assert e["status"] == "timed", (where, name, e)
             a = e["agreement"]
             assert a["ok"] is True and a["rel_err"] <= a["allowed"], (where, name, a)
@@ -90,11 +112,59 @@ def test_quick_json_is_well_formed(quick_run):
         assert base["speedup_vs_torch"] == 1.0
 
 
+def test_quick_runs_the_peers_and_the_step_family(quick_run):
+    """The peers family's cases and the step family's T=1 and cell calls, every cell;
+    each engine ran with the run's threads (as the engine reports them back) and
+    OpenVINO in float32."""
+    out, stdout = quick_run
+    doc = json.loads((out / "quick.json").read_text())
+    threads = doc["meta"]["device"]["threads"]
+    results = doc["results"]
+    for cell in CELLS:
+        peers = [r for r in results if r["cell"] == cell and "peers" in r["families"]]
+        assert {r["phase"] for r in peers} == set(PHASES), cell
+        step = {(r["call"], r["phase"]) for r in results if r["cell"] == cell and "step" in r["families"]}
+        assert step == {(c, p) for c in ("sequence", "cell") for p in PHASES}, cell
+        for r in results:
+            if r["cell"] == cell and "step" in r["families"]:
+                assert r["T"] == 1 and r["families"] == ["step"], r
+    assert "lstm cell B1 H32 float32 fwd: torch.nn " in stdout
+    assert "lstm B1 T1 H32 float32 fwd: torch.nn " in stdout
+    for r in results:
+        if r["phase"] != "forward":
+            continue
+        for name in PEERS:
+            if not PEER_INSTALLED[name]:
+                assert name not in r["candidates"]
+                continue
+            e = r["candidates"][name]
+            assert e["status"] == "timed" and e["agreement"]["ok"], (r["cell"], r["call"], name, e)
+            engine = e["engine"]
+            if name == "onnxruntime":
+                assert engine["intra_op_num_threads"] == threads and engine["inter_op_num_threads"] == 1
+                assert engine["providers"] == ["CPUExecutionProvider"]
+                assert engine["graph_optimization_level"] == "ORT_ENABLE_ALL"
+            else:
+                props = engine["properties"]
+                assert props["INFERENCE_NUM_THREADS"] == threads and props["INFERENCE_PRECISION_HINT"] == "f32"
+                # A sequence call runs OpenVINO's own recurrent operator, a cell call the products.
+                rnn_ops = {"LSTMSequence", "GRUSequence", "RNNSequence", "TensorIterator", "Loop"}
+                assert bool(rnn_ops & set(engine["ops"])) == (r["call"] == "sequence"), (r, engine["ops"])
+
+
 def test_quick_prints_tables_and_writes_plots(quick_run):
     out, stdout = quick_run
     assert "speed vs torch.nn, fwd " in stdout and "speed vs torch.nn, fwd+bwd" in stdout
+    assert "speed vs torch.nn, fwd, one step" in stdout and "speed vs torch.nn, fwd+bwd, one step" in stdout
     md = (out / "quick.md").read_text()
     assert md.count("| cell | dtype | B | T | H | torch.nn ms |") == 2
+    assert md.count("| cell | call | dtype | B | H | torch.nn us |") == 2
+    assert "| lstm | cell | float32 | 1 | 32 |" in md and "| lstm | T=1 | float32 | 1 | 32 |" in md
+    for name, label in (("onnxruntime", "ONNX Runtime"), ("openvino", "OpenVINO")):
+        if PEER_INSTALLED[name]:
+            assert f"{label} in training (inference engine: forward only)" in md
+        else:
+            assert f"{label} (the {name} package is not installed" in md
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert pngs == sorted([f"time-{c}-float32.png" for c in CELLS] + ["speedup-float32.png"])
     for p in (out / "plots").glob("*.png"):
@@ -136,10 +206,52 @@ def test_lines_stream_and_a_stopped_run_keeps_what_it_measured(tmp_path, sig):
 
 
 def test_default_grid_covers_every_cell_and_family_in_a_few_sizes():
-    cases = build_grid("cpu", CELLS, ["float32"], FAMILIES, "default")
-    assert {(c.cell, f) for c in cases for f in c.families} == {(c, f) for c in CELLS for f in FAMILIES}
+    cases = build_grid("cpu", CELLS, ["float32"], DEFAULT_FAMILIES, "default")
+    assert {(c.cell, f) for c in cases for f in c.families} == {(c, f) for c in CELLS for f in DEFAULT_FAMILIES}
     assert {(c.B, c.T, c.H) for c in cases if "headline" in c.families} == {(32, 256, 256)}
-    assert 3 * len(cases) <= len(build_grid("cpu", CELLS, ["float32"], FAMILIES, "full"))
+    assert 3 * len(cases) <= len(build_grid("cpu", CELLS, ["float32"], DEFAULT_FAMILIES, "full"))
+    assert all(c.call == "sequence" for c in cases)
+
+
+def test_peers_and_step_families_are_the_issues_tables():
+    """Issue #14's two tables: the peers family's six sizes, and the step family's
+    T=1 and cell calls at B 1, 16 x H 64, 256 (not in the default run)."""
+    peers = build_grid("cpu", CELLS, ["float32"], ["peers"], "default")
+    assert [(c.cell, c.B, c.T, c.H, c.call) for c in peers] == [
+        ("lstm", 32, 256, 256, "sequence"), ("lstm", 1, 256, 128, "sequence"), ("lstm", 64, 64, 128, "sequence"),
+        ("gru", 1, 256, 128, "sequence"), ("gru", 32, 256, 256, "sequence"),
+        ("rnn_tanh", 32, 256, 256, "sequence")]
+    step = build_grid("cpu", CELLS, ["float32"], ["step"], "default")
+    assert sorted((c.cell, c.B, c.H, c.call) for c in step) == sorted(
+        (cell, B, H, call) for cell in CELLS for B in (1, 16) for H in (64, 256) for call in ("sequence", "cell"))
+    assert all(c.T == 1 for c in step)
+    # A size in two families is one case, tagged with both.
+    both = build_grid("cpu", ["lstm"], ["float32"], ["headline", "peers"], "default")
+    assert [c.families for c in both if (c.B, c.T, c.H) == (32, 256, 256)] == [("headline", "peers")]
+    assert not {"peers", "step"} & set(DEFAULT_FAMILIES)
+
+
+def test_a_cell_call_is_one_step():
+    from bench.grid import Case
+
+    with pytest.raises(ValueError, match="T must be 1"):
+        Case("lstm", 1, 2, 8, "float32", ("step",), "cell")
+    with pytest.raises(ValueError, match="call"):
+        Case("lstm", 1, 1, 8, "float32", ("step",), "layer")
+    assert Case("gru", 1, 1, 8, "float32", ("step",), "cell").label == "gru cell B1 H8 float32"
+
+
+def test_peer_families_bring_the_engines_and_rounds_are_exact():
+    from bench import suite
+
+    assert not set(PEERS) & set(suite.Config().default_candidates())
+    for families in (("peers",), ("step",), ("latency", "step")):
+        assert set(PEERS) <= set(suite.Config(families=families).default_candidates()), families
+    assert set(PEERS) <= set(suite.Config(grid="quick").default_candidates())
+    assert suite.Config().run_families() == DEFAULT_FAMILIES
+    assert suite.Config(grid="full").run_families() == FAMILIES
+    t = suite.Config(rounds=7).timing()
+    assert t["rounds"] == 7 and t["min_rounds"] == 7
 
 
 # ------------------------------------------------------------ unit parts ----
@@ -229,3 +341,146 @@ def test_a_disagreeing_or_failing_candidate_is_reported_not_timed(monkeypatch):
         assert "median_ms" not in c["wrong"]
         assert c["failing"]["status"] == "error" and "no kernel for this size" in c["failing"]["note"]
         assert "median_ms" not in c["failing"]
+
+
+# ---------------------------------------------------------- step timing ----
+
+def test_a_call_of_microseconds_gets_thousands_of_calls_per_sample():
+    from bench import timing
+
+    p = timing.plan(10e-6, rounds=7, round_target_s=0.05, budget_s=1.0, min_rounds=3)
+    assert p.calls == 5000 and p.rounds == 7
+    # On a GPU every call is its own sample: a round stays at 100 calls.
+    assert timing.plan(10e-6, 10, 0.02, 0.5, 3, timing.MAX_CALLS["cuda"]).calls == 100
+    # A short first call is re-estimated over a loop through the pool, not trusted alone.
+    seen = []
+    est = timing.estimate(seen.append, ["a", "b"], torch.device("cpu"), first_s=1e-6, min_s=1e-3)
+    assert len(seen) == 1000 and seen[:3] == ["a", "b", "a"] and positive(est)
+    assert timing.estimate(seen.append, ["a"], torch.device("cpu"), first_s=0.5) == 0.5 and len(seen) == 1000
+
+
+# ------------------------------------------------------------- the peers ----
+
+def _case_and_weights(cell="lstm", call="sequence", B=2, T=5, H=8, dtype="float32"):
+    from bench.candidates import torch_module
+    from bench.grid import Case
+    from bench.suite import case_seed
+
+    case = Case(cell, B, T, H, dtype, ("peers",), call)
+    return case, torch_module(cell, case.I, H, case_seed(case))
+
+
+def test_peers_run_on_the_cpu_in_float32_only():
+    from bench.candidates import CANDIDATES, PEER_INSTALL
+
+    assert PEER_INSTALL == "pip install 'rnnkern[peers]'"
+    for name in PEERS:
+        c = CANDIDATES[name]
+        assert c.phases == ("forward",) and "forward only" in c.phase_note
+        assert "CPU only" in c.unavailable(torch.device("cuda"))
+        float64, _ = _case_and_weights(dtype="float64")
+        assert "float32 only" in c.skip(float64, torch.device("cpu"), {})
+        float32, _ = _case_and_weights()
+        assert c.skip(float32, torch.device("cpu"), {}) is None
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_a_missing_engine_is_not_run_with_the_reason(monkeypatch, name):
+    from bench.candidates import CANDIDATES
+
+    monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
+    reason = CANDIDATES[name].unavailable(torch.device("cpu"))
+    assert reason == f"the {name} package is not installed: pip install 'rnnkern[peers]'"
+
+
+@pytest.mark.parametrize("call", ["sequence", "cell"])
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+def test_peers_compute_torch_nn_with_the_runs_threads(cell, call):
+    """Built on 2 threads: each engine reports 2 threads back (ORT's session options,
+    OpenVINO's compiled model), and its forward gives torch.nn's outputs."""
+    from bench import candidates
+
+    case, src = _case_and_weights(cell, call, T=1 if call == "cell" else 5)
+    cpu = torch.device("cpu")
+    base = candidates.CANDIDATES["torch"].build(case, src, cpu)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(case.T, case.B, case.I, generator=g)
+    h0, c0 = torch.randn(case.B, case.H, generator=g), torch.randn(case.B, case.H, generator=g)
+    c0 = c0 if cell == "lstm" else None
+    with torch.no_grad():
+        want = base.layer(x, h0, c0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name in PEERS:
+            if not PEER_INSTALLED[name]:
+                assert candidates.CANDIDATES[name].unavailable(cpu) is not None
+                continue
+            built = candidates.CANDIDATES[name].build(case, src, cpu)
+            if name == "onnxruntime":
+                assert built.info["intra_op_num_threads"] == 2 and built.info["inter_op_num_threads"] == 1
+            else:
+                assert built.info["properties"]["INFERENCE_NUM_THREADS"] == 2
+                assert built.info["properties"]["INFERENCE_PRECISION_HINT"] == "f32"
+                assert built.info["properties"]["ENABLE_CPU_PINNING"] is False
+            got = built.layer(x, h0, c0)
+            for k, (a, b) in enumerate(zip(got, want)):
+                if b is None:
+                    assert a is None, (name, k)
+                    continue
+                assert isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.shape == b.shape, (name, k)
+                assert agreement.relative_error(a, b.double()) < 1e-5, (name, k)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_onnx_export_is_cached_per_case_and_weights():
+    from bench import candidates
+
+    case, src = _case_and_weights("gru")
+    first = candidates.onnx_model(case, src)
+    assert candidates.onnx_model(case, src) is first
+    _, other_weights = _case_and_weights("gru", B=3)  # same shapes but for B: other seed
+    assert candidates.onnx_model(case, other_weights) is not first
+    other_case, _ = _case_and_weights("gru", B=3)
+    assert candidates.onnx_model(other_case, src) is not first
+
+
+def test_a_peer_on_wrong_weights_disagrees_and_is_not_timed(monkeypatch):
+    """Each engine built from a module whose weights are 1% off: reported as
+    disagreeing, not timed; the same engine on the right weights, in the same case
+    (so the ONNX cache cannot mix them up), agrees and is timed."""
+    from tqdm import tqdm
+
+    from bench import candidates, suite
+    from bench.grid import Case
+
+    def perturbed(build):
+        def wrong(case, src, device):
+            bad = candidates.copy_module(type(src), src, case, torch.device("cpu"), torch.float64)
+            with torch.no_grad():
+                bad.weight_hh_l0.mul_(1.01)
+            return build(case, bad, device)
+        return wrong
+
+    installed = [n for n in PEERS if PEER_INSTALLED[n]]
+    for name in installed:
+        c = candidates.CANDIDATES[name]
+        monkeypatch.setitem(candidates.CANDIDATES, "wrong_" + name, candidates.Candidate(
+            "wrong_" + name, "wrong " + c.label, c.unavailable, c.skip, perturbed(c.build), c.phases, c.phase_note))
+    case = Case("lstm", 2, 6, 16, "float32", ("peers",))
+    names = ["torch"] + [n for p in installed for n in (p, "wrong_" + p)]
+    records = suite.run_case(case, names, torch.device("cpu"), suite.Config(grid="quick", progress=False),
+                             tqdm(disable=True))
+    fwd, train = records
+    assert fwd["phase"] == "forward" and train["phase"] == "forward_backward"
+    for name in installed:
+        right, wrong = fwd["candidates"][name], fwd["candidates"]["wrong_" + name]
+        assert right["status"] == "timed" and right["agreement"]["ok"], right
+        assert wrong["status"] == "disagrees" and wrong["agreement"]["ok"] is False, wrong
+        assert wrong["agreement"]["rel_err"] > wrong["agreement"]["allowed"] and "median_ms" not in wrong
+        for n in (name, "wrong_" + name):
+            assert train["candidates"][n]["status"] == "skipped" and train["candidates"][n]["phase_not_run"]
+    assert fwd["candidates"]["torch"]["status"] == "timed" and train["candidates"]["torch"]["status"] == "timed"
+    # Where no engine is installed the test still checks that the baseline ran alone.
+    assert list(fwd["candidates"]) == names
