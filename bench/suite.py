@@ -70,6 +70,7 @@ class Config:
     progress: bool = True
     flashrnn_everywhere: bool = False
     threads: Optional[int] = None      # None: torch's default (quick: 1)
+    clock: str = "wall"                # CPU: "wall" (latency) or "cpu" (process CPU time)
     argv: list = field(default_factory=list)
 
     @property
@@ -276,7 +277,7 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
         if fns:
             plans = {n: timing.plan(estimates[n], tcfg["rounds"], tcfg["round_target_s"], tcfg["budget_s"],
                                     tcfg["min_rounds"], timing.MAX_CALLS[device.type]) for n in fns}
-            samples = timing.interleaved(fns, pool, plans, device)
+            samples = timing.interleaved(fns, pool, plans, device, cfg.clock)
             base = timing.summarize(samples[BASELINE])["median_s"]
             for name, s in samples.items():
                 st = timing.summarize(s)
@@ -401,7 +402,10 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
                            "each result's candidates.<name>.engine")},
         "baseline": BASELINE,
         "timing": dict(cfg.timing(), interleaved=True,
+                       clock="cuda events" if device.type == "cuda" else cfg.clock,
                        method=("CUDA events around every call" if device.type == "cuda" else
+                               "process CPU time (time.process_time, all threads) over a loop of calls"
+                               if cfg.clock == "cpu" else
                                "torch.utils.benchmark.Timer.timeit, num_threads=torch.get_num_threads()"),
                        figure="median over samples"),
         "agreement": {"truth": "torch.nn in float64, same inputs and weights",
@@ -542,6 +546,10 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--threads", type=int,
                    help="CPU threads for every candidate (default: torch's, i.e. one per core; "
                         "--quick: 1, as a smoke test that oversubscribed machines cannot stall)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="CPU timings: wall clock (default), or the process's CPU time, all threads "
+                        "together (a busy machine's time slices do not count; use with --threads 1 "
+                        "for latencies)")
     p.add_argument("--rounds", type=int,
                    help="interleaved rounds per measurement, exactly (default: up to 7 CPU, 10 GPU, at least 3, "
                         "fewer for slow candidates)")
@@ -566,7 +574,7 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
                  dtypes=tuple(a.dtypes) if a.dtypes else None,
                  families=tuple(a.families) if a.families else None, grid=grid,
                  rounds=a.rounds, progress=not a.no_progress, flashrnn_everywhere=a.flashrnn_everywhere,
-                 threads=a.threads,
+                 threads=a.threads, clock=a.clock,
                  argv=list(argv))
     return cfg, a
 

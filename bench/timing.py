@@ -101,11 +101,23 @@ def rotate(pool: Sequence) -> Callable[[], object]:
     return lambda: next(cycle)
 
 
+def cpu_time_loop(fn: Callable[[object], object], nxt: Callable[[], object], calls: int) -> float:
+    """Seconds of CPU time (all threads of this process) per call over ``calls`` calls."""
+    t0 = time.process_time()
+    for _ in range(calls):
+        fn(nxt())
+    return (time.process_time() - t0) / calls
+
+
 def interleaved(fns: dict[str, Callable[[object], object]], pool: Sequence,
-                plans: dict[str, Plan], device: torch.device) -> dict[str, list[float]]:
+                plans: dict[str, Plan], device: torch.device,
+                clock: str = "wall") -> dict[str, list[float]]:
     """Samples (seconds per call) of every candidate, measured round by round.
 
-    ``fns[name](inputs)`` runs one call on one input set from ``pool``."""
+    ``fns[name](inputs)`` runs one call on one input set from ``pool``.  On the
+    CPU, ``clock="cpu"`` measures the process's CPU time instead of the wall
+    clock: the work a call costs, which time slices lost to other processes do
+    not inflate (with one thread, a quiet machine's latency)."""
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}
     most = max(plans[n].rounds for n in names)
@@ -131,6 +143,9 @@ def interleaved(fns: dict[str, Callable[[object], object]], pool: Sequence,
         else:
             for n in active:
                 fn, nxt = fns[n], nexts[n]
+                if clock == "cpu":
+                    samples[n].append(cpu_time_loop(fn, nxt, plans[n].calls))
+                    continue
                 timer = tbench.Timer(stmt="fn(nxt())", globals={"fn": fn, "nxt": nxt},
                                      num_threads=nthreads)
                 samples[n].append(timer.timeit(plans[n].calls).mean)

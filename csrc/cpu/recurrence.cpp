@@ -556,6 +556,20 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     A* h_next = h_next_of(s);
     const A* c_prev = c_prev_of(s);
     A* c_next = c_next_of(s);
+    // The next step's rows of xproj, from memory into cache while this step's
+    // GEMM computes: a call's xproj outgrows the caches (LSTM B=32 T=256
+    // H=256: 32 MB), and a step's rows span more pages than the hardware
+    // prefetchers follow.
+    if (s + 1 < T) {
+      for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+        const int64_t p = a.pos.at(b, s + 1);
+        if (p < 0) continue;
+        const char* row = reinterpret_cast<const char*>(xp + (p * B + b) * GH + j0);
+        for (int64_t k = 0; k < G; ++k)
+          for (int64_t off = 0; off < n * int64_t(sizeof(A)); off += 64)
+            __builtin_prefetch(row + k * H * int64_t(sizeof(A)) + off);
+      }
+    }
     step_gemm<A>(r.nb, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
     A* hp = ptr<A>(hproj[t]);
     const int64_t ldh = n;
