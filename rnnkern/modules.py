@@ -9,8 +9,20 @@ projection of the whole sequence, so no Python runs per time step.
 
 Extra keyword arguments: ``backend`` (see :data:`rnnkern.ops.BACKENDS`) on every
 class, ``reset_after`` on :class:`GRU` and :class:`GRUCell` (``False`` selects the
-classic GRU of seed 000, ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``), and
-``lengths=`` on the sequence modules' ``forward`` for padded batches.
+classic GRU of seed 000, ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``),
+``zoneout`` on every class, and ``lengths=`` and ``resets=`` on the sequence
+modules' ``forward``.
+
+Beyond torch.nn (issue #16; the README's "Beyond torch.nn" section has the rules):
+
+- ``resets=`` ([T, B] bool, time-major like the input): where ``resets[t, b]``,
+  the step at position t of sequence b starts from hx's row b (zeros without
+  hx) in every layer, as if an episode began there.  A reverse direction gets
+  the mask shifted by one position (``rev[t] = resets[t + 1]``): the episodes on
+  the two sides of a boundary never see each other, in either direction.
+- ``zoneout=p``: per unit and step, the state keeps its previous value with
+  probability p while training (masks drawn from torch's default generator),
+  and becomes ``p * previous + (1 - p) * new`` in evaluation.
 
 ``torch.compile``: Dynamo refuses every instance of torch.nn.RNN/GRU/LSTM
 (subclasses included) unless ``torch._dynamo.config.allow_rnn = True``; with that
@@ -32,6 +44,7 @@ can load without rnnkern, train and run at any sequence length.
 """
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -63,7 +76,8 @@ UNSUPPORTED: dict[str, frozenset] = {
 
 
 def _check_supported(name: str, backend: str, cell: str, dtype: torch.dtype, *,
-                     proj: bool = False, lengths: bool = False, step: bool = False) -> None:
+                     proj: bool = False, lengths: bool = False, step: bool = False,
+                     resets: bool = False, zoneout: bool = False) -> None:
     if not UNSUPPORTED.get(backend):
         return
     used = [str(dtype)]
@@ -71,12 +85,18 @@ def _check_supported(name: str, backend: str, cell: str, dtype: torch.dtype, *,
         used.append("reset_after=False")
     if cell == "rnn_relu":
         used.append("nonlinearity='relu'")
+    if cell == "lstm_ln":
+        used.append("LayerNormLSTM")
     if proj:
         used.append("proj_size")
     if lengths:
         used.append("variable lengths")
     if step:
         used.append("cells")
+    if resets:
+        used.append("resets")
+    if zoneout:
+        used.append("zoneout")
     for option in used:
         if option in UNSUPPORTED.get(backend, ()):
             able = [b for b, gaps in UNSUPPORTED.items() if option not in gaps]
@@ -111,11 +131,21 @@ def _runs_torch_nn_forward() -> bool:
     return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
-def _no_torch_nn_twin(module: nn.Module, what: str) -> NotImplementedError:
+def _no_torch_nn_twin(subject: str, lacks: str) -> NotImplementedError:
+    """The error of a call that torch.jit.trace / ONNX export cannot record: they
+    run torch.nn's forward (:func:`_runs_torch_nn_forward`), which ``lacks``."""
     return NotImplementedError(
-        f"{type(module).__name__}(reset_after=False): {what} runs torch.nn's forward, "
-        "which has only the reset-after GRU; use torch.export.export or torch.compile "
-        "(they capture rnnkern's own ops)")
+        f"{subject}: torch.jit.trace / ONNX export runs torch.nn's forward, which {lacks}; "
+        "use torch.export.export or torch.compile (they capture rnnkern's own ops)")
+
+
+def _check_zoneout(zoneout) -> float:
+    """The zoneout probability as a float; torch.nn's dropout check and message."""
+    if not isinstance(zoneout, numbers.Number) or isinstance(zoneout, bool) \
+            or not 0 <= zoneout <= 1:
+        raise ValueError(f"zoneout should be a number in range [0, 1] (the probability that a "
+                         f"unit keeps its previous state), got {zoneout!r}")
+    return float(zoneout)
 
 
 def _dtype_mismatch(name: str, what: str, got: torch.dtype, other: str, want: torch.dtype) -> RuntimeError:
@@ -194,31 +224,41 @@ def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
 
 
 class _RnnkernOptions:
-    """The keywords rnnkern adds to the torch.nn modules and cells: ``backend``
-    and ``reset_after`` (GRU), checked and shown in the repr.  Subclasses say
-    which rnnkern cell they run (``cell``)."""
+    """The keywords rnnkern adds to the torch.nn modules and cells: ``backend``,
+    ``reset_after`` (GRU) and ``zoneout``, checked and shown in the repr.
+    Subclasses say which rnnkern cell they run (``cell``)."""
 
     backend: str
+    #: The zoneout probability (a plain attribute, so state_dict stays torch.nn's;
+    #: the class default serves modules pickled before it existed).
+    zoneout: float = 0.0
 
-    def _init_rnnkern(self, backend: str = "auto", reset_after: bool = True) -> None:
+    def _init_rnnkern(self, backend: str = "auto", reset_after: bool = True,
+                      zoneout: float = 0.0) -> None:
         self.backend = _check_backend(backend)
         if not isinstance(reset_after, bool):
             raise TypeError(f"reset_after should be of type bool, got: {type(reset_after).__name__}")
         self.reset_after = reset_after
+        self.zoneout = _check_zoneout(zoneout)
         self.cell  # noqa: B018  (validates the nonlinearity)
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
         if not self.reset_after:
             s += ", reset_after=False"
+        if self.zoneout:
+            s += f", zoneout={self.zoneout}"
         if self.backend != "auto":
             s += f", backend={self.backend!r}"
         return s
 
     def _torch_nn_forward(self, *args):
         """The torch.nn base class's forward (see :func:`_runs_torch_nn_forward`)."""
+        name = type(self).__name__
         if not self.reset_after:
-            raise _no_torch_nn_twin(self, "torch.jit.trace / ONNX export")
+            raise _no_torch_nn_twin(f"{name}(reset_after=False)", "has only the reset-after GRU")
+        if self.zoneout:
+            raise _no_torch_nn_twin(f"{name}(zoneout={self.zoneout})", "has no zoneout")
         return super(_RnnkernOptions, self).forward(*args)
 
     def __prepare_scriptable__(self):
@@ -268,18 +308,27 @@ class _RecurrentMixin(_RnnkernOptions):
             groups.append((w_ih, w_hh, b_ih, b_hh, w_hr))
         return groups
 
+    def _zoneout_width(self) -> int:
+        """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
+        if self.mode != "LSTM":
+            return self.hidden_size
+        return (self.proj_size or self.hidden_size) + self.hidden_size
+
     # ---- the layer stack
 
-    def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing]):
+    def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing],
+                    resets: Optional[Tensor] = None):
         """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
-        or None -> output [T, B, D*P], (h_n[, c_n]).  ``packing`` (variable
-        lengths only) says which rows torch.nn would see packed: dropout draws
-        its mask over them, in that order, as torch.nn does."""
+        or None, resets [T, B] bool (checked) or None -> output [T, B, D*P],
+        (h_n[, c_n]).  ``packing`` (variable lengths only) says which rows
+        torch.nn would see packed: dropout draws its mask over them, in that
+        order, as torch.nn does."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
         backend = ops.resolve_backend(self.backend, x.device)
         name = type(self).__name__
         weights = self._layer_weights(D)
+        cell = self.cell
         packed = lengths is not None
         result_dtypes = None
         dtype = _autocast_dtype(x.device.type, weights[0][0])
@@ -287,19 +336,33 @@ class _RecurrentMixin(_RnnkernOptions):
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
             weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
-        cell = self.cell
-        _check_supported(name, backend, cell, x.dtype, proj=self.proj_size > 0, lengths=packed)
+        p = self.zoneout
+        _check_supported(name, backend, cell, x.dtype, proj=self.proj_size > 0, lengths=packed,
+                         resets=resets is not None, zoneout=p > 0)
         h0 = hx[0]
         c0 = hx[1] if lstm else None
+        # Per direction, the resets the op sees: a boundary before position t+1
+        # makes the reverse direction's step at t start afresh.
+        step_resets = (resets, None if resets is None or D == 1 else
+                       torch.cat((resets[1:], resets.new_zeros((1, resets.size(1))))))
+        zoneout = None
+        if p:
+            T, B = x.size(0), x.size(1)
+            Z = self._zoneout_width()
+            if not self.training:  # the expectation: one [Z] vector, broadcast
+                zoneout = torch.full((Z,), p, dtype=x.dtype, device=x.device).expand(T, B, Z)
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             outputs = []
             for d in range(D):
                 idx = layer * D + d
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
+                if p and self.training:  # a fresh Bernoulli mask per layer and direction
+                    zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
                 out, h, c = ops.run_recurrence(
                     backend, cell, ops.input_projection(x, w_ih, backend), h0[idx],
-                    c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1)
+                    c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1,
+                    step_resets[d], zoneout)
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:
@@ -393,19 +456,53 @@ class _RecurrentMixin(_RnnkernOptions):
 
     # ---- forward
 
-    def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None):
+    def _check_resets(self, resets, T: int, B: int, batched: bool, device) -> Tensor:
+        """``resets`` as the ops take it: [T, B] bool, time-major, contiguous, on
+        the input's device; errors name the argument and the shape expected
+        ([T, B], [B, T] with batch_first, [T] for unbatched input)."""
+        name = type(self).__name__
+        if not batched:
+            layout, shape = "[T]", [T]
+        elif self.batch_first:
+            layout, shape = "[B, T] (batch_first)", [B, T]
+        else:
+            layout, shape = "[T, B]", [T, B]
+        if not isinstance(resets, Tensor):
+            raise TypeError(f"{name}: expected resets to be a bool Tensor of shape {layout} = "
+                            f"{shape}, got {type(resets).__name__}")
+        if list(resets.shape) != shape:
+            raise ValueError(f"{name}: expected resets of shape {layout} = {shape}, got "
+                             f"{list(resets.shape)}")
+        if resets.dtype != torch.bool:
+            raise TypeError(f"{name}: expected resets of dtype torch.bool, got {resets.dtype}")
+        if resets.device != device:
+            raise ValueError(f"{name}: expected resets on {device} (the input's device), got "
+                             f"{resets.device}")
+        if not batched:
+            return resets.unsqueeze(1)
+        return resets.t().contiguous() if self.batch_first else resets.contiguous()
+
+    def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None,
+                resets: Optional[Tensor] = None):
         """As torch.nn's forward.  ``lengths`` ([B] integers) marks the valid steps
         of each sequence of a padded batch: later steps leave the state alone and
         output zeros, and the reverse direction starts at each sequence's end --
         what torch.nn computes on ``pack_padded_sequence(input, lengths,
-        enforce_sorted=False)``, without packing."""
+        enforce_sorted=False)``, without packing.
+
+        ``resets`` (bool; [T, B], [B, T] with batch_first, [T] for unbatched
+        input; for a PackedSequence the padded [T, B] / [B, T] in the original
+        batch order): where ``resets[t, b]``, the step at position t of
+        sequence b starts from hx's row b (zeros without hx), h and c, in every
+        layer; a reverse direction restarts at the step before each boundary,
+        so the episodes on either side of it never see each other."""
         if _runs_torch_nn_forward():
-            return self._traced_forward(input, hx, lengths)
+            return self._traced_forward(input, hx, lengths, resets)
         name = type(self).__name__
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError(f"{name}: lengths= is for padded input; a PackedSequence carries its own")
-            return self._forward_packed(input, hx)
+            return self._forward_packed(input, hx, resets)
 
         if not isinstance(input, Tensor):
             raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
@@ -442,6 +539,8 @@ class _RecurrentMixin(_RnnkernOptions):
         T = input.size(0)
         if T == 0:
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
+        if resets is not None:
+            resets = self._check_resets(resets, T, B, batched, input.device)
         packing = None
         if lengths is not None:
             lengths = _check_lengths(lengths, T, B, name)
@@ -451,7 +550,7 @@ class _RecurrentMixin(_RnnkernOptions):
                 # torch.compile dropout draws over the padded tensor (its random
                 # stream differs from eager's anyway).
                 packing = _packing_of_padded(lengths, T, input.device)
-        out, hidden = self._run_layers(input, hx, lengths, packing)
+        out, hidden = self._run_layers(input, hx, lengths, packing, resets)
         if self.batch_first:
             out = out.transpose(0, 1)
         if not batched:
@@ -459,9 +558,11 @@ class _RecurrentMixin(_RnnkernOptions):
             hidden = tuple(h.squeeze(1) for h in hidden)
         return out, (hidden if self.mode == "LSTM" else hidden[0])
 
-    def _traced_forward(self, input, hx, lengths: Optional[Tensor]):
+    def _traced_forward(self, input, hx, lengths: Optional[Tensor], resets: Optional[Tensor]):
         """torch.nn's forward, for torch.jit.trace and ONNX export; ``lengths=``
         becomes the PackedSequence torch.nn computes the same numbers on."""
+        if resets is not None:
+            raise _no_torch_nn_twin(f"{type(self).__name__}.forward(resets=...)", "has no resets")
         if lengths is None:
             return self._torch_nn_forward(input, hx)
         name = type(self).__name__
@@ -475,9 +576,10 @@ class _RecurrentMixin(_RnnkernOptions):
         out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
         return out, hidden
 
-    def _forward_packed(self, input: PackedSequence, hx):
+    def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor]):
         """A PackedSequence runs as one padded, length-sorted batch with per-sequence
-        lengths (one kernel call per layer and direction, padding never computed)."""
+        lengths (one kernel call per layer and direction, padding never computed).
+        ``resets`` comes padded in the original batch order and is sorted here."""
         name = type(self).__name__
         data, batch_sizes, sorted_indices, unsorted_indices = input
         self.check_input(data, batch_sizes)
@@ -501,11 +603,15 @@ class _RecurrentMixin(_RnnkernOptions):
             self._check_hidden(parts, B, data)
             hx = self.permute_hidden(hx, sorted_indices)
             hx = tuple(hx) if self.mode == "LSTM" else (hx,)
+        if resets is not None:
+            resets = self._check_resets(resets, T, B, True, data.device)
+            if sorted_indices is not None:
+                resets = resets[:, sorted_indices]
         packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
         # Sequence b of the sorted pack has as many steps as batch sizes above b.
         lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
         padded = data.new_zeros((T, B, data.size(1))).index_put((packing.time, packing.batch), data)
-        out, hidden = self._run_layers(padded, hx, lengths, packing)
+        out, hidden = self._run_layers(padded, hx, lengths, packing, resets)
         out_data = out[packing.time, packing.batch]
         hidden = hidden if self.mode == "LSTM" else hidden[0]
         return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
@@ -513,27 +619,31 @@ class _RecurrentMixin(_RnnkernOptions):
 
 
 class RNN(_RecurrentMixin, nn.RNN):
-    """Drop-in for :class:`torch.nn.RNN` (tanh or ReLU), plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.RNN` (tanh or ReLU), plus ``backend=`` and
+    ``zoneout=``."""
 
-    def __init__(self, *args, backend: str = "auto", **kwargs):
+    def __init__(self, *args, backend: str = "auto", zoneout: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
 
 
 class GRU(_RecurrentMixin, nn.GRU):
-    """Drop-in for :class:`torch.nn.GRU`, plus ``backend=`` and ``reset_after=``."""
+    """Drop-in for :class:`torch.nn.GRU`, plus ``backend=``, ``reset_after=`` and
+    ``zoneout=``."""
 
-    def __init__(self, *args, backend: str = "auto", reset_after: bool = True, **kwargs):
+    def __init__(self, *args, backend: str = "auto", reset_after: bool = True,
+                 zoneout: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_rnnkern(backend, reset_after)
+        self._init_rnnkern(backend, reset_after, zoneout)
 
 
 class LSTM(_RecurrentMixin, nn.LSTM):
-    """Drop-in for :class:`torch.nn.LSTM` (with ``proj_size``), plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.LSTM` (with ``proj_size``), plus ``backend=``
+    and ``zoneout=`` (on h and c)."""
 
-    def __init__(self, *args, backend: str = "auto", **kwargs):
+    def __init__(self, *args, backend: str = "auto", zoneout: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
 
 
 # ---------------------------------------------------------------- cells ----
@@ -551,7 +661,14 @@ def _check_cell_sizes(input_size, hidden_size) -> None:
 
 
 class _CellMixin(_RnnkernOptions):
-    """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`)."""
+    """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`).
+
+    ``zoneout=p`` blends after the step, in Python (exact for one step): in
+    training a fresh Bernoulli(p) mask per call ([B, Z], Z = 2H for the LSTM
+    cells: h's units then c's), ``new = m * previous + (1 - m) * step``; in
+    evaluation ``p * previous + (1 - p) * step`` -- what the sequence modules
+    compute at each step, so a cell sharing their weights reproduces their
+    evaluation outputs one step at a time."""
 
     @property
     def cell(self) -> str:
@@ -636,6 +753,9 @@ class _CellMixin(_RnnkernOptions):
             # graph as torch.nn's do; the kernels need at least one unit.
             backend = "reference"
         h, c = ops.run_step(backend, cell, x, parts[0], parts[1] if lstm else None, *weights)
+        p = self.zoneout
+        if p:
+            h, c = self._zoneout(p, parts, h, c)
         if result_dtypes is not None:
             h = h.to(result_dtypes[0])
             c = c.to(result_dtypes[1]) if lstm else None
@@ -643,6 +763,20 @@ class _CellMixin(_RnnkernOptions):
             h = h.squeeze(0)
             c = c.squeeze(0) if lstm else None
         return (h, c) if lstm else h
+
+    def _zoneout(self, p: float, parts, h: Tensor, c: Optional[Tensor]):
+        """The zoneout blend of one step's (h, c) with the states it started from."""
+        if self.training:
+            H = h.size(1)
+            m = h.new_empty((h.size(0), 2 * H if c is not None else H)).bernoulli_(p)
+            h = m[:, :H] * parts[0] + (1 - m[:, :H]) * h
+            if c is not None:
+                c = m[:, H:] * parts[1] + (1 - m[:, H:]) * c
+            return h, c
+        h = p * parts[0] + (1 - p) * h
+        if c is not None:
+            c = p * parts[1] + (1 - p) * c
+        return h, c
 
     def _autocast_result_dtypes(self, x: Tensor, parts, dtype: torch.dtype):
         """The dtypes torch.nn's cells return under autocast: on CUDA the cell ops
@@ -655,31 +789,34 @@ class _CellMixin(_RnnkernOptions):
 
 
 class RNNCell(_CellMixin, nn.RNNCell):
-    """Drop-in for :class:`torch.nn.RNNCell`, plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.RNNCell`, plus ``backend=`` and ``zoneout=``."""
 
-    def __init__(self, input_size, hidden_size, *args, backend: str = "auto", **kwargs):
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 zoneout: float = 0.0, **kwargs):
         _check_cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
 
 
 class GRUCell(_CellMixin, nn.GRUCell):
-    """Drop-in for :class:`torch.nn.GRUCell`, plus ``backend=`` and ``reset_after=``."""
+    """Drop-in for :class:`torch.nn.GRUCell`, plus ``backend=``, ``reset_after=``
+    and ``zoneout=``."""
 
     def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
-                 reset_after: bool = True, **kwargs):
+                 reset_after: bool = True, zoneout: float = 0.0, **kwargs):
         _check_cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
-        self._init_rnnkern(backend, reset_after)
+        self._init_rnnkern(backend, reset_after, zoneout)
 
 
 class LSTMCell(_CellMixin, nn.LSTMCell):
-    """Drop-in for :class:`torch.nn.LSTMCell`, plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.LSTMCell`, plus ``backend=`` and ``zoneout=``."""
 
-    def __init__(self, input_size, hidden_size, *args, backend: str = "auto", **kwargs):
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 zoneout: float = 0.0, **kwargs):
         _check_cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
 
 
 # -------------------------------------------------------------- convert ----
