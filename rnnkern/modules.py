@@ -23,6 +23,11 @@ Beyond torch.nn (issue #16; the README's "Beyond torch.nn" section has the rules
 - ``zoneout=p``: per unit and step, the state keeps its previous value with
   probability p while training (masks drawn from torch's default generator),
   and becomes ``p * previous + (1 - p) * new`` in evaluation.
+- :class:`LayerNormLSTM` and :class:`LayerNormLSTMCell`: haste's layer-normalised
+  LSTM (cell ``lstm_ln``), with torch.nn.LSTM's parameters plus the layer norms'
+  gains and shift.  They share the layer stack of the drop-ins, but subclass
+  ``torch.nn.RNNBase`` / ``RNNCellBase``, not torch.nn.LSTM / LSTMCell, whose
+  forward would compute another function.
 
 ``torch.compile``: Dynamo refuses every instance of torch.nn.RNN/GRU/LSTM
 (subclasses included) unless ``torch._dynamo.config.allow_rnn = True``; with that
@@ -44,6 +49,7 @@ can load without rnnkern, train and run at any sequence length.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple, Optional
 
@@ -55,7 +61,8 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from . import ops
 
-__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "UNSUPPORTED"]
+__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
+           "LayerNormLSTMCell", "convert", "UNSUPPORTED"]
 
 
 # ------------------------------------------------------ backend coverage ----
@@ -232,6 +239,8 @@ class _RnnkernOptions:
     #: The zoneout probability (a plain attribute, so state_dict stays torch.nn's;
     #: the class default serves modules pickled before it existed).
     zoneout: float = 0.0
+    #: False for the classes torch.nn has no module for (LayerNormLSTM and its cell).
+    _has_torch_nn_twin = True
 
     def _init_rnnkern(self, backend: str = "auto", reset_after: bool = True,
                       zoneout: float = 0.0) -> None:
@@ -255,6 +264,8 @@ class _RnnkernOptions:
     def _torch_nn_forward(self, *args):
         """The torch.nn base class's forward (see :func:`_runs_torch_nn_forward`)."""
         name = type(self).__name__
+        if not self._has_torch_nn_twin:
+            raise _no_torch_nn_twin(name, "has no layer-normalised LSTM")
         if not self.reset_after:
             raise _no_torch_nn_twin(f"{name}(reset_after=False)", "has only the reset-after GRU")
         if self.zoneout:
@@ -267,6 +278,11 @@ class _RnnkernOptions:
         # kernels in Python; substituting torch.nn's module here would swap it
         # into the user's eager model too (torch.jit.script writes the result
         # back into the parent's submodules).  So: one clear error.
+        if not self._has_torch_nn_twin:
+            raise RuntimeError(
+                f"torch.jit.script cannot compile rnnkern.{type(self).__name__}: its forward "
+                f"dispatches to rnnkern's kernels in Python, and torch.nn has no module to "
+                f"trace in its place. Use torch.export.export or torch.compile.")
         base = type(self).__mro__[type(self).__mro__.index(_RnnkernOptions) + 1].__name__
         raise RuntimeError(
             f"torch.jit.script cannot compile rnnkern.{type(self).__name__}: its forward "
@@ -276,7 +292,12 @@ class _RnnkernOptions:
 
 
 class _RecurrentMixin(_RnnkernOptions):
-    """forward() shared by RNN, GRU and LSTM (the torch.nn base provides the rest)."""
+    """forward() shared by RNN, GRU, LSTM and LayerNormLSTM (the torch.nn base,
+    ``nn.RNNBase`` or one of its subclasses, provides the rest)."""
+
+    #: LayerNormLSTM: the names of each (layer, direction)'s layer-norm
+    #: parameters (ln_ih_weight, ln_hh_weight, ln_cell_weight, ln_cell_bias).
+    _ln_names: Optional[list] = None
 
     @property
     def cell(self) -> str:
@@ -308,6 +329,12 @@ class _RecurrentMixin(_RnnkernOptions):
             groups.append((w_ih, w_hh, b_ih, b_hh, w_hr))
         return groups
 
+    def _layer_ln(self) -> list:
+        """LayerNormLSTM: the ``ln`` argument of each (layer, direction)'s op,
+        ``[g_ih (4H), g_hh (4H), g_c (H), beta_c (H)]``, from the parameters'
+        current attributes."""
+        return [torch.cat([getattr(self, name) for name in names]) for names in self._ln_names]
+
     def _zoneout_width(self) -> int:
         """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
         if self.mode != "LSTM":
@@ -329,6 +356,7 @@ class _RecurrentMixin(_RnnkernOptions):
         name = type(self).__name__
         weights = self._layer_weights(D)
         cell = self.cell
+        lns = self._layer_ln() if cell == "lstm_ln" else None
         packed = lengths is not None
         result_dtypes = None
         dtype = _autocast_dtype(x.device.type, weights[0][0])
@@ -336,6 +364,8 @@ class _RecurrentMixin(_RnnkernOptions):
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
             weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
+            if lns is not None:
+                lns = [ln.to(dtype) for ln in lns]
         p = self.zoneout
         _check_supported(name, backend, cell, x.dtype, proj=self.proj_size > 0, lengths=packed,
                          resets=resets is not None, zoneout=p > 0)
@@ -362,7 +392,7 @@ class _RecurrentMixin(_RnnkernOptions):
                 out, h, c = ops.run_recurrence(
                     backend, cell, ops.input_projection(x, w_ih, backend), h0[idx],
                     c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1,
-                    step_resets[d], zoneout)
+                    step_resets[d], zoneout, None if lns is None else lns[idx])
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:
@@ -646,6 +676,87 @@ class LSTM(_RecurrentMixin, nn.LSTM):
         self._init_rnnkern(backend, zoneout=zoneout)
 
 
+#: The layer norms' parameters of lstm_ln, in the order of the op's ``ln``: name
+#: stem, width in hidden units, initial value.
+_LN_PARAMETERS = (("ln_ih_weight", 4, 1.0), ("ln_hh_weight", 4, 1.0),
+                  ("ln_cell_weight", 1, 1.0), ("ln_cell_bias", 1, 0.0))
+
+
+class LayerNormLSTM(_RecurrentMixin, nn.RNNBase):
+    """The layer-normalised LSTM (haste's LayerNormLSTM, torch's gate order i, f, g, o)::
+
+        a   = LN(x W_ih^T) * g_ih + LN(h W_hh^T) * g_hh + b_ih + b_hh
+        c_t = sigmoid(f) * c_{t-1} + sigmoid(i) * tanh(g)
+        h_t = sigmoid(o) * tanh(LN(c_t) * g_c + beta_c)
+
+    (LN: normalisation over the whole vector, eps 1e-5.)  The constructor and
+    forward are torch.nn.LSTM's without ``proj_size``, plus ``zoneout=`` and
+    ``backend=``; forward takes the same inputs (padded, ``lengths=``,
+    PackedSequence, hx = (h_0, c_0), batch_first, unbatched, ``resets=``).
+
+    Parameters: torch.nn.LSTM's (``weight_ih_l{k}[_reverse]``, ``weight_hh_...``,
+    ``bias_ih_...``, ``bias_hh_...``, with its initialisation: a seeded
+    construction draws torch.nn.LSTM's values), then per layer and direction
+    ``ln_ih_weight_l{k}[_reverse]`` (g_ih, 4H), ``ln_hh_weight_...`` (g_hh, 4H),
+    ``ln_cell_weight_...`` (g_c, H), ``ln_cell_bias_...`` (beta_c, H); gains
+    start at 1, the shift at 0.
+
+    A subclass of torch.nn.RNNBase (the parameter bookkeeping of torch.nn.LSTM,
+    whose cuDNN flattening and ``_flat_weights`` it shares), not of
+    torch.nn.LSTM: ``isinstance(m, nn.LSTM)`` would promise torch.nn's function.
+    So torch.compile does not need ``torch._dynamo.config.allow_rnn`` for it.
+    """
+
+    _has_torch_nn_twin = False
+    #: hx is the pair (h, c), permuted as torch.nn.LSTM permutes it.
+    permute_hidden = nn.LSTM.permute_hidden
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 zoneout: float = 0.0, backend: str = "auto", device=None, dtype=None):
+        super().__init__("LSTM", input_size, hidden_size, num_layers=num_layers, bias=bias,
+                         batch_first=batch_first, dropout=dropout, bidirectional=bidirectional,
+                         proj_size=0, device=device, dtype=dtype)
+        names = []
+        for layer in range(num_layers):
+            for suffix in ("", "_reverse")[:2 if bidirectional else 1]:
+                group = []
+                for stem, width, _ in _LN_PARAMETERS:
+                    name = f"{stem}_l{layer}{suffix}"
+                    setattr(self, name, nn.Parameter(
+                        torch.empty(width * hidden_size, device=device, dtype=dtype)))
+                    group.append(name)
+                names.append(tuple(group))
+        self._ln_names = names
+        self._reset_ln()
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+    @property
+    def cell(self) -> str:
+        return "lstm_ln"
+
+    def reset_parameters(self) -> None:
+        """torch.nn.LSTM's initialisation of its weights and biases (the same
+        draws in the same order), gains 1 and shifts 0."""
+        stdv = 1.0 / math.sqrt(self.hidden_size)
+        for name in self._flat_weights_names:
+            nn.init.uniform_(getattr(self, name), -stdv, stdv)
+        self._reset_ln()
+
+    def _reset_ln(self) -> None:
+        # (torch.nn.RNNBase.__init__ calls reset_parameters before the layer
+        # norms' parameters exist.)
+        with torch.no_grad():
+            for names in self._ln_names or ():
+                for name, (_, _, value) in zip(names, _LN_PARAMETERS):
+                    getattr(self, name).fill_(value)
+
+    def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
+        """Under autocast every result is in the autocast dtype (torch.nn has no
+        layer-norm LSTM whose CPU quirks to follow; its CUDA rule)."""
+        return (dtype,) * 3
+
+
 # ---------------------------------------------------------------- cells ----
 
 def _check_cell_sizes(input_size, hidden_size) -> None:
@@ -686,7 +797,7 @@ class _CellMixin(_RnnkernOptions):
         does (same exception types; torch.nn's messages with the cell's name in
         front)."""
         name = type(self).__name__
-        lstm = self.cell == "lstm"
+        lstm = self.cell in ("lstm", "lstm_ln")
         if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
             raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
         parts = tuple(hx) if lstm else (hx,)
@@ -710,7 +821,7 @@ class _CellMixin(_RnnkernOptions):
         if _runs_torch_nn_forward():
             return self._torch_nn_forward(input, hx)
         cell = self.cell
-        lstm = cell == "lstm"
+        lstm = cell == "lstm" or cell == "lstm_ln"
         name = type(self).__name__
         if input.dim() not in (1, 2):
             raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
@@ -725,6 +836,7 @@ class _CellMixin(_RnnkernOptions):
         # Each parameter read once: a module attribute lookup costs as much as
         # a small step's arithmetic (this path is what a per-step loop pays).
         weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        ln = self._ln() if cell == "lstm_ln" else None
         device_type = x.device.type
         autocast = _autocast_dtype(device_type, weights[0])
         if autocast is None and x.dtype != weights[0].dtype:
@@ -746,13 +858,14 @@ class _CellMixin(_RnnkernOptions):
             result_dtypes = self._autocast_result_dtypes(x, parts, autocast)
             x, parts = x.to(autocast), tuple(h.to(autocast) for h in parts)
             weights = tuple(_cast(w, autocast) for w in weights)
+            ln = _cast(ln, autocast)
         backend = ops.resolve_backend(self.backend, x.device)
         _check_supported(name, backend, cell, x.dtype, step=True)
         if self.hidden_size == 0:
             # Nothing to compute, but the empty results keep their autograd
             # graph as torch.nn's do; the kernels need at least one unit.
             backend = "reference"
-        h, c = ops.run_step(backend, cell, x, parts[0], parts[1] if lstm else None, *weights)
+        h, c = ops.run_step(backend, cell, x, parts[0], parts[1] if lstm else None, *weights, ln)
         p = self.zoneout
         if p:
             h, c = self._zoneout(p, parts, h, c)
@@ -817,6 +930,60 @@ class LSTMCell(_CellMixin, nn.LSTMCell):
         _check_cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
         self._init_rnnkern(backend, zoneout=zoneout)
+
+
+class LayerNormLSTMCell(_CellMixin, nn.RNNCellBase):
+    """One step of :class:`LayerNormLSTM` (cell ``lstm_ln``): ``forward(input,
+    hx=None) -> (h, c)``, as torch.nn.LSTMCell's (hx = (h, c) or None for zeros,
+    unbatched 1-D input, the same error messages).
+
+    Parameters: torch.nn.LSTMCell's (``weight_ih`` [4H, I], ``weight_hh`` [4H, H],
+    ``bias_ih``, ``bias_hh``; its initialisation), then ``ln_ih_weight`` (4H),
+    ``ln_hh_weight`` (4H), ``ln_cell_weight`` (H), ``ln_cell_bias`` (H): gains 1,
+    shift 0.  A subclass of torch.nn.RNNCellBase, not of torch.nn.LSTMCell."""
+
+    _has_torch_nn_twin = False
+
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, zoneout: float = 0.0,
+                 backend: str = "auto", device=None, dtype=None):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, bias, num_chunks=4, device=device, dtype=dtype)
+        for stem, width, _ in _LN_PARAMETERS:
+            setattr(self, stem, nn.Parameter(torch.empty(width * hidden_size, device=device,
+                                                         dtype=dtype)))
+        self._reset_ln()
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+    @property
+    def cell(self) -> str:
+        return "lstm_ln"
+
+    def _ln(self) -> Tensor:
+        """The op's ``ln``: ``[g_ih (4H), g_hh (4H), g_c (H), beta_c (H)]``."""
+        return torch.cat([self.ln_ih_weight, self.ln_hh_weight, self.ln_cell_weight,
+                          self.ln_cell_bias])
+
+    def reset_parameters(self) -> None:
+        """torch.nn.LSTMCell's initialisation of its weights and biases (the same
+        draws in the same order), gains 1 and shift 0."""
+        stdv = 1.0 / math.sqrt(self.hidden_size) if self.hidden_size > 0 else 0
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            weight = getattr(self, name)
+            if weight is not None:
+                nn.init.uniform_(weight, -stdv, stdv)
+        self._reset_ln()
+
+    def _reset_ln(self) -> None:
+        # (torch.nn.RNNCellBase.__init__ calls reset_parameters before the layer
+        # norms' parameters exist.)
+        with torch.no_grad():
+            for stem, _, value in _LN_PARAMETERS:
+                if getattr(self, stem, None) is not None:
+                    getattr(self, stem).fill_(value)
+
+    def _autocast_result_dtypes(self, x: Tensor, parts, dtype: torch.dtype):
+        """Every result in the autocast dtype (as LayerNormLSTM)."""
+        return (dtype, dtype)
 
 
 # -------------------------------------------------------------- convert ----
