@@ -6,13 +6,19 @@ replacements for torch.nn.RNN / GRU / LSTM and their cells.
     model = rnnkern.convert(model)   # swap every torch.nn RNN/GRU/LSTM in a model
     rnnkern.check()                  # the field self-check (python -m rnnkern.check)
 
+Beyond torch.nn: ``resets=`` on forward (episode boundaries), ``zoneout=`` on every
+module and cell, and the layer-normalised LSTM (:class:`LayerNormLSTM`,
+:class:`LayerNormLSTMCell`).
+
 Functional ops (one layer, one direction) are in :mod:`rnnkern.ops`, the
 pure-PyTorch ground truth in :mod:`rnnkern.reference`.
 """
 from . import _torch_warnings, ops, reference
-from .modules import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell, convert
+from .modules import (GRU, LSTM, RNN, GRUCell, LayerNormLSTM, LayerNormLSTMCell, LSTMCell, RNNCell,
+                      convert)
 
-__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "ops", "reference", "check"]
+__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
+           "LayerNormLSTMCell", "convert", "ops", "reference", "check"]
 __version__ = "0.1.0"
 
 _torch_warnings.install()  # before anything imports torch.utils.cpp_extension (see there)

@@ -9,8 +9,25 @@ projection of the whole sequence, so no Python runs per time step.
 
 Extra keyword arguments: ``backend`` (see :data:`rnnkern.ops.BACKENDS`) on every
 class, ``reset_after`` on :class:`GRU` and :class:`GRUCell` (``False`` selects the
-classic GRU of seed 000, ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``), and
-``lengths=`` on the sequence modules' ``forward`` for padded batches.
+classic GRU of seed 000, ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``),
+``zoneout`` on every class, and ``lengths=`` and ``resets=`` on the sequence
+modules' ``forward``.
+
+Beyond torch.nn (issue #16; the README's "Beyond torch.nn" section has the rules):
+
+- ``resets=`` ([T, B] bool, time-major like the input): where ``resets[t, b]``,
+  the step at position t of sequence b starts from hx's row b (zeros without
+  hx) in every layer, as if an episode began there.  A reverse direction gets
+  the mask shifted by one position (``rev[t] = resets[t + 1]``): the episodes on
+  the two sides of a boundary never see each other, in either direction.
+- ``zoneout=p``: per unit and step, the state keeps its previous value with
+  probability p while training (masks drawn from torch's default generator),
+  and becomes ``p * previous + (1 - p) * new`` in evaluation.
+- :class:`LayerNormLSTM` and :class:`LayerNormLSTMCell`: haste's layer-normalised
+  LSTM (cell ``lstm_ln``), with torch.nn.LSTM's parameters plus the layer norms'
+  gains and shift.  They share the layer stack of the drop-ins, but subclass
+  ``torch.nn.RNNBase`` / ``RNNCellBase``, not torch.nn.LSTM / LSTMCell, whose
+  forward would compute another function.
 
 ``torch.compile``: Dynamo refuses every instance of torch.nn.RNN/GRU/LSTM
 (subclasses included) unless ``torch._dynamo.config.allow_rnn = True``; with that
@@ -32,6 +49,8 @@ can load without rnnkern, train and run at any sequence length.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -42,7 +61,8 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from . import ops
 
-__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "UNSUPPORTED"]
+__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
+           "LayerNormLSTMCell", "convert", "UNSUPPORTED"]
 
 
 # ------------------------------------------------------ backend coverage ----
@@ -63,7 +83,8 @@ UNSUPPORTED: dict[str, frozenset] = {
 
 
 def _check_supported(name: str, backend: str, cell: str, dtype: torch.dtype, *,
-                     proj: bool = False, lengths: bool = False, step: bool = False) -> None:
+                     proj: bool = False, lengths: bool = False, step: bool = False,
+                     resets: bool = False, zoneout: bool = False) -> None:
     if not UNSUPPORTED.get(backend):
         return
     used = [str(dtype)]
@@ -71,12 +92,18 @@ def _check_supported(name: str, backend: str, cell: str, dtype: torch.dtype, *,
         used.append("reset_after=False")
     if cell == "rnn_relu":
         used.append("nonlinearity='relu'")
+    if cell == "lstm_ln":
+        used.append("LayerNormLSTM")
     if proj:
         used.append("proj_size")
     if lengths:
         used.append("variable lengths")
     if step:
         used.append("cells")
+    if resets:
+        used.append("resets")
+    if zoneout:
+        used.append("zoneout")
     for option in used:
         if option in UNSUPPORTED.get(backend, ()):
             able = [b for b, gaps in UNSUPPORTED.items() if option not in gaps]
@@ -111,11 +138,21 @@ def _runs_torch_nn_forward() -> bool:
     return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
-def _no_torch_nn_twin(module: nn.Module, what: str) -> NotImplementedError:
+def _no_torch_nn_twin(subject: str, lacks: str) -> NotImplementedError:
+    """The error of a call that torch.jit.trace / ONNX export cannot record: they
+    run torch.nn's forward (:func:`_runs_torch_nn_forward`), which ``lacks``."""
     return NotImplementedError(
-        f"{type(module).__name__}(reset_after=False): {what} runs torch.nn's forward, "
-        "which has only the reset-after GRU; use torch.export.export or torch.compile "
-        "(they capture rnnkern's own ops)")
+        f"{subject}: torch.jit.trace / ONNX export runs torch.nn's forward, which {lacks}; "
+        "use torch.export.export or torch.compile (they capture rnnkern's own ops)")
+
+
+def _check_zoneout(zoneout) -> float:
+    """The zoneout probability as a float; torch.nn's dropout check and message."""
+    if not isinstance(zoneout, numbers.Number) or isinstance(zoneout, bool) \
+            or not 0 <= zoneout <= 1:
+        raise ValueError(f"zoneout should be a number in range [0, 1] (the probability that a "
+                         f"unit keeps its previous state), got {zoneout!r}")
+    return float(zoneout)
 
 
 def _dtype_mismatch(name: str, what: str, got: torch.dtype, other: str, want: torch.dtype) -> RuntimeError:
@@ -194,31 +231,45 @@ def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
 
 
 class _RnnkernOptions:
-    """The keywords rnnkern adds to the torch.nn modules and cells: ``backend``
-    and ``reset_after`` (GRU), checked and shown in the repr.  Subclasses say
-    which rnnkern cell they run (``cell``)."""
+    """The keywords rnnkern adds to the torch.nn modules and cells: ``backend``,
+    ``reset_after`` (GRU) and ``zoneout``, checked and shown in the repr.
+    Subclasses say which rnnkern cell they run (``cell``)."""
 
     backend: str
+    #: The zoneout probability (a plain attribute, so state_dict stays torch.nn's;
+    #: the class default serves modules pickled before it existed).
+    zoneout: float = 0.0
+    #: False for the classes torch.nn has no module for (LayerNormLSTM and its cell).
+    _has_torch_nn_twin = True
 
-    def _init_rnnkern(self, backend: str = "auto", reset_after: bool = True) -> None:
+    def _init_rnnkern(self, backend: str = "auto", reset_after: bool = True,
+                      zoneout: float = 0.0) -> None:
         self.backend = _check_backend(backend)
         if not isinstance(reset_after, bool):
             raise TypeError(f"reset_after should be of type bool, got: {type(reset_after).__name__}")
         self.reset_after = reset_after
+        self.zoneout = _check_zoneout(zoneout)
         self.cell  # noqa: B018  (validates the nonlinearity)
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
         if not self.reset_after:
             s += ", reset_after=False"
+        if self.zoneout:
+            s += f", zoneout={self.zoneout}"
         if self.backend != "auto":
             s += f", backend={self.backend!r}"
         return s
 
     def _torch_nn_forward(self, *args):
         """The torch.nn base class's forward (see :func:`_runs_torch_nn_forward`)."""
+        name = type(self).__name__
+        if not self._has_torch_nn_twin:
+            raise _no_torch_nn_twin(name, "has no layer-normalised LSTM")
         if not self.reset_after:
-            raise _no_torch_nn_twin(self, "torch.jit.trace / ONNX export")
+            raise _no_torch_nn_twin(f"{name}(reset_after=False)", "has only the reset-after GRU")
+        if self.zoneout:
+            raise _no_torch_nn_twin(f"{name}(zoneout={self.zoneout})", "has no zoneout")
         return super(_RnnkernOptions, self).forward(*args)
 
     def __prepare_scriptable__(self):
@@ -227,6 +278,11 @@ class _RnnkernOptions:
         # kernels in Python; substituting torch.nn's module here would swap it
         # into the user's eager model too (torch.jit.script writes the result
         # back into the parent's submodules).  So: one clear error.
+        if not self._has_torch_nn_twin:
+            raise RuntimeError(
+                f"torch.jit.script cannot compile rnnkern.{type(self).__name__}: its forward "
+                f"dispatches to rnnkern's kernels in Python, and torch.nn has no module to "
+                f"trace in its place. Use torch.export.export or torch.compile.")
         base = type(self).__mro__[type(self).__mro__.index(_RnnkernOptions) + 1].__name__
         raise RuntimeError(
             f"torch.jit.script cannot compile rnnkern.{type(self).__name__}: its forward "
@@ -236,7 +292,12 @@ class _RnnkernOptions:
 
 
 class _RecurrentMixin(_RnnkernOptions):
-    """forward() shared by RNN, GRU and LSTM (the torch.nn base provides the rest)."""
+    """forward() shared by RNN, GRU, LSTM and LayerNormLSTM (the torch.nn base,
+    ``nn.RNNBase`` or one of its subclasses, provides the rest)."""
+
+    #: LayerNormLSTM: the names of each (layer, direction)'s layer-norm
+    #: parameters (ln_ih_weight, ln_hh_weight, ln_cell_weight, ln_cell_bias).
+    _ln_names: Optional[list] = None
 
     @property
     def cell(self) -> str:
@@ -268,18 +329,34 @@ class _RecurrentMixin(_RnnkernOptions):
             groups.append((w_ih, w_hh, b_ih, b_hh, w_hr))
         return groups
 
+    def _layer_ln(self) -> list:
+        """LayerNormLSTM: the ``ln`` argument of each (layer, direction)'s op,
+        ``[g_ih (4H), g_hh (4H), g_c (H), beta_c (H)]``, from the parameters'
+        current attributes."""
+        return [torch.cat([getattr(self, name) for name in names]) for names in self._ln_names]
+
+    def _zoneout_width(self) -> int:
+        """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
+        if self.mode != "LSTM":
+            return self.hidden_size
+        return (self.proj_size or self.hidden_size) + self.hidden_size
+
     # ---- the layer stack
 
-    def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing]):
+    def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing],
+                    resets: Optional[Tensor] = None):
         """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
-        or None -> output [T, B, D*P], (h_n[, c_n]).  ``packing`` (variable
-        lengths only) says which rows torch.nn would see packed: dropout draws
-        its mask over them, in that order, as torch.nn does."""
+        or None, resets [T, B] bool (checked) or None -> output [T, B, D*P],
+        (h_n[, c_n]).  ``packing`` (variable lengths only) says which rows
+        torch.nn would see packed: dropout draws its mask over them, in that
+        order, as torch.nn does."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
         backend = ops.resolve_backend(self.backend, x.device)
         name = type(self).__name__
         weights = self._layer_weights(D)
+        cell = self.cell
+        lns = self._layer_ln() if cell == "lstm_ln" else None
         packed = lengths is not None
         result_dtypes = None
         dtype = _autocast_dtype(x.device.type, weights[0][0])
@@ -287,19 +364,35 @@ class _RecurrentMixin(_RnnkernOptions):
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
             weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
-        cell = self.cell
-        _check_supported(name, backend, cell, x.dtype, proj=self.proj_size > 0, lengths=packed)
+            if lns is not None:
+                lns = [ln.to(dtype) for ln in lns]
+        p = self.zoneout
+        _check_supported(name, backend, cell, x.dtype, proj=self.proj_size > 0, lengths=packed,
+                         resets=resets is not None, zoneout=p > 0)
         h0 = hx[0]
         c0 = hx[1] if lstm else None
+        # Per direction, the resets the op sees: a boundary before position t+1
+        # makes the reverse direction's step at t start afresh.
+        step_resets = (resets, None if resets is None or D == 1 else
+                       torch.cat((resets[1:], resets.new_zeros((1, resets.size(1))))))
+        zoneout = None
+        if p:
+            T, B = x.size(0), x.size(1)
+            Z = self._zoneout_width()
+            if not self.training:  # the expectation: one [Z] vector, broadcast
+                zoneout = torch.full((Z,), p, dtype=x.dtype, device=x.device).expand(T, B, Z)
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             outputs = []
             for d in range(D):
                 idx = layer * D + d
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
+                if p and self.training:  # a fresh Bernoulli mask per layer and direction
+                    zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
                 out, h, c = ops.run_recurrence(
                     backend, cell, ops.input_projection(x, w_ih, backend), h0[idx],
-                    c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1)
+                    c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1,
+                    step_resets[d], zoneout, None if lns is None else lns[idx])
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:
@@ -393,19 +486,53 @@ class _RecurrentMixin(_RnnkernOptions):
 
     # ---- forward
 
-    def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None):
+    def _check_resets(self, resets, T: int, B: int, batched: bool, device) -> Tensor:
+        """``resets`` as the ops take it: [T, B] bool, time-major, contiguous, on
+        the input's device; errors name the argument and the shape expected
+        ([T, B], [B, T] with batch_first, [T] for unbatched input)."""
+        name = type(self).__name__
+        if not batched:
+            layout, shape = "[T]", [T]
+        elif self.batch_first:
+            layout, shape = "[B, T] (batch_first)", [B, T]
+        else:
+            layout, shape = "[T, B]", [T, B]
+        if not isinstance(resets, Tensor):
+            raise TypeError(f"{name}: expected resets to be a bool Tensor of shape {layout} = "
+                            f"{shape}, got {type(resets).__name__}")
+        if list(resets.shape) != shape:
+            raise ValueError(f"{name}: expected resets of shape {layout} = {shape}, got "
+                             f"{list(resets.shape)}")
+        if resets.dtype != torch.bool:
+            raise TypeError(f"{name}: expected resets of dtype torch.bool, got {resets.dtype}")
+        if resets.device != device:
+            raise ValueError(f"{name}: expected resets on {device} (the input's device), got "
+                             f"{resets.device}")
+        if not batched:
+            return resets.unsqueeze(1)
+        return resets.t().contiguous() if self.batch_first else resets.contiguous()
+
+    def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None,
+                resets: Optional[Tensor] = None):
         """As torch.nn's forward.  ``lengths`` ([B] integers) marks the valid steps
         of each sequence of a padded batch: later steps leave the state alone and
         output zeros, and the reverse direction starts at each sequence's end --
         what torch.nn computes on ``pack_padded_sequence(input, lengths,
-        enforce_sorted=False)``, without packing."""
+        enforce_sorted=False)``, without packing.
+
+        ``resets`` (bool; [T, B], [B, T] with batch_first, [T] for unbatched
+        input; for a PackedSequence the padded [T, B] / [B, T] in the original
+        batch order): where ``resets[t, b]``, the step at position t of
+        sequence b starts from hx's row b (zeros without hx), h and c, in every
+        layer; a reverse direction restarts at the step before each boundary,
+        so the episodes on either side of it never see each other."""
         if _runs_torch_nn_forward():
-            return self._traced_forward(input, hx, lengths)
+            return self._traced_forward(input, hx, lengths, resets)
         name = type(self).__name__
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError(f"{name}: lengths= is for padded input; a PackedSequence carries its own")
-            return self._forward_packed(input, hx)
+            return self._forward_packed(input, hx, resets)
 
         if not isinstance(input, Tensor):
             raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
@@ -442,6 +569,8 @@ class _RecurrentMixin(_RnnkernOptions):
         T = input.size(0)
         if T == 0:
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
+        if resets is not None:
+            resets = self._check_resets(resets, T, B, batched, input.device)
         packing = None
         if lengths is not None:
             lengths = _check_lengths(lengths, T, B, name)
@@ -451,7 +580,7 @@ class _RecurrentMixin(_RnnkernOptions):
                 # torch.compile dropout draws over the padded tensor (its random
                 # stream differs from eager's anyway).
                 packing = _packing_of_padded(lengths, T, input.device)
-        out, hidden = self._run_layers(input, hx, lengths, packing)
+        out, hidden = self._run_layers(input, hx, lengths, packing, resets)
         if self.batch_first:
             out = out.transpose(0, 1)
         if not batched:
@@ -459,9 +588,11 @@ class _RecurrentMixin(_RnnkernOptions):
             hidden = tuple(h.squeeze(1) for h in hidden)
         return out, (hidden if self.mode == "LSTM" else hidden[0])
 
-    def _traced_forward(self, input, hx, lengths: Optional[Tensor]):
+    def _traced_forward(self, input, hx, lengths: Optional[Tensor], resets: Optional[Tensor]):
         """torch.nn's forward, for torch.jit.trace and ONNX export; ``lengths=``
         becomes the PackedSequence torch.nn computes the same numbers on."""
+        if resets is not None:
+            raise _no_torch_nn_twin(f"{type(self).__name__}.forward(resets=...)", "has no resets")
         if lengths is None:
             return self._torch_nn_forward(input, hx)
         name = type(self).__name__
@@ -475,9 +606,10 @@ class _RecurrentMixin(_RnnkernOptions):
         out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
         return out, hidden
 
-    def _forward_packed(self, input: PackedSequence, hx):
+    def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor]):
         """A PackedSequence runs as one padded, length-sorted batch with per-sequence
-        lengths (one kernel call per layer and direction, padding never computed)."""
+        lengths (one kernel call per layer and direction, padding never computed).
+        ``resets`` comes padded in the original batch order and is sorted here."""
         name = type(self).__name__
         data, batch_sizes, sorted_indices, unsorted_indices = input
         self.check_input(data, batch_sizes)
@@ -501,11 +633,15 @@ class _RecurrentMixin(_RnnkernOptions):
             self._check_hidden(parts, B, data)
             hx = self.permute_hidden(hx, sorted_indices)
             hx = tuple(hx) if self.mode == "LSTM" else (hx,)
+        if resets is not None:
+            resets = self._check_resets(resets, T, B, True, data.device)
+            if sorted_indices is not None:
+                resets = resets[:, sorted_indices]
         packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
         # Sequence b of the sorted pack has as many steps as batch sizes above b.
         lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
         padded = data.new_zeros((T, B, data.size(1))).index_put((packing.time, packing.batch), data)
-        out, hidden = self._run_layers(padded, hx, lengths, packing)
+        out, hidden = self._run_layers(padded, hx, lengths, packing, resets)
         out_data = out[packing.time, packing.batch]
         hidden = hidden if self.mode == "LSTM" else hidden[0]
         return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
@@ -513,27 +649,112 @@ class _RecurrentMixin(_RnnkernOptions):
 
 
 class RNN(_RecurrentMixin, nn.RNN):
-    """Drop-in for :class:`torch.nn.RNN` (tanh or ReLU), plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.RNN` (tanh or ReLU), plus ``backend=`` and
+    ``zoneout=``."""
 
-    def __init__(self, *args, backend: str = "auto", **kwargs):
+    def __init__(self, *args, backend: str = "auto", zoneout: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
 
 
 class GRU(_RecurrentMixin, nn.GRU):
-    """Drop-in for :class:`torch.nn.GRU`, plus ``backend=`` and ``reset_after=``."""
+    """Drop-in for :class:`torch.nn.GRU`, plus ``backend=``, ``reset_after=`` and
+    ``zoneout=``."""
 
-    def __init__(self, *args, backend: str = "auto", reset_after: bool = True, **kwargs):
+    def __init__(self, *args, backend: str = "auto", reset_after: bool = True,
+                 zoneout: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_rnnkern(backend, reset_after)
+        self._init_rnnkern(backend, reset_after, zoneout)
 
 
 class LSTM(_RecurrentMixin, nn.LSTM):
-    """Drop-in for :class:`torch.nn.LSTM` (with ``proj_size``), plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.LSTM` (with ``proj_size``), plus ``backend=``
+    and ``zoneout=`` (on h and c)."""
 
-    def __init__(self, *args, backend: str = "auto", **kwargs):
+    def __init__(self, *args, backend: str = "auto", zoneout: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+
+#: The layer norms' parameters of lstm_ln, in the order of the op's ``ln``: name
+#: stem, width in hidden units, initial value.
+_LN_PARAMETERS = (("ln_ih_weight", 4, 1.0), ("ln_hh_weight", 4, 1.0),
+                  ("ln_cell_weight", 1, 1.0), ("ln_cell_bias", 1, 0.0))
+
+
+class LayerNormLSTM(_RecurrentMixin, nn.RNNBase):
+    """The layer-normalised LSTM (haste's LayerNormLSTM, torch's gate order i, f, g, o)::
+
+        a   = LN(x W_ih^T) * g_ih + LN(h W_hh^T) * g_hh + b_ih + b_hh
+        c_t = sigmoid(f) * c_{t-1} + sigmoid(i) * tanh(g)
+        h_t = sigmoid(o) * tanh(LN(c_t) * g_c + beta_c)
+
+    (LN: normalisation over the whole vector, eps 1e-5.)  The constructor and
+    forward are torch.nn.LSTM's without ``proj_size``, plus ``zoneout=`` and
+    ``backend=``; forward takes the same inputs (padded, ``lengths=``,
+    PackedSequence, hx = (h_0, c_0), batch_first, unbatched, ``resets=``).
+
+    Parameters: torch.nn.LSTM's (``weight_ih_l{k}[_reverse]``, ``weight_hh_...``,
+    ``bias_ih_...``, ``bias_hh_...``, with its initialisation: a seeded
+    construction draws torch.nn.LSTM's values), then per layer and direction
+    ``ln_ih_weight_l{k}[_reverse]`` (g_ih, 4H), ``ln_hh_weight_...`` (g_hh, 4H),
+    ``ln_cell_weight_...`` (g_c, H), ``ln_cell_bias_...`` (beta_c, H); gains
+    start at 1, the shift at 0.
+
+    A subclass of torch.nn.RNNBase (the parameter bookkeeping of torch.nn.LSTM,
+    whose cuDNN flattening and ``_flat_weights`` it shares), not of
+    torch.nn.LSTM: ``isinstance(m, nn.LSTM)`` would promise torch.nn's function.
+    So torch.compile does not need ``torch._dynamo.config.allow_rnn`` for it.
+    """
+
+    _has_torch_nn_twin = False
+    #: hx is the pair (h, c), permuted as torch.nn.LSTM permutes it.
+    permute_hidden = nn.LSTM.permute_hidden
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 zoneout: float = 0.0, backend: str = "auto", device=None, dtype=None):
+        super().__init__("LSTM", input_size, hidden_size, num_layers=num_layers, bias=bias,
+                         batch_first=batch_first, dropout=dropout, bidirectional=bidirectional,
+                         proj_size=0, device=device, dtype=dtype)
+        names = []
+        for layer in range(num_layers):
+            for suffix in ("", "_reverse")[:2 if bidirectional else 1]:
+                group = []
+                for stem, width, _ in _LN_PARAMETERS:
+                    name = f"{stem}_l{layer}{suffix}"
+                    setattr(self, name, nn.Parameter(
+                        torch.empty(width * hidden_size, device=device, dtype=dtype)))
+                    group.append(name)
+                names.append(tuple(group))
+        self._ln_names = names
+        self._reset_ln()
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+    @property
+    def cell(self) -> str:
+        return "lstm_ln"
+
+    def reset_parameters(self) -> None:
+        """torch.nn.LSTM's initialisation of its weights and biases (the same
+        draws in the same order), gains 1 and shifts 0."""
+        stdv = 1.0 / math.sqrt(self.hidden_size)
+        for name in self._flat_weights_names:
+            nn.init.uniform_(getattr(self, name), -stdv, stdv)
+        self._reset_ln()
+
+    def _reset_ln(self) -> None:
+        # (torch.nn.RNNBase.__init__ calls reset_parameters before the layer
+        # norms' parameters exist.)
+        with torch.no_grad():
+            for names in self._ln_names or ():
+                for name, (_, _, value) in zip(names, _LN_PARAMETERS):
+                    getattr(self, name).fill_(value)
+
+    def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
+        """Under autocast every result is in the autocast dtype (torch.nn has no
+        layer-norm LSTM whose CPU quirks to follow; its CUDA rule)."""
+        return (dtype,) * 3
 
 
 # ---------------------------------------------------------------- cells ----
@@ -551,7 +772,14 @@ def _check_cell_sizes(input_size, hidden_size) -> None:
 
 
 class _CellMixin(_RnnkernOptions):
-    """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`)."""
+    """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`).
+
+    ``zoneout=p`` blends after the step, in Python (exact for one step): in
+    training a fresh Bernoulli(p) mask per call ([B, Z], Z = 2H for the LSTM
+    cells: h's units then c's), ``new = m * previous + (1 - m) * step``; in
+    evaluation ``p * previous + (1 - p) * step`` -- what the sequence modules
+    compute at each step, so a cell sharing their weights reproduces their
+    evaluation outputs one step at a time."""
 
     @property
     def cell(self) -> str:
@@ -569,7 +797,7 @@ class _CellMixin(_RnnkernOptions):
         does (same exception types; torch.nn's messages with the cell's name in
         front)."""
         name = type(self).__name__
-        lstm = self.cell == "lstm"
+        lstm = self.cell in ("lstm", "lstm_ln")
         if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
             raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
         parts = tuple(hx) if lstm else (hx,)
@@ -593,7 +821,7 @@ class _CellMixin(_RnnkernOptions):
         if _runs_torch_nn_forward():
             return self._torch_nn_forward(input, hx)
         cell = self.cell
-        lstm = cell == "lstm"
+        lstm = cell == "lstm" or cell == "lstm_ln"
         name = type(self).__name__
         if input.dim() not in (1, 2):
             raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
@@ -608,6 +836,7 @@ class _CellMixin(_RnnkernOptions):
         # Each parameter read once: a module attribute lookup costs as much as
         # a small step's arithmetic (this path is what a per-step loop pays).
         weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        ln = self._ln() if cell == "lstm_ln" else None
         device_type = x.device.type
         autocast = _autocast_dtype(device_type, weights[0])
         if autocast is None and x.dtype != weights[0].dtype:
@@ -629,13 +858,17 @@ class _CellMixin(_RnnkernOptions):
             result_dtypes = self._autocast_result_dtypes(x, parts, autocast)
             x, parts = x.to(autocast), tuple(h.to(autocast) for h in parts)
             weights = tuple(_cast(w, autocast) for w in weights)
+            ln = _cast(ln, autocast)
         backend = ops.resolve_backend(self.backend, x.device)
         _check_supported(name, backend, cell, x.dtype, step=True)
         if self.hidden_size == 0:
             # Nothing to compute, but the empty results keep their autograd
             # graph as torch.nn's do; the kernels need at least one unit.
             backend = "reference"
-        h, c = ops.run_step(backend, cell, x, parts[0], parts[1] if lstm else None, *weights)
+        h, c = ops.run_step(backend, cell, x, parts[0], parts[1] if lstm else None, *weights, ln)
+        p = self.zoneout
+        if p:
+            h, c = self._zoneout(p, parts, h, c)
         if result_dtypes is not None:
             h = h.to(result_dtypes[0])
             c = c.to(result_dtypes[1]) if lstm else None
@@ -643,6 +876,20 @@ class _CellMixin(_RnnkernOptions):
             h = h.squeeze(0)
             c = c.squeeze(0) if lstm else None
         return (h, c) if lstm else h
+
+    def _zoneout(self, p: float, parts, h: Tensor, c: Optional[Tensor]):
+        """The zoneout blend of one step's (h, c) with the states it started from."""
+        if self.training:
+            H = h.size(1)
+            m = h.new_empty((h.size(0), 2 * H if c is not None else H)).bernoulli_(p)
+            h = m[:, :H] * parts[0] + (1 - m[:, :H]) * h
+            if c is not None:
+                c = m[:, H:] * parts[1] + (1 - m[:, H:]) * c
+            return h, c
+        h = p * parts[0] + (1 - p) * h
+        if c is not None:
+            c = p * parts[1] + (1 - p) * c
+        return h, c
 
     def _autocast_result_dtypes(self, x: Tensor, parts, dtype: torch.dtype):
         """The dtypes torch.nn's cells return under autocast: on CUDA the cell ops
@@ -655,31 +902,88 @@ class _CellMixin(_RnnkernOptions):
 
 
 class RNNCell(_CellMixin, nn.RNNCell):
-    """Drop-in for :class:`torch.nn.RNNCell`, plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.RNNCell`, plus ``backend=`` and ``zoneout=``."""
 
-    def __init__(self, input_size, hidden_size, *args, backend: str = "auto", **kwargs):
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 zoneout: float = 0.0, **kwargs):
         _check_cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
 
 
 class GRUCell(_CellMixin, nn.GRUCell):
-    """Drop-in for :class:`torch.nn.GRUCell`, plus ``backend=`` and ``reset_after=``."""
+    """Drop-in for :class:`torch.nn.GRUCell`, plus ``backend=``, ``reset_after=``
+    and ``zoneout=``."""
 
     def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
-                 reset_after: bool = True, **kwargs):
+                 reset_after: bool = True, zoneout: float = 0.0, **kwargs):
         _check_cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
-        self._init_rnnkern(backend, reset_after)
+        self._init_rnnkern(backend, reset_after, zoneout)
 
 
 class LSTMCell(_CellMixin, nn.LSTMCell):
-    """Drop-in for :class:`torch.nn.LSTMCell`, plus ``backend=``."""
+    """Drop-in for :class:`torch.nn.LSTMCell`, plus ``backend=`` and ``zoneout=``."""
 
-    def __init__(self, input_size, hidden_size, *args, backend: str = "auto", **kwargs):
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 zoneout: float = 0.0, **kwargs):
         _check_cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
-        self._init_rnnkern(backend)
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+
+class LayerNormLSTMCell(_CellMixin, nn.RNNCellBase):
+    """One step of :class:`LayerNormLSTM` (cell ``lstm_ln``): ``forward(input,
+    hx=None) -> (h, c)``, as torch.nn.LSTMCell's (hx = (h, c) or None for zeros,
+    unbatched 1-D input, the same error messages).
+
+    Parameters: torch.nn.LSTMCell's (``weight_ih`` [4H, I], ``weight_hh`` [4H, H],
+    ``bias_ih``, ``bias_hh``; its initialisation), then ``ln_ih_weight`` (4H),
+    ``ln_hh_weight`` (4H), ``ln_cell_weight`` (H), ``ln_cell_bias`` (H): gains 1,
+    shift 0.  A subclass of torch.nn.RNNCellBase, not of torch.nn.LSTMCell."""
+
+    _has_torch_nn_twin = False
+
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, zoneout: float = 0.0,
+                 backend: str = "auto", device=None, dtype=None):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, bias, num_chunks=4, device=device, dtype=dtype)
+        for stem, width, _ in _LN_PARAMETERS:
+            setattr(self, stem, nn.Parameter(torch.empty(width * hidden_size, device=device,
+                                                         dtype=dtype)))
+        self._reset_ln()
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+    @property
+    def cell(self) -> str:
+        return "lstm_ln"
+
+    def _ln(self) -> Tensor:
+        """The op's ``ln``: ``[g_ih (4H), g_hh (4H), g_c (H), beta_c (H)]``."""
+        return torch.cat([self.ln_ih_weight, self.ln_hh_weight, self.ln_cell_weight,
+                          self.ln_cell_bias])
+
+    def reset_parameters(self) -> None:
+        """torch.nn.LSTMCell's initialisation of its weights and biases (the same
+        draws in the same order), gains 1 and shift 0."""
+        stdv = 1.0 / math.sqrt(self.hidden_size) if self.hidden_size > 0 else 0
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            weight = getattr(self, name)
+            if weight is not None:
+                nn.init.uniform_(weight, -stdv, stdv)
+        self._reset_ln()
+
+    def _reset_ln(self) -> None:
+        # (torch.nn.RNNCellBase.__init__ calls reset_parameters before the layer
+        # norms' parameters exist.)
+        with torch.no_grad():
+            for stem, _, value in _LN_PARAMETERS:
+                if getattr(self, stem, None) is not None:
+                    getattr(self, stem).fill_(value)
+
+    def _autocast_result_dtypes(self, x: Tensor, parts, dtype: torch.dtype):
+        """Every result in the autocast dtype (as LayerNormLSTM)."""
+        return (dtype, dtype)
 
 
 # -------------------------------------------------------------- convert ----
