@@ -179,6 +179,21 @@ def _autocast_dtype(device_type: str, weight: Tensor) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
+def _current(module: nn.Module, names) -> list:
+    """The current values of the parameters ``names``, read from ``_parameters``
+    (where torch.func.functional_call swaps them too): nn.Module.__getattr__
+    costs about 0.4 us a lookup, a noticeable share of a one-step call.  A
+    name missing there (a parametrization replaced it by a property, or a
+    plain attribute took its place) or registered as None is read as an
+    attribute."""
+    params = module._parameters
+    out = []
+    for name in names:
+        t = params.get(name)
+        out.append(t if t is not None else getattr(module, name, None))
+    return out
+
+
 def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if t is None else t.to(dtype)
 
@@ -315,7 +330,7 @@ class _RecurrentMixin(_RnnkernOptions):
         ``_flat_weights_names``, read once per call (a one-step call feels
         every lookup).  Order per layer and direction: w_ih, w_hh[, b_ih,
         b_hh][, w_hr]."""
-        flat = [getattr(self, name) for name in self._flat_weights_names]
+        flat = _current(self, self._flat_weights_names)
         n = len(flat) // (self.num_layers * D)
         groups = []
         for i in range(0, len(flat), n):
@@ -333,7 +348,7 @@ class _RecurrentMixin(_RnnkernOptions):
         """LayerNormLSTM: the ``ln`` argument of each (layer, direction)'s op,
         ``[g_ih (4H), g_hh (4H), g_c (H), beta_c (H)]``, from the parameters'
         current attributes."""
-        return [torch.cat([getattr(self, name) for name in names]) for names in self._ln_names]
+        return [torch.cat(_current(self, names)) for names in self._ln_names]
 
     def _zoneout_width(self) -> int:
         """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
@@ -352,14 +367,18 @@ class _RecurrentMixin(_RnnkernOptions):
         order, as torch.nn does."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
-        backend = ops.resolve_backend(self.backend, x.device)
+        backend = self.backend
+        if not (backend == "cpu" or backend == "auto") or x.device.type != "cpu":
+            backend = ops.resolve_backend(backend, x.device)
+        else:
+            backend = "cpu"
         name = type(self).__name__
         weights = self._layer_weights(D)
         cell = self.cell
         lns = self._layer_ln() if cell == "lstm_ln" else None
         packed = lengths is not None
         result_dtypes = None
-        dtype = _autocast_dtype(x.device.type, weights[0][0])
+        dtype = _autocast_dtype(x.device.type, weights[0][0]) if _any_autocast() else None
         if dtype is not None:
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
@@ -381,12 +400,27 @@ class _RecurrentMixin(_RnnkernOptions):
             Z = self._zoneout_width()
             if not self.training:  # the expectation: one [Z] vector, broadcast
                 zoneout = torch.full((Z,), p, dtype=x.dtype, device=x.device).expand(T, B, Z)
+        # One step (a streaming or token-by-token call): the fused step op, x W_ih^T
+        # inside, instead of an input projection and a recurrence of one step --
+        # one op call instead of two, which is most of such a call's cost.  (A
+        # reset at the only position changes nothing: the step starts from h0.)
+        one_step = x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             outputs = []
             for d in range(D):
                 idx = layer * D + d
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
+                if one_step:
+                    h, c = ops.run_step(backend, cell, x[0], h0[idx], c0[idx] if lstm else None,
+                                        w_ih, w_hh, b_ih, b_hh, None if lns is None else lns[idx])
+                    outputs.append(h.unsqueeze(0))
+                    # h_n apart from the output, as on every other path (an
+                    # in-place edit of one must not show in the other)
+                    h_n.append(h.clone() if self.num_layers * D == 1 else h)
+                    if lstm:
+                        c_n.append(c)
+                    continue
                 if p and self.training:  # a fresh Bernoulli mask per layer and direction
                     zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
                 out, h, c = ops.run_recurrence(
@@ -771,6 +805,10 @@ def _check_cell_sizes(input_size, hidden_size) -> None:
             raise RuntimeError(f"{arg} must be non-negative, got {value}")
 
 
+#: The cells' parameters, in rnnkern.ops.step's order.
+_CELL_WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
 class _CellMixin(_RnnkernOptions):
     """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`).
 
@@ -833,12 +871,11 @@ class _CellMixin(_RnnkernOptions):
         if x.size(1) != self.input_size:
             raise RuntimeError(f"{name}: input has inconsistent input_size: got {x.size(1)} "
                                f"expected {self.input_size}")
-        # Each parameter read once: a module attribute lookup costs as much as
-        # a small step's arithmetic (this path is what a per-step loop pays).
-        weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        # Each parameter read once, from _parameters (see _current): this path
+        # is what a per-step loop pays on every call.
+        weights = _current(self, _CELL_WEIGHTS)
         ln = self._ln() if cell == "lstm_ln" else None
-        device_type = x.device.type
-        autocast = _autocast_dtype(device_type, weights[0])
+        autocast = _autocast_dtype(x.device.type, weights[0]) if _any_autocast() else None
         if autocast is None and x.dtype != weights[0].dtype:
             raise _dtype_mismatch(name, "input", x.dtype, "weight", weights[0].dtype)
         if parts is None:
@@ -859,7 +896,11 @@ class _CellMixin(_RnnkernOptions):
             x, parts = x.to(autocast), tuple(h.to(autocast) for h in parts)
             weights = tuple(_cast(w, autocast) for w in weights)
             ln = _cast(ln, autocast)
-        backend = ops.resolve_backend(self.backend, x.device)
+        backend = self.backend
+        if not (backend == "cpu" or backend == "auto") or x.device.type != "cpu":
+            backend = ops.resolve_backend(backend, x.device)
+        else:
+            backend = "cpu"
         _check_supported(name, backend, cell, x.dtype, step=True)
         if self.hidden_size == 0:
             # Nothing to compute, but the empty results keep their autograd
