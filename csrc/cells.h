@@ -259,10 +259,12 @@ struct GruResetBeforeUnit {
 // The state a step ends with, per unit: h_t = m h_{t-1} + (1 - m) h~_t (and
 // c alike), m the mask value (0 or 1 in training, the probability in
 // evaluation).  Its gradient d splits into m d for the previous state and
-// (1 - m) d for the candidate.
+// (1 - m) d for the candidate.  Written as the two products (not
+// cand + m (prev - cand)) so that a training mask's 0 and 1 give cand and prev
+// exactly, with or without FMA contraction, as the reference does.
 template <typename A>
 struct Zoneout {
-  static RNNKERN_HD A forward(A m, A prev, A cand) { return cand + m * (prev - cand); }
+  static RNNKERN_HD A forward(A m, A prev, A cand) { return m * prev + (A(1) - m) * cand; }
   static RNNKERN_HD A to_prev(A m, A d) { return m * d; }
   static RNNKERN_HD A to_candidate(A m, A d) { return (A(1) - m) * d; }
 };

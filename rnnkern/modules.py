@@ -75,7 +75,7 @@ __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLST
 #: dtypes as "torch.float64" etc.
 UNSUPPORTED: dict[str, frozenset] = {
     "reference": frozenset(),
-    "cpu": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "cpu": frozenset(),
     "cuda": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
     "triton": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
     "cuda_emulated": frozenset({"resets", "zoneout", "LayerNormLSTM"}),

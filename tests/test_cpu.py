@@ -422,3 +422,253 @@ def test_both_vector_widths_match_reference(bits):
     width, worst = run.stdout.split()
     assert width == ("256" if bits == "256" or rnnkern._C.cpu_isa() != "x86-64-v4" else "512")
     assert float(worst) < 1e-10
+
+
+# ------------------------------- resets, zoneout, lstm_ln (issue #16) ----
+# tests/test_options.py holds the matrix every backend passes (small sizes,
+# default threads); these reach the CPU kernels' own paths: both work splits
+# on 1-3 threads, widths off the vector width, calls that keep no workspace,
+# masks read through their strides, resets on every step or at a sequence's
+# first step, and the lstm_ln step.
+
+OPTION_CASES = CASES + [("lstm_ln", 0)]
+OPTION_IDS = CASE_IDS + ["lstm_ln"]
+OPTION_NAMES = ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh", "w_hr", "ln")
+
+
+def option_inputs(cell, proj, T, B, H, variant, dtype=torch.float64, key=()):
+    """Random op arguments (a dict, leaves requiring grad) and the options of
+    the variant: "resets", "every-reset" (every step restarts), "zoneout" (a
+    training mask), "eval" (an expanded evaluation-mode mask), "lengths",
+    "reverse", joined by dashes."""
+    g = generator("cpu-options", cell, proj, T, B, H, variant, str(dtype), *key)
+    G = reference.gate_count(cell)
+    P = proj or H
+    s = H ** -0.5
+    has_c = cell in ("lstm", "lstm_ln")
+    args = dict(
+        xproj=randn(g, T, B, G * H, dtype=dtype, requires_grad=True),
+        h0=randn(g, B, P, dtype=dtype, scale=0.5, requires_grad=True),
+        c0=randn(g, B, H, dtype=dtype, scale=0.5, requires_grad=True) if has_c else None,
+        w_hh=randn(g, G * H, P, dtype=dtype, scale=s, requires_grad=True),
+        b_ih=randn(g, G * H, dtype=dtype, scale=s, requires_grad=True),
+        b_hh=randn(g, G * H, dtype=dtype, scale=s, requires_grad=True),
+        w_hr=randn(g, P, H, dtype=dtype, scale=s, requires_grad=True) if proj else None,
+        ln=((1 + 0.3 * randn(g, 10 * H)) * torch.cat([torch.ones(9 * H), 0.3 * torch.ones(H)]))
+        .to(dtype).requires_grad_() if cell == "lstm_ln" else None,
+    )
+    parts = variant.split("-")
+    Z = reference.zoneout_width(cell, H, P)
+    resets = zoneout = lengths = None
+    if "resets" in parts:
+        resets = torch.rand(T, B, generator=g) < 0.3
+    if "every" in parts:
+        resets = torch.ones(T, B, dtype=torch.bool)
+    if "zoneout" in parts:
+        zoneout = (torch.rand(T, B, Z, generator=g) < 0.4).to(dtype)
+    if "eval" in parts:
+        zoneout = torch.full((Z,), 0.3, dtype=dtype).expand(T, B, Z)
+    if "lengths" in parts:
+        lengths = torch.randint(0, T + 1, (B,), generator=g)
+    return args, dict(resets=resets, zoneout=zoneout, lengths=lengths, reverse="reverse" in parts)
+
+
+def run_options(backend, cell, args, opts):
+    return ops.recurrence(cell, *(args[n] for n in OPTION_NAMES[:7]), opts["lengths"],
+                          opts["reverse"], backend=backend, resets=opts["resets"],
+                          zoneout=opts["zoneout"], ln=args["ln"])
+
+
+def option_results(backend, cell, args, opts, key=()):
+    """Outputs, final states and the gradient of every tensor argument under a
+    random linear functional of all outputs."""
+    out = [o for o in run_options(backend, cell, args, opts) if o is not None]
+    g = generator("cpu-options-cotangent", *key)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
+    names = [n for n in OPTION_NAMES if args[n] is not None]
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
+
+
+def assert_options_match_reference(cell, args, opts, key):
+    want = option_results("reference", cell, args, opts, key=key)
+    got = option_results("cpu", cell, args, opts, key=key)
+    assert set(got) == set(want)
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+def forward_regions(cell, args, opts):
+    """Parallel regions one inference forward opens (by rows: one for the whole
+    time loop; by units: at least one per step)."""
+    before = rnnkern._C.cpu_parallel_regions()
+    with torch.no_grad():
+        run_options("cpu", cell, args, opts)
+    return rnnkern._C.cpu_parallel_regions() - before
+
+
+OPTION_VARIANTS = ["resets-zoneout", "resets-eval-lengths-reverse", "every-reset-zoneout-reverse",
+                   "resets-zoneout-lengths"]
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("n_threads,B", [(2, 17), (3, 26), (1, 17)])
+@pytest.mark.parametrize("H", [16, 70])
+@pytest.mark.parametrize("variant", OPTION_VARIANTS)
+def test_cpu_options_split_by_rows_match_reference(threads, cell, proj, n_threads, B, H, variant):
+    """Each thread runs the whole recurrence of its rows, the options read per
+    row: restarting rows and mask rows spread over uneven thread shares."""
+    threads(n_threads)
+    args, opts = option_inputs(cell, proj and H // 2 + 1, 9, B, H, variant, key=("rows",))
+    if n_threads > 1:
+        assert forward_regions(cell, args, opts) == 1  # split by rows: one meeting
+    assert_options_match_reference(cell, args, opts, key=(cell, B, H, variant))
+
+
+def unit_split_batch(cell, H, P):
+    """The smallest batch whose step splits by units on two threads
+    (csrc/cpu/recurrence.cpp, kMinStepMacsPerWorker)."""
+    G = reference.gate_count(cell)
+    return (1 << 25) // (G * H * P + (H * P if P != H else 0)) + 1
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("T,variant", [(3, "resets-zoneout-lengths-reverse"),
+                                       (3, "every-reset-eval"), (1, "resets-zoneout")],
+                         ids=["all", "every-reset-eval", "one-step"])
+def test_cpu_options_split_by_units_match_reference(threads, cell, proj, T, variant):
+    """A step large enough to split by units on two threads (H = 520: slices
+    off the 16-column panels): restarting rows take their slice of h0 W_hh^T,
+    the carries of their slices move to d_h0; lstm_ln runs its product by
+    units and its layer norms over whole rows on one thread.  One step reads
+    the weights in place."""
+    threads(2)
+    H = 520
+    P = H // 2 + 1 if proj else H
+    B = unit_split_batch(cell, H, P)
+    args, opts = option_inputs(cell, proj and P, T, B, H, variant, key=("units",))
+    assert forward_regions(cell, args, opts) >= T  # split by units: a meeting per step
+    assert_options_match_reference(cell, args, opts, key=(cell, T, variant))
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("n_threads,T,B", [(1, 5, 2), (2, 6, 5), (2, 4, 1)],
+                         ids=["two-rows", "two-rows-per-thread", "one-row"])
+def test_cpu_options_weights_read_in_place_match_reference(threads, cell, proj, n_threads, T, B):
+    """At most two rows per thread a step: the per-step products read the
+    weights where they lie (kMaxInPlaceRows), with every option."""
+    threads(n_threads)
+    H = 37
+    args, opts = option_inputs(cell, proj and H // 2 + 1, T, B, H, "resets-zoneout-lengths-reverse",
+                               key=("in-place", n_threads))
+    assert_options_match_reference(cell, args, opts, key=(cell, T, B))
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("H", [37, 130])
+@pytest.mark.parametrize("variant", ["resets-zoneout-lengths-reverse", "resets-eval"])
+def test_cpu_options_odd_widths_match_reference(cell, proj, H, variant):
+    """Widths that are not multiples of the vector width (vectorised loops
+    with tails; lstm_ln's row statistics over 4H and H values)."""
+    args, opts = option_inputs(cell, proj and H // 2 + 1, 7, 5, H, variant, key=("odd",))
+    assert_options_match_reference(cell, args, opts, key=(cell, H, variant))
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("n_threads,B,H", [(2, 17, 16), (2, None, 520)], ids=["by-rows", "by-units"])
+def test_cpu_options_inference_equals_training(threads, cell, proj, n_threads, B, H):
+    """A call without gradients keeps no workspace (lstm_ln: a scratch row per
+    worker instead) and computes the same numbers, bit for bit."""
+    threads(n_threads)
+    P = H // 2 + 1 if proj else H
+    B = B or unit_split_batch(cell, H, P)
+    args, opts = option_inputs(cell, proj and P, 4, B, H, "resets-zoneout-lengths", key=("infer",))
+    trained = run_options("cpu", cell, args, opts)
+    with torch.no_grad():
+        inferred = run_options("cpu", cell, args, opts)
+    for a, b in zip(trained, inferred):
+        if a is not None:
+            assert torch.equal(a.detach(), b)
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cpu_eval_zoneout_mask_read_through_its_strides(cell, proj, dtype):
+    """An evaluation-mode mask (a [Z] vector expanded to [T, B, Z]) and its
+    contiguous copy give the same results bit for bit (the kernel converts
+    the one row and reads it through strides 0), as does a mask expanded
+    along T only."""
+    H = 12
+    args, opts = option_inputs(cell, proj and 7, 5, 4, H, "resets-eval-lengths-reverse",
+                               dtype=dtype, key=("strides",))
+    assert opts["zoneout"].stride()[:2] == (0, 0)
+    expanded = option_results("cpu", cell, args, opts, key=("strides",))
+    copied = option_results("cpu", cell, args, dict(opts, zoneout=opts["zoneout"].contiguous()),
+                            key=("strides",))
+    for name in expanded:
+        assert torch.equal(expanded[name], copied[name]), name
+    g = generator("strides-rows", cell)
+    Z = opts["zoneout"].shape[2]
+    per_row = (torch.rand(1, 4, Z, generator=g) < 0.5).to(dtype)
+    along_t = option_results("cpu", cell, args, dict(opts, zoneout=per_row.expand(5, 4, Z)),
+                             key=("strides",))
+    copied = option_results("cpu", cell, args,
+                            dict(opts, zoneout=per_row.expand(5, 4, Z).contiguous()),
+                            key=("strides",))
+    for name in along_t:
+        assert torch.equal(along_t[name], copied[name]), name
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_cpu_resets_at_first_step_and_zoneout_extremes(cell, proj, reverse):
+    """A reset at each sequence's first step changes nothing (values and
+    gradients); a mask of ones keeps every state at h0 (c0) exactly, a mask of
+    zeros is the plain recurrence exactly."""
+    T, B, H = 6, 4, 9
+    args, opts = option_inputs(cell, proj and 5, T, B, H, "lengths", key=("extremes", reverse))
+    opts["reverse"] = reverse
+    lengths = opts["lengths"]
+    plain = run_options("cpu", cell, args, opts)
+    resets = torch.zeros(T, B, dtype=torch.bool)
+    for b in range(B):
+        if lengths[b] > 0:
+            resets[lengths[b] - 1 if reverse else 0, b] = True
+    want = option_results("cpu", cell, args, opts, key=("extremes",))
+    got = option_results("cpu", cell, args, dict(opts, resets=resets), key=("extremes",))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    Z = reference.zoneout_width(cell, H, args["h0"].shape[1])
+    for got, want in zip(run_options("cpu", cell, args, dict(opts, zoneout=torch.zeros(T, B, Z, dtype=torch.float64))), plain):
+        if want is not None:
+            assert torch.equal(got, want)
+    out, h_n, c_n = run_options("cpu", cell, args, dict(opts, zoneout=torch.ones(T, B, Z, dtype=torch.float64)))
+    assert torch.equal(h_n, args["h0"])
+    if c_n is not None:
+        assert torch.equal(c_n, args["c0"])
+    valid = (torch.arange(T).unsqueeze(1) < lengths).unsqueeze(2)  # [T, B, 1], by position
+    torch.testing.assert_close(out, torch.where(valid, args["h0"].detach(), 0.0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n_threads,B,I,H", [(2, 5, 7, 33), (2, None, 16, 520)],
+                         ids=["by-rows", "by-units"])
+def test_lstm_ln_step_matches_reference(threads, n_threads, B, I, H):
+    """The lstm_ln step op (the recurrence's kernels with T = 1) at sizes that
+    split by rows and by units, float64, every gradient."""
+    threads(n_threads)
+    B = B or unit_split_batch("lstm_ln", H, H)
+    g = generator("cpu-ln-step", B, I, H)
+    s = H ** -0.5
+    args = dict(x=randn(g, B, I), h=randn(g, B, H, scale=0.5), c=randn(g, B, H, scale=0.5),
+                w_ih=randn(g, 4 * H, I, scale=s), w_hh=randn(g, 4 * H, H, scale=s),
+                b_ih=randn(g, 4 * H, scale=s), b_hh=randn(g, 4 * H, scale=s),
+                ln=1 + 0.3 * randn(g, 10 * H))
+    args = {k: v.requires_grad_() for k, v in args.items()}
+    results = []
+    for backend in ("reference", "cpu"):
+        h, c = ops.step("lstm_ln", *list(args.values())[:7], backend=backend, ln=args["ln"])
+        gc = generator("cpu-ln-step-cotangent", B, H)
+        loss = (h * randn(gc, *h.shape)).sum() + (c * randn(gc, *c.shape)).sum()
+        results.append([h, c, *torch.autograd.grad(loss, list(args.values()))])
+    for name, got, want in zip(["h", "c", *args], results[1], results[0]):
+        assert_close(got, want, what=name)

@@ -15,6 +15,12 @@
 // Gate math runs in float (for float, bfloat16, float16) or double; half
 // inputs are converted on entry and outputs converted back.  The row loops
 // are compiled for several x86 ISA levels (target_clones) and vectorise.
+//
+// The options beyond torch.nn (resets, zoneout, the lstm_ln cell; formulas
+// in rnnkern/reference.py) run inside the same loops: per-row choices of
+// the state a step starts from, template flags of the row kernels, and for
+// lstm_ln row kernels of its own (see forward_impl and backward_impl).  A
+// call without them runs the code it ran before they existed.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -26,6 +32,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../cells.h"
@@ -63,54 +70,102 @@ void zero_row(A* dst, int64_t n) {
 }
 
 // ------------------------------------------------------------------------
+// The options of a call (resets, zoneout), read per batch row at its time
+// position.  Absent options are null pointers; the drivers test them once per
+// row, never per element (the row kernels take them as template flags).
+template <typename A>
+struct Options {
+  const bool* resets = nullptr;  // [T, B] contiguous
+  int64_t B = 0;
+  const A* zone = nullptr;       // zoneout mask: unit k of row (p, b) at zone[p*zt + b*zb + k]
+  int64_t zt = 0, zb = 0;        // its strides along T and B (0 for an evaluation-mode mask)
+  int64_t zc = 0;                // where its c part starts (P; cells with a cell state)
+
+  // Whether the step at time position p of row b starts from h0 (and c0).
+  bool restart(int64_t p, int64_t b) const { return resets != nullptr && p >= 0 && resets[p * B + b]; }
+  // The mask row of (p, b): h part at [0, P), c part at [zc, zc + H).
+  const A* mask(int64_t p, int64_t b) const { return zone ? zone + p * zt + b * zb : nullptr; }
+};
+
+// Calls f(std::bool_constant<v>{}): a runtime flag as a template argument.
+template <typename F>
+decltype(auto) bool_switch(bool v, F&& f) {
+  return v ? f(std::true_type{}) : f(std::false_type{});
+}
+
+// ------------------------------------------------------------------------
 // Row kernels: one batch row, the hidden units [j0, j0 + n) of one step.
 // Arrays with one value per gate and unit (xproj, bias, workspace, gate
 // gradients) hold gate k of unit j at k*ld + j (ld = H; pointers offset by
 // j0); the thread's own hproj slice holds it at k*ldh + j (ldh = n).  Arrays
 // with one value per unit (h, c, dh) are plain.
+//
+// With zoneout (kZone) the state a step ends with blends the state it started
+// from (h_prev, c_prev: h0, c0 after a reset) with the cell's update, per
+// unit with the mask row m (mh, mc: its h and c parts), as Zoneout in cells.h.
 
-template <typename A, bool kRelu>
+template <typename A, bool kRelu, bool kSave, bool kZone>
 RNNKERN_CPU_CLONES void rnn_forward_row(int64_t n, const A* __restrict x, const A* __restrict hh,
-                                        const A* __restrict bias, A* __restrict h) {
-  for (int64_t j = 0; j < n; ++j) h[j] = RnnUnit<A, kRelu>::forward(x[j], hh[j] + bias[j]);
+                                        const A* __restrict bias, A* __restrict h,
+                                        const A* __restrict h_prev, const A* __restrict m,
+                                        A* __restrict ws) {
+  for (int64_t j = 0; j < n; ++j) {
+    const A cand = RnnUnit<A, kRelu>::forward(x[j], hh[j] + bias[j]);
+    if constexpr (kZone) {
+      if constexpr (kSave) ws[j] = cand;  // the backward needs h~, the output is blended
+      h[j] = Zoneout<A>::forward(m[j], h_prev[j], cand);
+    } else {
+      h[j] = cand;
+    }
+  }
 }
 
-template <typename A, bool kSave>
+// kZoneC blends c, kZoneH blends h (not with a projection: the projected h is
+// blended after its product).  The workspace keeps the blended c.
+template <typename A, bool kSave, bool kZoneC, bool kZoneH>
 RNNKERN_CPU_CLONES void lstm_forward_row(int64_t n, int64_t ld, int64_t ldh,
                                          const A* __restrict x, const A* __restrict hh,
                                          const A* __restrict bias, const A* __restrict c_prev,
-                                         A* __restrict c, A* __restrict h, A* __restrict ws) {
+                                         A* __restrict c, A* __restrict h, A* __restrict ws,
+                                         const A* __restrict h_prev, const A* __restrict mh,
+                                         const A* __restrict mc) {
   for (int64_t j = 0; j < n; ++j) {
     const auto r = LstmUnit<A>::forward(x[j] + hh[j] + bias[j],
                                         x[ld + j] + hh[ldh + j] + bias[ld + j],
                                         x[2 * ld + j] + hh[2 * ldh + j] + bias[2 * ld + j],
                                         x[3 * ld + j] + hh[3 * ldh + j] + bias[3 * ld + j],
                                         c_prev[j]);
-    c[j] = r.c;
-    h[j] = r.h;
+    A c_new = r.c, h_new = r.h;
+    if constexpr (kZoneC) c_new = Zoneout<A>::forward(mc[j], c_prev[j], r.c);
+    if constexpr (kZoneH) h_new = Zoneout<A>::forward(mh[j], h_prev[j], r.h);
+    c[j] = c_new;
+    h[j] = h_new;
     if constexpr (kSave) {
       ws[j] = r.i;
       ws[ld + j] = r.f;
       ws[2 * ld + j] = r.g;
       ws[3 * ld + j] = r.o;
-      ws[4 * ld + j] = r.c;
+      ws[4 * ld + j] = c_new;
     }
   }
 }
 
 // The candidate keeps b_in (bx) and b_hn (bh) apart: n = tanh(xn + b_in + r * (hn + b_hn)).
-template <typename A, bool kSave>
+template <typename A, bool kSave, bool kZone>
 RNNKERN_CPU_CLONES void gru_forward_row(int64_t n, int64_t ld, int64_t ldh,
                                         const A* __restrict x, const A* __restrict hh,
                                         const A* __restrict bx, const A* __restrict bh,
                                         const A* __restrict h_prev, A* __restrict h,
-                                        A* __restrict ws) {
+                                        A* __restrict ws, const A* __restrict m) {
   for (int64_t j = 0; j < n; ++j) {
     const A hn = hh[2 * ldh + j] + bh[2 * ld + j];
     const auto r = GruUnit<A>::forward(x[j] + bx[j], x[ld + j] + bx[ld + j],
                                        x[2 * ld + j] + bx[2 * ld + j], hh[j] + bh[j],
                                        hh[ldh + j] + bh[ld + j], hn, h_prev[j]);
-    h[j] = r.h;
+    if constexpr (kZone)
+      h[j] = Zoneout<A>::forward(m[j], h_prev[j], r.h);
+    else
+      h[j] = r.h;
     if constexpr (kSave) {
       ws[j] = r.r;
       ws[ld + j] = r.z;
@@ -137,22 +192,104 @@ RNNKERN_CPU_CLONES void gru_rb_gates_row(int64_t n, int64_t ld, int64_t ldh,
 }
 
 // Stage 2: hn = (r * h_prev) W_hn^T, the candidate and h.
-template <typename A, bool kSave>
+template <typename A, bool kSave, bool kZone>
 RNNKERN_CPU_CLONES void gru_rb_candidate_row(int64_t n, int64_t ld, int64_t ldh,
                                              const A* __restrict x, const A* __restrict hn,
                                              const A* __restrict bias, const A* __restrict rz,
                                              const A* __restrict h_prev, A* __restrict h,
-                                             A* __restrict ws) {
+                                             A* __restrict ws, const A* __restrict m) {
   for (int64_t j = 0; j < n; ++j) {
     const auto c = GruResetBeforeUnit<A>::candidate(x[2 * ld + j], hn[j] + bias[2 * ld + j],
                                                     rz[ldh + j], h_prev[j]);
-    h[j] = c.h;
+    if constexpr (kZone)
+      h[j] = Zoneout<A>::forward(m[j], h_prev[j], c.h);
+    else
+      h[j] = c.h;
     if constexpr (kSave) {
       ws[j] = rz[j];
       ws[ld + j] = rz[ldh + j];
       ws[2 * ld + j] = c.n;
     }
   }
+}
+
+// Zoneout of a whole row of values: out = m prev + (1 - m) cand (the
+// projected h of an LSTM with a projection).
+template <typename A>
+RNNKERN_CPU_CLONES void zoneout_row(int64_t n, const A* __restrict m, const A* __restrict prev,
+                                    const A* __restrict cand, A* __restrict out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = Zoneout<A>::forward(m[j], prev[j], cand[j]);
+}
+
+// Mean and (biased) variance of v[0, n), in double: a layer norm's row statistics.
+template <typename A>
+RNNKERN_CPU_CLONES void row_moments(int64_t n, const A* __restrict v, double& mean, double& var) {
+  double s = 0.0;
+  for (int64_t j = 0; j < n; ++j) s += static_cast<double>(v[j]);
+  const double mu = n > 0 ? s / static_cast<double>(n) : 0.0;
+  double q = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double d = static_cast<double>(v[j]) - mu;
+    q += d * d;
+  }
+  mean = mu;
+  var = n > 0 ? q / static_cast<double>(n) : 0.0;
+}
+
+// LSTM-LN, one batch row, all H units (its layer norms need whole rows):
+// x, hh: the row's raw x W_ih^T and h_{t-1} W_hh^T (gate k of unit j at
+// k*H + j); bias: b_ih + b_hh; ln: [g_ih (4H), g_hh (4H), g_c (H), beta_c (H)];
+// ws: the row's workspace (cells.h layout: i, f, g, o, c, x^ (4), h^ (4), c^,
+// then the three rstd), a scratch row when not training.
+template <typename A, bool kZone>
+RNNKERN_CPU_CLONES void lstm_ln_forward_row(int64_t H, const A* __restrict x,
+                                            const A* __restrict hh, const A* __restrict bias,
+                                            const A* __restrict ln, const A* __restrict h_prev,
+                                            const A* __restrict c_prev, const A* __restrict mh,
+                                            const A* __restrict mc, A* __restrict ws,
+                                            A* __restrict c, A* __restrict h) {
+  const int64_t G4 = 4 * H;
+  const A *g_ih = ln, *g_hh = ln + G4, *g_c = ln + 2 * G4, *beta_c = ln + 2 * G4 + H;
+  A *xhat = ws + 5 * H, *hhat = ws + 9 * H, *chat = ws + 13 * H;
+  double mean, var;
+  row_moments(G4, x, mean, var);
+  const A mean_x = static_cast<A>(mean), rstd_x = LayerNorm<A>::rstd(static_cast<A>(var));
+  row_moments(G4, hh, mean, var);
+  const A mean_h = static_cast<A>(mean), rstd_h = LayerNorm<A>::rstd(static_cast<A>(var));
+  for (int64_t k = 0; k < G4; ++k) {
+    xhat[k] = LayerNorm<A>::normalize(x[k], mean_x, rstd_x);
+    hhat[k] = LayerNorm<A>::normalize(hh[k], mean_h, rstd_h);
+  }
+  // Gates, and the candidate cell c~ (in c^'s place until its statistics are known).
+  for (int64_t j = 0; j < H; ++j) {
+    A pre[4];
+    for (int64_t k = 0; k < 4; ++k) {
+      const int64_t e = k * H + j;
+      pre[k] = LstmLnUnit<A>::pre_activation(xhat[e], hhat[e], g_ih[e], g_hh[e], bias[e]);
+    }
+    const A i = sigmoid(pre[0]), f = sigmoid(pre[1]), g = Math<A>::tanh(pre[2]),
+            o = sigmoid(pre[3]);
+    ws[j] = i;
+    ws[H + j] = f;
+    ws[2 * H + j] = g;
+    ws[3 * H + j] = o;
+    chat[j] = LstmUnit<A>::candidate(i, f, g, c_prev[j]);
+  }
+  row_moments(H, chat, mean, var);
+  const A mean_c = static_cast<A>(mean), rstd_c = LayerNorm<A>::rstd(static_cast<A>(var));
+  for (int64_t j = 0; j < H; ++j) {
+    const A cand = chat[j];
+    const A ch = LayerNorm<A>::normalize(cand, mean_c, rstd_c);
+    chat[j] = ch;
+    const A h_new = LstmLnUnit<A>::output(ws[3 * H + j], ch, g_c[j], beta_c[j]);
+    const A c_new = kZone ? Zoneout<A>::forward(mc[j], c_prev[j], cand) : cand;
+    ws[4 * H + j] = c_new;
+    c[j] = c_new;
+    h[j] = kZone ? Zoneout<A>::forward(mh[j], h_prev[j], h_new) : h_new;
+  }
+  ws[14 * H] = rstd_x;
+  ws[14 * H + 1] = rstd_h;
+  ws[14 * H + 2] = rstd_c;
 }
 
 // Backward row kernels.  dh_io holds the gradient carried from step t+1 on
@@ -162,34 +299,59 @@ RNNKERN_CPU_CLONES void gru_rb_candidate_row(int64_t n, int64_t ld, int64_t ldh,
 // recurrent projection, which the next step's GEMM reads.  Both stride ld.
 // For RNN and LSTM the two are the same numbers: those row kernels write da
 // only, and the driver either has da point into d_xproj or copies it there.
+// With zoneout the gradient d of a state splits into m d, straight to the
+// state the step started from (the direct part), and (1 - m) d into the cell.
 
-template <typename A, bool kRelu>
+// h: the output h_t, or with zoneout the candidate h~_t (from the workspace).
+template <typename A, bool kRelu, bool kZone>
 RNNKERN_CPU_CLONES void rnn_backward_row(int64_t n, A* __restrict dh_io, const A* __restrict gout,
-                                         const A* __restrict h, A* __restrict da) {
+                                         const A* __restrict h, A* __restrict da,
+                                         const A* __restrict m) {
   for (int64_t j = 0; j < n; ++j) {
-    da[j] = RnnUnit<A, kRelu>::backward(dh_io[j] + gout[j], h[j]);
-    dh_io[j] = A(0);
+    const A d = dh_io[j] + gout[j];
+    if constexpr (kZone) {
+      da[j] = RnnUnit<A, kRelu>::backward(Zoneout<A>::to_candidate(m[j], d), h[j]);
+      dh_io[j] = Zoneout<A>::to_prev(m[j], d);
+    } else {
+      da[j] = RnnUnit<A, kRelu>::backward(d, h[j]);
+      dh_io[j] = A(0);
+    }
   }
 }
 
 // With a projection, dh is the gradient of the unprojected h_t (already the
-// whole of it) and h_full receives o * tanh(c) for the gradient of W_hr.
-template <typename A, bool kProj>
+// whole of it, zoneout applied) and h_full receives o * tanh(c) for the
+// gradient of W_hr.  With zoneout the workspace holds the blended c_t: the
+// candidate c~ that h_t was computed from is recomputed (LstmUnit::candidate).
+template <typename A, bool kProj, bool kZone>
 RNNKERN_CPU_CLONES void lstm_backward_row(int64_t n, int64_t ld, A* __restrict dh_io,
                                           const A* __restrict gout, A* __restrict dc_io,
                                           const A* __restrict ws, const A* __restrict c_prev,
-                                          A* __restrict da, A* __restrict h_full) {
+                                          A* __restrict da, A* __restrict h_full,
+                                          const A* __restrict mh, const A* __restrict mc) {
   for (int64_t j = 0; j < n; ++j) {
     const A dh = kProj ? dh_io[j] : dh_io[j] + gout[j];
-    const A i = ws[j], f = ws[ld + j], g = ws[2 * ld + j], o = ws[3 * ld + j], c = ws[4 * ld + j];
-    const auto r = LstmUnit<A>::backward(dh, dc_io[j], i, f, g, o, c, c_prev[j]);
+    const A i = ws[j], f = ws[ld + j], g = ws[2 * ld + j], o = ws[3 * ld + j];
+    const A dc = dc_io[j];
+    A c = ws[4 * ld + j], dh_cand = dh, dc_cand = dc;
+    if constexpr (kZone) {
+      c = LstmUnit<A>::candidate(i, f, g, c_prev[j]);
+      dc_cand = Zoneout<A>::to_candidate(mc[j], dc);
+      if constexpr (!kProj) dh_cand = Zoneout<A>::to_candidate(mh[j], dh);
+    }
+    const auto r = LstmUnit<A>::backward(dh_cand, dc_cand, i, f, g, o, c, c_prev[j]);
     da[j] = r.di;
     da[ld + j] = r.df;
     da[2 * ld + j] = r.dg;
     da[3 * ld + j] = r.do_;
-    dc_io[j] = r.dc_prev;
+    if constexpr (kZone)
+      dc_io[j] = r.dc_prev + Zoneout<A>::to_prev(mc[j], dc);
+    else
+      dc_io[j] = r.dc_prev;
     if constexpr (kProj) {
       h_full[j] = o * Math<A>::tanh(c);
+    } else if constexpr (kZone) {
+      dh_io[j] = Zoneout<A>::to_prev(mh[j], dh);
     } else {
       dh_io[j] = A(0);
     }
@@ -197,37 +359,48 @@ RNNKERN_CPU_CLONES void lstm_backward_row(int64_t n, int64_t ld, A* __restrict d
 }
 
 // dhn: the gradient of W_hn h + b_hn, kept in time order for dW_hn.
-template <typename A>
+template <typename A, bool kZone>
 RNNKERN_CPU_CLONES void gru_backward_row(int64_t n, int64_t ld, A* __restrict dh_io,
                                          const A* __restrict gout, const A* __restrict ws,
                                          const A* __restrict h_prev, A* __restrict dx,
-                                         A* __restrict da, A* __restrict dhn) {
+                                         A* __restrict da, A* __restrict dhn,
+                                         const A* __restrict m) {
   for (int64_t j = 0; j < n; ++j) {
-    const auto r = GruUnit<A>::backward(dh_io[j] + gout[j], ws[j], ws[ld + j], ws[2 * ld + j],
+    const A d = dh_io[j] + gout[j];
+    const A d_cand = kZone ? Zoneout<A>::to_candidate(m[j], d) : d;
+    const auto r = GruUnit<A>::backward(d_cand, ws[j], ws[ld + j], ws[2 * ld + j],
                                         ws[3 * ld + j], h_prev[j]);
     dx[j] = da[j] = r.dr;
     dx[ld + j] = da[ld + j] = r.dz;
     dx[2 * ld + j] = r.dxn;
     da[2 * ld + j] = dhn[j] = r.dhn;
-    dh_io[j] = r.dh_prev;
+    if constexpr (kZone)
+      dh_io[j] = r.dh_prev + Zoneout<A>::to_prev(m[j], d);
+    else
+      dh_io[j] = r.dh_prev;
   }
 }
 
 // Reset-before GRU, stage 1: z and the candidate; dn (plain) feeds the GEMM
 // drh = dn W_hn between the stages.  da holds [dr, dz] (stride ld).
-template <typename A>
+template <typename A, bool kZone>
 RNNKERN_CPU_CLONES void gru_rb_backward_candidate_row(int64_t n, int64_t ld, A* __restrict dh_io,
                                                       const A* __restrict gout,
                                                       const A* __restrict ws,
                                                       const A* __restrict h_prev,
                                                       A* __restrict dx, A* __restrict da,
-                                                      A* __restrict dn) {
+                                                      A* __restrict dn, const A* __restrict m) {
   for (int64_t j = 0; j < n; ++j) {
-    const auto r = GruResetBeforeUnit<A>::backward_candidate(dh_io[j] + gout[j], ws[ld + j],
+    const A d = dh_io[j] + gout[j];
+    const A d_cand = kZone ? Zoneout<A>::to_candidate(m[j], d) : d;
+    const auto r = GruResetBeforeUnit<A>::backward_candidate(d_cand, ws[ld + j],
                                                              ws[2 * ld + j], h_prev[j]);
     dx[ld + j] = da[ld + j] = r.dz;
     dx[2 * ld + j] = dn[j] = r.dn;
-    dh_io[j] = r.dh_prev;
+    if constexpr (kZone)
+      dh_io[j] = r.dh_prev + Zoneout<A>::to_prev(m[j], d);
+    else
+      dh_io[j] = r.dh_prev;
   }
 }
 
@@ -254,6 +427,104 @@ RNNKERN_CPU_CLONES void gru_rb_backward_reset_row(int64_t n, A* __restrict dh_io
 template <typename A>
 RNNKERN_CPU_CLONES void add_row_to_sum(int64_t n, const A* __restrict src, double* __restrict sum) {
   for (int64_t j = 0; j < n; ++j) sum[j] += static_cast<double>(src[j]);
+}
+
+
+// LSTM with a projection and zoneout, the total gradient of the projected h_t
+// (carry d_io plus gout): (1 - m) d into the projection (dt), m d carried on
+// to h_{t-1} (the direct part, left in d_io).
+template <typename A>
+RNNKERN_CPU_CLONES void zoneout_total_row(int64_t n, A* __restrict d_io, const A* __restrict gout,
+                                          const A* __restrict m, A* __restrict dt) {
+  for (int64_t j = 0; j < n; ++j) {
+    const A d = d_io[j] + gout[j];
+    dt[j] = Zoneout<A>::to_candidate(m[j], d);
+    d_io[j] = Zoneout<A>::to_prev(m[j], d);
+  }
+}
+
+// LSTM-LN backward, one batch row, all H units (the layer norms' backward
+// needs the row means of their gradients).  dh_io, dc_io: as in
+// lstm_backward_row (dc_io: the gradient of c_t in, of c_{t-1} out); ws: the
+// row's workspace; dchat: scratch [H]; dx: the row of d xproj (the raw
+// x W_ih^T, through LN_x's backward), da: the gradient of the raw
+// h_{t-1} W_hh^T (through LN_h's backward), the next step's GEMM input; both
+// 4H.  acc: the row's share of the parameters' sums, in double:
+// [d pre-activation (4H: the bias gradient), d g_ih (4H), d g_hh (4H),
+//  d g_c (H), d beta_c (H)].
+template <typename A, bool kZone>
+RNNKERN_CPU_CLONES void lstm_ln_backward_row(int64_t H, A* __restrict dh_io,
+                                             const A* __restrict gout, A* __restrict dc_io,
+                                             const A* __restrict ws, const A* __restrict c_prev,
+                                             const A* __restrict ln, const A* __restrict mh,
+                                             const A* __restrict mc, A* __restrict dchat,
+                                             A* __restrict dx, A* __restrict da,
+                                             double* __restrict acc) {
+  const int64_t G4 = 4 * H;
+  const A *g_ih = ln, *g_hh = ln + G4, *g_c = ln + 2 * G4, *beta_c = ln + 2 * G4 + H;
+  const A *xhat = ws + 5 * H, *hhat = ws + 9 * H, *chat = ws + 13 * H;
+  const A rstd_x = ws[14 * H], rstd_h = ws[14 * H + 1], rstd_c = ws[14 * H + 2];
+  const double inv_h = H > 0 ? 1.0 / static_cast<double>(H) : 0.0;
+  const double inv_g = H > 0 ? 1.0 / static_cast<double>(G4) : 0.0;
+  double* acc_pre = acc;
+  double* acc_g_ih = acc + G4;
+  double* acc_g_hh = acc + 2 * G4;
+  double* acc_g_c = acc + 3 * G4;
+  double* acc_beta_c = acc + 3 * G4 + H;
+  // h~ = o tanh(c^ g_c + beta_c): the output gate (its pre-activation
+  // gradient waits in dx's o block) and the gradient of c^.
+  double s1 = 0.0, s2 = 0.0;
+  for (int64_t j = 0; j < H; ++j) {
+    const A d = dh_io[j] + gout[j];
+    A d_cand = d;
+    if constexpr (kZone) {
+      d_cand = Zoneout<A>::to_candidate(mh[j], d);
+      dh_io[j] = Zoneout<A>::to_prev(mh[j], d);
+    } else {
+      dh_io[j] = A(0);
+    }
+    const auto r = LstmLnUnit<A>::backward_output(d_cand, ws[3 * H + j], chat[j], g_c[j], beta_c[j]);
+    dx[3 * H + j] = r.do_;
+    dchat[j] = r.dchat;
+    acc_g_c[j] += static_cast<double>(r.dy) * static_cast<double>(chat[j]);
+    acc_beta_c[j] += static_cast<double>(r.dy);
+    s1 += static_cast<double>(r.dchat);
+    s2 += static_cast<double>(r.dchat) * static_cast<double>(chat[j]);
+  }
+  const A m1 = static_cast<A>(s1 * inv_h), m2 = static_cast<A>(s2 * inv_h);
+  // c~ through LN_c, plus (zoneout's share of) the carried gradient of c_t.
+  for (int64_t j = 0; j < H; ++j) {
+    const A dc = dc_io[j];
+    const A d_cand = LayerNorm<A>::backward(dchat[j], chat[j], rstd_c, m1, m2) +
+                     (kZone ? Zoneout<A>::to_candidate(mc[j], dc) : dc);
+    const auto r = LstmLnUnit<A>::backward_gates(d_cand, ws[j], ws[H + j], ws[2 * H + j], c_prev[j]);
+    dx[j] = r.di;
+    dx[H + j] = r.df;
+    dx[2 * H + j] = r.dg;
+    dc_io[j] = kZone ? r.dc_prev + Zoneout<A>::to_prev(mc[j], dc) : r.dc_prev;
+  }
+  // The pre-activations a = x^ g_ih + h^ g_hh + b: the parameters' sums and
+  // the statistics of both layer norms' backward.
+  double sx1 = 0.0, sx2 = 0.0, sh1 = 0.0, sh2 = 0.0;
+  for (int64_t k = 0; k < G4; ++k) {
+    const A dp = dx[k];
+    const double dpd = static_cast<double>(dp);
+    acc_pre[k] += dpd;
+    acc_g_ih[k] += dpd * static_cast<double>(xhat[k]);
+    acc_g_hh[k] += dpd * static_cast<double>(hhat[k]);
+    const double dxh = static_cast<double>(dp * g_ih[k]), dhh = static_cast<double>(dp * g_hh[k]);
+    sx1 += dxh;
+    sx2 += dxh * static_cast<double>(xhat[k]);
+    sh1 += dhh;
+    sh2 += dhh * static_cast<double>(hhat[k]);
+  }
+  const A mx1 = static_cast<A>(sx1 * inv_g), mx2 = static_cast<A>(sx2 * inv_g);
+  const A mh1 = static_cast<A>(sh1 * inv_g), mh2 = static_cast<A>(sh2 * inv_g);
+  for (int64_t k = 0; k < G4; ++k) {
+    const A dp = dx[k];
+    da[k] = LayerNorm<A>::backward(dp * g_hh[k], hhat[k], rstd_h, mh1, mh2);
+    dx[k] = LayerNorm<A>::backward(dp * g_ih[k], xhat[k], rstd_x, mx1, mx2);
+  }
 }
 
 // ------------------------------------------------------------------------
@@ -479,27 +750,55 @@ gemm::PackedB<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place) {
 }
 
 // ------------------------------------------------------------------------
-// Forward driver.  All tensors are contiguous, of dtype A.
+// Forward driver.  All tensors are contiguous, of dtype A (the zoneout mask:
+// unit stride along Z, any strides along T and B).
 template <typename A>
 struct ForwardArgs {
   const RecurrenceSizes& z;
   Tensor xproj, h0, c0, w_hh, b_x, b_h, w_hr;  // b_x, b_h: b_ih, b_hh or zeros
   Positions pos;
   bool train;
+  Tensor resets, zoneout, ln;  // undefined when not given
 };
 
+template <typename A>
+Options<A> options_of(const RecurrenceSizes& z, const Tensor& resets, const Tensor& zoneout) {
+  Options<A> o;
+  o.B = z.B;
+  if (resets.defined()) o.resets = resets.template const_data_ptr<bool>();
+  if (zoneout.defined()) {
+    o.zone = zoneout.template const_data_ptr<A>();
+    o.zt = zoneout.stride(0);
+    o.zb = zoneout.stride(1);
+    o.zc = z.P;
+  }
+  return o;
+}
+
+// Options per step, forward:
+//  * resets: a restarting row reads h0, c0 where it would read the previous
+//    state, and h0 W_hh^T (step 0's product of the row, kept at step 0) in
+//    place of its row of the step's product: the product itself and the
+//    state buffers are those of a call without resets.
+//  * zoneout: the row kernels blend each new state with the one the step
+//    started from (the projected h of an LSTM with a projection after its
+//    product); the mask rows are read where they lie.
+//  * lstm_ln: see ln_product below.
 template <typename A>
 void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& c_n,
                   Tensor& ws) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t GH = G * H;
-  const int64_t W = workspace_width(z.cell) * H;
-  const int64_t nsave = workspace_width(z.cell);
+  const int64_t W = workspace_size(z.cell, H, z.has_zoneout);  // per row and step
+  const int64_t nsave = workspace_width(z.cell, z.has_zoneout);
   const auto opt = a.xproj.options();
-  const bool lstm = z.cell == Cell::Lstm;
+  const bool lstm = has_cell_state(z.cell);
+  const bool ln_cell = z.cell == Cell::LstmLn;
   const bool reset_before = z.cell == Cell::GruResetBefore;
   const bool save = a.train;
+  const Options<A> opts = options_of<A>(z, a.resets, a.zoneout);
+  const bool resets = opts.resets != nullptr, zone = opts.zone != nullptr;
 
   // Packed weights per unit (output) slice, scratch per worker, allocated once.
   const Split split(z, sizeof(A));
@@ -512,14 +811,24 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     if (reset_before) w_n_slice.push_back(gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl, in_place));
   }
   for (const Slice& sl : split.outs) w_r_slice.push_back(gate_rows_t<A>(a.w_hr, 1, sl, in_place));
-  std::vector<Tensor> hproj, hn, hq;
+  std::vector<Tensor> hproj, hproj0, hn, hq;
   for (size_t t = 0; t < split.unit_workers(); ++t) {
     const auto [r, u, sl] = split.unit_work(t);
     hproj.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
+    if (resets && !ln_cell) hproj0.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
     if (reset_before) hn.push_back(at::empty({r.nb, sl.n}, opt));
   }
   for (size_t t = 0; t < split.out_workers(); ++t)
     hq.push_back(at::empty({split.out_work(t).r.nb, split.out_work(t).sl.n}, opt));
+  // lstm_ln: the rows' workers (all of them split by rows, one split by
+  // units), the whole product's rows split by units, h0 W_hh^T with resets,
+  // and a workspace row per worker for calls that keep none.
+  const size_t ln_row_workers = split.by_rows ? split.rows.size() : 1;
+  const Tensor hfull = ln_cell && !split.by_rows ? at::empty({B, GH}, opt) : Tensor();
+  const Tensor hproj0_ln = ln_cell && resets ? at::empty({B, GH}, opt) : Tensor();
+  std::vector<Tensor> ln_scratch;
+  for (size_t t = 0; ln_cell && !save && t < ln_row_workers; ++t)
+    ln_scratch.push_back(at::empty({W}, opt));
   // Without lengths or a projection, h_t is written straight into the
   // output (all rows of a step at one position), which is then the next
   // step's h_{t-1}: no state buffer and no copy.
@@ -536,6 +845,10 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const A* bias = cptr<A>(bias_sum);
   const A* bx = cptr<A>(a.b_x);
   const A* bh = cptr<A>(a.b_h);
+  const A* lnp = cptr<A>(a.ln);
+  // The initial states as given (h_buf[0], c_buf[0] are overwritten from step 2 on).
+  const A* h0p = cptr<A>(a.h0);
+  const A* c0p = lstm ? cptr<A>(a.c0) : nullptr;
   A* out = ptr<A>(output);
   A* wsp = save ? ptr<A>(ws) : nullptr;
   // The state buffers of step s.
@@ -547,6 +860,9 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   };
   auto c_prev_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[s & 1]) : nullptr; };
   auto c_next_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr; };
+  // Whether row b (at time position p) restarts from h0, c0 at step s (at
+  // step 0 every row starts from them anyway).
+  auto restarts = [&](int64_t p, int64_t b, int64_t s) { return s > 0 && opts.restart(p, b); };
 
   // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
   auto gates = [&](size_t t, int64_t s) {
@@ -574,6 +890,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     A* hp = ptr<A>(hproj[t]);
     const int64_t ldh = n;
     const int64_t hrow = hproj[t].size(1);
+    if (resets && s == 0) copy_row(ptr<A>(hproj0[t]), hp, r.nb * hrow);  // h0 W_hh^T
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
@@ -592,27 +909,51 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       A* hh = hp + (b - r.b0) * hrow;
       A* w = save ? wsp + row * W + j0 : nullptr;
       A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;
+      // The state the step starts from (h_s: unprojected cells only).
+      const bool restart = restarts(p, b, s);
+      if (restart) copy_row(hh, ptr<A>(hproj0[t]) + (b - r.b0) * hrow, hrow);
+      const A* h_s = z.has_proj ? nullptr : (restart ? h0p : h_prev) + b * H + j0;
+      const A* c_s = lstm ? (restart ? c0p : c_prev) + b * H + j0 : nullptr;
+      const A* m = opts.mask(p, b);
+      const A* mh = zone ? m + j0 : nullptr;
+      const A* mc = zone ? m + opts.zc + j0 : nullptr;
       switch (z.cell) {
-        case Cell::RnnTanh: rnn_forward_row<A, false>(n, x, hh, bias + j0, h); break;
-        case Cell::RnnRelu: rnn_forward_row<A, true>(n, x, hh, bias + j0, h); break;
+        case Cell::RnnTanh:
+        case Cell::RnnRelu:
+          bool_switch(save, [&](auto kSave) {
+            bool_switch(zone, [&](auto kZone) {
+              constexpr bool S = decltype(kSave)::value, Z = decltype(kZone)::value;
+              if (z.cell == Cell::RnnRelu)
+                rnn_forward_row<A, true, S, Z>(n, x, hh, bias + j0, h, h_s, mh, w);
+              else
+                rnn_forward_row<A, false, S, Z>(n, x, hh, bias + j0, h, h_s, mh, w);
+            });
+          });
+          break;
         case Cell::Lstm:
-          if (save)
-            lstm_forward_row<A, true>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
-                                      c_next + b * H + j0, h, w);
-          else
-            lstm_forward_row<A, false>(n, H, ldh, x, hh, bias + j0, c_prev + b * H + j0,
-                                       c_next + b * H + j0, h, w);
+          bool_switch(save, [&](auto kSave) {
+            bool_switch(zone, [&](auto kZone) {
+              bool_switch(zone && !z.has_proj, [&](auto kZoneH) {
+                lstm_forward_row<A, decltype(kSave)::value, decltype(kZone)::value,
+                                 decltype(kZoneH)::value>(n, H, ldh, x, hh, bias + j0, c_s,
+                                                          c_next + b * H + j0, h, w, h_s, mh, mc);
+              });
+            });
+          });
           break;
         case Cell::Gru:
-          if (save)
-            gru_forward_row<A, true>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
-          else
-            gru_forward_row<A, false>(n, H, ldh, x, hh, bx + j0, bh + j0, h_prev + b * H + j0, h, w);
+          bool_switch(save, [&](auto kSave) {
+            bool_switch(zone, [&](auto kZone) {
+              gru_forward_row<A, decltype(kSave)::value, decltype(kZone)::value>(
+                  n, H, ldh, x, hh, bx + j0, bh + j0, h_s, h, w, mh);
+            });
+          });
           break;
         case Cell::GruResetBefore:
-          gru_rb_gates_row<A>(n, H, ldh, x, hh, bias + j0, h_prev + b * H + j0, hh,
-                              ptr<A>(rh) + b * H + j0);
+          gru_rb_gates_row<A>(n, H, ldh, x, hh, bias + j0, h_s, hh, ptr<A>(rh) + b * H + j0);
           continue;  // h comes in phase 2
+        case Cell::LstmLn:
+          continue;  // ln_product and ln_rows
       }
       if (!z.has_proj && !h_in_out) copy_row(out + row * H + j0, h, n);
     }
@@ -633,12 +974,15 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       const int64_t i = b - r.b0;
       A* h = h_next + b * H + j0;
       A* w = save ? wsp + row * W + j0 : nullptr;
-      if (save)
-        gru_rb_candidate_row<A, true>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n,
-                                      bias + j0, rz + i * 2 * n, h_prev + b * H + j0, h, w);
-      else
-        gru_rb_candidate_row<A, false>(n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n,
-                                       bias + j0, rz + i * 2 * n, h_prev + b * H + j0, h, w);
+      const A* h_s = (restarts(p, b, s) ? h0p : h_prev) + b * H + j0;
+      const A* mh = zone ? opts.mask(p, b) + j0 : nullptr;
+      bool_switch(save, [&](auto kSave) {
+        bool_switch(zone, [&](auto kZone) {
+          gru_rb_candidate_row<A, decltype(kSave)::value, decltype(kZone)::value>(
+              n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n, bias + j0, rz + i * 2 * n, h_s,
+              h, w, mh);
+        });
+      });
       if (!h_in_out) copy_row(out + row * H + j0, h, n);
     }
   };
@@ -657,14 +1001,78 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
         zero_row(out + (s * B + b) * P + o.j0, o.n);
         continue;
       }
-      copy_row(h_next + b * P + o.j0, q + (b - r.b0) * o.n, o.n);
-      copy_row(out + (p * B + b) * P + o.j0, q + (b - r.b0) * o.n, o.n);
+      if (zone) {
+        const A* h_s = (restarts(p, b, s) ? h0p : h_prev) + b * P + o.j0;
+        zoneout_row<A>(o.n, opts.mask(p, b) + o.j0, h_s, q + (b - r.b0) * o.n,
+                       h_next + b * P + o.j0);
+      } else {
+        copy_row(h_next + b * P + o.j0, q + (b - r.b0) * o.n, o.n);
+      }
+      copy_row(out + (p * B + b) * P + o.j0, h_next + b * P + o.j0, o.n);
     }
   };
 
-  run_steps(split, T, false, phase(true, split.unit_workers(), gates),
-            phase(reset_before, split.unit_workers(), candidate),
-            phase(z.has_proj, split.out_workers(), project));
+  // lstm_ln.  Its layer norms need whole rows: of h_{t-1} W_hh^T (4H) and of
+  // c~ (H).  Split by rows, every worker has them (its slice is all units)
+  // and runs both phases back to back.  Split by units, each worker runs its
+  // slice of the product (the step's bulk: at least kMinStepMacsPerWorker
+  // multiply-adds a worker) and copies it into a buffer of whole rows; then
+  // one thread runs the rows' layer norms and gate math, O(B H) against each
+  // worker's O(B H H / workers) product.  So a step still has one meeting of
+  // the threads (its product), where splitting the layer norms by units too
+  // would add a reduction phase, and a meeting, per layer norm.
+  auto ln_product = [&](size_t t, int64_t s) {
+    const auto [r, u, sl] = split.unit_work(t);
+    step_gemm<A>(r.nb, h_prev_of(s) + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    if (split.by_rows) return;
+    const A* hp = ptr<A>(hproj[t]);  // [B, G*n]: gate k of unit j0 + j at k*n + j
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t k = 0; k < G; ++k)
+        copy_row(ptr<A>(hfull) + b * GH + k * H + sl.j0, hp + (b * G + k) * sl.n, sl.n);
+  };
+  auto ln_rows = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    const A* c_prev = c_prev_of(s);
+    A* c_next = c_next_of(s);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        copy_row(h_next + b * H, h_prev + b * H, H);
+        zero_row(out + (s * B + b) * H, H);
+        copy_row(c_next + b * H, c_prev + b * H, H);
+        if (save) zero_row(wsp + (s * B + b) * W, W);
+        continue;
+      }
+      const int64_t row = p * B + b;
+      A* hh = split.by_rows ? ptr<A>(hproj[t]) + (b - r.b0) * GH : ptr<A>(hfull) + b * GH;
+      const bool restart = restarts(p, b, s);
+      if (resets && s == 0) copy_row(ptr<A>(hproj0_ln) + b * GH, hh, GH);  // h0 W_hh^T
+      if (restart) copy_row(hh, ptr<A>(hproj0_ln) + b * GH, GH);
+      const A* h_s = (restart ? h0p : h_prev) + b * H;
+      const A* c_s = (restart ? c0p : c_prev) + b * H;
+      const A* m = opts.mask(p, b);
+      A* w = save ? wsp + row * W : ptr<A>(ln_scratch[t]);
+      A* h = h_next + b * H;
+      bool_switch(zone, [&](auto kZone) {
+        lstm_ln_forward_row<A, decltype(kZone)::value>(H, xp + row * GH, hh, bias, lnp, h_s, c_s,
+                                                       zone ? m : nullptr,
+                                                       zone ? m + opts.zc : nullptr, w,
+                                                       c_next + b * H, h);
+      });
+      if (!h_in_out) copy_row(out + row * H, h, H);
+    }
+  };
+
+  if (ln_cell) {
+    run_steps(split, T, false, phase(true, split.unit_workers(), ln_product),
+              phase(true, ln_row_workers, ln_rows));
+  } else {
+    run_steps(split, T, false, phase(true, split.unit_workers(), gates),
+              phase(reset_before, split.unit_workers(), candidate),
+              phase(z.has_proj, split.out_workers(), project));
+  }
   if (h_in_out && T > 0)
     h_n.copy_(output[a.pos.at(0, T - 1)]);
   else
@@ -678,11 +1086,14 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 // output 0, so two GEMMs cover every case without gathering h_{t-1}:
 //   forward:  d[1:]^T out[:-1] + d[0]^T h0
 //   reverse:  d[:-1]^T out[1:] + sum_b d[len_b - 1, b]^T h0[b]
+// With resets, a step that restarts its row started from h0 instead: a third
+// GEMM over those positions alone (gathered) adds d^T (h0 - h_{t-1}).
 // d: [T, B, N] with unit stride along N (it may be a column slice),
-// out: [T, B, P] and h0: [B, P] contiguous, dw: [N, P] with rows contiguous.
+// out: [T, B, P] and h0: [B, P] contiguous, dw: [N, P] with rows contiguous;
+// resets: [T, B] or null.
 template <typename A>
 void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, const Tensor& h0,
-                               const Positions& pos) {
+                               const Positions& pos, const bool* resets) {
   const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
   const int64_t ld = d.stride(1);
   A* c = ptr<A>(dw);
@@ -701,6 +1112,26 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
     if (first >= 0) copy_row(df + b * N, cptr<A>(d) + (first * B + b) * ld, N);
   }
   blocked_gemm<A>(N, P, B, df, 1, N, cptr<A>(h0), P, 1, c, dw.stride(0), true);
+  if (resets == nullptr) return;
+  std::vector<int64_t> restarted;  // p * B + b
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = pos.length(b);
+    for (int64_t p = 0; p < n; ++p)
+      if (resets[p * B + b] && p != (pos.reverse ? n - 1 : 0)) restarted.push_back(p * B + b);
+  }
+  if (restarted.empty()) return;
+  const int64_t R = static_cast<int64_t>(restarted.size());
+  Tensor d_r = at::empty({R, N}, d.options()), x_r = at::empty({R, P}, d.options());
+  const A* o = cptr<A>(out);
+  const A* h = cptr<A>(h0);
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t p = restarted[i] / B, b = restarted[i] % B;
+    const A* earlier = o + ((pos.reverse ? p + 1 : p - 1) * B + b) * P;
+    copy_row(ptr<A>(d_r) + i * N, cptr<A>(d) + (p * B + b) * ld, N);
+    A* x = ptr<A>(x_r) + i * P;
+    for (int64_t k = 0; k < P; ++k) x[k] = h[b * P + k] - earlier[k];
+  }
+  blocked_gemm<A>(N, P, R, cptr<A>(d_r), 1, N, cptr<A>(x_r), P, 1, c, dw.stride(0), true);
 }
 
 // ------------------------------------------------------------------------
@@ -708,24 +1139,48 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
 // carried dh (from the previous step's gate gradients, ping-pong buffered so
 // that, split by units, no thread overwrites what another still reads), then
 // runs its pointwise backward.
+//
+// Options, backward:
+//  * resets: a restarting step's h_{t-1} (c_{t-1}) is h0 (c0), in its
+//    pointwise backward and in the weight gradients; the carry it leaves
+//    (direct part and, once the next step has added it, GEMM part) is the
+//    gradient of h0 (c0): it moves to d_h0 (d_c0) and the carry goes on from
+//    zero.
+//  * zoneout: the row kernels split each state's gradient between the state
+//    the step started from and the cell's update.
+//  * lstm_ln: the carry's GEMM part by units, the layer norms' backward by
+//    rows (as the forward, ln_product); the gate gradient the next GEMM and
+//    dW_hh take is that of h_{t-1} W_hh^T (through LN_h), kept in time order.
 template <typename A>
 struct BackwardArgs {
   const RecurrenceSizes& z;
   Tensor grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, ws;
   Positions pos;
+  Tensor resets, zoneout, ln;  // undefined when not given
 };
+
+// acc += src; src = 0.
+template <typename A>
+void move_row(A* __restrict acc, A* __restrict src, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += src[j];
+  zero_row(src, n);
+}
 
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
-                   Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr) {
+                   Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
+                   Tensor& d_ln) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t GH = G * H;
-  const int64_t W = workspace_width(z.cell) * H;
+  const int64_t W = workspace_size(z.cell, H, z.has_zoneout);  // per row and step
   const auto opt = a.output.options();
-  const bool lstm = z.cell == Cell::Lstm;
+  const bool lstm = has_cell_state(z.cell);
   const bool gru = z.cell == Cell::Gru;
   const bool reset_before = z.cell == Cell::GruResetBefore;
+  const bool ln_cell = z.cell == Cell::LstmLn;
+  const Options<A> opts = options_of<A>(z, a.resets, a.zoneout);
+  const bool resets = opts.resets != nullptr, zone = opts.zone != nullptr;
 
   // The carried dh lives in per-worker buffers: over hidden units, or over
   // the projected outputs with a projection.
@@ -760,18 +1215,36 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // Per worker: sums of the gate gradients of its rows and units (gate k of
   // unit j at k*n + j) and, for GRU, of dhn after them.
   std::vector<std::vector<double>> bias_sum;
-  for (size_t t = 0; t < unit_workers; ++t)
+  for (size_t t = 0; t < unit_workers && !ln_cell; ++t)
     bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * split.unit_work(t).sl.n), 0.0);
+  // lstm_ln, per worker of the rows' phase (all split by rows, one split by
+  // units): the parameters' sums (lstm_ln_backward_row's acc), scratch, and
+  // split by units the row's carry gathered from the slices.
+  const size_t ln_row_workers = split.by_rows ? split.rows.size() : 1;
+  std::vector<std::vector<double>> ln_sum;
+  std::vector<Tensor> ln_scratch, ln_dh;
+  for (size_t t = 0; ln_cell && t < ln_row_workers; ++t) {
+    ln_sum.emplace_back(static_cast<size_t>(14 * H), 0.0);
+    ln_scratch.push_back(at::empty({H}, opt));
+    if (!split.by_rows) ln_dh.push_back(at::empty({H}, opt));
+  }
   // Gate gradients of the step, the next step's GEMM input (ping-pong).
   const int64_t da_width = reset_before ? 2 * H : GH;
   // Without lengths every row of a step is at the same time position, so for
   // RNN and LSTM (da = dx) the step's rows of d_xproj are its da: no copy,
-  // and the next step's GEMM reads what this step left in cache.
-  const bool da_in_dx = !a.pos.lengths && !gru && !reset_before;
+  // and the next step's GEMM reads what this step left in cache.  lstm_ln
+  // keeps its da (the gradient of h W_hh^T) in time order for dW_hh: without
+  // lengths that is the step's da likewise.
+  const bool da_in_dx = !a.pos.lengths && !gru && !reset_before && !ln_cell;
+  const bool da_in_dhp = !a.pos.lengths && ln_cell;
+  Tensor dhp_all = ln_cell ? pooled_empty({T, B, GH}, opt) : Tensor();
   Tensor da[2];
-  if (!da_in_dx) da[0] = at::zeros({B, da_width}, opt), da[1] = at::zeros({B, da_width}, opt);
+  if (!da_in_dx && !da_in_dhp)
+    da[0] = at::zeros({B, da_width}, opt), da[1] = at::zeros({B, da_width}, opt);
   auto da_of = [&](int64_t s) {
-    return da_in_dx ? ptr<A>(d_xproj) + a.pos.at(0, s) * B * GH : ptr<A>(da[s & 1]);
+    return da_in_dx    ? ptr<A>(d_xproj) + a.pos.at(0, s) * B * GH
+           : da_in_dhp ? ptr<A>(dhp_all) + a.pos.at(0, s) * B * GH
+                       : ptr<A>(da[s & 1]);
   };
   // Time-ordered inputs of the final weight GEMMs.
   Tensor dhn_all = gru ? pooled_empty({T, B, H}, opt) : Tensor();
@@ -780,6 +1253,9 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   Tensor dh_tot = z.has_proj ? at::empty({B, P}, opt) : Tensor();
   Tensor dh_tot_all = z.has_proj ? pooled_empty({T, B, P}, opt) : Tensor();
   Tensor h_full_all = z.has_proj ? pooled_empty({T, B, H}, opt) : Tensor();
+  // With resets: the gradients of h0 and c0 the restarting steps leave.
+  Tensor dh0_acc = resets ? at::zeros({B, P}, opt) : Tensor();
+  Tensor dc0_acc = resets && lstm ? at::zeros({B, H}, opt) : Tensor();
 
   A* dc = lstm ? ptr<A>(d_c0) : nullptr;
   A* dx = ptr<A>(d_xproj);
@@ -788,12 +1264,21 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const A* wsp = W > 0 ? cptr<A>(a.ws) : nullptr;
   const A* h0 = cptr<A>(a.h0);
   const A* c0 = lstm ? cptr<A>(a.c0) : nullptr;
+  const A* lnp = cptr<A>(a.ln);
 
-  // h_{t-1} of row b at step s: its state one step earlier (c_{t-1} likewise).
-  auto prev_pos = [&](int64_t b, int64_t s) { return s == 0 ? -1 : a.pos.at(b, s - 1); };
+  // h_{t-1} of row b at step s: its state one step earlier (c_{t-1}
+  // likewise), or h0 at its first step and where it restarts.
+  auto prev_pos = [&](int64_t b, int64_t s) {
+    return s == 0 || opts.restart(a.pos.at(b, s), b) ? int64_t(-1) : a.pos.at(b, s - 1);
+  };
   auto h_prev_of = [&](int64_t b, int64_t s) {
     const int64_t q = prev_pos(b, s);
     return q < 0 ? h0 + b * P : out + (q * B + b) * P;
+  };
+  // Whether row b restarted at step s + 1: its carry at step s, once the
+  // GEMM part is in, belongs to h0 (c0).
+  auto restarted_after = [&](int64_t b, int64_t s) {
+    return s + 1 < T && opts.restart(a.pos.at(b, s + 1), b);
   };
   // dh += (gate gradients of step s + 1) W_hh[:, slice], carry worker t.
   auto add_gemm_part = [&](size_t t, int64_t s) {
@@ -830,9 +1315,15 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         continue;
       }
       A* di = d + (b - r.b0) * c.n;
-      for (int64_t k = 0; k < c.n; ++k) dt[b * P + c.j0 + k] = di[k] + gout[(p * B + b) * P + c.j0 + k];
+      if (restarted_after(b, s)) move_row(ptr<A>(dh0_acc) + b * P + c.j0, di, c.n);
+      if (zone) {
+        zoneout_total_row<A>(c.n, di, gout + (p * B + b) * P + c.j0, opts.mask(p, b) + c.j0,
+                             dt + b * P + c.j0);
+      } else {
+        for (int64_t k = 0; k < c.n; ++k) dt[b * P + c.j0 + k] = di[k] + gout[(p * B + b) * P + c.j0 + k];
+        zero_row(di, c.n);  // LSTM: no direct path from h_t to h_{t-1}
+      }
       copy_row(ptr<A>(dh_tot_all) + (p * B + b) * P + c.j0, dt + b * P + c.j0, c.n);
-      zero_row(di, c.n);  // LSTM: no direct path from h_t to h_{t-1}
     }
   };
 
@@ -870,25 +1361,55 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       const A* w = wsp + row * W + j0;
       A* dxr = dx + row * GH + j0;
       A* dar = da_s + b * da_width + j0;
+      if (restarted_after(b, s)) {
+        if (!z.has_proj) move_row(ptr<A>(dh0_acc) + b * P + j0, d, n);
+        if (lstm) move_row(ptr<A>(dc0_acc) + b * H + j0, dc + b * H + j0, n);
+      }
+      const A* m = opts.mask(p, b);
+      const A* mh = zone ? m + j0 : nullptr;
+      const A* mc = zone ? m + opts.zc + j0 : nullptr;
       switch (z.cell) {
-        case Cell::RnnTanh: rnn_backward_row<A, false>(n, d, g, out + row * H + j0, dar); break;
-        case Cell::RnnRelu: rnn_backward_row<A, true>(n, d, g, out + row * H + j0, dar); break;
+        case Cell::RnnTanh:
+        case Cell::RnnRelu: {
+          // With zoneout the output is blended: the candidate is in the workspace.
+          const A* h = zone ? w : out + row * H + j0;
+          bool_switch(zone, [&](auto kZone) {
+            constexpr bool Z = decltype(kZone)::value;
+            if (z.cell == Cell::RnnRelu)
+              rnn_backward_row<A, true, Z>(n, d, g, h, dar, mh);
+            else
+              rnn_backward_row<A, false, Z>(n, d, g, h, dar, mh);
+          });
+          break;
+        }
         case Cell::Lstm: {
           const int64_t q = prev_pos(b, s);
           const A* c_prev = (q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H) + j0;
-          if (z.has_proj)
-            lstm_backward_row<A, true>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dar,
-                                       ptr<A>(h_full_all) + row * H + j0);
-          else
-            lstm_backward_row<A, false>(n, H, d, g, dc + b * H + j0, w, c_prev, dar, nullptr);
+          bool_switch(zone, [&](auto kZone) {
+            constexpr bool Z = decltype(kZone)::value;
+            if (z.has_proj)
+              lstm_backward_row<A, true, Z>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dar,
+                                            ptr<A>(h_full_all) + row * H + j0, nullptr, mc);
+            else
+              lstm_backward_row<A, false, Z>(n, H, d, g, dc + b * H + j0, w, c_prev, dar,
+                                             nullptr, mh, mc);
+          });
           break;
         }
         case Cell::Gru:
-          gru_backward_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dhn_all) + row * H + j0);
+          bool_switch(zone, [&](auto kZone) {
+            gru_backward_row<A, decltype(kZone)::value>(n, H, d, g, w, hprev, dxr, dar,
+                                                        ptr<A>(dhn_all) + row * H + j0, mh);
+          });
           break;
         case Cell::GruResetBefore:
-          gru_rb_backward_candidate_row<A>(n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0);
+          bool_switch(zone, [&](auto kZone) {
+            gru_rb_backward_candidate_row<A, decltype(kZone)::value>(
+                n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0, mh);
+          });
           break;
+        case Cell::LstmLn:
+          break;  // ln_carry and ln_pointwise
       }
       if (!gru && !reset_before && !da_in_dx)
         for (int64_t k = 0; k < G; ++k) copy_row(dxr + k * H, dar + k * H, n);
@@ -913,8 +1434,54 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     add_bias_part(t, s);
   };
 
-  run_steps(split, T, true, phase(z.has_proj, carry_workers, total),
-            phase(true, unit_workers, pointwise), phase(reset_before, unit_workers, reset));
+  // lstm_ln: the carry's GEMM part per unit slice, then the rows' backward
+  // (whole rows: the layer norms), on the rows' workers (see ln_product).
+  auto ln_carry = [&](size_t t, int64_t s) { add_gemm_part(t, s); };
+  auto ln_pointwise = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    A* da_s = da_of(s);
+    A* dchat = ptr<A>(ln_scratch[t]);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        zero_row(da_s + b * GH, GH);
+        zero_row(dx + (s * B + b) * GH, GH);
+        zero_row(ptr<A>(dhp_all) + (s * B + b) * GH, GH);
+        continue;
+      }
+      const int64_t row = p * B + b;
+      // The row's carry: the worker's own (all units), or gathered from the slices.
+      A* d = split.by_rows ? ptr<A>(dh[t]) + (b - r.b0) * H : ptr<A>(ln_dh[t]);
+      if (!split.by_rows)
+        for (size_t u = 0; u < units.size(); ++u)
+          copy_row(d + units[u].j0, ptr<A>(dh[u]) + b * units[u].n, units[u].n);
+      if (restarted_after(b, s)) {
+        move_row(ptr<A>(dh0_acc) + b * P, d, H);
+        move_row(ptr<A>(dc0_acc) + b * H, dc + b * H, H);
+      }
+      const int64_t q = prev_pos(b, s);
+      const A* c_prev = q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H;
+      const A* m = opts.mask(p, b);
+      bool_switch(zone, [&](auto kZone) {
+        lstm_ln_backward_row<A, decltype(kZone)::value>(
+            H, d, gout + row * H, dc + b * H, wsp + row * W, c_prev, lnp, zone ? m : nullptr,
+            zone ? m + opts.zc : nullptr, dchat, dx + row * GH, da_s + b * GH,
+            ln_sum[t].data());
+      });
+      if (!da_in_dhp) copy_row(ptr<A>(dhp_all) + row * GH, da_s + b * GH, GH);
+      if (!split.by_rows)
+        for (size_t u = 0; u < units.size(); ++u)
+          copy_row(ptr<A>(dh[u]) + b * units[u].n, d + units[u].j0, units[u].n);
+    }
+  };
+
+  if (ln_cell) {
+    run_steps(split, T, true, phase(true, carry_workers, ln_carry),
+              phase(true, ln_row_workers, ln_pointwise));
+  } else {
+    run_steps(split, T, true, phase(z.has_proj, carry_workers, total),
+              phase(true, unit_workers, pointwise), phase(reset_before, unit_workers, reset));
+  }
 
   // The GEMM part of dh_0, then the carry into d_h0.
   for_each_worker(carry_workers, [&](size_t t) {
@@ -922,10 +1489,24 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     if (T > 0) step_gemm<A>(r.nb, da_of(0) + r.b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh[t]), true);
     d_h0.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).copy_(dh[t]);
   });
+  if (resets) {
+    d_h0.add_(dh0_acc);
+    if (lstm) d_c0.add_(dc0_acc);
+  }
 
   // Bias gradients: d_b_hh equals d_b_ih but for the reset-after GRU's
-  // candidate, whose hidden part is dhn.
-  {
+  // candidate, whose hidden part is dhn.  lstm_ln: both are the sums of the
+  // pre-activation gradients, and the sums after them are d_ln.
+  if (ln_cell) {
+    std::vector<double> sum(static_cast<size_t>(14 * H), 0.0);
+    for (const auto& s : ln_sum)
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += s[i];
+    A* dbi = ptr<A>(d_b_ih);
+    A* dbh = ptr<A>(d_b_hh);
+    A* dl = ptr<A>(d_ln);
+    for (int64_t i = 0; i < GH; ++i) dbi[i] = dbh[i] = static_cast<A>(sum[i]);
+    for (int64_t i = 0; i < 10 * H; ++i) dl[i] = static_cast<A>(sum[GH + i]);
+  } else {
     std::vector<double> sum_ih(static_cast<size_t>(G * H), 0.0), sum_hh(sum_ih.size(), 0.0);
     for (size_t t = 0; t < unit_workers; ++t) {
       const int64_t j0 = split.unit_work(t).sl.j0, n = split.unit_work(t).sl.n;
@@ -953,16 +1534,17 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
     const Tensor d_rz = dx3.narrow(2, 0, 2 * H);
-    weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos);
+    weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos, opts.resets);
     if (gru) {
-      weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos);
+      weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos, opts.resets);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
       blocked_gemm<A>(H, H, T * B, ptr<A>(dx3) + 2 * H, 1, GH, ptr<A>(rh_all), H, 1, ptr<A>(dw_n),
                       H, false);
     }
   } else {
-    weight_grad_by_prev_state<A>(d_w_hh, dx3, a.output, a.h0, a.pos);
+    weight_grad_by_prev_state<A>(d_w_hh, ln_cell ? dhp_all : dx3, a.output, a.h0, a.pos,
+                                 opts.resets);
   }
   if (z.has_proj) {
     blocked_gemm<A>(P, H, T * B, ptr<A>(dh_tot_all), 1, P, ptr<A>(h_full_all), H, 1,
@@ -979,6 +1561,20 @@ Tensor to_acc(const OptTensor& t, at::ScalarType acc) {
   return t.has_value() ? to_acc(*t, acc) : Tensor();
 }
 
+// The zoneout mask in the accumulate dtype with unit stride along Z, read
+// through its strides along T and B (ops.cpp): a mask expanded along them (an
+// evaluation-mode mask is a [Z] vector with strides (0, 0, 1)) is converted
+// once per distinct row and stays expanded, never copied T*B times.
+Tensor mask_to_acc(const OptTensor& m, at::ScalarType acc) {
+  if (!m.has_value()) return Tensor();
+  Tensor base = *m;
+  for (int64_t d = 0; d < 2; ++d)
+    if (base.stride(d) == 0) base = base.narrow(d, 0, std::min<int64_t>(base.size(d), 1));
+  return base.to(acc).contiguous().expand(m->sizes());
+}
+
+Tensor bools(const OptTensor& t) { return t.has_value() ? t->contiguous() : Tensor(); }
+
 struct LengthsHolder {
   Tensor lengths;  // keeps the contiguous copy alive while Positions points into it
   Positions positions(const OptTensor& l, int64_t T, bool reverse) {
@@ -988,13 +1584,6 @@ struct LengthsHolder {
   }
 };
 
-// The options of the ops this backend does not run yet.
-void check_cpu_has(const RecurrenceSizes& z, const char* op) {
-  check_backend_has(z.cell == Cell::LstmLn, op, "cpu", "the lstm_ln cell (LayerNormLSTM)");
-  check_backend_has(z.has_resets, op, "cpu", "resets");
-  check_backend_has(z.has_zoneout, op, "cpu", "zoneout");
-}
-
 Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt) {
   return b.has_value() ? to_acc(*b, opt.dtype().toScalarType()) : at::zeros({n}, opt);
 }
@@ -1003,10 +1592,11 @@ Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt
 std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
     const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
-    const Positions& pos, bool train) {
+    const Positions& pos, bool train, const OptTensor& resets, const OptTensor& zoneout,
+    const OptTensor& ln) {
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
-  const bool lstm = z.cell == Cell::Lstm;
+  const bool lstm = has_cell_state(z.cell);
   Tensor output = pooled_empty({z.T, z.B, z.P}, opt);
   Tensor h_n = at::empty({z.B, z.P}, opt);
   Tensor c_n = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
@@ -1022,7 +1612,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             bias_or_zeros(b_hh, z.G * z.H, opt),
                             to_acc(w_hr, acc),
                             pos,
-                            train};
+                            train,
+                            bools(resets),
+                            mask_to_acc(zoneout, acc),
+                            to_acc(ln, acc)};
     forward_impl<scalar_t>(a, output, h_n, c_n, ws);
   });
   return {output, h_n, c_n, ws};
@@ -1037,10 +1630,11 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                             const Tensor& grad_h_n, const OptTensor& grad_c_n, const Tensor& h0,
                             const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
                             const Tensor& output, const Tensor& workspace,
-                            const Positions& pos) {
+                            const Positions& pos, const OptTensor& resets,
+                            const OptTensor& zoneout, const OptTensor& ln) {
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
-  const bool lstm = z.cell == Cell::Lstm;
+  const bool lstm = has_cell_state(z.cell);
   BackwardResult r;
   r.d_xproj = pooled_empty({z.T, z.B, z.G * z.H}, opt);
   r.d_h0 = at::empty({z.B, z.P}, opt);
@@ -1049,7 +1643,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_b_ih = at::empty({z.G * z.H}, opt);
   r.d_b_hh = at::empty({z.G * z.H}, opt);
   r.d_w_hr = z.has_proj ? at::empty({z.P, z.H}, opt) : empty_like_options(h0, acc);
-  r.d_ln = empty_like_options(h0, acc);
+  r.d_ln = ln.has_value() ? at::empty({ln->size(0)}, opt) : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
     BackwardArgs<scalar_t> a{z,
                              to_acc(grad_output, acc),
@@ -1061,9 +1655,12 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              to_acc(w_hr, acc),
                              to_acc(output, acc),
                              workspace.contiguous(),
-                             pos};
+                             pos,
+                             bools(resets),
+                             mask_to_acc(zoneout, acc),
+                             to_acc(ln, acc)};
     backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
-                            r.d_w_hr);
+                            r.d_w_hr, r.d_ln);
   });
   return r;
 }
@@ -1076,10 +1673,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
                                              resets, zoneout, ln);
-  check_cpu_has(z, "rnnkern.recurrence");
   LengthsHolder holder;
-  auto [output, h_n, c_n, ws] = run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                                            holder.positions(lengths, z.T, reverse), train);
+  auto [output, h_n, c_n, ws] =
+      run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
+                  holder.positions(lengths, z.T, reverse), train, resets, zoneout, ln);
   const auto dtype = xproj.scalar_type();
   return {output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws};
 }
@@ -1094,10 +1691,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recur
   const RecurrenceSizes z =
       check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
                                 workspace, lengths, resets, zoneout, ln);
-  check_cpu_has(z, "rnnkern.recurrence_backward");
   LengthsHolder holder;
-  const BackwardResult r = run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
-                                        output, workspace, holder.positions(lengths, z.T, reverse));
+  const BackwardResult r =
+      run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
+                   holder.positions(lengths, z.T, reverse), resets, zoneout, ln);
   const auto dtype = output.scalar_type();
   return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),  r.d_w_hh.to(dtype),
           r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype)};
@@ -1109,7 +1706,8 @@ RecurrenceSizes step_as_recurrence(const StepSizes& s) {
 
 // The single step: the product [x, h] [W_ih; W_hh]^T is split along K into
 // x W_ih^T and h W_hh^T, two GEMMs whose sum (with the biases) the gate pass
-// forms: the recurrence above with T = 1 and xproj = x W_ih^T.
+// forms: the recurrence above with T = 1 and xproj = x W_ih^T (lstm_ln: its
+// layer norm of x W_ih^T is the recurrence's too).
 std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor& x,
                                             const Tensor& h, const OptTensor& c,
                                             const Tensor& w_ih, const Tensor& w_hh,
@@ -1117,7 +1715,6 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
                                             const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
-  check_cpu_has(step_as_recurrence(s), "rnnkern.step");
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
   const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
@@ -1128,7 +1725,8 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   });
   auto [output, h_new, c_new, ws] =
       run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
-                  std::nullopt, Positions{nullptr, 1, false}, true);
+                  std::nullopt, Positions{nullptr, 1, false}, true, std::nullopt, std::nullopt,
+                  ln);
   return {h_new.to(dtype), c_new.to(dtype), ws.view({s.B, workspace_size(s.cell, s.H)})};
 }
 
@@ -1139,7 +1737,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const StepSizes s = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
                                           workspace, ln);
-  check_cpu_has(step_as_recurrence(s), "rnnkern.step_backward");
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
   // The step's single output is also its final state: its gradient enters
@@ -1147,7 +1744,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   const BackwardResult r = run_backward(
       step_as_recurrence(s), at::zeros({1, s.B, s.H}, h.options().dtype(acc)), grad_h_new,
       grad_c_new, h, c, w_hh, std::nullopt, h_new.unsqueeze(0),
-      workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false});
+      workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false}, std::nullopt,
+      std::nullopt, ln);
   // dX = dXproj W_ih, dW_ih = dXproj^T X (the GEMMs of rnnkern::linear's
   // backward: in place at small batch, outputs pooled).
   const int64_t GH = s.G * s.H;
