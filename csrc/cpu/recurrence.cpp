@@ -1700,6 +1700,140 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recur
           r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype)};
 }
 
+// ------------------------------------------------------------------------
+// The single step of a small call (one token, one observation of an RL
+// policy, one streaming frame), for the torch.nn cells without options:
+// the recurrence driver's machinery (work split, weight slices, state
+// buffers, a dozen ATen calls converting and allocating) costs several
+// times the arithmetic there (44k instructions for an RNNCell step at H = 8,
+// which torch.nn runs in 4 us).  Single-threaded, scratch per thread, the
+// same row kernels and cells.h formulas as the driver; the outputs and
+// workspace in the driver's layouts, so each path's backward serves the
+// other's forward.
+
+// Whether step(cell ...) takes the lean path: a cell without options, inputs
+// already contiguous in the accumulate type, and a step the driver would run
+// on one thread anyway (fewer rows than a split by rows takes, or one
+// thread; far below a split by units).
+bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
+               std::initializer_list<const OptTensor*> opts) {
+  if (s.cell == Cell::GruResetBefore || s.cell == Cell::LstmLn) return false;
+  if (s.B >= 2 * kMinRowsPerThread && at::get_num_threads() > 1) return false;
+  if (s.B * s.G * s.H * (s.I + s.H) >= kMinStepMacsPerWorker) return false;
+  for (const Tensor* t : ts) {
+    const auto st = t->scalar_type();
+    if ((st != at::kFloat && st != at::kDouble) || !t->is_contiguous()) return false;
+  }
+  for (const OptTensor* t : opts)
+    if (t->has_value() && !(*t)->is_contiguous()) return false;
+  return true;
+}
+
+// Scratch of the lean step, per thread, grown as needed and kept.
+template <typename A>
+A* lean_scratch(size_t n) {
+  thread_local std::vector<A> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+template <typename A>
+RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const A* h, const A* c,
+                                          const A* w_ih, const A* w_hh, const A* b_ih,
+                                          const A* b_hh, A* h_new, A* c_new, A* ws) {
+  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
+  A* xp = lean_scratch<A>(2 * B * GH + 3 * GH);
+  A* hp = xp + B * GH;
+  A* bx = hp + B * GH;  // b_ih, b_hh (zeros when absent) and their sum
+  A* bh = bx + GH;
+  A* bsum = bh + GH;
+  for (int64_t j = 0; j < GH; ++j) {
+    bx[j] = b_ih ? b_ih[j] : A(0);
+    bh[j] = b_hh ? b_hh[j] : A(0);
+    bsum[j] = bx[j] + bh[j];
+  }
+  gemm::multiply_nt(B, x, I, w_ih, I, GH, I, xp, GH, false);  // x W_ih^T
+  gemm::multiply_nt(B, h, H, w_hh, H, GH, H, hp, GH, false);  // h W_hh^T
+  for (int64_t b = 0; b < B; ++b) {
+    const A* xr = xp + b * GH;
+    const A* hr = hp + b * GH;
+    A* w = ws + b * W;
+    switch (s.cell) {
+      case Cell::RnnTanh:
+        rnn_forward_row<A, false, true, false>(H, xr, hr, bsum, h_new + b * H, nullptr, nullptr, w);
+        break;
+      case Cell::RnnRelu:
+        rnn_forward_row<A, true, true, false>(H, xr, hr, bsum, h_new + b * H, nullptr, nullptr, w);
+        break;
+      case Cell::Lstm:
+        lstm_forward_row<A, true, false, false>(H, H, H, xr, hr, bsum, c + b * H, c_new + b * H,
+                                                h_new + b * H, w, nullptr, nullptr, nullptr);
+        break;
+      case Cell::Gru:
+        gru_forward_row<A, true, false>(H, H, H, xr, hr, bx, bh, h + b * H, h_new + b * H, w,
+                                        nullptr);
+        break;
+      default: TORCH_INTERNAL_ASSERT(false, "lean_step_forward: ", cell_name(s.cell));
+    }
+  }
+}
+
+template <typename A>
+RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, const A* grad_c,
+                                           const A* x, const A* h, const A* c, const A* w_ih,
+                                           const A* w_hh, const A* h_new, const A* ws, A* d_x,
+                                           A* d_h, A* d_c, A* d_w_ih, A* d_w_hh, A* d_b_ih,
+                                           A* d_b_hh) {
+  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
+  const bool gru = s.cell == Cell::Gru;
+  // dx: gradients of x W_ih^T (+ b_ih); da: of h W_hh^T (+ b_hh) -- the same
+  // numbers but for the GRU candidate (dx_n against dhn).
+  A* dx = lean_scratch<A>((gru ? 2 : 1) * B * GH + H + B * H);
+  A* da = gru ? dx + B * GH : dx;
+  A* zero = da + B * GH;  // the step's output gradient: it enters as grad_h only
+  A* dhn = zero + H;      // (GRU: the candidate's hidden part, also da's last block)
+  std::fill(zero, zero + H, A(0));
+  std::copy(grad_h, grad_h + B * H, d_h);  // the carry; the rows leave the direct part
+  if (c != nullptr) std::copy(grad_c, grad_c + B * H, d_c);
+  for (int64_t b = 0; b < B; ++b) {
+    const A* w = ws + b * W;
+    A* dh = d_h + b * H;
+    switch (s.cell) {
+      case Cell::RnnTanh:
+        rnn_backward_row<A, false, false>(H, dh, zero, h_new + b * H, dx + b * GH, nullptr);
+        break;
+      case Cell::RnnRelu:
+        rnn_backward_row<A, true, false>(H, dh, zero, h_new + b * H, dx + b * GH, nullptr);
+        break;
+      case Cell::Lstm:
+        lstm_backward_row<A, false, false>(H, H, dh, zero, d_c + b * H, w, c + b * H,
+                                           dx + b * GH, nullptr, nullptr, nullptr);
+        break;
+      case Cell::Gru:
+        gru_backward_row<A, false>(H, H, dh, zero, w, h + b * H, dx + b * GH, da + b * GH,
+                                   dhn + b * H, nullptr);
+        break;
+      default: TORCH_INTERNAL_ASSERT(false, "lean_step_backward: ", cell_name(s.cell));
+    }
+  }
+  // The products: dh += da W_hh, dx = dx W_ih, dW_hh = da^T h, dW_ih = dx^T x.
+  gemm::multiply(B, da, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_hh, GH, H, H), d_h,
+                 H, true);
+  gemm::multiply(B, dx, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_ih, GH, I, I), d_x,
+                 I, false);
+  blocked_gemm<A>(GH, H, B, da, 1, GH, h, H, 1, d_w_hh, H, false);
+  blocked_gemm<A>(GH, I, B, dx, 1, GH, x, I, 1, d_w_ih, I, false);
+  for (int64_t j = 0; j < GH; ++j) {
+    A si = 0, sh = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      si += dx[b * GH + j];
+      sh += da[b * GH + j];
+    }
+    d_b_ih[j] = si;
+    d_b_hh[j] = sh;
+  }
+}
+
 RecurrenceSizes step_as_recurrence(const StepSizes& s) {
   return RecurrenceSizes{s.cell, 1, s.B, s.H, s.H, s.G, false};
 }
@@ -1717,6 +1851,20 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
+  if (lean_step(s, {&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh})) {
+    const auto opt = x.options();
+    Tensor h_new = at::empty({s.B, s.H}, opt);
+    Tensor c_new = s.cell == Cell::Lstm ? at::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
+    Tensor ws = at::empty({s.B, workspace_size(s.cell, s.H)}, opt);
+    AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_cpu", [&] {
+      auto opt_ptr = [](const OptTensor& t) { return t.has_value() ? cptr<scalar_t>(*t) : nullptr; };
+      lean_step_forward<scalar_t>(s, cptr<scalar_t>(x), cptr<scalar_t>(h), opt_ptr(c),
+                                  cptr<scalar_t>(w_ih), cptr<scalar_t>(w_hh), opt_ptr(b_ih),
+                                  opt_ptr(b_hh), ptr<scalar_t>(h_new),
+                                  c.has_value() ? ptr<scalar_t>(c_new) : nullptr, ptr<scalar_t>(ws));
+    });
+    return {h_new, c_new, ws};
+  }
   const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
   const Tensor xproj = pooled_empty({s.B, s.G * s.H}, xa.options());
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_cpu", [&] {
@@ -1739,6 +1887,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
                                           workspace, ln);
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
+  if (lean_step(s, {&grad_h_new, &x, &h, &w_ih, &w_hh, &h_new, &workspace}, {&grad_c_new, &c})) {
+    const auto opt = x.options();
+    const int64_t GH = s.G * s.H;
+    const bool lstm = s.cell == Cell::Lstm;
+    Tensor d_x = at::empty({s.B, s.I}, opt), d_h = at::empty({s.B, s.H}, opt);
+    Tensor d_c = lstm ? at::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
+    Tensor d_w_ih = pooled_empty({GH, s.I}, opt), d_w_hh = pooled_empty({GH, s.H}, opt);
+    Tensor d_b_ih = at::empty({GH}, opt), d_b_hh = at::empty({GH}, opt);
+    AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_backward_cpu", [&] {
+      lean_step_backward<scalar_t>(
+          s, cptr<scalar_t>(grad_h_new), lstm ? cptr<scalar_t>(*grad_c_new) : nullptr,
+          cptr<scalar_t>(x), cptr<scalar_t>(h), lstm ? cptr<scalar_t>(*c) : nullptr,
+          cptr<scalar_t>(w_ih), cptr<scalar_t>(w_hh), cptr<scalar_t>(h_new),
+          cptr<scalar_t>(workspace), ptr<scalar_t>(d_x), ptr<scalar_t>(d_h),
+          lstm ? ptr<scalar_t>(d_c) : nullptr, ptr<scalar_t>(d_w_ih), ptr<scalar_t>(d_w_hh),
+          ptr<scalar_t>(d_b_ih), ptr<scalar_t>(d_b_hh));
+    });
+    return {d_x, d_h, d_c, d_w_ih, d_w_hh, d_b_ih, d_b_hh, empty_like_options(x, dtype)};
+  }
   // The step's single output is also its final state: its gradient enters
   // once, as grad_h_n, with a zero grad_output.
   const BackwardResult r = run_backward(
