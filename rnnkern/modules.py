@@ -57,7 +57,7 @@ UNSUPPORTED: dict[str, frozenset] = {
     "reference": frozenset(),
     "cpu": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
     "cuda": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
-    "triton": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "triton": frozenset(),
     "cuda_emulated": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
 }
 
