@@ -514,6 +514,40 @@ def test_zoneout_read_through_strides(path):
             assert_close(got[name], want[name], what=f"{cell} {name}")
 
 
+@pytest.mark.parametrize("T,B", [(0, 3), (3, 0)], ids=["T0", "B0"])
+def test_empty_sizes_with_options(T, B, path):
+    """No steps or no rows with resets, zoneout and lstm_ln: the states pass
+    through, the weight and ln gradients are zeros (also the lstm_ln step op
+    without rows)."""
+    for cell in ("lstm_ln", "rnn_tanh"):
+        tensors, consts = case_inputs(cell, 0, "plain", T=T, B=B, H=5, requires_grad=True,
+                                      key=("empty-options",))
+        g = generator("empty-options", cell, T, B)
+        Z = reference.zoneout_width(cell, 5, 5)
+        consts = dict(consts, resets=torch.zeros(T, B, dtype=torch.bool),
+                      zoneout=(torch.rand(T, B, Z, generator=g) < 0.5).double())
+        tensors, consts = options_on_device(tensors, consts)
+        results = []
+        for backend in ("reference", "triton"):
+            out = [o for o in run_options(cell, tensors, consts, backend) if o is not None]
+            g = generator("empty-options-cotangent")
+            loss = sum((o * randn(g, *o.shape).to(DEVICE)).sum() for o in out)
+            grads = torch.autograd.grad(loss, [t for t in tensors.values() if t is not None],
+                                        allow_unused=True, materialize_grads=True)
+            results.append(out + list(grads))
+        for i, (got, want) in enumerate(zip(*results[::-1])):
+            assert got.shape == want.shape, i
+            assert_close(got, want, what=f"{cell} result {i}")
+    if B == 0:
+        a = to_device(step_case(B=0, requires_grad=True, key=("empty-step",)), DEVICE)
+        h, c = ops.step("lstm_ln", *[a[n] for n in ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh")],
+                        backend="triton", ln=a["ln"])
+        grads = torch.autograd.grad(h.sum() + c.sum(), list(a.values()))
+        assert h.shape == c.shape == (0, 5)
+        for name, gr in zip(a, grads):
+            assert gr.shape == a[name].shape and torch.equal(gr, torch.zeros_like(gr)), name
+
+
 def expected_workspace(cell, t, resets, zoneout):
     """The workspace csrc/cells.h describes, from the reference formulas, for a
     forward run without lengths: LSTM i, f, g, o, c (c after zoneout); RNN with

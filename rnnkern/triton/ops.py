@@ -441,7 +441,7 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, wor
         # with the normalised values the forward saved (csrc/cells.h layout).
         rows = T * B
         da = da_all.reshape(rows, GH)
-        ws = workspace.reshape(rows, -1)
+        ws = workspace.reshape(rows, workspace.shape[-1])
         dy = aux_all.reshape(rows, H)
         grad_b_ih = da.sum(0)
         grad_ln = torch.cat([(da * ws[:, 5 * H:9 * H]).sum(0), (da * ws[:, 9 * H:13 * H]).sum(0),
