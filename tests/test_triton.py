@@ -548,6 +548,48 @@ def test_empty_sizes_with_options(T, B, path):
             assert gr.shape == a[name].shape and torch.equal(gr, torch.zeros_like(gr)), name
 
 
+class _LaunchTwice:
+    """A kernel whose every launch runs twice, as the autotuner's benchmark runs
+    re-launch a kernel on a GPU before the real launch."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def twice(*args, **kwargs):
+            launch(*args, **kwargs)
+            launch(*args, **kwargs)
+
+        return twice
+
+
+@pytest.mark.parametrize("cell,proj", [("lstm_ln", 0), ("lstm", 3), ("gru_reset_before", 0)],
+                         ids=["lstm_ln", "lstm-proj3", "gru_reset_before"])
+def test_kernels_can_rerun(cell, proj, path, monkeypatch):
+    """Every kernel reads its inputs and writes separate outputs, so the
+    autotuner may re-run it (under the interpreter there is one configuration,
+    so nothing re-runs): with every launch run twice, both paths with every
+    option still match the reference.  (An accumulator updated in place, such
+    as the sum of the reset steps' start-state gradients, would count twice.)"""
+    for name in ("forward_loop_kernel", "backward_loop_kernel"):
+        monkeypatch.setattr(triton_ops.sequence, name,
+                            _LaunchTwice(getattr(triton_ops.sequence, name)))
+    for name in ("gates_forward_kernel", "gru_rb_candidate_kernel", "projection_forward_kernel",
+                 "ln_projections_kernel", "lstm_ln_forward_kernel", "gates_backward_kernel",
+                 "gru_rb_reset_kernel", "projection_backward_kernel", "lstm_ln_backward_kernel",
+                 "input_grad_kernel"):
+        monkeypatch.setattr(triton_ops.step_kernels, name,
+                            _LaunchTwice(getattr(triton_ops.step_kernels, name)))
+    tensors, consts = options_on_device(*case_inputs(cell, proj, "all-lengths-reverse", T=5, B=3,
+                                                     H=5, requires_grad=True, key=("rerun",)))
+    want = options_outputs_and_grads("reference", cell, tensors, consts, key=("rerun",))
+    got = options_outputs_and_grads("triton", cell, tensors, consts, key=("rerun",))
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
 def expected_workspace(cell, t, resets, zoneout):
     """The workspace csrc/cells.h describes, from the reference formulas, for a
     forward run without lengths: LSTM i, f, g, o, c (c after zoneout); RNN with

@@ -36,8 +36,8 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 # Pointer arguments that hold accumulate-dtype buffers (workspace, states, gradients).
 _ACC_BUFFERS = {"p_ws", "p_aux", "p_aux_all", "p_dx", "p_da", "p_da_next", "p_dh", "p_dh_out",
                 "p_dc", "p_dc_out", "p_dh_tot", "p_dh_tot_all", "p_h_next", "p_c_next",
-                "p_da_all", "p_dhr", "p_dhr_all", "p_dy_all", "p_dh0_acc", "p_dc0_acc", "p_xr",
-                "p_hr", "p_tmp"}
+                "p_da_all", "p_dhr", "p_dhr_all", "p_dy_all", "p_dh0_in", "p_dh0_out",
+                "p_dc0_in", "p_dc0_out", "p_xr", "p_hr", "p_tmp"}
 
 
 def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_warps: int = 4,

@@ -216,7 +216,8 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
     device = xproj.device
     h = [torch.empty((B, P), dtype=k.acc, device=device) for _ in range(2)]
     h[0].copy_(h0)
-    c = [torch.empty((B, H), dtype=k.acc, device=device) for _ in range(2)] if has_c else [dummy] * 2
+    c = ([torch.empty((B, H), dtype=k.acc, device=device) for _ in range(2)] if has_c
+         else [dummy] * 2)
     if has_c:
         c[0].copy_(c0)
     aux = dummy
@@ -334,7 +335,8 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
     (two launches for the reset-before GRU, the LSTM projection and LSTM-LN).
     Carries and gate gradients ping-pong between two buffers; grad_h0 is
     finished by input_grad_kernel.  With resets, the gradients of the reset
-    steps' start states sum into dh0_acc / dc0_acc, added at the end."""
+    steps' start states sum into dh0 / dc0 (ping-pong buffers as well, so that
+    every kernel can be re-run by the autotuner), added at the end."""
     cell, dummy, device = k.cell, output, output.device
     has_c, rb, proj = has_cell_state(cell), cell == "gru_reset_before", flags["HAS_PROJ"]
     GH = k.G * H
@@ -353,8 +355,10 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
     dn = acc_empty(B, H) if rb else dummy
     dh_tot = acc_empty(B, P) if proj else dummy
     resets = flags["HAS_RESETS"]
-    dh0_acc = torch.zeros((B, P), dtype=k.acc, device=device) if resets else dummy
-    dc0_acc = torch.zeros((B, H), dtype=k.acc, device=device) if resets and has_c else dummy
+    dh0 = ([torch.zeros((B, P), dtype=k.acc, device=device), acc_empty(B, P)] if resets
+           else [dummy] * 2)
+    dc0 = ([torch.zeros((B, H), dtype=k.acc, device=device), acc_empty(B, H)]
+           if resets and has_c else [dummy] * 2)
     lens_ = lens if lens is not None else dummy
     ws = workspace if k.WS else dummy
     aux_all_, da_all_, dhr_all_ = (dummy if t is None else t for t in (aux_all, da_all, dhr_all))
@@ -367,12 +371,12 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
         if proj:
             step_kernels.projection_backward_kernel[_grid(B, P)](
                 grad_output, dh[0], da_next, w_hh, lens_, dh_tot, dh[1], dh_tot_all, *options,
-                dh0_acc, s, T, B, H, P, *opt.strides, HAS_NEXT=has_next, **opt.flags, **common)
+                *dh0, s, T, B, H, P, *opt.strides, HAS_NEXT=has_next, **opt.flags, **common)
         step_kernels.gates_backward_kernel[_grid(B, H)](
             grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h0, c0 if has_c else dummy,
             lens_, dh_tot, w_hr if proj else dummy,
             dx, da_now, dh_mid if rb else dh[1], dc[1], dn, aux_all_, *options, ln_, da_all_,
-            dh0_acc, dc0_acc, s, T, B, H, P, *opt.strides, HAS_GOUT=True, HAS_NEXT=has_next,
+            *dh0, *dc0, s, T, B, H, P, *opt.strides, HAS_GOUT=True, HAS_NEXT=has_next,
             **flags)
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
@@ -381,17 +385,20 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
         if cell == "lstm_ln":
             step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
                 ws, aux_all_, da_all_, dc[0], c0, ln, lens_, *options, dx, da_now, dhr_all_, dc[1],
-                dc0_acc, s, T, B, H, *opt.strides, WS=k.WS, ACC=k.consts["ACC"],
+                *dc0, s, T, B, H, *opt.strides, WS=k.WS, ACC=k.consts["ACC"],
                 HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **opt.flags)
         dh.reverse()
         dc.reverse()
+        if resets:
+            dh0.reverse()
+            dc0.reverse()
     if resets:
-        dh[0] += dh0_acc
+        dh[0] += dh0[0]
     # grad_h0 = dh + dA_0 W_hh (the GEMM part of the carry at the first step).
     step_kernels.input_grad_kernel[_input_grad_grid(B, 0, P)](
         dummy, dummy, da[0], w_hh, dh[0], dummy, grad_h0, B, 0, GH, DA, P, **k.consts)
     if has_c:
-        grad_c0.copy_(dc[0] + dc0_acc if resets else dc[0])
+        grad_c0.copy_(dc[0] + dc0[0] if resets else dc[0])
 
 
 def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optional[Tensor],
@@ -556,8 +563,8 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
             workspace if k.WS else dummy, h_new, h, c if has_c else dummy, dummy, dummy, dummy,
             dx, da, dh_mid if rb else dh, grad_c if has_c else dummy, dn,
             aux_all if aux_all is not None else dummy, dummy, dummy,
-            ln if ln is not None else dummy, da_all if ln_cell else dummy, dummy, dummy,
-            0, 1, B, H, H, 0, 0, 0, **flags)
+            ln if ln is not None else dummy, da_all if ln_cell else dummy, dummy, dummy, dummy,
+            dummy, 0, 1, B, H, H, 0, 0, 0, **flags)
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
                 dn, w_hh, workspace, h_new, h, dummy, dh_mid, dx, da, dh, aux_all, dummy,
@@ -565,7 +572,7 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
         if ln_cell:  # da: the gradient of h W_hh^T before its layer norm (also dhr_all, T = 1)
             step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
                 workspace, aux_all, da_all, grad_c_new, c, ln, dummy, dummy, dummy, dx, da, da,
-                grad_c, dummy, 0, 1, B, H, 0, 0, 0, WS=k.WS, ACC=k.consts["ACC"], **off)
+                grad_c, dummy, dummy, 0, 1, B, H, 0, 0, 0, WS=k.WS, ACC=k.consts["ACC"], **off)
         # [grad_x | grad_h] = [dx W_ih | dh + dA W_hh], one launch.
         step_kernels.input_grad_kernel[_input_grad_grid(B, I, H)](
             dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts)

@@ -179,13 +179,15 @@ def forward_loop_kernel(
             mean = tl.sum(x0 + x1 + x2 + x3, axis=1)[:, None] / (4 * H)
             v0, v1 = tl.where(mh, x0 - mean, 0.0), tl.where(mh, x1 - mean, 0.0)
             v2, v3 = tl.where(mh, x2 - mean, 0.0), tl.where(mh, x3 - mean, 0.0)
-            rstd_x = ln_rstd(tl.sum(v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, axis=1)[:, None] / (4 * H))
+            rstd_x = ln_rstd(tl.sum(v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, axis=1)[:, None]
+                             / (4 * H))
             xh0, xh1 = ln_normalize(x0, mean, rstd_x), ln_normalize(x1, mean, rstd_x)
             xh2, xh3 = ln_normalize(x2, mean, rstd_x), ln_normalize(x3, mean, rstd_x)
             mean = tl.sum(hp0 + hp1 + hp2 + hp3, axis=1)[:, None] / (4 * H)
             v0, v1 = tl.where(mh, hp0 - mean, 0.0), tl.where(mh, hp1 - mean, 0.0)
             v2, v3 = tl.where(mh, hp2 - mean, 0.0), tl.where(mh, hp3 - mean, 0.0)
-            rstd_h = ln_rstd(tl.sum(v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, axis=1)[:, None] / (4 * H))
+            rstd_h = ln_rstd(tl.sum(v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, axis=1)[:, None]
+                             / (4 * H))
             hh0, hh1 = ln_normalize(hp0, mean, rstd_h), ln_normalize(hp1, mean, rstd_h)
             hh2, hh3 = ln_normalize(hp2, mean, rstd_h), ln_normalize(hp3, mean, rstd_h)
             i, f, g, o = lstm_gates(lstm_ln_pre_activation(xh0, hh0, gx0, gh0, b0),

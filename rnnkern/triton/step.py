@@ -35,8 +35,10 @@ from: h0 (c0) where that step is a reset (next_reset_rows).  The recurrent
 product then never needs to know about resets, and the final state (no step
 after it) is the real one.  Backward, the carry that arrives at step s is the
 gradient of step s+1's start state: where step s+1 was a reset, the kernel that
-first reads it (the GEMM part dA_{s+1} W_hh and the direct part) adds it to an
-accumulator of grad_h0 (grad_c0) and carries nothing to step s.  Zoneout
+first reads it (the GEMM part dA_{s+1} W_hh and the direct part) adds it to a
+sum for grad_h0 (grad_c0) and carries nothing to step s.  The sums ping-pong
+between two buffers too (read one, write the other, every element), so that
+every kernel stays re-runnable.  Zoneout
 blends the start state and the candidate per unit, the mask read through its
 strides; its backward splits the gradient of the state into the two.
 
@@ -502,14 +504,15 @@ def lstm_ln_forward_kernel(
 # part dA_{s+1} W_hh, which the next kernel adds on the fly for its own
 # columns: one launch per step computes the carried gradient and the step.
 # With resets, the carry of a row whose step s+1 was a reset is the gradient
-# of h0 (c0): it goes to the accumulators dh0_acc [B, P] (dc0_acc [B, H]).
+# of h0 (c0): it is added to the sums dh0_in [B, P] (dc0_in [B, H]) of the
+# steps after, written to dh0_out (dc0_out): every element, every step.
 
 @triton.autotune(configs=step_configs(), key=["CELL", "H", "P"])
 @triton.jit(do_not_specialize=["s", "T"])
 def gates_backward_kernel(
         p_gout, p_dh, p_da_next, p_w_hh, p_dc, p_ws, p_out, p_h0, p_c0, p_len, p_dh_tot, p_w_hr,
         p_dx, p_da, p_dh_out, p_dc_out, p_aux, p_aux_all, p_resets, p_zo, p_ln, p_da_all,
-        p_dh0_acc, p_dc0_acc,
+        p_dh0_in, p_dh0_out, p_dc0_in, p_dc0_out,
         s, T, B, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_GOUT: tl.constexpr,
         HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
@@ -573,8 +576,8 @@ def gates_backward_kernel(
                            BLOCK_K, DOT)
         d += tl.load(p_dh + o_bp, mask=m, other=0.0).to(ACC)
         if HAS_RESETS:  # the gradient of h0 where the next step was a reset
-            dh0 = tl.load(p_dh0_acc + o_bp, mask=m, other=0.0).to(ACC)
-            tl.store(p_dh0_acc + o_bp, (dh0 + tl.where(nr, d, 0.0)).to(p_dh0_acc.dtype.element_ty),
+            dh0 = tl.load(p_dh0_in + o_bp, mask=m, other=0.0).to(ACC)
+            tl.store(p_dh0_out + o_bp, (dh0 + tl.where(nr, d, 0.0)).to(p_dh0_out.dtype.element_ty),
                      mask=m)
             d = tl.where(nr, 0.0, d)
         carry = d
@@ -596,8 +599,8 @@ def gates_backward_kernel(
                   + tl.load(p_c0 + o_bh, mask=m_0, other=0.0).to(ACC))
         dc = tl.load(p_dc + o_bh, mask=m, other=0.0).to(ACC)
         if HAS_RESETS:
-            dc0 = tl.load(p_dc0_acc + o_bh, mask=m, other=0.0).to(ACC)
-            tl.store(p_dc0_acc + o_bh, (dc0 + tl.where(nr, dc, 0.0)).to(p_dc0_acc.dtype.element_ty),
+            dc0 = tl.load(p_dc0_in + o_bh, mask=m, other=0.0).to(ACC)
+            tl.store(p_dc0_out + o_bh, (dc0 + tl.where(nr, dc, 0.0)).to(p_dc0_out.dtype.element_ty),
                      mask=m)
             dc = tl.where(nr, 0.0, dc)
         if HAS_ZONEOUT:  # the workspace holds the blended state: recompute c~
@@ -742,7 +745,7 @@ def gru_rb_reset_kernel(
 @triton.jit(do_not_specialize=["s", "T"])
 def projection_backward_kernel(
         p_gout, p_dh, p_da_next, p_w_hh, p_len, p_dh_tot, p_dh_out, p_dh_tot_all, p_resets, p_zo,
-        p_dh0_acc,
+        p_dh0_in, p_dh0_out,
         s, T, B, H, P, s_zt, s_zb, s_zu,
         HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
         HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
@@ -771,9 +774,9 @@ def projection_backward_kernel(
     carry += tl.load(p_dh + o_bp, mask=m, other=0.0).to(ACC)
     if HAS_RESETS:  # the gradient of h0 where the next step was a reset
         nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
-        dh0 = tl.load(p_dh0_acc + o_bp, mask=m, other=0.0).to(ACC)
-        tl.store(p_dh0_acc + o_bp, (dh0 + tl.where(nr, carry, 0.0)).to(p_dh0_acc.dtype.element_ty),
-                 mask=m)
+        dh0 = tl.load(p_dh0_in + o_bp, mask=m, other=0.0).to(ACC)
+        tl.store(p_dh0_out + o_bp,
+                 (dh0 + tl.where(nr, carry, 0.0)).to(p_dh0_out.dtype.element_ty), mask=m)
         carry = tl.where(nr, 0.0, carry)
     m_act = act & m_p[None, :]
     gout = tl.load(p_gout + row * P + o_p[None, :], mask=m_act, other=0.0).to(ACC)
@@ -792,7 +795,7 @@ def projection_backward_kernel(
 @triton.jit(do_not_specialize=["s", "T"])
 def lstm_ln_backward_kernel(
         p_ws, p_dy_all, p_da_all, p_dc, p_c0, p_ln, p_len, p_resets, p_zo,
-        p_dx, p_dhr, p_dhr_all, p_dc_out, p_dc0_acc,
+        p_dx, p_dhr, p_dhr_all, p_dc_out, p_dc0_in, p_dc0_out,
         s, T, B, H, s_zt, s_zb, s_zu,
         WS: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
         HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr,
@@ -800,7 +803,7 @@ def lstm_ln_backward_kernel(
     """LSTM-LN, backward stage 2 of step s, for BLOCK_B whole rows (the units in
     chunks of BLOCK_H), after gates_backward_kernel (do in da_all, dy in
     dy_all [T, B, H]): the cell norm's backward, with the carried dc (c's
-    zoneout split; routed to dc0_acc where the next step was a reset), the
+    zoneout split; added to dc0_in into dc0_out where the next step was a reset), the
     gates' backward (di, df, dg into da_all [T, B, 4H]), dc_out [B, H], and the
     two gate layer norms' backward: dx [T, B, 4H] (the gradient of x W_ih^T)
     and dhr (the gradient of h W_hh^T, which multiplies W_hh) into dhr [B, 4H]
@@ -853,8 +856,8 @@ def lstm_ln_backward_kernel(
         p_wu = p_w + o_u[None, :]
         dc = tl.load(p_dc + o_bu, mask=m, other=0.0).to(ACC)
         if HAS_RESETS:  # the gradient of c0 where the next step was a reset
-            dc0 = tl.load(p_dc0_acc + o_bu, mask=m, other=0.0).to(ACC)
-            tl.store(p_dc0_acc + o_bu, (dc0 + tl.where(nr, dc, 0.0)).to(p_dc0_acc.dtype.element_ty),
+            dc0 = tl.load(p_dc0_in + o_bu, mask=m, other=0.0).to(ACC)
+            tl.store(p_dc0_out + o_bu, (dc0 + tl.where(nr, dc, 0.0)).to(p_dc0_out.dtype.element_ty),
                      mask=m)
             dc = tl.where(nr, 0.0, dc)
         ch = tl.load(p_wu + 13 * H, mask=m_a, other=0.0).to(ACC)
