@@ -77,7 +77,7 @@ UNSUPPORTED: dict[str, frozenset] = {
     "reference": frozenset(),
     "cpu": frozenset(),
     "cuda": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
-    "triton": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "triton": frozenset(),
     "cuda_emulated": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
 }
 

@@ -9,6 +9,12 @@ LSTM projection, lengths and reverse.  The interpreter's blocks are 4 wide
 masked tails.  The interpreter costs ~0.3 ms per block operation: sizes are
 small and gradcheck runs in fast mode on all inputs at once.
 
+The options of issue #16 (resets, zoneout, the lstm_ln cell) run through
+tests/test_options.py's matrix on the automatic path; here they run through it
+on both paths, with gradcheck on the per-step path, against the workspace
+layout of csrc/cells.h, with a transposed zoneout mask, in half precision on
+the per-step path, and through opcheck.
+
 Triton's GPU compiler is exercised without a GPU too: every kernel is compiled
 for sm_90 (test_kernels_compile_for_sm90, rnnkern/triton/aot.py).  GPU tests
 (marker ``gpu``) compare with torch.nn (cuDNN) in float32, float16 and bfloat16
@@ -24,12 +30,16 @@ import pytest
 import torch
 
 import rnnkern
-from rnnkern import ops
+from rnnkern import ops, reference
 from rnnkern.triton import ops as triton_ops
 from rnnkern.triton import sequence
 from conftest import (CELLS, HAS_GPU, assert_close, assert_low_precision, differentiable,
                       generator, outputs_and_grads, randn, recurrence_inputs, rnnkern_module,
                       run_recurrence, step_inputs, to_device, torch_module)
+from test_options import ALL as OPTION_CASES, ALL_IDS as OPTION_IDS
+from test_options import CASES as OPTION_CELLS, CASE_IDS as OPTION_CELL_IDS
+from test_options import case_inputs, step_case
+from test_options import outputs_and_grads as options_outputs_and_grads
 
 # (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
 CASES = [(cell, 0) for cell in CELLS] + [("lstm", 5)]
@@ -410,7 +420,323 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-m", "rnnkern.triton.aot", "--arch", "90"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "0 failures" in done.stdout and done.stdout.count("ok ") >= 11, done.stdout
+    assert "0 failures" in done.stdout and done.stdout.count("ok ") >= 31, done.stdout
+    for kernel in ("ln_projections_kernel", "lstm_ln_forward_kernel", "lstm_ln_backward_kernel"):
+        assert kernel in done.stdout, done.stdout
+    assert "lstm+options" in done.stdout and "lstm_ln+options" in done.stdout, done.stdout
+
+
+# ------------------------------------------ issue #16 options, both paths ----
+
+def options_on_device(tensors, consts):
+    """test_options' inputs on DEVICE; an evaluation zoneout mask stays an
+    expanded [Z] vector (strides (0, 0, 1)) there too."""
+    z = consts["zoneout"]
+    if z is not None:
+        z = z[0, 0].to(DEVICE).expand(z.shape) if z.stride(0) == 0 else z.to(DEVICE)
+    resets = None if consts["resets"] is None else consts["resets"].to(DEVICE)
+    return to_device(tensors, DEVICE), dict(consts, zoneout=z, resets=resets)
+
+
+def run_options(cell, tensors, consts, backend="triton"):
+    t, c = tensors, consts
+    return ops.recurrence(cell, t["xproj"], t["h0"], t["c0"], t["w_hh"], t["b_ih"], t["b_hh"],
+                          t["w_hr"], c["lengths"], c["reverse"], backend=backend,
+                          resets=c["resets"], zoneout=c["zoneout"], ln=t["ln"])
+
+
+@pytest.mark.parametrize("cell,proj,variant", OPTION_CASES, ids=OPTION_IDS)
+def test_options_match_reference_float64(cell, proj, variant, path):
+    """tests/test_options.py's matrix (resets, zoneout in training and in
+    evaluation, everything with lengths and reverse, lstm_ln) on the in-kernel
+    loop and on the per-step kernels: outputs, final states and every gradient
+    against the reference.  B = 5 spans two row blocks of the loop kernels and
+    three of lstm_ln's row kernels; H = 5 two column tiles and two unit chunks,
+    with masked tails."""
+    tensors, consts = options_on_device(*case_inputs(cell, proj, variant, T=5, B=5, H=5,
+                                                     requires_grad=True, key=("paths",)))
+    key = ("paths", cell, variant)
+    want = options_outputs_and_grads("reference", cell, tensors, consts, key=key)
+    got = options_outputs_and_grads("triton", cell, tensors, consts, key=key)
+    assert set(got) == set(want)
+    for name in want:
+        assert_close(got[name], want[name], what=f"{path} {name}")
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CELLS, ids=OPTION_CELL_IDS)
+def test_options_gradcheck_per_step(cell, proj, monkeypatch):
+    """float64 gradcheck of the per-step path with resets, zoneout, lengths and
+    reverse at once (tests/test_options.py checks the loop path): the routing
+    of a reset step's gradient to grad_h0 / grad_c0 between launches."""
+    monkeypatch.setattr(triton_ops, "PATH", "step")
+    tensors, consts = options_on_device(*case_inputs(cell, proj, "all-lengths-reverse", T=4,
+                                                     B=3, H=3, requires_grad=True,
+                                                     key=("gradcheck-step",)))
+    names = [n for n, t in tensors.items() if t is not None]
+
+    def f(*ts):
+        out, h_n, c_n = run_options(cell, {**tensors, **dict(zip(names, ts))}, consts)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert gradcheck_flat(f, [tensors[n] for n in names])
+
+
+def test_every_step_a_reset(path):
+    """resets everywhere: each step starts from h0 / c0, so each output is one
+    step from the initial state, and the gradient of every step reaches
+    h0 / c0 (reverse, with lengths, zoneout in evaluation)."""
+    for cell in ("lstm_ln", "gru"):
+        tensors, consts = case_inputs(cell, 0, "zoneout-eval", T=4, B=3, H=5, requires_grad=True,
+                                      key=("all-resets",))
+        consts = dict(consts, resets=torch.ones(4, 3, dtype=torch.bool),
+                      lengths=torch.tensor([4, 2, 0]), reverse=True)
+        tensors, consts = options_on_device(tensors, consts)
+        key = ("all-resets", cell)
+        want = options_outputs_and_grads("reference", cell, tensors, consts, key=key)
+        got = options_outputs_and_grads("triton", cell, tensors, consts, key=key)
+        for name in want:
+            assert_close(got[name], want[name], what=f"{cell} {name}")
+
+
+def test_zoneout_read_through_strides(path):
+    """A zoneout mask that is a transposed view ([B, T, Z] storage, strides
+    (Z, T*Z, 1)): the kernels read it in place, h part and c part."""
+    for cell, proj in (("lstm", 3), ("gru", 0)):
+        tensors, consts = case_inputs(cell, proj, "all-lengths-reverse", T=5, B=3, H=5,
+                                      requires_grad=True, key=("strided",))
+        z = consts["zoneout"].transpose(0, 1).contiguous().transpose(0, 1)
+        assert not z.is_contiguous()
+        tensors, consts = options_on_device(tensors, dict(consts, zoneout=z))
+        key = ("strided", cell)
+        want = options_outputs_and_grads("reference", cell, tensors, consts, key=key)
+        got = options_outputs_and_grads("triton", cell, tensors, consts, key=key)
+        for name in want:
+            assert_close(got[name], want[name], what=f"{cell} {name}")
+
+
+@pytest.mark.parametrize("T,B", [(0, 3), (3, 0)], ids=["T0", "B0"])
+def test_empty_sizes_with_options(T, B, path):
+    """No steps or no rows with resets, zoneout and lstm_ln: the states pass
+    through, the weight and ln gradients are zeros (also the lstm_ln step op
+    without rows)."""
+    for cell in ("lstm_ln", "rnn_tanh"):
+        tensors, consts = case_inputs(cell, 0, "plain", T=T, B=B, H=5, requires_grad=True,
+                                      key=("empty-options",))
+        g = generator("empty-options", cell, T, B)
+        Z = reference.zoneout_width(cell, 5, 5)
+        consts = dict(consts, resets=torch.zeros(T, B, dtype=torch.bool),
+                      zoneout=(torch.rand(T, B, Z, generator=g) < 0.5).double())
+        tensors, consts = options_on_device(tensors, consts)
+        results = []
+        for backend in ("reference", "triton"):
+            out = [o for o in run_options(cell, tensors, consts, backend) if o is not None]
+            g = generator("empty-options-cotangent")
+            loss = sum((o * randn(g, *o.shape).to(DEVICE)).sum() for o in out)
+            grads = torch.autograd.grad(loss, [t for t in tensors.values() if t is not None],
+                                        allow_unused=True, materialize_grads=True)
+            results.append(out + list(grads))
+        for i, (got, want) in enumerate(zip(*results[::-1])):
+            assert got.shape == want.shape, i
+            assert_close(got, want, what=f"{cell} result {i}")
+    if B == 0:
+        a = to_device(step_case(B=0, requires_grad=True, key=("empty-step",)), DEVICE)
+        h, c = ops.step("lstm_ln", *[a[n] for n in ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh")],
+                        backend="triton", ln=a["ln"])
+        grads = torch.autograd.grad(h.sum() + c.sum(), list(a.values()))
+        assert h.shape == c.shape == (0, 5)
+        for name, gr in zip(a, grads):
+            assert gr.shape == a[name].shape and torch.equal(gr, torch.zeros_like(gr)), name
+
+
+class _LaunchTwice:
+    """A kernel whose every launch runs twice, as the autotuner's benchmark runs
+    re-launch a kernel on a GPU before the real launch."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def twice(*args, **kwargs):
+            launch(*args, **kwargs)
+            launch(*args, **kwargs)
+
+        return twice
+
+
+@pytest.mark.parametrize("cell,proj", [("lstm_ln", 0), ("lstm", 3), ("gru_reset_before", 0)],
+                         ids=["lstm_ln", "lstm-proj3", "gru_reset_before"])
+def test_kernels_can_rerun(cell, proj, path, monkeypatch):
+    """Every kernel reads its inputs and writes separate outputs, so the
+    autotuner may re-run it (under the interpreter there is one configuration,
+    so nothing re-runs): with every launch run twice, both paths with every
+    option still match the reference.  (An accumulator updated in place, such
+    as the sum of the reset steps' start-state gradients, would count twice.)"""
+    for name in ("forward_loop_kernel", "backward_loop_kernel"):
+        monkeypatch.setattr(triton_ops.sequence, name,
+                            _LaunchTwice(getattr(triton_ops.sequence, name)))
+    for name in ("gates_forward_kernel", "gru_rb_candidate_kernel", "projection_forward_kernel",
+                 "ln_projections_kernel", "lstm_ln_forward_kernel", "gates_backward_kernel",
+                 "gru_rb_reset_kernel", "projection_backward_kernel", "lstm_ln_backward_kernel",
+                 "input_grad_kernel"):
+        monkeypatch.setattr(triton_ops.step_kernels, name,
+                            _LaunchTwice(getattr(triton_ops.step_kernels, name)))
+    tensors, consts = options_on_device(*case_inputs(cell, proj, "all-lengths-reverse", T=5, B=3,
+                                                     H=5, requires_grad=True, key=("rerun",)))
+    want = options_outputs_and_grads("reference", cell, tensors, consts, key=("rerun",))
+    got = options_outputs_and_grads("triton", cell, tensors, consts, key=("rerun",))
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+def expected_workspace(cell, t, resets, zoneout):
+    """The workspace csrc/cells.h describes, from the reference formulas, for a
+    forward run without lengths: LSTM i, f, g, o, c (c after zoneout); RNN with
+    zoneout its candidate h~; LSTM-LN i, f, g, o, c, x^ (4H), h^ (4H), c^, then
+    the rstd of x W_ih^T, of h W_hh^T and of c~."""
+    T, H = t["xproj"].shape[0], t["w_hh"].shape[1]
+    h, c = t["h0"], t["c0"]
+    ln = t["ln"]
+    rows = []
+    for s in range(T):
+        keep = resets[s].unsqueeze(1)
+        h = torch.where(keep, t["h0"], h)
+        if c is not None:
+            c = torch.where(keep, t["c0"], c)
+        m = zoneout[s]
+        if cell == "rnn_tanh":
+            cand = torch.tanh(t["xproj"][s] + t["b_ih"] + h @ t["w_hh"].t() + t["b_hh"])
+            rows.append(cand)
+            h = m * h + (1 - m) * cand
+            continue
+
+        def norm(v):
+            mean = v.mean(1, keepdim=True)
+            rstd = 1 / torch.sqrt(((v - mean) ** 2).mean(1, keepdim=True) + reference.LN_EPS)
+            return (v - mean) * rstd, rstd
+
+        if cell == "lstm":
+            pre = t["xproj"][s] + t["b_ih"] + h @ t["w_hh"].t() + t["b_hh"]
+        else:
+            xh, rx = norm(t["xproj"][s])
+            hh, rh = norm(h @ t["w_hh"].t())
+            pre = xh * ln[:4 * H] + hh * ln[4 * H:8 * H] + t["b_ih"] + t["b_hh"]
+        i, f, g, o = pre.chunk(4, 1)
+        i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+        c_cand = f * c + i * g
+        if cell == "lstm":
+            h_cand = o * torch.tanh(c_cand)
+        else:
+            ch, rc = norm(c_cand)
+            h_cand = o * torch.tanh(ch * ln[8 * H:9 * H] + ln[9 * H:])
+        h_new = m[:, :H] * h + (1 - m[:, :H]) * h_cand
+        c = m[:, H:] * c + (1 - m[:, H:]) * c_cand
+        h = h_new
+        row = [i, f, g, o, c]
+        if cell == "lstm_ln":
+            row += [xh, hh, ch, rx, rh, rc]
+        rows.append(torch.cat(row, 1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "lstm", "lstm_ln"])
+def test_workspace_layout_with_options(cell, path):
+    """The workspace is the layout every backend shares (csrc/cells.h,
+    reference.workspace_size), with resets and zoneout: its values against
+    the reference formulas, on both paths."""
+    T, B, H = 4, 3, 5
+    tensors, consts = case_inputs(cell, 0, "zoneout", T=T, B=B, H=H, key=("workspace-layout",))
+    g = generator("workspace-resets", cell)
+    resets = torch.rand(T, B, generator=g) < 0.4
+    resets[1, 0] = True
+    want = expected_workspace(cell, tensors, resets, consts["zoneout"])
+    t, c = options_on_device(tensors, dict(consts, resets=resets))
+    *_, ws = torch.ops.rnnkern_triton.recurrence(
+        cell, t["xproj"], t["h0"], t["c0"], t["w_hh"], t["b_ih"], t["b_hh"], None, None, False,
+        True, c["resets"], c["zoneout"], t["ln"])
+    assert ws.shape == (T, B, reference.workspace_size(cell, H, True)) == want.shape
+    assert_close(ws, want.to(ws.device), what="workspace")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cell", ["lstm", "lstm_ln", "gru_reset_before"])
+def test_options_half_per_step(cell, dtype, monkeypatch):
+    """Half inputs with every option on the per-step path (tests/test_options.py
+    covers the loop path): within the reference's own error in that dtype."""
+    monkeypatch.setattr(triton_ops, "PATH", "step")
+    tensors, consts = case_inputs(cell, 0, "all-lengths-reverse", H=8, requires_grad=True,
+                                  key=("half-step",))
+    key = ("half-step", cell)
+    want = options_outputs_and_grads("reference", cell, tensors, consts, key=key)
+
+    def cast(where):
+        ts = {n: None if v is None else v.detach().to(where, dtype).requires_grad_()
+              for n, v in tensors.items()}
+        cs = dict(consts, zoneout=consts["zoneout"].to(dtype),
+                  resets=consts["resets"].to(where))
+        return ts, cs
+
+    ref_lp = options_outputs_and_grads("reference", cell, *cast("cpu"), key=key)
+    got = options_outputs_and_grads("triton", cell, *cast(DEVICE), key=key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name].cpu(), ref_lp[name], want[name], what=name)
+
+
+OPTIONS_OPCHECK = [("loop", "lstm_ln", 0), ("step", "lstm_ln", 0), ("step", "lstm", 3),
+                   ("loop", "gru", 0), ("step", "gru_reset_before", 0), ("step", "rnn_relu", 0)]
+
+
+@pytest.mark.parametrize("path,cell,proj", OPTIONS_OPCHECK, indirect=["path"],
+                         ids=[f"{p}-{c}-proj{q}" if q else f"{p}-{c}"
+                              for p, c, q in OPTIONS_OPCHECK])
+def test_opcheck_recurrence_options(path, cell, proj):
+    """opcheck of the recurrence with resets, zoneout, lengths, reverse (and ln)."""
+    t, c = options_on_device(*case_inputs(cell, proj, "all-lengths-reverse", T=4, B=3, H=4,
+                                          requires_grad=True, key=("opcheck-options",)))
+    torch.library.opcheck(torch.ops.rnnkern_triton.recurrence.default,
+                          (cell, t["xproj"], t["h0"], t["c0"], t["w_hh"], t["b_ih"], t["b_hh"],
+                           t["w_hr"], c["lengths"], c["reverse"], True, c["resets"],
+                           c["zoneout"].contiguous(), t["ln"]))
+
+
+def test_opcheck_lstm_ln_ops(path):
+    """opcheck of lstm_ln's step op, step_backward and recurrence_backward."""
+    s = to_device(step_case(key=("opcheck",)), DEVICE)
+    args = [s[n] for n in ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh")]
+    torch.library.opcheck(torch.ops.rnnkern_triton.step.default, ("lstm_ln", *args, s["ln"]))
+    h, c, ws = torch.ops.rnnkern_triton.step("lstm_ln", *args, s["ln"])
+    g = generator("opcheck-ln-bwd")
+    torch.library.opcheck(torch.ops.rnnkern_triton.step_backward.default,
+                          ("lstm_ln", randn(g, *h.shape).to(DEVICE), randn(g, *c.shape).to(DEVICE),
+                           *args[:5], h, ws, s["ln"]))
+    t, k = options_on_device(*case_inputs("lstm_ln", 0, "all-lengths-reverse", T=4, B=3, H=4,
+                                          key=("opcheck-ln-bwd",)))
+    out, h_n, c_n, ws = torch.ops.rnnkern_triton.recurrence(
+        "lstm_ln", t["xproj"], t["h0"], t["c0"], t["w_hh"], t["b_ih"], t["b_hh"], None,
+        k["lengths"], True, True, k["resets"], k["zoneout"], t["ln"])
+    torch.library.opcheck(torch.ops.rnnkern_triton.recurrence_backward.default,
+                          ("lstm_ln", randn(g, *out.shape).to(DEVICE),
+                           randn(g, *h_n.shape).to(DEVICE), randn(g, *c_n.shape).to(DEVICE),
+                           t["h0"], t["c0"], t["w_hh"], None, out, ws, k["lengths"], True,
+                           k["resets"], k["zoneout"].contiguous(), t["ln"]))
+
+
+def test_lstm_ln_step_several_chunks():
+    """The lstm_ln step op with H = 9 (three unit chunks of the row kernels,
+    three column tiles) and B = 5 (three row blocks), float64, against the
+    reference: values and every gradient (tests/test_options.py: H = 5)."""
+    a = to_device(step_case(B=5, I=7, H=9, requires_grad=True, key=("chunks",)), DEVICE)
+    names = list(a)
+    results = []
+    for backend in ("reference", "triton"):
+        h, c = ops.step("lstm_ln", *[a[n] for n in names[:7]], backend=backend, ln=a["ln"])
+        g = generator("chunks-cotangent")
+        loss = (h * randn(g, *h.shape).to(DEVICE)).sum() + (c * randn(g, *c.shape).to(DEVICE)).sum()
+        results.append([h, c, *torch.autograd.grad(loss, [a[n] for n in names])])
+    for name, got, want in zip(["h_new", "c_new"] + [f"grad_{n}" for n in names], *results[::-1]):
+        assert_close(got, want, what=name)
 
 
 # ------------------------------------------------------------ path choice ----

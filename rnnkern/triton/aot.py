@@ -7,7 +7,8 @@ so a kernel that would not build on a GPU fails here first.  It needs Triton's
 bundled ptxas and TRITON_INTERPRET unset:
 
     python -m rnnkern.triton.aot                     # a quick subset, sm_90, float16
-    python -m rnnkern.triton.aot --all --arch 80     # every cell and dtype
+    python -m rnnkern.triton.aot --all --arch 80     # every cell and dtype, with and
+                                                     # without resets and zoneout
 
 Each line gives the kernel, its dynamic shared memory and the compile time.
 """
@@ -25,7 +26,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ..reference import CELLS, gate_count, workspace_width
+from ..reference import ALL_CELLS, gate_count, workspace_size
 from . import sequence, step
 from .cells import CELL_IDS
 
@@ -34,11 +35,15 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
        torch.float64: tl.float64}
 # Pointer arguments that hold accumulate-dtype buffers (workspace, states, gradients).
 _ACC_BUFFERS = {"p_ws", "p_aux", "p_aux_all", "p_dx", "p_da", "p_da_next", "p_dh", "p_dh_out",
-                "p_dc", "p_dc_out", "p_dh_tot", "p_dh_tot_all", "p_h_next", "p_c_next"}
+                "p_dc", "p_dc_out", "p_dh_tot", "p_dh_tot_all", "p_h_next", "p_c_next",
+                "p_da_all", "p_dhr", "p_dhr_all", "p_dy_all", "p_dh0_in", "p_dh0_out",
+                "p_dc0_in", "p_dc0_out", "p_xr", "p_hr", "p_tmp"}
 
 
-def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_warps: int = 4):
-    """Compiles an (autotuned) kernel for sm_<arch> with the given constexprs."""
+def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_warps: int = 4,
+                   acc_args=()):
+    """Compiles an (autotuned) kernel for sm_<arch> with the given constexprs;
+    ``acc_args``: more pointer arguments that hold accumulate-dtype buffers in this use."""
     fn = kernel.fn  # the JITFunction under the Autotuner
     acc = "fp64" if dtype == torch.float64 else "fp32"
     signature = {}
@@ -47,8 +52,11 @@ def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_
             signature[name] = "constexpr"
         elif name == "p_len":
             signature[name] = "*i64"
+        elif name == "p_resets":
+            signature[name] = "*i1"
         elif name.startswith("p_"):
-            signature[name] = "*" + (acc if name in _ACC_BUFFERS else _TYPE[dtype])
+            signature[name] = "*" + (acc if name in _ACC_BUFFERS or name in acc_args
+                                     else _TYPE[dtype])
         else:
             signature[name] = "i32"
     src = ASTSource(fn, signature, constexprs=constexprs)
@@ -56,25 +64,51 @@ def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_
                           options=dict(num_warps=num_warps, num_stages=2))
 
 
-def jobs(cell: str, dtype: torch.dtype, H: int = 64):
-    """(kernel, constexprs) of every kernel the ops launch for this cell, with
-    every flag on (lengths, reverse, training, biases, the LSTM projection)."""
+def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
+    """(kernel, constexprs, acc_args) of every kernel the ops launch for this
+    cell, with every flag on (lengths, reverse, training, biases, the LSTM
+    projection), and resets and zoneout when ``options``."""
     proj = cell == "lstm"
-    G, W = gate_count(cell), workspace_width(cell)
+    G = gate_count(cell)
     base = dict(ACC=tl.float64 if dtype == torch.float64 else tl.float32, DOT=_TL[dtype])
-    flags = dict(CELL=CELL_IDS[cell], G=G, WS=W * H, HAS_LENGTHS=True, REVERSE=True, **base)
+    opts = dict(HAS_RESETS=options, HAS_ZONEOUT=options)
+    flags = dict(CELL=CELL_IDS[cell], G=G, WS=workspace_size(cell, H, options), HAS_LENGTHS=True,
+                 REVERSE=True, **opts, **base)
+    single = dict(HAS_LENGTHS=False, REVERSE=False, HAS_RESETS=False, HAS_ZONEOUT=False)
     loop = dict(BLOCK_B=16, BLOCK_H=H, BLOCK_P=H // 2 if proj else H)
     tile = dict(BLOCK_B=32, BLOCK_H=32, BLOCK_K=32)
+    rows = dict(BLOCK_B=4, BLOCK_H=128)
     out = [
         (sequence.forward_loop_kernel, dict(HAS_B_IH=True, HAS_B_HH=True, HAS_PROJ=proj,
                                             TRAIN=True, **flags, **loop)),
         (sequence.backward_loop_kernel, dict(HAS_PROJ=proj, **flags, **loop)),
-        (step.gates_forward_kernel, dict(HAS_X=False, HAS_B_IH=True, HAS_B_HH=True, TRAIN=True,
-                                         HAS_PROJ=proj, STORE_STATE=True, **flags, **tile)),
-        (step.gates_forward_kernel, dict(HAS_X=True, HAS_B_IH=True, HAS_B_HH=True, TRAIN=True,
-                                         HAS_PROJ=False, STORE_STATE=False,
-                                         **{**flags, "HAS_LENGTHS": False, "REVERSE": False},
-                                         **tile)),
+    ]
+    if cell == "lstm_ln":
+        row_fwd = dict(WS=flags["WS"], HAS_B_IH=True, HAS_B_HH=True, TRAIN=True, ACC=base["ACC"],
+                       BLOCK_B=rows["BLOCK_B"], BLOCK_H=rows["BLOCK_H"])
+        row_bwd = dict(WS=flags["WS"], ACC=base["ACC"], **rows)
+        out += [
+            (step.ln_projections_kernel, dict(HAS_X=False, **base, **tile)),
+            (step.ln_projections_kernel, dict(HAS_X=True, **base, **tile)),
+            (step.lstm_ln_forward_kernel, dict(STORE_STATE=True, HAS_LENGTHS=True, REVERSE=True,
+                                               **opts, **row_fwd)),
+            (step.lstm_ln_forward_kernel, dict(STORE_STATE=False, **single, **row_fwd),
+             {"p_xp"}),
+            (step.lstm_ln_backward_kernel, dict(HAS_LENGTHS=True, REVERSE=True, **opts,
+                                                **row_bwd)),
+            (step.lstm_ln_backward_kernel, dict(**single, **row_bwd)),
+        ]
+    else:
+        out += [
+            (step.gates_forward_kernel, dict(HAS_X=False, HAS_B_IH=True, HAS_B_HH=True,
+                                             TRAIN=True, HAS_PROJ=proj, STORE_STATE=True,
+                                             **flags, **tile)),
+            (step.gates_forward_kernel, dict(HAS_X=True, HAS_B_IH=True, HAS_B_HH=True,
+                                             TRAIN=True, HAS_PROJ=False, STORE_STATE=False,
+                                             **{**flags, **single,
+                                                "WS": workspace_size(cell, H)}, **tile)),
+        ]
+    out += [
         (step.gates_backward_kernel, dict(HAS_GOUT=True, HAS_NEXT=True, HAS_PROJ=proj, **flags,
                                           **tile)),
         (step.input_grad_kernel, dict(**base, **tile)),
@@ -82,12 +116,12 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64):
     common = dict(HAS_LENGTHS=True, REVERSE=True, **base, **tile)
     if cell == "gru_reset_before":
         out += [(step.gru_rb_candidate_kernel, dict(HAS_B_HH=True, TRAIN=True, STORE_STATE=True,
-                                                    **common)),
-                (step.gru_rb_reset_kernel, dict(common))]
+                                                    **opts, **common)),
+                (step.gru_rb_reset_kernel, dict(HAS_RESETS=options, **common))]
     if proj:
-        out += [(step.projection_forward_kernel, dict(common)),
-                (step.projection_backward_kernel, dict(HAS_NEXT=True, **common))]
-    return out
+        out += [(step.projection_forward_kernel, dict(**opts, **common)),
+                (step.projection_backward_kernel, dict(HAS_NEXT=True, **opts, **common))]
+    return [job if len(job) == 3 else job + ((),) for job in out]
 
 
 def main(argv=None) -> int:
@@ -99,27 +133,35 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     if args.all:
-        cases = [(cell, dtype, None) for cell, dtype in itertools.product(
-            CELLS, [torch.float32, torch.float16, torch.bfloat16, torch.float64])]
-    else:  # every kernel once (the LSTM with projection has the most branches), a float64 tl.dot
-        cases = [("lstm", torch.float16, None),
-                 ("gru_reset_before", torch.bfloat16, {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
-                 ("gru", torch.float64, {"forward_loop_kernel"})]
+        cases = [(cell, dtype, options, None) for cell, dtype, options in itertools.product(
+            ALL_CELLS, [torch.float32, torch.float16, torch.bfloat16, torch.float64],
+            [False, True])]
+    else:  # every kernel once (the LSTM with projection has the most branches), a float64
+        # tl.dot, then every kernel with resets and zoneout (lstm_ln: all of its own)
+        cases = [("lstm", torch.float16, False, None),
+                 ("gru_reset_before", torch.bfloat16, False,
+                  {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
+                 ("gru", torch.float64, False, {"forward_loop_kernel"}),
+                 ("lstm", torch.float16, True, None),
+                 ("gru_reset_before", torch.bfloat16, True,
+                  {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
+                 ("lstm_ln", torch.bfloat16, True, None)]
     failures = 0
-    for cell, dtype, names in cases:
-        for kernel, constexprs in jobs(cell, dtype):
+    for cell, dtype, options, names in cases:
+        label = f"{cell}{'+options' if options else '':8s}"
+        for kernel, constexprs, acc_args in jobs(cell, dtype, options=options):
             name = kernel.fn.__name__
             if names is not None and name not in names:
                 continue
             start = time.time()
             try:
-                compiled = compile_kernel(kernel, dtype, constexprs, args.arch)
-                print(f"ok    sm_{args.arch} {cell:16s} {_TYPE[dtype]} {name:27s} "
+                compiled = compile_kernel(kernel, dtype, constexprs, args.arch, acc_args=acc_args)
+                print(f"ok    sm_{args.arch} {label:24s} {_TYPE[dtype]} {name:27s} "
                       f"shared {compiled.metadata.shared:6d} B  {time.time() - start:4.1f} s",
                       flush=True)
             except Exception as e:  # report every kernel, then fail
                 failures += 1
-                print(f"FAIL  sm_{args.arch} {cell:16s} {_TYPE[dtype]} {name:27s} "
+                print(f"FAIL  sm_{args.arch} {label:24s} {_TYPE[dtype]} {name:27s} "
                       f"{type(e).__name__}: {e}", flush=True)
     print(f"{failures} failures")
     return 1 if failures else 0

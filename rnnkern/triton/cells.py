@@ -12,7 +12,12 @@ Conventions (csrc/cells.h, torch.nn's):
         LSTM             i, f, g, o, c
         GRU reset-after  r, z, n, hn      (hn = W_hn h + b_hn)
         GRU reset-before r, z, n
-        RNN              nothing (h_t itself is the output)
+        RNN              nothing (h_t itself is the output); with zoneout the
+                         candidate h~_t (the output is blended)
+        LSTM-LN          i, f, g, o, c, x^ (4 blocks), h^ (4 blocks), c^, then
+                         3 per row: rstd of x W_ih^T, of h W_hh^T, of c~
+    where c is the cell state the step ends with (after zoneout); the LSTMs'
+    backward recomputes their candidate c~ = f c_{t-1} + i g (lstm_candidate).
 """
 import triton
 import triton.language as tl
@@ -23,8 +28,12 @@ RNN_RELU: tl.constexpr = tl.constexpr(1)
 LSTM: tl.constexpr = tl.constexpr(2)
 GRU: tl.constexpr = tl.constexpr(3)
 GRU_RESET_BEFORE: tl.constexpr = tl.constexpr(4)
+LSTM_LN: tl.constexpr = tl.constexpr(5)
 
-CELL_IDS = {"rnn_tanh": 0, "rnn_relu": 1, "lstm": 2, "gru": 3, "gru_reset_before": 4}
+CELL_IDS = {"rnn_tanh": 0, "rnn_relu": 1, "lstm": 2, "gru": 3, "gru_reset_before": 4, "lstm_ln": 5}
+
+#: Layer norm's epsilon of LSTM-LN (csrc/cells.h kLayerNormEps, rnnkern.reference.LN_EPS).
+LN_EPS: tl.constexpr = tl.constexpr(1e-5)
 
 
 # ------------------------------------------------------ elementary functions ----
@@ -98,9 +107,16 @@ def lstm_forward(pi, pf, pg, po, c_prev):
     f = sigmoid(pf)
     g = tanh(pg)
     o = sigmoid(po)
-    c = f * c_prev + i * g
+    c = lstm_candidate(i, f, g, c_prev)
     h = o * tanh(c)
     return i, f, g, o, c, h
+
+
+@triton.jit
+def lstm_candidate(i, f, g, c_prev):
+    """The new cell state before zoneout (LstmUnit::candidate); the backward of a
+    zoned-out step recomputes it from the saved gates."""
+    return f * c_prev + i * g
 
 
 @triton.jit
@@ -188,3 +204,91 @@ def gru_rb_backward_reset(drh, r, h_prev):
     dr = sigmoid_backward(drh * h_prev, r)
     dh_prev = drh * r
     return dr, dh_prev
+
+
+# ------------------------------------------------------------------ zoneout ----
+# The state a step ends with, per unit: h_t = m h_{t-1} + (1 - m) h~_t (and c
+# alike), m the mask value (0 or 1 in training, the probability in
+# evaluation).  Its gradient d splits into m d for the previous state and
+# (1 - m) d for the candidate.  (csrc/cells.h: Zoneout)
+
+@triton.jit
+def zoneout_forward(m, prev, cand):
+    return cand + m * (prev - cand)
+
+
+@triton.jit
+def zoneout_to_prev(m, d):
+    return m * d
+
+
+@triton.jit
+def zoneout_to_candidate(m, d):
+    return (1.0 - m) * d
+
+
+# --------------------------------------------------------------- layer norm ----
+# Per element, given its row's statistics (the kernels reduce over the row
+# their own way): v^ = (v - mean) * rstd, and the backward
+# dv = rstd * (dv^ - mean(dv^) - v^ * mean(dv^ * v^)), means over the row.
+# No affine part here.  (csrc/cells.h: LayerNorm)
+
+@triton.jit
+def ln_rstd(variance):
+    return 1.0 / tl.sqrt(variance + LN_EPS)
+
+
+@triton.jit
+def ln_normalize(v, mean, rstd):
+    return (v - mean) * rstd
+
+
+@triton.jit
+def ln_backward(dvhat, vhat, rstd, mean_dvhat, mean_dvhat_vhat):
+    return rstd * (dvhat - mean_dvhat - vhat * mean_dvhat_vhat)
+
+
+# ------------------------------------------------------------------ LSTM-LN ----
+# Per unit, between the row reductions of the three layer norms
+# (csrc/cells.h: LstmLnUnit):
+#   gates:  a_k = x^_k g_ih_k + h^_k g_hh_k + b_k  (k = i, f, g, o), then the
+#           LSTM's activations (lstm_gates) and candidate c~ (before zoneout);
+#   output: h~ = o tanh(c^ g_c + beta_c), c^ the normalised c~.
+
+@triton.jit
+def lstm_ln_pre_activation(xhat, hhat, g_ih, g_hh, b):
+    return xhat * g_ih + hhat * g_hh + b
+
+
+@triton.jit
+def lstm_gates(pi, pf, pg, po):
+    """The LSTM's activated gates i, f, g, o from their pre-activations."""
+    return sigmoid(pi), sigmoid(pf), tanh(pg), sigmoid(po)
+
+
+@triton.jit
+def lstm_ln_output(o, chat, g_c, beta_c):
+    return o * tanh(chat * g_c + beta_c)
+
+
+@triton.jit
+def lstm_ln_backward_output(dh, o, chat, g_c, beta_c):
+    """dh: gradient of h~ (after zoneout's split).  Returns do (pre-activation
+    gradient of o), dchat (into the cell layer norm's backward) and dy, the
+    gradient of c^ g_c + beta_c (d beta_c; d g_c = dy c^)."""
+    ty = tanh(chat * g_c + beta_c)
+    do = sigmoid_backward(dh * ty, o)
+    dy = tanh_backward(dh * o, ty)
+    dchat = dy * g_c
+    return do, dchat, dy
+
+
+@triton.jit
+def lstm_ln_backward_gates(dc, i, f, g, c_prev):
+    """dc: the whole gradient of c~ (from the cell layer norm and from step t+1).
+    Returns the pre-activation gradients di, df, dg and the gradient of c_{t-1}."""
+    di = sigmoid_backward(dc * g, i)
+    df = sigmoid_backward(dc * c_prev, f)
+    dg = tanh_backward(dc * i, g)
+    dc_prev = dc * f
+    return di, df, dg, dc_prev

@@ -54,13 +54,6 @@ def has_cell_state(cell: str) -> bool:
     return cell in ("lstm", "lstm_ln")
 
 
-def check_backend_has(lacking: bool, op: str, what: str) -> None:
-    """NotImplementedError naming an option the Triton backend lacks (csrc's check_backend_has)."""
-    if lacking:
-        raise NotImplementedError(f"{op}: the triton backend does not support {what} yet (see "
-                                  f"rnnkern.modules.UNSUPPORTED for the backends that do)")
-
-
 def check_ln(op: str, cell: str, ln: Optional[Tensor], H: int, ref: Tensor) -> None:
     """ln: the layer norms' gains and shift of lstm_ln ([10H]), absent for every other cell."""
     if cell == "lstm_ln":

@@ -21,6 +21,15 @@ forces one: ``"auto"`` (default), ``"loop"`` or ``"step"``.  Forcing ``"loop"``
 for sizes that do not fit raises instead of running.  The weight gradients
 are one large GEMM each over all steps, after the time loop (torch.matmul on
 tensors the kernels saved in time order).
+
+The options of issue #16 run on both paths, inside the kernels, as constexpr
+flags (the kernels without them are unchanged): ``resets`` and ``zoneout``
+(read through its strides: an evaluation mask stays an expanded vector), and
+the cell ``lstm_ln`` with its ``ln`` gains.  Their weight gradients: W_hh
+pairs each step's gradient with the state the step really started from (h0 at
+a reset, :func:`_grad_by_previous_state`); lstm_ln's biases take the gates'
+pre-activation gradients and its gains pair them with the normalised values
+the workspace keeps.
 """
 from __future__ import annotations
 
@@ -33,11 +42,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import ops as rnnkern_ops
-from ..reference import gate_count, workspace_width
+from ..reference import gate_count, workspace_size
 from . import sequence, step as step_kernels
 from .cells import CELL_IDS
-from .checks import (acc_dtype, check_backend_has, check_recurrence, check_recurrence_backward,
-                     check_step, check_step_backward)
+from .checks import (acc_dtype, check_recurrence, check_recurrence_backward, check_step,
+                     check_step_backward, has_cell_state)
 from .sequence import block_size, fits_on_chip
 from .tuning import INTERPRET
 
@@ -58,6 +67,17 @@ def _dot_dtype(dtype: torch.dtype):
     if INTERPRET and dtype == torch.bfloat16:
         return tl.float32
     return _TL_DTYPE[dtype]
+
+
+def _result_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels write an op's results in: the op's own, except
+    bfloat16 under the interpreter, where they write float32 and torch rounds
+    (Triton 3.8's interpreter truncates float32 -> bfloat16 conversions: its
+    cast_impl passes no rounding mode to _convert_float; a GPU rounds to
+    nearest even, as torch does)."""
+    if INTERPRET and dtype == torch.bfloat16:
+        return torch.float32
+    return dtype
 
 
 def _check_device(op: str, t: Tensor) -> None:
@@ -98,13 +118,14 @@ def _empty(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
 
 
 class _Call:
-    """What every kernel launch of one op call shares: the cell's sizes and the
-    dtypes of the gate math (ACC) and of the tl.dot operands (DOT)."""
+    """What every kernel launch of one op call shares: the cell's sizes, the
+    workspace's last dimension (WS) and the dtypes of the gate math (ACC) and
+    of the tl.dot operands (DOT)."""
 
-    def __init__(self, cell: str, dtype: torch.dtype):
+    def __init__(self, cell: str, dtype: torch.dtype, H: int, zoneout: bool = False):
         self.cell = cell
         self.G = gate_count(cell)
-        self.W = workspace_width(cell)
+        self.WS = workspace_size(cell, H, zoneout)
         self.acc = acc_dtype(dtype)
         self.consts = dict(ACC=_TL_DTYPE[self.acc], DOT=_dot_dtype(dtype))
 
@@ -123,14 +144,22 @@ def _input_grad_grid(B: int, I: int, P: int):
                          triton.cdiv(I, meta["BLOCK_H"]) + triton.cdiv(P, meta["BLOCK_H"]))
 
 
+class _Options:
+    """The per-step options of one recurrence call, as kernel arguments: the
+    resets [T, B] bool (contiguous) and the zoneout mask [T, B, Z], read through
+    its strides (an evaluation mask is an expanded [Z] vector: never copied),
+    with placeholders where absent."""
+
+    def __init__(self, resets: Optional[Tensor], zoneout: Optional[Tensor], dummy: Tensor):
+        self.resets = None if resets is None else resets.contiguous()
+        self.zoneout = zoneout
+        self.p_resets = dummy if resets is None else self.resets
+        self.p_zo = dummy if zoneout is None else zoneout
+        self.strides = tuple(zoneout.stride()) if zoneout is not None else (0, 0, 0)
+        self.flags = dict(HAS_RESETS=resets is not None, HAS_ZONEOUT=zoneout is not None)
+
+
 # ------------------------------------------------------------- recurrence ----
-
-def _check_triton_has(op: str, cell: str, z) -> None:
-    """The options of the ops this backend does not run yet."""
-    check_backend_has(cell == "lstm_ln", op, "the lstm_ln cell (LayerNormLSTM)")
-    check_backend_has(getattr(z, "has_resets", False), op, "resets")
-    check_backend_has(getattr(z, "has_zoneout", False), op, "zoneout")
-
 
 def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
                b_ih: Optional[Tensor], b_hh: Optional[Tensor], w_hr: Optional[Tensor],
@@ -138,74 +167,100 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
                ln: Optional[Tensor] = None):
     z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets, zoneout, ln)
-    _check_triton_has("rnnkern_triton.recurrence", cell, z)
     _check_device("rnnkern_triton.recurrence", xproj)
     T, B, H, P = z.T, z.B, z.H, z.P
-    lstm = cell == "lstm"
-    k = _Call(cell, xproj.dtype)
+    has_c = has_cell_state(cell)
+    k = _Call(cell, xproj.dtype, H, z.has_zoneout)
     path = choose_path(cell, H, P, xproj.dtype, z.has_proj)
-    xproj, h0, c0, w_hh, b_ih, b_hh, w_hr = _contiguous(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr)
+    xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln = _contiguous(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
+                                                            ln)
 
-    output = xproj.new_empty((T, B, P))
-    h_n = xproj.new_empty((B, P))
-    c_n = xproj.new_empty((B, H)) if lstm else _empty(xproj)
-    ws = xproj.new_empty((T, B, k.W * H), dtype=k.acc) if train else _empty(xproj, k.acc)
+    dtype, rd = xproj.dtype, _result_dtype(xproj.dtype)
+    output = xproj.new_empty((T, B, P), dtype=rd)
+    h_n = xproj.new_empty((B, P), dtype=rd)
+    c_n = xproj.new_empty((B, H), dtype=rd) if has_c else _empty(xproj)
+    ws = xproj.new_empty((T, B, k.WS), dtype=k.acc) if train else _empty(xproj, k.acc)
     if T == 0 or B == 0:
         h_n.copy_(h0)
-        if lstm:
+        if has_c:
             c_n.copy_(c0)
-        return output, h_n, c_n, ws
+        return output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws
 
     lens = None if lengths is None else lengths.to(xproj.device)
     dummy = xproj
-    flags = dict(CELL=CELL_IDS[cell], G=k.G, WS=k.W * H, HAS_B_IH=b_ih is not None,
+    opt = _Options(resets, zoneout, dummy)
+    flags = dict(CELL=CELL_IDS[cell], G=k.G, WS=k.WS, HAS_B_IH=b_ih is not None,
                  HAS_B_HH=b_hh is not None, HAS_LENGTHS=lens is not None, REVERSE=bool(reverse),
-                 TRAIN=bool(train), HAS_PROJ=z.has_proj, **k.consts)
+                 TRAIN=bool(train), HAS_PROJ=z.has_proj, **opt.flags, **k.consts)
     args = [b if b is not None else dummy for b in (b_ih, b_hh, w_hr, lens)]
     if path == "loop":
         sequence.forward_loop_kernel[_loop_grid(B)](
-            xproj, h0, c0 if lstm else dummy, w_hh, *args, output, h_n,
-            c_n if lstm else dummy, ws if train else dummy, T, B, H, P,
+            xproj, h0, c0 if has_c else dummy, w_hh, *args, opt.p_resets, opt.p_zo,
+            ln if ln is not None else dummy, output, h_n, c_n if has_c else dummy,
+            ws if train else dummy, T, B, H, P, *opt.strides,
             BLOCK_H=block_size(H), BLOCK_P=block_size(P), **flags)
     else:
-        _forward_by_steps(k, flags, xproj, h0, c0, w_hh, *args, output, h_n, c_n, ws, T, B, H, P)
-    return output, h_n, c_n, ws
+        _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, *args, ln, output, h_n, c_n, ws,
+                          T, B, H, P)
+    return output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws
 
 
-def _forward_by_steps(k, flags, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, output, h_n, c_n,
-                      ws, T, B, H, P):
+def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, ln, output,
+                      h_n, c_n, ws, T, B, H, P):
     """The per-step path: the states ping-pong between two buffers in the
-    accumulate dtype; nothing waits for the GPU, so the loop can be captured."""
+    accumulate dtype; nothing waits for the GPU, so the loop can be captured.
+    Each step stores the state the next step starts from (h0 / c0 where it is
+    a reset), so the products read one buffer whatever the resets."""
     cell, dummy = k.cell, xproj
-    lstm, rb, proj = cell == "lstm", cell == "gru_reset_before", flags["HAS_PROJ"]
-    h = [torch.empty((B, P), dtype=k.acc, device=xproj.device) for _ in range(2)]
+    has_c, rb, proj = has_cell_state(cell), cell == "gru_reset_before", flags["HAS_PROJ"]
+    device = xproj.device
+    h = [torch.empty((B, P), dtype=k.acc, device=device) for _ in range(2)]
     h[0].copy_(h0)
-    c = [torch.empty((B, H), dtype=k.acc, device=xproj.device) for _ in range(2)] if lstm else [dummy] * 2
-    if lstm:
+    c = ([torch.empty((B, H), dtype=k.acc, device=device) for _ in range(2)] if has_c
+         else [dummy] * 2)
+    if has_c:
         c[0].copy_(c0)
     aux = dummy
     if rb:
-        aux = torch.empty((B, 4 * H), dtype=k.acc, device=xproj.device)
+        aux = torch.empty((B, 4 * H), dtype=k.acc, device=device)
     elif proj:
-        aux = torch.empty((B, H), dtype=k.acc, device=xproj.device)
+        aux = torch.empty((B, H), dtype=k.acc, device=device)
     ws_ = ws if flags["TRAIN"] else dummy
-    common = dict(HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **k.consts)
+    c0_ = c0 if has_c else dummy
+    common = dict(HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **opt.flags,
+                  **k.consts)
+    options = (opt.p_resets, opt.p_zo)
+    if cell == "lstm_ln":
+        hr = torch.empty((B, 4 * H), dtype=k.acc, device=device)   # h W_hh^T, raw
+        tmp = torch.empty((B, 2 * H), dtype=k.acc, device=device)  # c~ and o between passes
+        row_flags = dict(WS=k.WS, HAS_B_IH=flags["HAS_B_IH"], HAS_B_HH=flags["HAS_B_HH"],
+                         TRAIN=flags["TRAIN"], STORE_STATE=True, **common)
+        row_flags.pop("DOT")
     for s in range(T):
-        step_kernels.gates_forward_kernel[_grid(B, H)](
-            dummy, dummy, xproj, h[0], c[0], w_hh, b_ih, b_hh, lens,
-            output, h[1], c[1], ws_, aux, s, T, B, 0, H, P,
-            HAS_X=False, STORE_STATE=True, **flags)
+        if cell == "lstm_ln":
+            step_kernels.ln_projections_kernel[_grid(B, H)](
+                dummy, dummy, h[0], w_hh, dummy, hr, B, 0, H, HAS_X=False, **k.consts)
+            step_kernels.lstm_ln_forward_kernel[_loop_grid(B)](
+                xproj, hr, h[0], c[0], b_ih, b_hh, ln, lens, output, h[1], c[1], ws_, tmp,
+                h0, c0, *options, s, T, B, H, *opt.strides, **row_flags)
+        else:
+            step_kernels.gates_forward_kernel[_grid(B, H)](
+                dummy, dummy, xproj, h[0], c[0], w_hh, b_ih, b_hh, lens,
+                output, h[1], c[1], ws_, aux, h0, c0_, *options, s, T, B, 0, H, P,
+                *opt.strides, HAS_X=False, STORE_STATE=True, **flags)
         if rb:
             step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
-                aux, h[0], w_hh, b_hh, lens, output, h[1], ws_, s, T, B, H,
-                HAS_B_HH=flags["HAS_B_HH"], TRAIN=flags["TRAIN"], STORE_STATE=True, **common)
+                aux, h[0], w_hh, b_hh, lens, output, h[1], ws_, h0, *options, s, T, B, H,
+                *opt.strides, HAS_B_HH=flags["HAS_B_HH"], TRAIN=flags["TRAIN"],
+                STORE_STATE=True, **common)
         if proj:
             step_kernels.projection_forward_kernel[_grid(B, P)](
-                aux, w_hr, h[0], lens, output, h[1], s, T, B, H, P, **common)
+                aux, w_hr, h[0], lens, output, h[1], h0, *options, s, T, B, H, P, *opt.strides,
+                **common)
         h.reverse()
         c.reverse()
     h_n.copy_(h[0])
-    if lstm:
+    if has_c:
         c_n.copy_(c[0])
 
 
@@ -217,61 +272,73 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                         ln: Optional[Tensor] = None):
     z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
                                   output, workspace, lengths, resets, zoneout, ln)
-    _check_triton_has("rnnkern_triton.recurrence_backward", cell, z)
     _check_device("rnnkern_triton.recurrence_backward", output)
     T, B, H, P, G = z.T, z.B, z.H, z.P, z.G
-    lstm, proj = cell == "lstm", z.has_proj
+    has_c, proj, ln_cell = has_cell_state(cell), z.has_proj, cell == "lstm_ln"
     dtype = output.dtype
-    k = _Call(cell, dtype)
+    k = _Call(cell, dtype, H, z.has_zoneout)
     path = choose_path(cell, H, P, dtype, proj)
-    grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace = _contiguous(
-        grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace)
+    grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln = _contiguous(
+        grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln)
     device = output.device
 
     def acc_empty(*shape):
         return torch.empty(shape, dtype=k.acc, device=device)
 
     dx = acc_empty(T, B, G * H)
-    grad_h0 = output.new_empty((B, P))
-    grad_c0 = output.new_empty((B, H)) if lstm else _empty(output)
+    rd = _result_dtype(dtype)
+    grad_h0 = output.new_empty((B, P), dtype=rd)
+    grad_c0 = output.new_empty((B, H), dtype=rd) if has_c else _empty(output)
     # Time-ordered extras of the weight gradients (see backward_loop_kernel).
-    aux_all = acc_empty(T, B, H) if (cell in ("gru", "gru_reset_before") or proj) else None
+    aux_all = (acc_empty(T, B, H) if (cell in ("gru", "gru_reset_before", "lstm_ln") or proj)
+               else None)
     dh_tot_all = acc_empty(T, B, P) if proj else None
+    da_all = acc_empty(T, B, G * H) if ln_cell else None
+    dhr_all = acc_empty(T, B, G * H) if ln_cell else None
     lens = None if lengths is None else lengths.to(device)
+    opt = _Options(resets, zoneout, output)
     if T == 0 or B == 0:
         grad_h0.copy_(grad_h_n)
-        if lstm:
+        if has_c:
             grad_c0.copy_(grad_c_n)
     else:
         dummy = output
-        flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.W * H, HAS_PROJ=proj,
-                     HAS_LENGTHS=lens is not None, REVERSE=bool(reverse), **k.consts)
+        flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.WS, HAS_PROJ=proj,
+                     HAS_LENGTHS=lens is not None, REVERSE=bool(reverse), **opt.flags,
+                     **k.consts)
+        extras = [dummy if t is None else t for t in (aux_all, dh_tot_all, da_all, dhr_all)]
         if path == "loop":
             sequence.backward_loop_kernel[_loop_grid(B)](
-                grad_output, grad_h_n, grad_c_n if lstm else dummy, h0, c0 if lstm else dummy,
-                w_hh, w_hr if proj else dummy, output, workspace if k.W else dummy,
-                lens if lens is not None else dummy, dx, grad_h0, grad_c0 if lstm else dummy,
-                aux_all if aux_all is not None else dummy,
-                dh_tot_all if proj else dummy, T, B, H, P,
+                grad_output, grad_h_n, grad_c_n if has_c else dummy, h0, c0 if has_c else dummy,
+                w_hh, w_hr if proj else dummy, output, workspace if k.WS else dummy,
+                lens if lens is not None else dummy, opt.p_resets, opt.p_zo,
+                ln if ln is not None else dummy, dx, grad_h0, grad_c0 if has_c else dummy,
+                *extras, T, B, H, P, *opt.strides,
                 BLOCK_H=block_size(H), BLOCK_P=block_size(P), **flags)
         else:
-            _backward_by_steps(k, flags, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
-                               output, workspace, lens, dx, grad_h0, grad_c0, aux_all,
-                               dh_tot_all, T, B, H, P)
-    grads = _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, output, h0, lens, reverse,
-                                     H, P)
-    return (dx.to(dtype), grad_h0, grad_c0) + tuple(g.to(dtype) for g in grads) + (_empty(output),)
+            _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
+                               w_hr, ln, output, workspace, lens, dx, grad_h0, grad_c0, *extras,
+                               T, B, H, P)
+    grads = _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace,
+                                     output, h0, lens, reverse, opt.resets, H, P)
+    grad_ln = grads[4] if ln_cell else _empty(output)
+    return ((dx.to(dtype), grad_h0.to(dtype), grad_c0.to(dtype))
+            + tuple(g.to(dtype) for g in grads[:4])
+            + (grad_ln.to(dtype),))
 
 
-def _backward_by_steps(k, flags, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                       workspace, lens, dx, grad_h0, grad_c0, aux_all, dh_tot_all, T, B, H, P):
+def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, ln,
+                       output, workspace, lens, dx, grad_h0, grad_c0, aux_all, dh_tot_all, da_all,
+                       dhr_all, T, B, H, P):
     """The per-step BPTT: per step, one launch adds the GEMM part of the carried
     gradient (dA_{s+1} W_hh) for its columns and runs the step's backward
-    (two launches for the reset-before GRU and the LSTM projection).  Carries
-    and gate gradients ping-pong between two buffers; grad_h0 is finished by
-    input_grad_kernel."""
+    (two launches for the reset-before GRU, the LSTM projection and LSTM-LN).
+    Carries and gate gradients ping-pong between two buffers; grad_h0 is
+    finished by input_grad_kernel.  With resets, the gradients of the reset
+    steps' start states sum into dh0 / dc0 (ping-pong buffers as well, so that
+    every kernel can be re-run by the autotuner), added at the end."""
     cell, dummy, device = k.cell, output, output.device
-    lstm, rb, proj = cell == "lstm", cell == "gru_reset_before", flags["HAS_PROJ"]
+    has_c, rb, proj = has_cell_state(cell), cell == "gru_reset_before", flags["HAS_PROJ"]
     GH = k.G * H
     DA = 2 * H if rb else GH
 
@@ -281,48 +348,67 @@ def _backward_by_steps(k, flags, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, 
     da = [acc_empty(B, DA), acc_empty(B, DA)]
     dh = [acc_empty(B, P), acc_empty(B, P)]
     dh[0].copy_(grad_h_n)
-    dc = [acc_empty(B, H), acc_empty(B, H)] if lstm else [dummy] * 2
-    if lstm:
+    dc = [acc_empty(B, H), acc_empty(B, H)] if has_c else [dummy] * 2
+    if has_c:
         dc[0].copy_(grad_c_n)
     dh_mid = acc_empty(B, H) if rb else dummy  # between the two stages of the reset-before GRU
     dn = acc_empty(B, H) if rb else dummy
     dh_tot = acc_empty(B, P) if proj else dummy
+    resets = flags["HAS_RESETS"]
+    dh0 = ([torch.zeros((B, P), dtype=k.acc, device=device), acc_empty(B, P)] if resets
+           else [dummy] * 2)
+    dc0 = ([torch.zeros((B, H), dtype=k.acc, device=device), acc_empty(B, H)]
+           if resets and has_c else [dummy] * 2)
     lens_ = lens if lens is not None else dummy
-    ws = workspace if k.W else dummy
-    aux_all_ = aux_all if aux_all is not None else dummy
+    ws = workspace if k.WS else dummy
+    aux_all_, da_all_, dhr_all_ = (dummy if t is None else t for t in (aux_all, da_all, dhr_all))
+    ln_ = ln if ln is not None else dummy
     common = dict(HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **k.consts)
+    options = (opt.p_resets, opt.p_zo)
     for s in reversed(range(T)):
         da_next, da_now = da[(s + 1) & 1], da[s & 1]
         has_next = s + 1 < T
         if proj:
             step_kernels.projection_backward_kernel[_grid(B, P)](
-                grad_output, dh[0], da_next, w_hh, lens_, dh_tot, dh[1], dh_tot_all,
-                s, T, B, H, P, HAS_NEXT=has_next, **common)
+                grad_output, dh[0], da_next, w_hh, lens_, dh_tot, dh[1], dh_tot_all, *options,
+                *dh0, s, T, B, H, P, *opt.strides, HAS_NEXT=has_next, **opt.flags, **common)
         step_kernels.gates_backward_kernel[_grid(B, H)](
-            grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h0, c0 if lstm else dummy,
+            grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h0, c0 if has_c else dummy,
             lens_, dh_tot, w_hr if proj else dummy,
-            dx, da_now, dh_mid if rb else dh[1], dc[1], dn, aux_all_,
-            s, T, B, H, P, HAS_GOUT=True, HAS_NEXT=has_next, **flags)
+            dx, da_now, dh_mid if rb else dh[1], dc[1], dn, aux_all_, *options, ln_, da_all_,
+            *dh0, *dc0, s, T, B, H, P, *opt.strides, HAS_GOUT=True, HAS_NEXT=has_next,
+            **flags)
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
                 dn, w_hh, ws, output, h0, lens_, dh_mid, dx, da_now, dh[1], aux_all_,
-                s, T, B, H, **common)
+                opt.p_resets, s, T, B, H, HAS_RESETS=resets, **common)
+        if cell == "lstm_ln":
+            step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
+                ws, aux_all_, da_all_, dc[0], c0, ln, lens_, *options, dx, da_now, dhr_all_, dc[1],
+                *dc0, s, T, B, H, *opt.strides, WS=k.WS, ACC=k.consts["ACC"],
+                HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **opt.flags)
         dh.reverse()
         dc.reverse()
+        if resets:
+            dh0.reverse()
+            dc0.reverse()
+    if resets:
+        dh[0] += dh0[0]
     # grad_h0 = dh + dA_0 W_hh (the GEMM part of the carry at the first step).
     step_kernels.input_grad_kernel[_input_grad_grid(B, 0, P)](
         dummy, dummy, da[0], w_hh, dh[0], dummy, grad_h0, B, 0, GH, DA, P, **k.consts)
-    if lstm:
-        grad_c0.copy_(dc[0])
+    if has_c:
+        grad_c0.copy_(dc[0] + dc0[0] if resets else dc[0])
 
 
 def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optional[Tensor],
-                            reverse: bool) -> Tensor:
+                            reverse: bool, resets: Optional[Tensor] = None) -> Tensor:
     """sum over steps and rows of d[t, b]^T h_{t-1}[t, b]: d [T, B, N], output
     [T, B, P], h0 [B, P] -> [N, P].  h_{t-1} of position t is the output one
     step earlier (t - 1, or t + 1 in reverse), or h0 at each sequence's first
-    position; padding positions have d = 0 and output 0, so two GEMMs cover
-    every case (as csrc/cpu/recurrence.cpp)."""
+    position and where ``resets`` [T, B] says the step restarts from h0;
+    padding positions have d = 0 and output 0, so two GEMMs cover every case
+    (as csrc/cpu/recurrence.cpp)."""
     T, B, N = d.shape
     P = output.shape[2]
     if T == 0:
@@ -337,27 +423,50 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
     else:
         later, earlier = d[1:], output[:-1]
         first = d[0]
+    if resets is not None and T > 1:
+        # A reset step started from h0.  (A sequence's first position pairs with
+        # h0 in `first` already: in reverse that is position lens - 1.)
+        restart = resets[:-1] if reverse else resets[1:]
+        if reverse and lens is not None:
+            t = torch.arange(1, T, device=d.device)
+            restart = restart & (t.unsqueeze(1) < lens.unsqueeze(0))
+        earlier = torch.where(restart.unsqueeze(2), h0, earlier)
     dw = later.reshape(-1, N).t() @ earlier.reshape(-1, P)
     return dw.addmm_(first.t(), h0)
 
 
-def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, output, h0, lens, reverse, H, P):
-    """grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr, one GEMM or sum each over all steps."""
+def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace, output,
+                             h0, lens, reverse, resets, H, P):
+    """grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr (and for lstm_ln grad_ln),
+    one GEMM or sum each over all steps."""
     T, B, GH = dx.shape
     acc = dx.dtype
     out, h0 = output.to(acc), h0.to(acc)
+    if cell == "lstm_ln":
+        # b_ih and b_hh add to the pre-activations after the layer norms (da_all);
+        # W_hh multiplies the gradient before its norm (dhr_all); the gains pair
+        # with the normalised values the forward saved (csrc/cells.h layout).
+        rows = T * B
+        da = da_all.reshape(rows, GH)
+        ws = workspace.reshape(rows, workspace.shape[-1])
+        dy = aux_all.reshape(rows, H)
+        grad_b_ih = da.sum(0)
+        grad_ln = torch.cat([(da * ws[:, 5 * H:9 * H]).sum(0), (da * ws[:, 9 * H:13 * H]).sum(0),
+                             (dy * ws[:, 13 * H:14 * H]).sum(0), dy.sum(0)])
+        grad_w_hh = _grad_by_previous_state(dhr_all, out, h0, lens, reverse, resets)
+        return grad_w_hh, grad_b_ih, grad_b_ih.clone(), _empty(dx), grad_ln
     grad_b_ih = dx.sum((0, 1))
     if cell in ("gru", "gru_reset_before"):
-        dw_rz = _grad_by_previous_state(dx[:, :, :2 * H], out, h0, lens, reverse)
+        dw_rz = _grad_by_previous_state(dx[:, :, :2 * H], out, h0, lens, reverse, resets)
         if cell == "gru":  # n multiplies h_{t-1}; its gradient is dhn
-            dw_n = _grad_by_previous_state(aux_all, out, h0, lens, reverse)
+            dw_n = _grad_by_previous_state(aux_all, out, h0, lens, reverse, resets)
             grad_b_hh = torch.cat([grad_b_ih[:2 * H], aux_all.sum((0, 1))])
         else:  # n multiplies r * h_{t-1} (aux_all); its gradient is dn
             dw_n = dx[:, :, 2 * H:].reshape(-1, H).t() @ aux_all.reshape(-1, H)
             grad_b_hh = grad_b_ih.clone()
         grad_w_hh = torch.cat([dw_rz, dw_n])
     else:
-        grad_w_hh = _grad_by_previous_state(dx, out, h0, lens, reverse)
+        grad_w_hh = _grad_by_previous_state(dx, out, h0, lens, reverse, resets)
         grad_b_hh = grad_b_ih.clone()
     if dh_tot_all is not None:
         grad_w_hr = dh_tot_all.reshape(-1, P).t() @ aux_all.reshape(-1, H)
@@ -371,33 +480,47 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, output, h0, lens, re
 def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,
          b_ih: Optional[Tensor], b_hh: Optional[Tensor], ln: Optional[Tensor] = None):
     z = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
-    _check_triton_has("rnnkern_triton.step", cell, z)
     _check_device("rnnkern_triton.step", x)
     B, I, H, G = z.B, z.I, z.H, z.G
-    lstm, rb = cell == "lstm", cell == "gru_reset_before"
-    k = _Call(cell, x.dtype)
-    x, h, c, w_ih, w_hh, b_ih, b_hh = _contiguous(x, h, c, w_ih, w_hh, b_ih, b_hh)
-    h_new = x.new_empty((B, H))
-    c_new = x.new_empty((B, H)) if lstm else _empty(x)
-    ws = x.new_empty((B, k.W * H), dtype=k.acc)
+    has_c, rb = has_cell_state(cell), cell == "gru_reset_before"
+    k = _Call(cell, x.dtype, H)
+    x, h, c, w_ih, w_hh, b_ih, b_hh, ln = _contiguous(x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
+    dtype, rd = x.dtype, _result_dtype(x.dtype)
+    h_new = x.new_empty((B, H), dtype=rd)
+    c_new = x.new_empty((B, H), dtype=rd) if has_c else _empty(x)
+    ws = x.new_empty((B, k.WS), dtype=k.acc)
     if B == 0:
-        return h_new, c_new, ws
+        return h_new.to(dtype), c_new.to(dtype), ws
     dummy = x
-    aux = torch.empty((B, 4 * H), dtype=k.acc, device=x.device) if rb else dummy
-    flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.W * H, HAS_B_IH=b_ih is not None,
-                 HAS_B_HH=b_hh is not None, HAS_LENGTHS=False, REVERSE=False, TRAIN=True,
-                 HAS_PROJ=False, **k.consts)
+    b_ih_ = b_ih if b_ih is not None else dummy
     b_hh_ = b_hh if b_hh is not None else dummy
+    off = dict(HAS_LENGTHS=False, REVERSE=False, HAS_RESETS=False, HAS_ZONEOUT=False)
+    if cell == "lstm_ln":
+        # x W_ih^T and h W_hh^T apart (each has its layer norm), then the row kernel
+        # with xr as a one-step xproj.
+        xr = torch.empty((1, B, 4 * H), dtype=k.acc, device=x.device)
+        hr = torch.empty((B, 4 * H), dtype=k.acc, device=x.device)
+        tmp = torch.empty((B, 2 * H), dtype=k.acc, device=x.device)
+        step_kernels.ln_projections_kernel[_grid(B, H)](
+            x, w_ih, h, w_hh, xr, hr, B, I, H, HAS_X=True, **k.consts)
+        step_kernels.lstm_ln_forward_kernel[_loop_grid(B)](
+            xr, hr, h, c, b_ih_, b_hh_, ln, dummy, h_new, dummy, c_new, ws, tmp, dummy, dummy,
+            dummy, dummy, 0, 1, B, H, 0, 0, 0, WS=k.WS, HAS_B_IH=b_ih is not None,
+            HAS_B_HH=b_hh is not None, TRAIN=True, STORE_STATE=False, ACC=k.consts["ACC"], **off)
+        return h_new.to(dtype), c_new.to(dtype), ws
+    aux = torch.empty((B, 4 * H), dtype=k.acc, device=x.device) if rb else dummy
+    flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.WS, HAS_B_IH=b_ih is not None,
+                 HAS_B_HH=b_hh is not None, TRAIN=True, HAS_PROJ=False, **off, **k.consts)
     step_kernels.gates_forward_kernel[_grid(B, H)](
-        x, w_ih, dummy, h, c if lstm else dummy, w_hh, b_ih if b_ih is not None else dummy, b_hh_,
-        dummy, h_new, dummy, c_new if lstm else dummy, ws if k.W else dummy, aux,
-        0, 1, B, I, H, H, HAS_X=True, STORE_STATE=False, **flags)
+        x, w_ih, dummy, h, c if has_c else dummy, w_hh, b_ih_, b_hh_,
+        dummy, h_new, dummy, c_new if has_c else dummy, ws if k.WS else dummy, aux,
+        dummy, dummy, dummy, dummy, 0, 1, B, I, H, H, 0, 0, 0,
+        HAS_X=True, STORE_STATE=False, **flags)
     if rb:
         step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
-            aux, h, w_hh, b_hh_, dummy, h_new, dummy, ws, 0, 1, B, H,
-            HAS_B_HH=b_hh is not None, HAS_LENGTHS=False, REVERSE=False, TRAIN=True,
-            STORE_STATE=False, **k.consts)
-    return h_new, c_new, ws
+            aux, h, w_hh, b_hh_, dummy, h_new, dummy, ws, dummy, dummy, dummy, 0, 1, B, H, 0, 0, 0,
+            HAS_B_HH=b_hh is not None, TRAIN=True, STORE_STATE=False, **off, **k.consts)
+    return h_new.to(dtype), c_new.to(dtype), ws
 
 
 def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x: Tensor,
@@ -405,57 +528,76 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
                   workspace: Tensor, ln: Optional[Tensor] = None):
     z = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
                             ln)
-    _check_triton_has("rnnkern_triton.step_backward", cell, z)
     _check_device("rnnkern_triton.step_backward", x)
     B, I, H, G = z.B, z.I, z.H, z.G
-    lstm, rb = cell == "lstm", cell == "gru_reset_before"
+    has_c, rb, ln_cell = has_cell_state(cell), cell == "gru_reset_before", cell == "lstm_ln"
     GH = G * H
     DA = 2 * H if rb else GH
     dtype = x.dtype
-    k = _Call(cell, dtype)
-    grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace = _contiguous(
-        grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace)
+    k = _Call(cell, dtype, H)
+    grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace, ln = _contiguous(
+        grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace, ln)
     device = x.device
 
     def acc_empty(*shape):
         return torch.empty(shape, dtype=k.acc, device=device)
 
-    grad_x = x.new_empty((B, I))
-    grad_h = x.new_empty((B, H))
-    grad_c = x.new_empty((B, H)) if lstm else _empty(x)
+    rd = _result_dtype(dtype)
+    grad_x = x.new_empty((B, I), dtype=rd)
+    grad_h = x.new_empty((B, H), dtype=rd)
+    grad_c = x.new_empty((B, H), dtype=rd) if has_c else _empty(x)
     dx = acc_empty(B, GH)  # the gradient of x W_ih^T (+ b_ih)
     da = acc_empty(B, DA)  # the gradients that multiply W_hh
-    aux_all = acc_empty(B, H) if cell in ("gru", "gru_reset_before") else None
+    aux_all = acc_empty(B, H) if cell in ("gru", "gru_reset_before", "lstm_ln") else None
+    da_all = acc_empty(B, GH) if ln_cell else None  # lstm_ln: the pre-activation gradients
     if B > 0:
         dummy = x
         dh = acc_empty(B, H)
         dh_mid = acc_empty(B, H) if rb else dummy
         dn = acc_empty(B, H) if rb else dummy
-        flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.W * H, HAS_GOUT=False, HAS_NEXT=False,
-                     HAS_LENGTHS=False, REVERSE=False, HAS_PROJ=False, **k.consts)
+        off = dict(HAS_LENGTHS=False, REVERSE=False, HAS_RESETS=False, HAS_ZONEOUT=False)
+        flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.WS, HAS_GOUT=False, HAS_NEXT=False,
+                     HAS_PROJ=False, **off, **k.consts)
         step_kernels.gates_backward_kernel[_grid(B, H)](
-            dummy, grad_h_new, dummy, w_hh, grad_c_new if lstm else dummy,
-            workspace if k.W else dummy, h_new, h, c if lstm else dummy, dummy, dummy, dummy,
-            dx, da, dh_mid if rb else dh, grad_c if lstm else dummy, dn,
-            aux_all if aux_all is not None else dummy, 0, 1, B, H, H, **flags)
+            dummy, grad_h_new, dummy, w_hh, grad_c_new if has_c else dummy,
+            workspace if k.WS else dummy, h_new, h, c if has_c else dummy, dummy, dummy, dummy,
+            dx, da, dh_mid if rb else dh, grad_c if has_c else dummy, dn,
+            aux_all if aux_all is not None else dummy, dummy, dummy,
+            ln if ln is not None else dummy, da_all if ln_cell else dummy, dummy, dummy, dummy,
+            dummy, 0, 1, B, H, H, 0, 0, 0, **flags)
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
-                dn, w_hh, workspace, h_new, h, dummy, dh_mid, dx, da, dh, aux_all, 0, 1, B, H,
-                HAS_LENGTHS=False, REVERSE=False, **k.consts)
+                dn, w_hh, workspace, h_new, h, dummy, dh_mid, dx, da, dh, aux_all, dummy,
+                0, 1, B, H, HAS_LENGTHS=False, REVERSE=False, HAS_RESETS=False, **k.consts)
+        if ln_cell:  # da: the gradient of h W_hh^T before its layer norm (also dhr_all, T = 1)
+            step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
+                workspace, aux_all, da_all, grad_c_new, c, ln, dummy, dummy, dummy, dx, da, da,
+                grad_c, dummy, dummy, 0, 1, B, H, 0, 0, 0, WS=k.WS, ACC=k.consts["ACC"], **off)
         # [grad_x | grad_h] = [dx W_ih | dh + dA W_hh], one launch.
         step_kernels.input_grad_kernel[_input_grad_grid(B, I, H)](
             dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts)
     xa, ha = x.to(k.acc), h.to(k.acc)
     grad_w_ih = dx.t() @ xa
-    grad_b_ih = dx.sum(0)
-    if rb:  # rows r, z multiply h; row n multiplies r * h (aux_all), with gradient dn
+    grad_ln = _empty(x)
+    if ln_cell:  # the biases add after the layer norms; the gains pair with the saved x^, h^, c^
+        grad_b_ih = da_all.sum(0)
+        grad_w_hh = da.t() @ ha
+        grad_b_hh = grad_b_ih.clone()
+        grad_ln = torch.cat([(da_all * workspace[:, 5 * H:9 * H]).sum(0),
+                             (da_all * workspace[:, 9 * H:13 * H]).sum(0),
+                             (aux_all * workspace[:, 13 * H:14 * H]).sum(0),
+                             aux_all.sum(0)]).to(dtype)
+    elif rb:  # rows r, z multiply h; row n multiplies r * h (aux_all), with gradient dn
+        grad_b_ih = dx.sum(0)
         grad_w_hh = torch.cat([da.t() @ ha, dx[:, 2 * H:].t() @ aux_all])
         grad_b_hh = grad_b_ih.clone()
     else:  # dA = [dr, dz, dhn] for the GRU, the gate gradients otherwise
+        grad_b_ih = dx.sum(0)
         grad_w_hh = da.t() @ ha
         grad_b_hh = da.sum(0)
-    return (grad_x, grad_h, grad_c, grad_w_ih.to(dtype), grad_w_hh.to(dtype), grad_b_ih.to(dtype),
-            grad_b_hh.to(dtype), _empty(x))
+    return (grad_x.to(dtype), grad_h.to(dtype), grad_c.to(dtype), grad_w_ih.to(dtype),
+            grad_w_hh.to(dtype), grad_b_ih.to(dtype),
+            grad_b_hh.to(dtype), grad_ln)
 
 
 # ----------------------------------------------------------- registration ----

@@ -11,17 +11,27 @@ interpreter, which runs them one after another, computes the same thing.
 That needs the weights to fit on chip: :func:`fits_on_chip` states the limit
 and the host wrapper (:mod:`.ops`) takes the per-step kernels of :mod:`.step`
 for larger sizes.  The gate formulas come from :mod:`.cells`.
+
+The options of issue #16 are constexpr flags, so the kernels without them are
+the same code as before: HAS_RESETS (the step at a reset position starts from
+h0 / c0, kept on chip; its start state's gradient goes to grad_h0 / grad_c0),
+HAS_ZONEOUT (the blend of the start state and the candidate, the mask read
+through its strides), and the cell LSTM_LN, whose three layer norms reduce
+over rows the program holds whole (4H and H units).
 """
 import torch
 import triton
 import triton.language as tl
 
 from ..reference import gate_count
-from .cells import (GRU, GRU_RESET_BEFORE, LSTM, RNN_RELU, gru_backward, gru_forward,
+from .cells import (GRU, GRU_RESET_BEFORE, LSTM, LSTM_LN, RNN_RELU, gru_backward, gru_forward,
                     gru_rb_backward_candidate, gru_rb_backward_reset, gru_rb_candidate,
-                    gru_rb_gates, lstm_backward, lstm_forward, lstm_hidden, rnn_backward,
-                    rnn_forward)
-from .tiles import load_gate_vectors, load_rows, load_weight, positions, previous_position, store_rows
+                    gru_rb_gates, ln_backward, ln_normalize, ln_rstd, lstm_backward,
+                    lstm_candidate, lstm_forward, lstm_gates, lstm_hidden, lstm_ln_backward_gates,
+                    lstm_ln_backward_output, lstm_ln_output, lstm_ln_pre_activation, rnn_backward,
+                    rnn_forward, zoneout_forward, zoneout_to_candidate, zoneout_to_prev)
+from .tiles import (load_gate_vectors, load_rows, load_vector, load_weight, positions,
+                    previous_position, reset_rows, store_rows, zoneout_rows)
 from .tuning import MIN_DOT, loop_configs
 
 #: Bytes of weights (W_hh, plus W_hr with a projection, in their storage dtype,
@@ -59,18 +69,21 @@ def fits_on_chip(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool = Fal
 @triton.autotune(configs=loop_configs(), key=["CELL", "H", "P"])
 @triton.jit(do_not_specialize=["T"])
 def forward_loop_kernel(
-        p_xproj, p_h0, p_c0, p_w_hh, p_b_ih, p_b_hh, p_w_hr, p_len,
+        p_xproj, p_h0, p_c0, p_w_hh, p_b_ih, p_b_hh, p_w_hr, p_len, p_resets, p_zo, p_ln,
         p_out, p_h_n, p_c_n, p_ws,
-        T, B, H, P,
+        T, B, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr,
         HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_PROJ: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, TRAIN: tl.constexpr,
+        HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
         ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
     """The forward of a whole sequence for BLOCK_B rows (ops.cpp conventions).
 
     xproj [T, B, G*H], h0 [B, P], c0 [B, H], w_hh [G*H, P], w_hr [P, H] ->
     out [T, B, P], h_n [B, P], c_n [B, H], workspace [T, B, WS] when TRAIN.
+    resets [T, B] bool (HAS_RESETS), zoneout [T, B, Z] with strides s_z*
+    (HAS_ZONEOUT), ln [10H] (LSTM_LN).
     BLOCK_H >= H and BLOCK_P >= P: every unit is in the program."""
     i_b = tl.program_id(0)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -96,19 +109,35 @@ def forward_loop_kernel(
     bh0, bh1, bh2, bh3 = load_gate_vectors(p_b_hh, o_h, m_h, H, G, HAS_B_HH, ACC)
     # Every gate but the GRU candidate takes the sum of the two biases.
     b0, b1, b2, b3 = bi0 + bh0, bi1 + bh1, bi2 + bh2, bi3 + bh3
+    if CELL == LSTM_LN:
+        # The layer norms' gains per gate (zeros beyond H: the masked units of a
+        # normalised row then add nothing), the cell norm's gain and shift.
+        gx0, gx1, gx2, gx3 = load_gate_vectors(p_ln, o_h, m_h, H, 4, True, ACC)
+        gh0, gh1, gh2, gh3 = load_gate_vectors(p_ln + 4 * H, o_h, m_h, H, 4, True, ACC)
+        g_c = load_vector(p_ln + 8 * H, o_h, m_h, True, ACC)[None, :]
+        beta_c = load_vector(p_ln + 9 * H, o_h, m_h, True, ACC)[None, :]
     WS_DTYPE = p_ws.dtype.element_ty
     OUT_DTYPE = p_out.dtype.element_ty
 
     # The state, on chip for the whole sequence.
     b_h = load_rows(p_h0, row_b, P, o_p, m_bp, ACC)
-    if CELL == LSTM:
+    if CELL == LSTM or CELL == LSTM_LN:
         b_c = load_rows(p_c0, row_b, H, o_h, m_bh, ACC)
+    if HAS_RESETS:  # the states a reset step starts from
+        b_h0 = b_h
+        if CELL == LSTM or CELL == LSTM_LN:
+            b_c0 = b_c
 
     for s in range(0, T):
         active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
         act = active[:, None]
         m_act = act & m_h[None, :]
         row = t.to(tl.int64)[:, None] * B + o_b[:, None]
+        if HAS_RESETS:
+            rs = reset_rows(p_resets, t, o_b, active, B)[:, None]
+            b_h = tl.where(rs, b_h0, b_h)
+            if CELL == LSTM or CELL == LSTM_LN:
+                b_c = tl.where(rs, b_c0, b_c)
         # Pointers of this step's rows: xproj and the workspace (gate k at + k*H), the output.
         p_x = p_xproj + row * GH + o_h[None, :]
         p_w = p_ws + row * WS + o_h[None, :]
@@ -125,6 +154,9 @@ def forward_loop_kernel(
             hp3 = tl.dot(b_hd, b_w3, zero, input_precision="ieee")
             i, f, g, o, c, h = lstm_forward(x0 + hp0 + b0, x1 + hp1 + b1, x2 + hp2 + b2,
                                             x3 + hp3 + b3, b_c)
+            if HAS_ZONEOUT:
+                m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
+                c = zoneout_forward(m_zc, b_c, c)
             b_c = tl.where(act, c, b_c)
             if TRAIN:
                 tl.store(p_w, tl.where(act, i, 0.0).to(WS_DTYPE), mask=m_bh)
@@ -134,6 +166,66 @@ def forward_loop_kernel(
                 tl.store(p_w + 4 * H, tl.where(act, c, 0.0).to(WS_DTYPE), mask=m_bh)
             if HAS_PROJ:
                 h = tl.dot(h.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_P], ACC), input_precision="ieee")
+        elif CELL == LSTM_LN:
+            x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
+            x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
+            x3 = tl.load(p_x + 3 * H, mask=m_act, other=0.0).to(ACC)
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
+            hp2 = tl.dot(b_hd, b_w2, zero, input_precision="ieee")
+            hp3 = tl.dot(b_hd, b_w3, zero, input_precision="ieee")
+            # The two gate layer norms over the 4H values of each row (masked
+            # units load as 0 and are left out of the variance).
+            mh = m_h[None, :]
+            mean = tl.sum(x0 + x1 + x2 + x3, axis=1)[:, None] / (4 * H)
+            v0, v1 = tl.where(mh, x0 - mean, 0.0), tl.where(mh, x1 - mean, 0.0)
+            v2, v3 = tl.where(mh, x2 - mean, 0.0), tl.where(mh, x3 - mean, 0.0)
+            rstd_x = ln_rstd(tl.sum(v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, axis=1)[:, None]
+                             / (4 * H))
+            xh0, xh1 = ln_normalize(x0, mean, rstd_x), ln_normalize(x1, mean, rstd_x)
+            xh2, xh3 = ln_normalize(x2, mean, rstd_x), ln_normalize(x3, mean, rstd_x)
+            mean = tl.sum(hp0 + hp1 + hp2 + hp3, axis=1)[:, None] / (4 * H)
+            v0, v1 = tl.where(mh, hp0 - mean, 0.0), tl.where(mh, hp1 - mean, 0.0)
+            v2, v3 = tl.where(mh, hp2 - mean, 0.0), tl.where(mh, hp3 - mean, 0.0)
+            rstd_h = ln_rstd(tl.sum(v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, axis=1)[:, None]
+                             / (4 * H))
+            hh0, hh1 = ln_normalize(hp0, mean, rstd_h), ln_normalize(hp1, mean, rstd_h)
+            hh2, hh3 = ln_normalize(hp2, mean, rstd_h), ln_normalize(hp3, mean, rstd_h)
+            i, f, g, o = lstm_gates(lstm_ln_pre_activation(xh0, hh0, gx0, gh0, b0),
+                                    lstm_ln_pre_activation(xh1, hh1, gx1, gh1, b1),
+                                    lstm_ln_pre_activation(xh2, hh2, gx2, gh2, b2),
+                                    lstm_ln_pre_activation(xh3, hh3, gx3, gh3, b3))
+            c = lstm_candidate(i, f, g, b_c)
+            # The cell layer norm over the H values of c~.
+            mean = tl.sum(tl.where(mh, c, 0.0), axis=1)[:, None] / H
+            v0 = tl.where(mh, c - mean, 0.0)
+            rstd_c = ln_rstd(tl.sum(v0 * v0, axis=1)[:, None] / H)
+            ch = ln_normalize(c, mean, rstd_c)
+            h = lstm_ln_output(o, ch, g_c, beta_c)
+            if HAS_ZONEOUT:
+                m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
+                c = zoneout_forward(m_zc, b_c, c)
+            b_c = tl.where(act, c, b_c)
+            if TRAIN:
+                tl.store(p_w, tl.where(act, i, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + H, tl.where(act, f, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 2 * H, tl.where(act, g, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 3 * H, tl.where(act, o, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 4 * H, tl.where(act, c, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 5 * H, tl.where(act, xh0, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 6 * H, tl.where(act, xh1, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 7 * H, tl.where(act, xh2, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 8 * H, tl.where(act, xh3, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 9 * H, tl.where(act, hh0, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 10 * H, tl.where(act, hh1, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 11 * H, tl.where(act, hh2, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 12 * H, tl.where(act, hh3, 0.0).to(WS_DTYPE), mask=m_bh)
+                tl.store(p_w + 13 * H, tl.where(act, ch, 0.0).to(WS_DTYPE), mask=m_bh)
+                # the rows' statistics (every unit of a row holds the same value: one stores)
+                p_r = p_ws + row * WS + 14 * H + o_h[None, :] * 0
+                m_r = m_b[:, None] & (o_h[None, :] == 0)
+                tl.store(p_r, tl.where(act, rstd_x, 0.0).to(WS_DTYPE), mask=m_r)
+                tl.store(p_r + 1, tl.where(act, rstd_h, 0.0).to(WS_DTYPE), mask=m_r)
+                tl.store(p_r + 2, tl.where(act, rstd_c, 0.0).to(WS_DTYPE), mask=m_r)
         elif CELL == GRU:
             x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
             x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
@@ -158,30 +250,41 @@ def forward_loop_kernel(
                 tl.store(p_w + 2 * H, tl.where(act, n, 0.0).to(WS_DTYPE), mask=m_bh)
         else:
             h = rnn_forward(x0 + hp0 + b0, CELL == RNN_RELU)
+            if TRAIN and HAS_ZONEOUT:  # the backward needs the candidate, not the blend
+                tl.store(p_w, tl.where(act, h, 0.0).to(WS_DTYPE), mask=m_bh)
+        if HAS_ZONEOUT:  # h_t = m h_{t-1} + (1 - m) h~_t, h_{t-1} the state the step started from
+            m_zh = zoneout_rows(p_zo, t, o_b, o_p, act & m_p[None, :], s_zt, s_zb, s_zu, ACC)
+            h = zoneout_forward(m_zh, b_h, h)
         b_h = tl.where(act, h, b_h)
         tl.store(p_out + row * P + o_p[None, :], tl.where(act, h, 0.0).to(OUT_DTYPE), mask=m_bp)
 
     store_rows(p_h_n, row_b, P, o_p, m_bp, b_h)
-    if CELL == LSTM:
+    if CELL == LSTM or CELL == LSTM_LN:
         store_rows(p_c_n, row_b, H, o_h, m_bh, b_c)
 
 
 @triton.autotune(configs=loop_configs(), key=["CELL", "H", "P"])
 @triton.jit(do_not_specialize=["T"])
 def backward_loop_kernel(
-        p_gout, p_dh_n, p_dc_n, p_h0, p_c0, p_w_hh, p_w_hr, p_out, p_ws, p_len,
-        p_dx, p_dh0, p_dc0, p_aux_all, p_dh_tot_all,
-        T, B, H, P,
+        p_gout, p_dh_n, p_dc_n, p_h0, p_c0, p_w_hh, p_w_hr, p_out, p_ws, p_len, p_resets, p_zo,
+        p_ln, p_dx, p_dh0, p_dc0, p_aux_all, p_dh_tot_all, p_da_all, p_dhr_all,
+        T, B, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_PROJ: tl.constexpr,
-        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
     """BPTT of a whole sequence for BLOCK_B rows, dh [B, P] and dc [B, H] carried
     on chip from grad_h_n, grad_c_n down to grad_h0, grad_c0.
 
     Writes dx [T, B, G*H] (the gradient of xproj, zeros at padding positions)
     and the time-ordered extras of the weight gradients: aux_all [T, B, H]
-    (GRU: dhn; reset-before GRU: r*h_{t-1}; LSTM with projection: o*tanh c)
-    and, with a projection, dh_tot_all [T, B, P] (the gradient of each h_t)."""
+    (GRU: dhn; reset-before GRU: r*h_{t-1}; LSTM with projection: o*tanh c;
+    LSTM-LN: dy, the gradient of c^ g_c + beta_c), with a projection
+    dh_tot_all [T, B, P] (the gradient of each projected candidate h~_t), and
+    for LSTM-LN da_all [T, B, 4H] (the gates' pre-activation gradients) and
+    dhr_all [T, B, 4H] (the gradient of h_{t-1} W_hh^T, before its layer norm).
+    A reset step's start state is h0 (c0): the gradient of that state is
+    summed into grad_h0 (grad_c0) and nothing flows to the step before."""
     i_b = tl.program_id(0)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
     o_h = tl.arange(0, BLOCK_H)
@@ -201,12 +304,21 @@ def backward_loop_kernel(
         b_w3 = load_weight(p_w_hh + 3 * H * P, o_h, m_h, P, o_p, m_p, 1, DOT)
     if HAS_PROJ:
         b_wr = load_weight(p_w_hr, o_p, m_p, H, o_h, m_h, 1, DOT)  # W_hr [BLOCK_P, BLOCK_H]
+    if CELL == LSTM_LN:
+        gx0, gx1, gx2, gx3 = load_gate_vectors(p_ln, o_h, m_h, H, 4, True, ACC)
+        gh0, gh1, gh2, gh3 = load_gate_vectors(p_ln + 4 * H, o_h, m_h, H, 4, True, ACC)
+        g_c = load_vector(p_ln + 8 * H, o_h, m_h, True, ACC)[None, :]
+        beta_c = load_vector(p_ln + 9 * H, o_h, m_h, True, ACC)[None, :]
 
     b_dh = load_rows(p_dh_n, row_b, P, o_p, m_bp, ACC)
     b_h0 = load_rows(p_h0, row_b, P, o_p, m_bp, ACC)
-    if CELL == LSTM:
+    if CELL == LSTM or CELL == LSTM_LN:
         b_dc = load_rows(p_dc_n, row_b, H, o_h, m_bh, ACC)
         b_c0 = load_rows(p_c0, row_b, H, o_h, m_bh, ACC)
+    if HAS_RESETS:  # the gradients of the reset steps' start states
+        b_dh0 = tl.zeros([BLOCK_B, BLOCK_P], ACC)
+        if CELL == LSTM or CELL == LSTM_LN:
+            b_dc0 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
 
     DX_DTYPE = p_dx.dtype.element_ty
     AUX_DTYPE = p_aux_all.dtype.element_ty
@@ -217,15 +329,34 @@ def backward_loop_kernel(
         m_act = act & m_h[None, :]
         m_actp = act & m_p[None, :]
         row = t.to(tl.int64)[:, None] * B + o_b[:, None]
-        # h_{t-1} of an active row: the output one step earlier, or h0 at its first step.
+        # The state the step started from: the output one step earlier (the saved
+        # c there), or h0 (c0) at the first step and at a reset.
         row_q = previous_position(t, s, REVERSE).to(tl.int64)[:, None] * B + o_b[:, None]
         has_prev = s > 0
+        if HAS_RESETS:
+            rs = reset_rows(p_resets, t, o_b, active, B)[:, None]
+            has_prev = (rs == 0) & has_prev
         p_w = p_ws + row * WS + o_h[None, :]
         p_d = p_dx + row * GH + o_h[None, :]
         p_a = p_aux_all + row * H + o_h[None, :]
         zero_p = tl.zeros([BLOCK_B, BLOCK_P], ACC)
 
+        # The gradient of the state h_t; with zoneout, split between the start
+        # state (direct) and the candidate h~_t (into the cell's backward).
         d = b_dh + tl.load(p_gout + row * P + o_p[None, :], mask=m_actp, other=0.0).to(ACC)
+        if HAS_ZONEOUT:
+            m_zh = zoneout_rows(p_zo, t, o_b, o_p, m_actp, s_zt, s_zb, s_zu, ACC)
+            dh_zoned = zoneout_to_prev(m_zh, d)
+            d = zoneout_to_candidate(m_zh, d)
+        if CELL == LSTM or CELL == LSTM_LN:
+            c_prev = tl.load(p_ws + row_q * WS + 4 * H + o_h[None, :], mask=m_act & has_prev,
+                             other=0.0).to(ACC)
+            c_prev = tl.where(has_prev, c_prev, b_c0)
+            dc = b_dc  # the gradient of the state c_t, split alike
+            if HAS_ZONEOUT:
+                m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
+                dc_zoned = zoneout_to_prev(m_zc, dc)
+                dc = zoneout_to_candidate(m_zc, dc)
         if HAS_PROJ:
             d = tl.where(act, d, 0.0)
             tl.store(p_dh_tot_all + row * P + o_p[None, :], d.to(p_dh_tot_all.dtype.element_ty),
@@ -237,11 +368,11 @@ def backward_loop_kernel(
             f = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
             g = tl.load(p_w + 2 * H, mask=m_act, other=0.0).to(ACC)
             o = tl.load(p_w + 3 * H, mask=m_act, other=0.0).to(ACC)
-            c = tl.load(p_w + 4 * H, mask=m_act, other=0.0).to(ACC)
-            c_prev = tl.load(p_ws + row_q * WS + 4 * H + o_h[None, :], mask=m_act & has_prev,
-                             other=0.0).to(ACC)
-            c_prev = tl.where(has_prev, c_prev, b_c0)
-            di, df, dg, do, dc_prev = lstm_backward(d, b_dc, i, f, g, o, c, c_prev)
+            if HAS_ZONEOUT:  # the workspace holds the blended state: recompute c~
+                c = lstm_candidate(i, f, g, c_prev)
+            else:
+                c = tl.load(p_w + 4 * H, mask=m_act, other=0.0).to(ACC)
+            di, df, dg, do, dc_prev = lstm_backward(d, dc, i, f, g, o, c, c_prev)
             di = tl.where(act, di, 0.0)
             df = tl.where(act, df, 0.0)
             dg = tl.where(act, dg, 0.0)
@@ -252,11 +383,71 @@ def backward_loop_kernel(
             tl.store(p_d + 3 * H, do.to(DX_DTYPE), mask=m_bh)
             if HAS_PROJ:
                 tl.store(p_a, tl.where(act, lstm_hidden(o, c), 0.0).to(AUX_DTYPE), mask=m_bh)
-            b_dc = tl.where(act, dc_prev, b_dc)
             dh_prev = tl.dot(di.to(DOT), b_w0, zero_p, input_precision="ieee")
             dh_prev = tl.dot(df.to(DOT), b_w1, dh_prev, input_precision="ieee")
             dh_prev = tl.dot(dg.to(DOT), b_w2, dh_prev, input_precision="ieee")
             dh_prev = tl.dot(do.to(DOT), b_w3, dh_prev, input_precision="ieee")
+        elif CELL == LSTM_LN:
+            i = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
+            f = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
+            g = tl.load(p_w + 2 * H, mask=m_act, other=0.0).to(ACC)
+            o = tl.load(p_w + 3 * H, mask=m_act, other=0.0).to(ACC)
+            ch = tl.load(p_w + 13 * H, mask=m_act, other=0.0).to(ACC)
+            p_r = p_ws + row * WS + 14 * H
+            rstd_x = tl.load(p_r, mask=act, other=0.0).to(ACC)
+            rstd_h = tl.load(p_r + 1, mask=act, other=0.0).to(ACC)
+            rstd_c = tl.load(p_r + 2, mask=act, other=0.0).to(ACC)
+            do, dch, dy = lstm_ln_backward_output(d, o, ch, g_c, beta_c)
+            # The cell layer norm's backward (its gain is 0 beyond H: dch too).
+            mean_d = tl.sum(dch, axis=1)[:, None] / H
+            mean_dv = tl.sum(dch * ch, axis=1)[:, None] / H
+            dc = dc + ln_backward(dch, ch, rstd_c, mean_d, mean_dv)
+            di, df, dg, dc_prev = lstm_ln_backward_gates(dc, i, f, g, c_prev)
+            di = tl.where(act, di, 0.0)
+            df = tl.where(act, df, 0.0)
+            dg = tl.where(act, dg, 0.0)
+            do = tl.where(act, do, 0.0)
+            p_da = p_da_all + row * GH + o_h[None, :]
+            tl.store(p_da, di.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_da + H, df.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_da + 2 * H, dg.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_da + 3 * H, do.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_a, tl.where(act, dy, 0.0).to(AUX_DTYPE), mask=m_bh)
+            # The input side's layer norm: dx = LN'(da g_ih) ...
+            xh0 = tl.load(p_w + 5 * H, mask=m_act, other=0.0).to(ACC)
+            xh1 = tl.load(p_w + 6 * H, mask=m_act, other=0.0).to(ACC)
+            xh2 = tl.load(p_w + 7 * H, mask=m_act, other=0.0).to(ACC)
+            xh3 = tl.load(p_w + 8 * H, mask=m_act, other=0.0).to(ACC)
+            v0, v1, v2, v3 = di * gx0, df * gx1, dg * gx2, do * gx3
+            mean_d = tl.sum(v0 + v1 + v2 + v3, axis=1)[:, None] / (4 * H)
+            mean_dv = tl.sum(v0 * xh0 + v1 * xh1 + v2 * xh2 + v3 * xh3, axis=1)[:, None] / (4 * H)
+            tl.store(p_d, ln_backward(v0, xh0, rstd_x, mean_d, mean_dv).to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + H, ln_backward(v1, xh1, rstd_x, mean_d, mean_dv).to(DX_DTYPE), mask=m_bh)
+            tl.store(p_d + 2 * H, ln_backward(v2, xh2, rstd_x, mean_d, mean_dv).to(DX_DTYPE),
+                     mask=m_bh)
+            tl.store(p_d + 3 * H, ln_backward(v3, xh3, rstd_x, mean_d, mean_dv).to(DX_DTYPE),
+                     mask=m_bh)
+            # ... and the recurrent side's: dhr = LN'(da g_hh), which multiplies W_hh.
+            xh0 = tl.load(p_w + 9 * H, mask=m_act, other=0.0).to(ACC)
+            xh1 = tl.load(p_w + 10 * H, mask=m_act, other=0.0).to(ACC)
+            xh2 = tl.load(p_w + 11 * H, mask=m_act, other=0.0).to(ACC)
+            xh3 = tl.load(p_w + 12 * H, mask=m_act, other=0.0).to(ACC)
+            v0, v1, v2, v3 = di * gh0, df * gh1, dg * gh2, do * gh3
+            mean_d = tl.sum(v0 + v1 + v2 + v3, axis=1)[:, None] / (4 * H)
+            mean_dv = tl.sum(v0 * xh0 + v1 * xh1 + v2 * xh2 + v3 * xh3, axis=1)[:, None] / (4 * H)
+            v0 = ln_backward(v0, xh0, rstd_h, mean_d, mean_dv)
+            v1 = ln_backward(v1, xh1, rstd_h, mean_d, mean_dv)
+            v2 = ln_backward(v2, xh2, rstd_h, mean_d, mean_dv)
+            v3 = ln_backward(v3, xh3, rstd_h, mean_d, mean_dv)
+            p_r = p_dhr_all + row * GH + o_h[None, :]
+            tl.store(p_r, v0.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_r + H, v1.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_r + 2 * H, v2.to(DX_DTYPE), mask=m_bh)
+            tl.store(p_r + 3 * H, v3.to(DX_DTYPE), mask=m_bh)
+            dh_prev = tl.dot(v0.to(DOT), b_w0, zero_p, input_precision="ieee")
+            dh_prev = tl.dot(v1.to(DOT), b_w1, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(v2.to(DOT), b_w2, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(v3.to(DOT), b_w3, dh_prev, input_precision="ieee")
         elif CELL == GRU:
             r = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
             z = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
@@ -297,12 +488,31 @@ def backward_loop_kernel(
             dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct + dh_reset, input_precision="ieee")
             dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee")
         else:
-            h = tl.load(p_out + row * P + o_p[None, :], mask=m_actp, other=0.0).to(ACC)
+            if HAS_ZONEOUT:  # the candidate h~_t, saved by the forward
+                h = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
+            else:
+                h = tl.load(p_out + row * P + o_p[None, :], mask=m_actp, other=0.0).to(ACC)
             da = tl.where(act, rnn_backward(d, h, CELL == RNN_RELU), 0.0)
             tl.store(p_d, da.to(DX_DTYPE), mask=m_bh)
             dh_prev = tl.dot(da.to(DOT), b_w0, zero_p, input_precision="ieee")
+        if HAS_ZONEOUT:
+            dh_prev += dh_zoned
+            if CELL == LSTM or CELL == LSTM_LN:
+                dc_prev += dc_zoned
+        if HAS_RESETS:  # a reset step started from h0 (c0), not from the step before
+            b_dh0 += tl.where(rs, dh_prev, 0.0)
+            dh_prev = tl.where(rs, 0.0, dh_prev)
+            if CELL == LSTM or CELL == LSTM_LN:
+                b_dc0 += tl.where(rs, dc_prev, 0.0)
+                dc_prev = tl.where(rs, 0.0, dc_prev)
         b_dh = tl.where(act, dh_prev, b_dh)
+        if CELL == LSTM or CELL == LSTM_LN:
+            b_dc = tl.where(act, dc_prev, b_dc)
 
+    if HAS_RESETS:
+        b_dh += b_dh0
+        if CELL == LSTM or CELL == LSTM_LN:
+            b_dc += b_dc0
     store_rows(p_dh0, row_b, P, o_p, m_bp, b_dh)
-    if CELL == LSTM:
+    if CELL == LSTM or CELL == LSTM_LN:
         store_rows(p_dc0, row_b, H, o_h, m_bh, b_dc)

@@ -19,21 +19,50 @@ Kernels (F: forward, B: backward):
   F gates_forward_kernel       xproj (or x W_ih^T) + h W_hh^T, gates, state update
   F gru_rb_candidate_kernel    reset-before GRU, stage 2: (r*h) W_hn^T, candidate
   F projection_forward_kernel  LSTM projection h = (o*tanh c) W_hr^T
+  F ln_projections_kernel      LSTM-LN, stage 1: h W_hh^T (and x W_ih^T), raw
+  F lstm_ln_forward_kernel     LSTM-LN, stage 2: layer norms, gates, state update
   B gates_backward_kernel      carried dh (+ dA_{t+1} W_hh), the cell's backward
+                               (LSTM-LN: up to the output gate and dy)
   B gru_rb_reset_kernel        reset-before GRU, stage 2: dn W_hn, reset gate
   B projection_backward_kernel LSTM projection: carried dh (+ dA_{t+1} W_hh) + grad_output
+  B lstm_ln_backward_kernel    LSTM-LN, stage 2: the layer norms' backward, the gates
   B input_grad_kernel          [dA_x W_ih | dh + dA_h W_hh]: grad of x and h
+
+Resets and zoneout (constexpr flags HAS_RESETS, HAS_ZONEOUT; the kernels
+without them are unchanged).  The states ping-pong between two buffers, so a
+kernel that stores the next state stores the state the next step *starts*
+from: h0 (c0) where that step is a reset (next_reset_rows).  The recurrent
+product then never needs to know about resets, and the final state (no step
+after it) is the real one.  Backward, the carry that arrives at step s is the
+gradient of step s+1's start state: where step s+1 was a reset, the kernel that
+first reads it (the GEMM part dA_{s+1} W_hh and the direct part) adds it to a
+sum for grad_h0 (grad_c0) and carries nothing to step s.  The sums ping-pong
+between two buffers too (read one, write the other, every element), so that
+every kernel stays re-runnable.  Zoneout
+blends the start state and the candidate per unit, the mask read through its
+strides; its backward splits the gradient of the state into the two.
+
+LSTM-LN needs whole-row reductions (4H values for the two gate layer norms,
+H for the cell's), while these kernels split the units of a row across
+programs.  Rather than one program per row holding 4H units (registers for
+H beyond the in-kernel loop's limit, and the recurrent GEMM on B / BLOCK_B
+programs only), the GEMM stays tiled and writes the raw h W_hh^T, and a row
+kernel (BLOCK_B rows per program, looping over the units in BLOCK_H chunks)
+reduces the statistics, then runs the gates and the cell norm: two launches
+per step each way.
 """
 import triton
 import triton.language as tl
 
-from .cells import (GRU, GRU_RESET_BEFORE, LSTM, RNN_RELU, gru_backward, gru_forward,
+from .cells import (GRU, GRU_RESET_BEFORE, LSTM, LSTM_LN, RNN_RELU, gru_backward, gru_forward,
                     gru_rb_backward_candidate, gru_rb_backward_reset, gru_rb_candidate,
-                    gru_rb_gates, lstm_backward, lstm_forward, lstm_hidden, rnn_backward,
-                    rnn_forward)
-from .tiles import (load_gate_vectors, load_vector, matmul, matmul_gates, positions,
-                    previous_position)
-from .tuning import step_configs
+                    gru_rb_gates, ln_backward, ln_normalize, ln_rstd, lstm_backward,
+                    lstm_candidate, lstm_forward, lstm_gates, lstm_hidden, lstm_ln_backward_gates,
+                    lstm_ln_backward_output, lstm_ln_output, lstm_ln_pre_activation, rnn_backward,
+                    rnn_forward, zoneout_forward, zoneout_to_candidate, zoneout_to_prev)
+from .tiles import (load_gate_vectors, load_vector, matmul, matmul_gates, next_reset_rows,
+                    positions, previous_position, reset_rows, zoneout_rows)
+from .tuning import row_configs, step_configs
 
 
 # ---------------------------------------------------------------- forward ----
@@ -42,12 +71,13 @@ from .tuning import step_configs
 @triton.jit(do_not_specialize=["s", "T"])
 def gates_forward_kernel(
         p_x, p_w_ih, p_xproj, p_h, p_c, p_w_hh, p_b_ih, p_b_hh, p_len,
-        p_out, p_h_next, p_c_next, p_ws, p_aux,
-        s, T, B, I, H, P,
+        p_out, p_h_next, p_c_next, p_ws, p_aux, p_h0, p_c0, p_resets, p_zo,
+        s, T, B, I, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_X: tl.constexpr,
         HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr,
         REVERSE: tl.constexpr, TRAIN: tl.constexpr, HAS_PROJ: tl.constexpr,
-        STORE_STATE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
+        ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Step s for a tile of rows x units.
 
@@ -55,10 +85,12 @@ def gates_forward_kernel(
     ``xproj [T, B, G*H]`` at each row's position (the recurrence); h part:
     ``h [B, P] W_hh^T``.  Writes h into ``out`` [T, B, P] at the row's position
     (zeros for a finished row), the new states into h_next [B, P] and c_next
-    [B, H] when STORE_STATE (a finished row keeps its state), the workspace
-    when TRAIN.  The reset-before GRU stops after its first stage and the LSTM
-    with projection before it: both leave their intermediate values in aux
-    ([B, 4H]: r, z, xn, r*h; or [B, H]: o*tanh c) for the next kernel.
+    [B, H] when STORE_STATE (a finished row keeps its state; with resets,
+    h0 / c0 where the next step is a reset), the workspace when TRAIN.  The
+    reset-before GRU stops after its first stage and the LSTM with projection
+    before it: both leave their intermediate values in aux ([B, 4H]: r, z, xn,
+    r*h; or [B, H]: o*tanh c~) for the next kernel.  With zoneout ([T, B, Z],
+    strides s_z*) the states blend with the ones the step started from (h, c).
     """
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -73,6 +105,8 @@ def gates_forward_kernel(
     o_bh = o_b64[:, None] * H + o_h[None, :]             # this tile of a [B, H] tensor
     o_bp = o_b64[:, None] * P + o_h[None, :]             # ... of a [B, P] one (P = H here)
     GH = G * H
+    if HAS_RESETS:  # rows whose next step starts from h0 / c0
+        nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
 
     # The x part of every gate ...
     acc0 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
@@ -91,7 +125,7 @@ def gates_forward_kernel(
         if G > 3:
             acc3 = tl.load(p_xp + 3 * H, mask=m_act, other=0.0).to(ACC)
     # ... the GRU candidate keeps its x part apart ...
-    if CELL >= GRU:
+    if CELL == GRU or CELL == GRU_RESET_BEFORE:
         acc_xn = acc2
         acc2 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
     # ... and the h part accumulates on the same blocks (reset-before GRU: r, z only).
@@ -119,8 +153,13 @@ def gates_forward_kernel(
             c_prev = tl.load(p_c + o_bh, mask=m, other=0.0).to(ACC)
             i, f, g, o, c, h = lstm_forward(acc0 + bi0 + bh0, acc1 + bi1 + bh1,
                                             acc2 + bi2 + bh2, acc3 + bi3 + bh3, c_prev)
-            tl.store(p_c_next + o_bh, tl.where(act, c, c_prev).to(p_c_next.dtype.element_ty),
-                     mask=m)
+            if HAS_ZONEOUT:
+                m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
+                c = zoneout_forward(m_zc, c_prev, c)
+            c_next = tl.where(act, c, c_prev)
+            if HAS_RESETS:
+                c_next = tl.where(nr, tl.load(p_c0 + o_bh, mask=m, other=0.0).to(ACC), c_next)
+            tl.store(p_c_next + o_bh, c_next.to(p_c_next.dtype.element_ty), mask=m)
             if TRAIN:
                 tl.store(p_w, tl.where(act, i, 0.0).to(WS_DTYPE), mask=m)
                 tl.store(p_w + H, tl.where(act, f, 0.0).to(WS_DTYPE), mask=m)
@@ -138,29 +177,39 @@ def gates_forward_kernel(
                 tl.store(p_w + 3 * H, tl.where(act, hn, 0.0).to(WS_DTYPE), mask=m)
         else:
             h = rnn_forward(acc0 + bi0 + bh0, CELL == RNN_RELU)
+            if TRAIN and HAS_ZONEOUT:  # the backward needs the candidate, not the blend
+                tl.store(p_w, tl.where(act, h, 0.0).to(WS_DTYPE), mask=m)
 
-        if HAS_PROJ:  # projected by projection_forward_kernel
+        if HAS_PROJ:  # projected (and zoned out) by projection_forward_kernel
             tl.store(p_aux + o_bh, h.to(p_aux.dtype.element_ty), mask=m)
         else:
+            if CELL != GRU:
+                if STORE_STATE or HAS_ZONEOUT:
+                    h_prev = tl.load(p_h + o_bp, mask=m, other=0.0).to(ACC)
+            if HAS_ZONEOUT:
+                m_zh = zoneout_rows(p_zo, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
+                h = zoneout_forward(m_zh, h_prev, h)
             tl.store(p_out + row * P + o_h[None, :],
                      tl.where(act, h, 0.0).to(p_out.dtype.element_ty), mask=m)
             if STORE_STATE:
-                if CELL != GRU:
-                    h_prev = tl.load(p_h + o_bp, mask=m, other=0.0).to(ACC)
-                tl.store(p_h_next + o_bp, tl.where(act, h, h_prev).to(p_h_next.dtype.element_ty),
-                         mask=m)
+                h_next = tl.where(act, h, h_prev)
+                if HAS_RESETS:
+                    h_next = tl.where(nr, tl.load(p_h0 + o_bp, mask=m, other=0.0).to(ACC), h_next)
+                tl.store(p_h_next + o_bp, h_next.to(p_h_next.dtype.element_ty), mask=m)
 
 
 @triton.autotune(configs=step_configs(), key=["H"])
 @triton.jit(do_not_specialize=["s", "T"])
 def gru_rb_candidate_kernel(
-        p_aux, p_h, p_w_hh, p_b_hh, p_len, p_out, p_h_next, p_ws,
-        s, T, B, H,
+        p_aux, p_h, p_w_hh, p_b_hh, p_len, p_out, p_h_next, p_ws, p_h0, p_resets, p_zo,
+        s, T, B, H, s_zt, s_zb, s_zu,
         HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
-        TRAIN: tl.constexpr, STORE_STATE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        TRAIN: tl.constexpr, STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Reset-before GRU, stage 2 of step s: hn = (r*h) W_hn^T + b_hn from the
-    r*h of every unit (aux, from gates_forward_kernel), the candidate and h."""
+    r*h of every unit (aux, from gates_forward_kernel), the candidate and h
+    (zoneout, the next step's start state as gates_forward_kernel)."""
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -182,10 +231,17 @@ def gru_rb_candidate_kernel(
     xn = tl.load(p_a + 2 * H, mask=m, other=0.0).to(ACC)
     h_prev = tl.load(p_h + o_bh, mask=m, other=0.0).to(ACC)
     n, h = gru_rb_candidate(xn, hn, z, h_prev)
+    if HAS_ZONEOUT:
+        h = zoneout_forward(zoneout_rows(p_zo, t, o_b, o_h, act & m_h[None, :], s_zt, s_zb, s_zu,
+                                         ACC), h_prev, h)
     tl.store(p_out + row * H + o_h[None, :], tl.where(act, h, 0.0).to(p_out.dtype.element_ty),
              mask=m)
     if STORE_STATE:
-        tl.store(p_h_next + o_bh, tl.where(act, h, h_prev).to(p_h_next.dtype.element_ty), mask=m)
+        h_next = tl.where(act, h, h_prev)
+        if HAS_RESETS:
+            nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
+            h_next = tl.where(nr, tl.load(p_h0 + o_bh, mask=m, other=0.0).to(ACC), h_next)
+        tl.store(p_h_next + o_bh, h_next.to(p_h_next.dtype.element_ty), mask=m)
     if TRAIN:
         p_w = p_ws + row * (3 * H) + o_h[None, :]
         tl.store(p_w, tl.where(act, r, 0.0).to(p_ws.dtype.element_ty), mask=m)
@@ -196,12 +252,14 @@ def gru_rb_candidate_kernel(
 @triton.autotune(configs=step_configs(), key=["H", "P"])
 @triton.jit(do_not_specialize=["s", "T"])
 def projection_forward_kernel(
-        p_aux, p_w_hr, p_h, p_len, p_out, p_h_next,
-        s, T, B, H, P,
-        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        p_aux, p_w_hr, p_h, p_len, p_out, p_h_next, p_h0, p_resets, p_zo,
+        s, T, B, H, P, s_zt, s_zb, s_zu,
+        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """LSTM projection of step s for a tile of rows x outputs (BLOCK_H of the P
-    outputs): h = (o * tanh c) W_hr^T, from aux [B, H]."""
+    outputs): h = (o * tanh c) W_hr^T, from aux [B, H] (zoneout, the next
+    step's start state as gates_forward_kernel)."""
     i_b, i_p = tl.program_id(0), tl.program_id(1)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
     o_p = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -216,9 +274,228 @@ def projection_forward_kernel(
     h = tl.zeros([BLOCK_B, BLOCK_H], ACC)
     h = matmul(h, p_aux, o_b64, H, m_b, H, p_w_hr, 1, H, o_p, m_p, BLOCK_K, DOT)
     h_prev = tl.load(p_h + o_bp, mask=m, other=0.0).to(ACC)
+    if HAS_ZONEOUT:
+        h = zoneout_forward(zoneout_rows(p_zo, t, o_b, o_p, act & m_p[None, :], s_zt, s_zb, s_zu,
+                                         ACC), h_prev, h)
     tl.store(p_out + row * P + o_p[None, :], tl.where(act, h, 0.0).to(p_out.dtype.element_ty),
              mask=m)
-    tl.store(p_h_next + o_bp, tl.where(act, h, h_prev).to(p_h_next.dtype.element_ty), mask=m)
+    h_next = tl.where(act, h, h_prev)
+    if HAS_RESETS:
+        nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
+        h_next = tl.where(nr, tl.load(p_h0 + o_bp, mask=m, other=0.0).to(ACC), h_next)
+    tl.store(p_h_next + o_bp, h_next.to(p_h_next.dtype.element_ty), mask=m)
+
+
+@triton.autotune(configs=step_configs(), key=["I", "H", "HAS_X"])
+@triton.jit
+def ln_projections_kernel(
+        p_x, p_w_ih, p_h, p_w_hh, p_xr, p_hr,
+        B, I, H,
+        HAS_X: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """LSTM-LN, stage 1, for a tile of rows x units of the four gates: the raw
+    products hr = h [B, H] W_hh^T and, when HAS_X (the single-step op),
+    xr = x [B, I] W_ih^T, each [B, 4H]; their layer norms need whole rows
+    (lstm_ln_forward_kernel)."""
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_b, m_h = o_b < B, o_h < H
+    m = m_b[:, None] & m_h[None, :]
+    o_b64 = o_b.to(tl.int64)
+    o_r = o_b64[:, None] * (4 * H) + o_h[None, :]
+    if HAS_X:
+        acc0 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+        acc1 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+        acc2 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+        acc3 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+        acc0, acc1, acc2, acc3 = matmul_gates(acc0, acc1, acc2, acc3, p_x, o_b64, I, m_b, I,
+                                              p_w_ih, H * I, 1, I, o_h, m_h, 4, BLOCK_K, DOT)
+        XR_DTYPE = p_xr.dtype.element_ty
+        tl.store(p_xr + o_r, acc0.to(XR_DTYPE), mask=m)
+        tl.store(p_xr + o_r + H, acc1.to(XR_DTYPE), mask=m)
+        tl.store(p_xr + o_r + 2 * H, acc2.to(XR_DTYPE), mask=m)
+        tl.store(p_xr + o_r + 3 * H, acc3.to(XR_DTYPE), mask=m)
+    acc0 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+    acc1 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+    acc2 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+    acc3 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+    acc0, acc1, acc2, acc3 = matmul_gates(acc0, acc1, acc2, acc3, p_h, o_b64, H, m_b, H,
+                                          p_w_hh, H * H, 1, H, o_h, m_h, 4, BLOCK_K, DOT)
+    HR_DTYPE = p_hr.dtype.element_ty
+    tl.store(p_hr + o_r, acc0.to(HR_DTYPE), mask=m)
+    tl.store(p_hr + o_r + H, acc1.to(HR_DTYPE), mask=m)
+    tl.store(p_hr + o_r + 2 * H, acc2.to(HR_DTYPE), mask=m)
+    tl.store(p_hr + o_r + 3 * H, acc3.to(HR_DTYPE), mask=m)
+
+
+@triton.autotune(configs=row_configs(), key=["H"])
+@triton.jit(do_not_specialize=["s", "T"])
+def lstm_ln_forward_kernel(
+        p_xp, p_hr, p_h, p_c, p_b_ih, p_b_hh, p_ln, p_len, p_out, p_h_next, p_c_next, p_ws,
+        p_tmp, p_h0, p_c0, p_resets, p_zo,
+        s, T, B, H, s_zt, s_zb, s_zu,
+        WS: tl.constexpr, HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr,
+        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, TRAIN: tl.constexpr,
+        STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
+        ACC: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """LSTM-LN, stage 2 of step s, for BLOCK_B whole rows (the units in chunks
+    of BLOCK_H): the layer norms of x W_ih^T (the rows of xp [T, B, 4H] at each
+    row's position; the single-step op passes its xr as T = 1) and of
+    hr = h W_hh^T [B, 4H], the gates, the cell norm of c~, h~; zoneout with the
+    start states h, c [B, H].  Writes out [T, B, H] (zeros for a finished row),
+    c_next [B, H] always (the single-step op's c_new), h_next when STORE_STATE
+    (h0 / c0 where the next step is a reset), the workspace when TRAIN.
+    tmp [B, 2H] holds c~ and o between the passes.  Row statistics in ACC
+    (float32, float64 for float64), two passes (mean, then deviations) as torch."""
+    i_b = tl.program_id(0)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
+    act = active[:, None]
+    o_b64 = o_b.to(tl.int64)
+    row = t.to(tl.int64)[:, None] * B + o_b64[:, None]
+    p_x = p_xp + row * (4 * H)
+    p_r = p_hr + o_b64[:, None] * (4 * H)
+    p_w = p_ws + row * WS
+    p_t = p_tmp + o_b64[:, None] * (2 * H)
+    o_j = tl.arange(0, BLOCK_H)
+    WS_DTYPE = p_ws.dtype.element_ty
+    TMP_DTYPE = p_tmp.dtype.element_ty
+    if HAS_RESETS:
+        nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
+
+    # The means of the two 4H rows ...
+    sum_x = tl.zeros([BLOCK_B], ACC)
+    sum_h = tl.zeros([BLOCK_B], ACC)
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m = m_b[:, None] & (o_u < H)[None, :]
+        m_x = act & (o_u < H)[None, :]
+        p_xu = p_x + o_u[None, :]
+        p_ru = p_r + o_u[None, :]
+        sum_x += tl.sum(tl.load(p_xu, mask=m_x, other=0.0).to(ACC)
+                        + tl.load(p_xu + H, mask=m_x, other=0.0).to(ACC)
+                        + tl.load(p_xu + 2 * H, mask=m_x, other=0.0).to(ACC)
+                        + tl.load(p_xu + 3 * H, mask=m_x, other=0.0).to(ACC), axis=1)
+        sum_h += tl.sum(tl.load(p_ru, mask=m, other=0.0).to(ACC)
+                        + tl.load(p_ru + H, mask=m, other=0.0).to(ACC)
+                        + tl.load(p_ru + 2 * H, mask=m, other=0.0).to(ACC)
+                        + tl.load(p_ru + 3 * H, mask=m, other=0.0).to(ACC), axis=1)
+    mean_x = (sum_x / (4 * H))[:, None]
+    mean_h = (sum_h / (4 * H))[:, None]
+    # ... their variances ...
+    sum_x = tl.zeros([BLOCK_B], ACC)
+    sum_h = tl.zeros([BLOCK_B], ACC)
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m = m_b[:, None] & (o_u < H)[None, :]
+        m_x = act & (o_u < H)[None, :]
+        p_xu = p_x + o_u[None, :]
+        p_ru = p_r + o_u[None, :]
+        for k in tl.static_range(4):
+            v = tl.where(m, tl.load(p_xu + k * H, mask=m_x, other=0.0).to(ACC) - mean_x, 0.0)
+            sum_x += tl.sum(v * v, axis=1)
+            v = tl.where(m, tl.load(p_ru + k * H, mask=m, other=0.0).to(ACC) - mean_h, 0.0)
+            sum_h += tl.sum(v * v, axis=1)
+    rstd_x = ln_rstd(sum_x / (4 * H))[:, None]
+    rstd_h = ln_rstd(sum_h / (4 * H))[:, None]
+    # ... the gates and c~ (kept in tmp with o), and the mean of c~ ...
+    sum_c = tl.zeros([BLOCK_B], ACC)
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m_u = o_u < H
+        m = m_b[:, None] & m_u[None, :]
+        m_x = act & m_u[None, :]
+        p_xu = p_x + o_u[None, :]
+        p_ru = p_r + o_u[None, :]
+        xh0 = ln_normalize(tl.load(p_xu, mask=m_x, other=0.0).to(ACC), mean_x, rstd_x)
+        xh1 = ln_normalize(tl.load(p_xu + H, mask=m_x, other=0.0).to(ACC), mean_x, rstd_x)
+        xh2 = ln_normalize(tl.load(p_xu + 2 * H, mask=m_x, other=0.0).to(ACC), mean_x, rstd_x)
+        xh3 = ln_normalize(tl.load(p_xu + 3 * H, mask=m_x, other=0.0).to(ACC), mean_x, rstd_x)
+        hh0 = ln_normalize(tl.load(p_ru, mask=m, other=0.0).to(ACC), mean_h, rstd_h)
+        hh1 = ln_normalize(tl.load(p_ru + H, mask=m, other=0.0).to(ACC), mean_h, rstd_h)
+        hh2 = ln_normalize(tl.load(p_ru + 2 * H, mask=m, other=0.0).to(ACC), mean_h, rstd_h)
+        hh3 = ln_normalize(tl.load(p_ru + 3 * H, mask=m, other=0.0).to(ACC), mean_h, rstd_h)
+        gx0, gx1, gx2, gx3 = load_gate_vectors(p_ln, o_u, m_u, H, 4, True, ACC)
+        gh0, gh1, gh2, gh3 = load_gate_vectors(p_ln + 4 * H, o_u, m_u, H, 4, True, ACC)
+        bi0, bi1, bi2, bi3 = load_gate_vectors(p_b_ih, o_u, m_u, H, 4, HAS_B_IH, ACC)
+        bh0, bh1, bh2, bh3 = load_gate_vectors(p_b_hh, o_u, m_u, H, 4, HAS_B_HH, ACC)
+        i, f, g, o = lstm_gates(lstm_ln_pre_activation(xh0, hh0, gx0, gh0, bi0 + bh0),
+                                lstm_ln_pre_activation(xh1, hh1, gx1, gh1, bi1 + bh1),
+                                lstm_ln_pre_activation(xh2, hh2, gx2, gh2, bi2 + bh2),
+                                lstm_ln_pre_activation(xh3, hh3, gx3, gh3, bi3 + bh3))
+        c = lstm_candidate(i, f, g, tl.load(p_c + o_b64[:, None] * H + o_u[None, :], mask=m,
+                                            other=0.0).to(ACC))
+        sum_c += tl.sum(tl.where(m, c, 0.0), axis=1)
+        tl.store(p_t + o_u[None, :], c.to(TMP_DTYPE), mask=m)
+        tl.store(p_t + H + o_u[None, :], o.to(TMP_DTYPE), mask=m)
+        if TRAIN:
+            p_wu = p_w + o_u[None, :]
+            tl.store(p_wu, tl.where(act, i, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + H, tl.where(act, f, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 2 * H, tl.where(act, g, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 3 * H, tl.where(act, o, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 5 * H, tl.where(act, xh0, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 6 * H, tl.where(act, xh1, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 7 * H, tl.where(act, xh2, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 8 * H, tl.where(act, xh3, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 9 * H, tl.where(act, hh0, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 10 * H, tl.where(act, hh1, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 11 * H, tl.where(act, hh2, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 12 * H, tl.where(act, hh3, 0.0).to(WS_DTYPE), mask=m)
+    mean_c = (sum_c / H)[:, None]
+    # (tmp is read back by other threads of the program: a block-wide barrier)
+    tl.debug_barrier()
+    # ... the variance of c~ ...
+    sum_c = tl.zeros([BLOCK_B], ACC)
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m = m_b[:, None] & (o_u < H)[None, :]
+        v = tl.where(m, tl.load(p_t + o_u[None, :], mask=m, other=0.0).to(ACC) - mean_c, 0.0)
+        sum_c += tl.sum(v * v, axis=1)
+    rstd_c = ln_rstd(sum_c / H)[:, None]
+    # ... and the output, zoneout and the states.
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m_u = o_u < H
+        m = m_b[:, None] & m_u[None, :]
+        o_bu = o_b64[:, None] * H + o_u[None, :]
+        c = tl.load(p_t + o_u[None, :], mask=m, other=0.0).to(ACC)
+        o = tl.load(p_t + H + o_u[None, :], mask=m, other=0.0).to(ACC)
+        ch = ln_normalize(c, mean_c, rstd_c)
+        h = lstm_ln_output(o, ch, load_vector(p_ln + 8 * H, o_u, m_u, True, ACC)[None, :],
+                           load_vector(p_ln + 9 * H, o_u, m_u, True, ACC)[None, :])
+        c_prev = tl.load(p_c + o_bu, mask=m, other=0.0).to(ACC)
+        if HAS_ZONEOUT:
+            m_zu = act & m_u[None, :]
+            h_prev = tl.load(p_h + o_bu, mask=m, other=0.0).to(ACC)
+            h = zoneout_forward(zoneout_rows(p_zo, t, o_b, o_u, m_zu, s_zt, s_zb, s_zu, ACC),
+                                h_prev, h)
+            c = zoneout_forward(zoneout_rows(p_zo + H * s_zu, t, o_b, o_u, m_zu, s_zt, s_zb,
+                                             s_zu, ACC), c_prev, c)
+        tl.store(p_out + row * H + o_u[None, :], tl.where(act, h, 0.0).to(p_out.dtype.element_ty),
+                 mask=m)
+        c_next = tl.where(act, c, c_prev)
+        if HAS_RESETS:
+            c_next = tl.where(nr, tl.load(p_c0 + o_bu, mask=m, other=0.0).to(ACC), c_next)
+        tl.store(p_c_next + o_bu, c_next.to(p_c_next.dtype.element_ty), mask=m)
+        if STORE_STATE:
+            if not HAS_ZONEOUT:
+                h_prev = tl.load(p_h + o_bu, mask=m, other=0.0).to(ACC)
+            h_next = tl.where(act, h, h_prev)
+            if HAS_RESETS:
+                h_next = tl.where(nr, tl.load(p_h0 + o_bu, mask=m, other=0.0).to(ACC), h_next)
+            tl.store(p_h_next + o_bu, h_next.to(p_h_next.dtype.element_ty), mask=m)
+        if TRAIN:
+            p_wu = p_w + o_u[None, :]
+            tl.store(p_wu + 4 * H, tl.where(act, c, 0.0).to(WS_DTYPE), mask=m)
+            tl.store(p_wu + 13 * H, tl.where(act, ch, 0.0).to(WS_DTYPE), mask=m)
+    if TRAIN:
+        m_r = m_b[:, None]
+        tl.store(p_w + 14 * H, tl.where(act, rstd_x, 0.0).to(WS_DTYPE), mask=m_r)
+        tl.store(p_w + 14 * H + 1, tl.where(act, rstd_h, 0.0).to(WS_DTYPE), mask=m_r)
+        tl.store(p_w + 14 * H + 2, tl.where(act, rstd_c, 0.0).to(WS_DTYPE), mask=m_r)
 
 
 # --------------------------------------------------------------- backward ----
@@ -226,16 +503,21 @@ def projection_forward_kernel(
 # direct part dh [B, P] (what the pointwise backward passed on) and the GEMM
 # part dA_{s+1} W_hh, which the next kernel adds on the fly for its own
 # columns: one launch per step computes the carried gradient and the step.
+# With resets, the carry of a row whose step s+1 was a reset is the gradient
+# of h0 (c0): it is added to the sums dh0_in [B, P] (dc0_in [B, H]) of the
+# steps after, written to dh0_out (dc0_out): every element, every step.
 
 @triton.autotune(configs=step_configs(), key=["CELL", "H", "P"])
 @triton.jit(do_not_specialize=["s", "T"])
 def gates_backward_kernel(
         p_gout, p_dh, p_da_next, p_w_hh, p_dc, p_ws, p_out, p_h0, p_c0, p_len, p_dh_tot, p_w_hr,
-        p_dx, p_da, p_dh_out, p_dc_out, p_aux, p_aux_all,
-        s, T, B, H, P,
+        p_dx, p_da, p_dh_out, p_dc_out, p_aux, p_aux_all, p_resets, p_zo, p_ln, p_da_all,
+        p_dh0_in, p_dh0_out, p_dc0_in, p_dc0_out,
+        s, T, B, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_GOUT: tl.constexpr,
         HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
-        HAS_PROJ: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        HAS_PROJ: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
+        ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Backward of step s for a tile of rows x units.
 
@@ -247,8 +529,10 @@ def gates_backward_kernel(
     dhn; the reset-before GRU's dA is [dr, dz], dr from gru_rb_reset_kernel),
     the direct part of dh_{t-1} (dh_out), dc_{t-1} (dc_out).  Finished rows
     pass their carry on unchanged.  Time-ordered extras for the weight
-    gradients go to aux_all [T, B, H]: GRU dhn; LSTM with projection o*tanh c.
-    The reset-before GRU leaves dn in aux [B, H] for its stage 2.
+    gradients go to aux_all [T, B, H]: GRU dhn; LSTM with projection o*tanh c~.
+    The reset-before GRU leaves dn in aux [B, H] for its stage 2.  LSTM-LN
+    stops at the output: do into da_all [T, B, 4H] (gate o), dy (the gradient
+    of c^ g_c + beta_c) into aux_all, for lstm_ln_backward_kernel.
     """
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -263,10 +547,16 @@ def gates_backward_kernel(
     o_bh = o_b64[:, None] * H + o_h[None, :]
     o_bp = o_b64[:, None] * P + o_h[None, :]  # P = H, except with a projection
     GH = G * H
-    # h_{t-1} (and c_{t-1}) of an active row: the output one step earlier, or h0.
+    # h_{t-1} (and c_{t-1}) of an active row: the output one step earlier, or
+    # h0 at the first step and at a reset.
     row_q = previous_position(t, s, REVERSE).to(tl.int64)[:, None] * B + o_b64[:, None]
     m_q = m_act & (s > 0)
     m_0 = m_act & (s == 0)
+    if HAS_RESETS:
+        rs = reset_rows(p_resets, t, o_b, active, B)[:, None]
+        m_q = m_q & (rs == 0)
+        m_0 = m_0 | (m_act & rs)
+        nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
     p_w = p_ws + row * WS + o_h[None, :]
     p_d = p_dx + row * GH + o_h[None, :]
     DX_DTYPE = p_dx.dtype.element_ty
@@ -274,7 +564,7 @@ def gates_backward_kernel(
 
     # The carried gradient of this step's (unprojected) h.
     d = tl.zeros([BLOCK_B, BLOCK_H], ACC)
-    if HAS_PROJ:
+    if HAS_PROJ:  # (its carry, grad_output and zoneout: projection_backward_kernel)
         d = matmul(d, p_dh_tot, o_b64, P, m_b, P, p_w_hr, H, 1, o_h, m_h, BLOCK_K, DOT)
     else:
         if HAS_NEXT:
@@ -285,20 +575,43 @@ def gates_backward_kernel(
                 d = matmul(d, p_da_next, o_b64, GH, m_b, GH, p_w_hh, P, 1, o_h, m_h,
                            BLOCK_K, DOT)
         d += tl.load(p_dh + o_bp, mask=m, other=0.0).to(ACC)
+        if HAS_RESETS:  # the gradient of h0 where the next step was a reset
+            dh0 = tl.load(p_dh0_in + o_bp, mask=m, other=0.0).to(ACC)
+            tl.store(p_dh0_out + o_bp, (dh0 + tl.where(nr, d, 0.0)).to(p_dh0_out.dtype.element_ty),
+                     mask=m)
+            d = tl.where(nr, 0.0, d)
         carry = d
         if HAS_GOUT:
             d += tl.load(p_gout + row * P + o_h[None, :], mask=m_act, other=0.0).to(ACC)
+        if HAS_ZONEOUT:  # the state's gradient: to the start state and to the candidate
+            m_zh = zoneout_rows(p_zo, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
+            dh_zoned = zoneout_to_prev(m_zh, d)
+            d = zoneout_to_candidate(m_zh, d)
+        else:  # (what the start state gets directly: nothing, for the LSTMs and the RNN)
+            dh_zoned = tl.zeros([BLOCK_B, BLOCK_H], ACC)
 
     if CELL == LSTM:
         i = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
         f = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
         g = tl.load(p_w + 2 * H, mask=m_act, other=0.0).to(ACC)
         o = tl.load(p_w + 3 * H, mask=m_act, other=0.0).to(ACC)
-        c = tl.load(p_w + 4 * H, mask=m_act, other=0.0).to(ACC)
         c_prev = (tl.load(p_ws + row_q * WS + 4 * H + o_h[None, :], mask=m_q, other=0.0).to(ACC)
                   + tl.load(p_c0 + o_bh, mask=m_0, other=0.0).to(ACC))
         dc = tl.load(p_dc + o_bh, mask=m, other=0.0).to(ACC)
-        di, df, dg, do, dc_prev = lstm_backward(d, dc, i, f, g, o, c, c_prev)
+        if HAS_RESETS:
+            dc0 = tl.load(p_dc0_in + o_bh, mask=m, other=0.0).to(ACC)
+            tl.store(p_dc0_out + o_bh, (dc0 + tl.where(nr, dc, 0.0)).to(p_dc0_out.dtype.element_ty),
+                     mask=m)
+            dc = tl.where(nr, 0.0, dc)
+        if HAS_ZONEOUT:  # the workspace holds the blended state: recompute c~
+            c = lstm_candidate(i, f, g, c_prev)
+            m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
+            di, df, dg, do, dc_prev = lstm_backward(d, zoneout_to_candidate(m_zc, dc), i, f, g,
+                                                    o, c, c_prev)
+            dc_prev += zoneout_to_prev(m_zc, dc)
+        else:
+            c = tl.load(p_w + 4 * H, mask=m_act, other=0.0).to(ACC)
+            di, df, dg, do, dc_prev = lstm_backward(d, dc, i, f, g, o, c, c_prev)
         di = tl.where(act, di, 0.0)
         df = tl.where(act, df, 0.0)
         dg = tl.where(act, dg, 0.0)
@@ -317,8 +630,20 @@ def gates_backward_kernel(
             tl.store(p_aux_all + row * H + o_h[None, :],
                      tl.where(act, lstm_hidden(o, c), 0.0).to(p_aux_all.dtype.element_ty), mask=m)
         else:
-            tl.store(p_dh_out + o_bp, tl.where(act, 0.0, carry).to(p_dh_out.dtype.element_ty),
+            tl.store(p_dh_out + o_bp, tl.where(act, dh_zoned, carry).to(p_dh_out.dtype.element_ty),
                      mask=m)
+    elif CELL == LSTM_LN:
+        o = tl.load(p_w + 3 * H, mask=m_act, other=0.0).to(ACC)
+        ch = tl.load(p_w + 13 * H, mask=m_act, other=0.0).to(ACC)
+        do, dch, dy = lstm_ln_backward_output(
+            d, o, ch, load_vector(p_ln + 8 * H, o_h, m_h, True, ACC)[None, :],
+            load_vector(p_ln + 9 * H, o_h, m_h, True, ACC)[None, :])
+        tl.store(p_da_all + row * GH + 3 * H + o_h[None, :],
+                 tl.where(act, do, 0.0).to(p_da_all.dtype.element_ty), mask=m)
+        tl.store(p_aux_all + row * H + o_h[None, :],
+                 tl.where(act, dy, 0.0).to(p_aux_all.dtype.element_ty), mask=m)
+        tl.store(p_dh_out + o_bp, tl.where(act, dh_zoned, carry).to(p_dh_out.dtype.element_ty),
+                 mask=m)
     elif CELL == GRU:
         r = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
         z = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
@@ -339,6 +664,8 @@ def gates_backward_kernel(
         tl.store(p_a + H, dz.to(DA_DTYPE), mask=m)
         tl.store(p_a + 2 * H, dhn.to(DA_DTYPE), mask=m)
         tl.store(p_aux_all + row * H + o_h[None, :], dhn.to(p_aux_all.dtype.element_ty), mask=m)
+        if HAS_ZONEOUT:
+            dh_prev += dh_zoned
         tl.store(p_dh_out + o_bp, tl.where(act, dh_prev, carry).to(p_dh_out.dtype.element_ty),
                  mask=m)
     elif CELL == GRU_RESET_BEFORE:
@@ -353,22 +680,29 @@ def gates_backward_kernel(
         tl.store(p_d + 2 * H, dn.to(DX_DTYPE), mask=m)
         tl.store(p_da + o_b64[:, None] * (2 * H) + H + o_h[None, :], dz.to(DA_DTYPE), mask=m)
         tl.store(p_aux + o_bh, dn.to(p_aux.dtype.element_ty), mask=m)
+        if HAS_ZONEOUT:
+            dh_prev += dh_zoned
         tl.store(p_dh_out + o_bp, tl.where(act, dh_prev, carry).to(p_dh_out.dtype.element_ty),
                  mask=m)
     else:
-        h = tl.load(p_out + row * P + o_h[None, :], mask=m_act, other=0.0).to(ACC)
+        if HAS_ZONEOUT:  # the candidate h~_t, saved by the forward
+            h = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
+        else:
+            h = tl.load(p_out + row * P + o_h[None, :], mask=m_act, other=0.0).to(ACC)
         da = tl.where(act, rnn_backward(d, h, CELL == RNN_RELU), 0.0)
         tl.store(p_d, da.to(DX_DTYPE), mask=m)
         tl.store(p_da + o_b64[:, None] * GH + o_h[None, :], da.to(DA_DTYPE), mask=m)
-        tl.store(p_dh_out + o_bp, tl.where(act, 0.0, carry).to(p_dh_out.dtype.element_ty), mask=m)
+        tl.store(p_dh_out + o_bp, tl.where(act, dh_zoned, carry).to(p_dh_out.dtype.element_ty),
+                 mask=m)
 
 
 @triton.autotune(configs=step_configs(), key=["H"])
 @triton.jit(do_not_specialize=["s", "T"])
 def gru_rb_reset_kernel(
-        p_aux, p_w_hh, p_ws, p_out, p_h0, p_len, p_dh, p_dx, p_da, p_dh_out, p_aux_all,
+        p_aux, p_w_hh, p_ws, p_out, p_h0, p_len, p_dh, p_dx, p_da, p_dh_out, p_aux_all, p_resets,
         s, T, B, H,
-        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Reset-before GRU, backward stage 2 of step s: drh = dn W_hn from the dn of
     every unit (aux), the reset gate's gradient, and the part of dh_{t-1}
@@ -385,12 +719,18 @@ def gru_rb_reset_kernel(
     row = t.to(tl.int64)[:, None] * B + o_b64[:, None]
     row_q = previous_position(t, s, REVERSE).to(tl.int64)[:, None] * B + o_b64[:, None]
     o_bh = o_b64[:, None] * H + o_h[None, :]
+    m_q = m_act & (s > 0)
+    m_0 = m_act & (s == 0)
+    if HAS_RESETS:  # a reset step started from h0
+        rs = reset_rows(p_resets, t, o_b, active, B)[:, None]
+        m_q = m_q & (rs == 0)
+        m_0 = m_0 | (m_act & rs)
 
     drh = tl.zeros([BLOCK_B, BLOCK_H], ACC)
     drh = matmul(drh, p_aux, o_b64, H, m_b, H, p_w_hh + 2 * H * H, H, 1, o_h, m_h, BLOCK_K, DOT)
     r = tl.load(p_ws + row * (3 * H) + o_h[None, :], mask=m_act, other=0.0).to(ACC)
-    h_prev = (tl.load(p_out + row_q * H + o_h[None, :], mask=m_act & (s > 0), other=0.0).to(ACC)
-              + tl.load(p_h0 + o_bh, mask=m_act & (s == 0), other=0.0).to(ACC))
+    h_prev = (tl.load(p_out + row_q * H + o_h[None, :], mask=m_q, other=0.0).to(ACC)
+              + tl.load(p_h0 + o_bh, mask=m_0, other=0.0).to(ACC))
     dr, dh_prev = gru_rb_backward_reset(drh, r, h_prev)
     dr = tl.where(act, dr, 0.0)
     tl.store(p_dx + row * (3 * H) + o_h[None, :], dr.to(p_dx.dtype.element_ty), mask=m)
@@ -404,17 +744,18 @@ def gru_rb_reset_kernel(
 @triton.autotune(configs=step_configs(), key=["H", "P"])
 @triton.jit(do_not_specialize=["s", "T"])
 def projection_backward_kernel(
-        p_gout, p_dh, p_da_next, p_w_hh, p_len, p_dh_tot, p_dh_out, p_dh_tot_all,
-        s, T, B, H, P,
+        p_gout, p_dh, p_da_next, p_w_hh, p_len, p_dh_tot, p_dh_out, p_dh_tot_all, p_resets, p_zo,
+        p_dh0_in, p_dh0_out,
+        s, T, B, H, P, s_zt, s_zb, s_zu,
         HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
-        ACC: tl.constexpr, DOT: tl.constexpr,
+        HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """LSTM with projection, step s, for a tile of rows x outputs (BLOCK_H of
     the P outputs): the total gradient of the projected h_t,
     ``dh + dA_{s+1} W_hh + grad_output``, into dh_tot [B, P] (for
     gates_backward_kernel) and dh_tot_all [T, B, P] (for dW_hr).  The LSTM has
-    no direct path from h_{t-1} to h_t: dh_out is 0, or the whole carry for a
-    finished row."""
+    no direct path from h_{t-1} to h_t: dh_out is 0 (with zoneout, the start
+    state's share), or the whole carry for a finished row."""
     i_b, i_p = tl.program_id(0), tl.program_id(1)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
     o_p = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -431,11 +772,159 @@ def projection_backward_kernel(
         carry = matmul(carry, p_da_next, o_b64, 4 * H, m_b, 4 * H, p_w_hh, P, 1, o_p, m_p,
                        BLOCK_K, DOT)
     carry += tl.load(p_dh + o_bp, mask=m, other=0.0).to(ACC)
-    gout = tl.load(p_gout + row * P + o_p[None, :], mask=act & m_p[None, :], other=0.0).to(ACC)
+    if HAS_RESETS:  # the gradient of h0 where the next step was a reset
+        nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
+        dh0 = tl.load(p_dh0_in + o_bp, mask=m, other=0.0).to(ACC)
+        tl.store(p_dh0_out + o_bp,
+                 (dh0 + tl.where(nr, carry, 0.0)).to(p_dh0_out.dtype.element_ty), mask=m)
+        carry = tl.where(nr, 0.0, carry)
+    m_act = act & m_p[None, :]
+    gout = tl.load(p_gout + row * P + o_p[None, :], mask=m_act, other=0.0).to(ACC)
     total = tl.where(act, carry + gout, 0.0)
+    direct = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+    if HAS_ZONEOUT:  # split between the start state and the candidate
+        m_zh = zoneout_rows(p_zo, t, o_b, o_p, m_act, s_zt, s_zb, s_zu, ACC)
+        direct = zoneout_to_prev(m_zh, total)
+        total = zoneout_to_candidate(m_zh, total)
     tl.store(p_dh_tot + o_bp, total.to(p_dh_tot.dtype.element_ty), mask=m)
     tl.store(p_dh_tot_all + row * P + o_p[None, :], total.to(p_dh_tot_all.dtype.element_ty), mask=m)
-    tl.store(p_dh_out + o_bp, tl.where(act, 0.0, carry).to(p_dh_out.dtype.element_ty), mask=m)
+    tl.store(p_dh_out + o_bp, tl.where(act, direct, carry).to(p_dh_out.dtype.element_ty), mask=m)
+
+
+@triton.autotune(configs=row_configs(), key=["H"])
+@triton.jit(do_not_specialize=["s", "T"])
+def lstm_ln_backward_kernel(
+        p_ws, p_dy_all, p_da_all, p_dc, p_c0, p_ln, p_len, p_resets, p_zo,
+        p_dx, p_dhr, p_dhr_all, p_dc_out, p_dc0_in, p_dc0_out,
+        s, T, B, H, s_zt, s_zb, s_zu,
+        WS: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """LSTM-LN, backward stage 2 of step s, for BLOCK_B whole rows (the units in
+    chunks of BLOCK_H), after gates_backward_kernel (do in da_all, dy in
+    dy_all [T, B, H]): the cell norm's backward, with the carried dc (c's
+    zoneout split; added to dc0_in into dc0_out where the next step was a reset), the
+    gates' backward (di, df, dg into da_all [T, B, 4H]), dc_out [B, H], and the
+    two gate layer norms' backward: dx [T, B, 4H] (the gradient of x W_ih^T)
+    and dhr (the gradient of h W_hh^T, which multiplies W_hh) into dhr [B, 4H]
+    and dhr_all [T, B, 4H].  Zeros at padding positions."""
+    i_b = tl.program_id(0)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
+    act = active[:, None]
+    o_b64 = o_b.to(tl.int64)
+    row = t.to(tl.int64)[:, None] * B + o_b64[:, None]
+    row_q = previous_position(t, s, REVERSE).to(tl.int64)[:, None] * B + o_b64[:, None]
+    has_prev = s > 0
+    if HAS_RESETS:
+        has_prev = (reset_rows(p_resets, t, o_b, active, B)[:, None] == 0) & has_prev
+        nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
+    p_w = p_ws + row * WS
+    p_a = p_da_all + row * (4 * H)
+    o_j = tl.arange(0, BLOCK_H)
+    DA_DTYPE = p_da_all.dtype.element_ty
+    rstd_x = tl.load(p_w + 14 * H, mask=act, other=0.0).to(ACC)
+    rstd_h = tl.load(p_w + 14 * H + 1, mask=act, other=0.0).to(ACC)
+    rstd_c = tl.load(p_w + 14 * H + 2, mask=act, other=0.0).to(ACC)
+
+    # The means of the cell norm's backward (dc^ = dy g_c) ...
+    sum_d = tl.zeros([BLOCK_B], ACC)
+    sum_dv = tl.zeros([BLOCK_B], ACC)
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m_u = o_u < H
+        m_a = act & m_u[None, :]
+        dch = (tl.load(p_dy_all + row * H + o_u[None, :], mask=m_a, other=0.0).to(ACC)
+               * load_vector(p_ln + 8 * H, o_u, m_u, True, ACC)[None, :])
+        sum_d += tl.sum(dch, axis=1)
+        sum_dv += tl.sum(dch * tl.load(p_w + 13 * H + o_u[None, :], mask=m_a, other=0.0).to(ACC),
+                         axis=1)
+    mean_d = (sum_d / H)[:, None]
+    mean_dv = (sum_dv / H)[:, None]
+    # ... the gates' backward, and the means of the gate norms' backward ...
+    sx_d = tl.zeros([BLOCK_B], ACC)
+    sx_dv = tl.zeros([BLOCK_B], ACC)
+    sh_d = tl.zeros([BLOCK_B], ACC)
+    sh_dv = tl.zeros([BLOCK_B], ACC)
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m_u = o_u < H
+        m = m_b[:, None] & m_u[None, :]
+        m_a = act & m_u[None, :]
+        o_bu = o_b64[:, None] * H + o_u[None, :]
+        p_wu = p_w + o_u[None, :]
+        dc = tl.load(p_dc + o_bu, mask=m, other=0.0).to(ACC)
+        if HAS_RESETS:  # the gradient of c0 where the next step was a reset
+            dc0 = tl.load(p_dc0_in + o_bu, mask=m, other=0.0).to(ACC)
+            tl.store(p_dc0_out + o_bu, (dc0 + tl.where(nr, dc, 0.0)).to(p_dc0_out.dtype.element_ty),
+                     mask=m)
+            dc = tl.where(nr, 0.0, dc)
+        ch = tl.load(p_wu + 13 * H, mask=m_a, other=0.0).to(ACC)
+        dch = (tl.load(p_dy_all + row * H + o_u[None, :], mask=m_a, other=0.0).to(ACC)
+               * load_vector(p_ln + 8 * H, o_u, m_u, True, ACC)[None, :])
+        dcl = ln_backward(dch, ch, rstd_c, mean_d, mean_dv)
+        if HAS_ZONEOUT:
+            m_zc = zoneout_rows(p_zo + H * s_zu, t, o_b, o_u, m_a, s_zt, s_zb, s_zu, ACC)
+            dc_zoned = zoneout_to_prev(m_zc, dc)
+            dcl += zoneout_to_candidate(m_zc, dc)
+        else:
+            dcl += dc
+        i = tl.load(p_wu, mask=m_a, other=0.0).to(ACC)
+        f = tl.load(p_wu + H, mask=m_a, other=0.0).to(ACC)
+        g = tl.load(p_wu + 2 * H, mask=m_a, other=0.0).to(ACC)
+        c_prev = tl.load(p_ws + row_q * WS + 4 * H + o_u[None, :], mask=m_a & has_prev,
+                         other=0.0).to(ACC)
+        c_prev = tl.where(has_prev, c_prev, tl.load(p_c0 + o_bu, mask=m, other=0.0).to(ACC))
+        di, df, dg, dc_prev = lstm_ln_backward_gates(dcl, i, f, g, c_prev)
+        if HAS_ZONEOUT:
+            dc_prev += dc_zoned
+        tl.store(p_dc_out + o_bu, tl.where(act, dc_prev, dc).to(p_dc_out.dtype.element_ty), mask=m)
+        di = tl.where(act, di, 0.0)
+        df = tl.where(act, df, 0.0)
+        dg = tl.where(act, dg, 0.0)
+        do = tl.load(p_a + 3 * H + o_u[None, :], mask=m_a, other=0.0).to(ACC)
+        tl.store(p_a + o_u[None, :], di.to(DA_DTYPE), mask=m)
+        tl.store(p_a + H + o_u[None, :], df.to(DA_DTYPE), mask=m)
+        tl.store(p_a + 2 * H + o_u[None, :], dg.to(DA_DTYPE), mask=m)
+        gx0, gx1, gx2, gx3 = load_gate_vectors(p_ln, o_u, m_u, H, 4, True, ACC)
+        gh0, gh1, gh2, gh3 = load_gate_vectors(p_ln + 4 * H, o_u, m_u, H, 4, True, ACC)
+        sx_d += tl.sum(di * gx0 + df * gx1 + dg * gx2 + do * gx3, axis=1)
+        sx_dv += tl.sum(di * gx0 * tl.load(p_wu + 5 * H, mask=m_a, other=0.0).to(ACC)
+                        + df * gx1 * tl.load(p_wu + 6 * H, mask=m_a, other=0.0).to(ACC)
+                        + dg * gx2 * tl.load(p_wu + 7 * H, mask=m_a, other=0.0).to(ACC)
+                        + do * gx3 * tl.load(p_wu + 8 * H, mask=m_a, other=0.0).to(ACC), axis=1)
+        sh_d += tl.sum(di * gh0 + df * gh1 + dg * gh2 + do * gh3, axis=1)
+        sh_dv += tl.sum(di * gh0 * tl.load(p_wu + 9 * H, mask=m_a, other=0.0).to(ACC)
+                        + df * gh1 * tl.load(p_wu + 10 * H, mask=m_a, other=0.0).to(ACC)
+                        + dg * gh2 * tl.load(p_wu + 11 * H, mask=m_a, other=0.0).to(ACC)
+                        + do * gh3 * tl.load(p_wu + 12 * H, mask=m_a, other=0.0).to(ACC), axis=1)
+    mx_d = (sx_d / (4 * H))[:, None]
+    mx_dv = (sx_dv / (4 * H))[:, None]
+    mh_d = (sh_d / (4 * H))[:, None]
+    mh_dv = (sh_dv / (4 * H))[:, None]
+    # (da_all is read back by other threads of the program: a block-wide barrier)
+    tl.debug_barrier()
+    # ... and the gate norms' backward: dx = LN'(da g_ih), dhr = LN'(da g_hh).
+    for j0 in range(0, H, BLOCK_H):
+        o_u = j0 + o_j
+        m_u = o_u < H
+        m = m_b[:, None] & m_u[None, :]
+        m_a = act & m_u[None, :]
+        p_wu = p_w + o_u[None, :]
+        o_r = row * (4 * H) + o_u[None, :]
+        o_bu = o_b64[:, None] * (4 * H) + o_u[None, :]
+        for k in tl.static_range(4):
+            da = tl.load(p_a + k * H + o_u[None, :], mask=m_a, other=0.0).to(ACC)
+            gx = load_vector(p_ln + k * H, o_u, m_u, True, ACC)[None, :]
+            gh = load_vector(p_ln + (4 + k) * H, o_u, m_u, True, ACC)[None, :]
+            xh = tl.load(p_wu + (5 + k) * H, mask=m_a, other=0.0).to(ACC)
+            hh = tl.load(p_wu + (9 + k) * H, mask=m_a, other=0.0).to(ACC)
+            dxr = tl.where(act, ln_backward(da * gx, xh, rstd_x, mx_d, mx_dv), 0.0)
+            dhr = tl.where(act, ln_backward(da * gh, hh, rstd_h, mh_d, mh_dv), 0.0)
+            tl.store(p_dx + o_r + k * H, dxr.to(p_dx.dtype.element_ty), mask=m)
+            tl.store(p_dhr_all + o_r + k * H, dhr.to(p_dhr_all.dtype.element_ty), mask=m)
+            tl.store(p_dhr + o_bu + k * H, dhr.to(p_dhr.dtype.element_ty), mask=m)
 
 
 @triton.autotune(configs=step_configs(), key=["I", "GH", "P"])

@@ -142,3 +142,31 @@ def previous_position(t, s, REVERSE: tl.constexpr):
     else:
         q = t - 1
     return q
+
+
+@triton.jit
+def reset_rows(p_resets, t, o_b, active, B):
+    """[R] bool: whether each row's step at position t starts from h0 (and c0)
+    instead of the previous state (resets [T, B] bool).  Only active rows reset:
+    past a sequence's end nothing changes."""
+    r = tl.load(p_resets + t.to(tl.int64) * B + o_b, mask=active, other=0)
+    return (r != 0) & active
+
+
+@triton.jit
+def next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS: tl.constexpr,
+                    REVERSE: tl.constexpr):
+    """[R] bool: whether each row's next step (loop step s + 1) exists and starts
+    from h0: the per-step kernels store the state that step starts from
+    (forward), and route the gradient of that state to grad_h0 (backward)."""
+    active_next, t_next = positions(p_len, o_b, m_b, s + 1, T, HAS_LENGTHS, REVERSE)
+    return reset_rows(p_resets, t_next, o_b, active_next, B)
+
+
+@triton.jit
+def zoneout_rows(p_z, t, o_b, o_u, m, stride_t, stride_b, stride_u, ACC: tl.constexpr):
+    """Block [R, C] of the zoneout mask [T, B, Z] read through its strides (an
+    evaluation mask is one [Z] vector expanded: strides (0, 0, 1)): rows o_b at
+    their positions t, units o_u."""
+    return tl.load(p_z + t.to(tl.int64)[:, None] * stride_t + o_b.to(tl.int64)[:, None] * stride_b
+                   + o_u[None, :] * stride_u, mask=m, other=0.0).to(ACC)

@@ -36,3 +36,13 @@ def loop_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_B": 4}, num_warps=1)]
     return [triton.Config({"BLOCK_B": bb}, num_warps=w) for bb, w in [(16, 4), (16, 8), (32, 8), (64, 8)]]
+
+
+def row_configs():
+    """Row kernels (LSTM-LN's layer norms): BLOCK_B whole rows per program, the
+    units in chunks of BLOCK_H.  Under the interpreter, chunks smaller than the
+    test sizes, so that the loops over chunks and their masked tails run."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_B": 2, "BLOCK_H": 4}, num_warps=1)]
+    return [triton.Config({"BLOCK_B": bb, "BLOCK_H": bh}, num_warps=w)
+            for bb, bh, w in [(1, 256, 4), (2, 256, 4), (4, 128, 4), (8, 128, 8)]]
