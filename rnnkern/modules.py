@@ -56,9 +56,9 @@ __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "convert", "U
 UNSUPPORTED: dict[str, frozenset] = {
     "reference": frozenset(),
     "cpu": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
-    "cuda": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "cuda": frozenset(),
     "triton": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
-    "cuda_emulated": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "cuda_emulated": frozenset(),
 }
 
 
