@@ -1,5 +1,6 @@
 """The CUDA kernels (backend="cuda", csrc/cuda) against the reference, the CPU
-backend and torch.nn (cuDNN).
+backend and torch.nn (cuDNN); issue #16's options against the reference (last
+section).
 
 The first tests run everywhere: a build made with nvcc present must contain the
 CUDA kernels.  Every other test needs a GPU (``gpu`` marker, skipped with the

@@ -8,8 +8,9 @@ CPU tensors.  These tests run the matrix the CPU backend passes on that code:
 float64 gradcheck of every cell and GRU form (recurrence and step, projection,
 lengths, reverse), the raw ops against the CPU backend's, half types within the
 reference's own error on both step paths (WMMA sm_90, FMA below sm_80), every
-thread-resume order, parity with torch.nn, edge sizes, strided views, opcheck.
-Emulated sizes stay small (B, H, I of 1-40, T of 1-12).
+thread-resume order, parity with torch.nn, edge sizes, strided views, opcheck;
+and issue #16's options (resets, zoneout, lstm_ln: last section).
+Emulated sizes stay small (B, H, I of 1-40, T of 1-12; LSTM-LN rows up to H = 150).
 
 CI builds the emulation and sets RNNKERN_REQUIRE_CUDA_EMULATION=1, so a build
 without it fails here; elsewhere the module is skipped with the reason.
@@ -530,3 +531,18 @@ def test_opcheck_options():
                               (cell, randn(g, *out.shape), randn(g, *h_n.shape), grad_c, t["h0"],
                                t["c0"], t["w_hh"], t["w_hr"], out, ws, k["lengths"], True,
                                k["resets"], z, t["ln"]))
+
+
+@pytest.mark.parametrize("cell,proj", [("lstm_ln", 0), ("rnn_tanh", 0), ("lstm", 3), ("gru", 0)],
+                         ids=["lstm_ln", "rnn_tanh", "lstm-proj3", "gru"])
+def test_options_inference_without_workspace(cell, proj):
+    """train=False (no workspace: the LSTM-LN row kernel keeps c~ and o in the
+    GEMM's row instead) computes exactly what training computes."""
+    t, c = option_cases.option_inputs(cell, proj, "all-lengths-reverse", key=("inference",))
+    args = (cell, *(t[n] for n in option_cases.INPUTS), c["lengths"], c["reverse"])
+    options = (c["resets"], c["zoneout"], t["ln"])
+    trained = torch.ops.rnnkern_cuda_emu.recurrence(*args, True, *options)
+    inferred = torch.ops.rnnkern_cuda_emu.recurrence(*args, False, *options)
+    assert inferred[3].numel() == 0 and trained[3].numel() > 0
+    for a, b in zip(inferred[:3], trained[:3]):
+        assert torch.equal(a, b)

@@ -181,7 +181,8 @@ struct RowMoments {
     const A n = a.n + b.n;
     if (n == A(0)) return a;
     const A delta = b.mean - a.mean;
-    return RowMoments{n, a.mean + delta * (b.n / n), a.m2 + b.m2 + delta * delta * (a.n * b.n / n)};
+    return RowMoments{n, a.mean + delta * (b.n / n),
+                      a.m2 + b.m2 + delta * delta * (a.n * b.n / n)};
   }
 };
 

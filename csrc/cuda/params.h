@@ -96,7 +96,7 @@ struct RecurrenceBackwardParams {
   void* d_xproj;  // S [T, B, G*H]
   void* dh;       // A [B, P] carried dL/dh: grad_h_n on entry, grad_h0 on exit
   void* dc;       // A [B, H] carried dL/dc (LSTM): grad_c_n on entry, grad_c0 on exit
-                  // (with resets: its part through each row's first step)
+                  // (with resets, both: the part through each row's first step)
   void* dh0_reset;  // A [B, P] with resets: the gradient of h0 through the reset steps
                     // (zeroed by the caller; grad_h0 = dh + dh0_reset), else null
   void* dc0_reset;  // A [B, H] the same for c0 (cells with a cell state)
