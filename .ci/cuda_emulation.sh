@@ -7,7 +7,7 @@
 #         the LSTM-LN row kernels (block reductions) -- in every thread-resume
 #         order, ThreadSanitizer with one TSan fiber per CUDA thread and the
 #         barriers as release/acquire (csrc/cuda_emu/runtime.cpp);
-# The mutation check (python .ci/cuda_emu_mutations.py, 3 minutes: five planted
+# The mutation check (python .ci/cuda_emu_mutations.py, 5 minutes: eight planted
 # bugs, each caught) runs on demand, not in CI, to keep CI under 25 minutes.
 # Zero sanitizer reports is the bar.  Each sanitized build is the emulated
 # extension alone, beside a copy of the package in build/emu-<mode>.
