@@ -3,10 +3,11 @@
 # tests/test_cuda_emulated.py), once more under the sanitizers:
 #   asan  every emulated test, AddressSanitizer + UBSan (out-of-bounds reads and
 #         writes, use after free, undefined behaviour), fiber switches annotated;
-#   tsan  the step kernel (barriers, shared memory, WMMA) in every thread-resume
+#   tsan  the kernels with barriers -- the step kernel (shared memory, WMMA) and
+#         the LSTM-LN row kernels (block reductions) -- in every thread-resume
 #         order, ThreadSanitizer with one TSan fiber per CUDA thread and the
 #         barriers as release/acquire (csrc/cuda_emu/runtime.cpp);
-# The mutation check (python .ci/cuda_emu_mutations.py, 3 minutes: five planted
+# The mutation check (python .ci/cuda_emu_mutations.py, 5 minutes: eight planted
 # bugs, each caught) runs on demand, not in CI, to keep CI under 25 minutes.
 # Zero sanitizer reports is the bar.  Each sanitized build is the emulated
 # extension alone, beside a copy of the package in build/emu-<mode>.
@@ -43,4 +44,4 @@ run_mode() {
 }
 
 run_mode asan libasan.so ""
-run_mode tsan libtsan.so "step"
+run_mode tsan libtsan.so "step or row_kernels"

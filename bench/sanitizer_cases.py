@@ -7,7 +7,10 @@ Runs the forward and backward of every cell (and the LSTM projection), with
 and without lengths, in both directions, and the step op and its backward,
 in every dtype, on sizes that leave partial tiles everywhere (odd B, H, I).
 Each result is checked against the CPU backend on the same inputs, so a run
-that the sanitizer passes also computed the right thing.  Run it with
+that the sanitizer passes also computed the right thing.  The options of
+issue #16 (``--kernels options``: resets, zoneout, the lstm_ln cell and its
+row kernels, with rows longer than a block) are checked against the float64
+reference instead (the CPU backend may lack them).  Run it with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation
 and an access past its end is caught (gpu_check.sh does).
 """
@@ -85,9 +88,47 @@ def step_case(cell, dtype, g):
     return all(close(x, y, dtype) for x, y in zip(results[1], results[0]))
 
 
+def options_case(cell, dtype, proj, g):
+    """Every option at once (resets, a training zoneout mask, lengths in
+    reverse; ln for lstm_ln), forward and backward, against the float64
+    reference on the CPU.  H = 150: the LSTM-LN rows (4H = 600 values) take
+    several passes of a block."""
+    from rnnkern import reference
+    T, B, H = 5, 3, 150 if cell == "lstm_ln" else 37
+    G, P = (4 if cell == "lstm_ln" else GATES[cell]), (proj or H)
+    has_c = cell in ("lstm", "lstm_ln")
+    s = H ** -0.5
+    f64 = torch.float64
+    args = [rand(g, T, B, G * H, dtype=f64), rand(g, B, P, dtype=f64, scale=0.5),
+            rand(g, B, H, dtype=f64, scale=0.5) if has_c else None,
+            rand(g, G * H, P, dtype=f64, scale=s), rand(g, G * H, dtype=f64, scale=s),
+            rand(g, G * H, dtype=f64, scale=s), rand(g, P, H, dtype=f64, scale=s) if proj else None]
+    ln = 1 + 0.3 * rand(g, 10 * H, dtype=f64) if cell == "lstm_ln" else None
+    resets = torch.rand(T, B, generator=g) < 0.35
+    Z = P + H if has_c else H
+    zoneout = (torch.rand(T, B, Z, generator=g) < 0.4).double()
+    lens = torch.tensor([5, 2, 0])
+    results = []
+    for device, dt in (("cpu", f64), ("cuda", dtype)):
+        a = [None if t is None else t.to(device, dt).requires_grad_() for t in args]
+        l_ = None if ln is None else ln.to(device, dt).requires_grad_()
+        r, z = resets.to(device), zoneout.to(device, dt)
+        if device == "cpu":
+            out = reference.recurrence(cell, *a, lens, True, r, z, l_)
+        else:
+            out = torch.ops.rnnkern.recurrence(cell, *a, lens, True, True, r, z, l_)[:3]
+        out = [o for o in out if o is not None and o.numel() > 0]
+        g2 = torch.Generator().manual_seed(3)
+        loss = sum((o * rand(g2, *o.shape, dtype=o.dtype).to(device)).sum() for o in out)
+        leaves = [t for t in a + [l_] if t is not None]
+        results.append(out + list(torch.autograd.grad(loss, leaves)))
+    return all(close(x, y, dtype) for x, y in zip(results[1], results[0]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", choices=["all", "recurrence", "step"], default="all")
+    parser.add_argument("--kernels", choices=["all", "recurrence", "step", "options"],
+                        default="all")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not rnnkern.ops.WITH_CUDA:
@@ -97,16 +138,20 @@ def main() -> int:
     failed = []
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        for cell in CELLS:
+        for cell in CELLS + ("lstm_ln",):
             results = []
-            if args.kernels in ("all", "recurrence"):
+            if args.kernels in ("all", "recurrence") and cell in CELLS:
                 for proj in ([0, 11] if cell == "lstm" else [0]):
                     for lengths, reverse in ((False, False), (True, True)):
                         ok = recurrence_case(cell, dtype, proj, lengths, reverse, g)
                         results.append((f"recurrence {cell} {name} proj={proj} lengths={lengths} "
                                         f"reverse={reverse}", ok))
-            if args.kernels in ("all", "step"):
+            if args.kernels in ("all", "step") and cell in CELLS:
                 results.append((f"step {cell} {name}", step_case(cell, dtype, g)))
+            if args.kernels in ("all", "options"):
+                for proj in ([0, 11] if cell == "lstm" else [0]):
+                    results.append((f"options {cell} {name} proj={proj}",
+                                    options_case(cell, dtype, proj, g)))
             torch.cuda.synchronize()
             for label, ok in results:
                 print(("ok    " if ok else "WRONG ") + label, flush=True)

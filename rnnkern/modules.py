@@ -76,9 +76,9 @@ __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLST
 UNSUPPORTED: dict[str, frozenset] = {
     "reference": frozenset(),
     "cpu": frozenset(),
-    "cuda": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "cuda": frozenset(),
     "triton": frozenset(),
-    "cuda_emulated": frozenset({"resets", "zoneout", "LayerNormLSTM"}),
+    "cuda_emulated": frozenset(),
 }
 
 

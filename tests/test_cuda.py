@@ -1,5 +1,6 @@
 """The CUDA kernels (backend="cuda", csrc/cuda) against the reference, the CPU
-backend and torch.nn (cuDNN).
+backend and torch.nn (cuDNN); issue #16's options against the reference (last
+section).
 
 The first tests run everywhere: a build made with nvcc present must contain the
 CUDA kernels.  Every other test needs a GPU (``gpu`` marker, skipped with the
@@ -584,3 +585,235 @@ def test_cuda_graph_forward_backward(cell, lengths):
         want = fwd_bwd(fresh)
         for i, (a, b) in enumerate(zip(captured, want)):
             assert_close(a, b, what=f"round {round_} result {i}")
+
+
+# ------------------------------------------------ issue #16: the options ----
+# GPU twins of tests/test_cuda_emulated.py's option tests (per-step resets,
+# zoneout, the lstm_ln cell; tests/test_options.py, the acceptance matrix, runs
+# the CUDA code on the emulated device), plus what only sizes a GPU runs
+# quickly can reach: rows of thousands of values in the LSTM-LN row kernels,
+# hundreds of steps, CUDA graphs.
+
+import option_cases  # noqa: E402
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj,variant", option_cases.ALL, ids=option_cases.ALL_IDS)
+def test_options_match_reference_float64(cell, proj, variant):
+    """Outputs, final states and every gradient (ln's included) against the
+    float64 reference on the same device."""
+    t, c = option_cases.option_inputs(cell, proj, variant, requires_grad=True, device=DEV)
+    want = option_cases.outputs_and_grads("reference", cell, t, c, key=(cell, variant))
+    got = option_cases.outputs_and_grads("cuda", cell, t, c, key=(cell, variant))
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].device.type == "cuda", name
+        assert_close(got[name], want[name], what=name)
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj,variant", option_cases.ALL, ids=option_cases.ALL_IDS)
+def test_options_gradcheck(cell, proj, variant):
+    """float64 gradcheck (full Jacobians) w.r.t. every tensor input."""
+    t, c = option_cases.option_inputs(cell, proj, variant, T=4, H=3, requires_grad=True,
+                                      device=DEV, key=("gradcheck",))
+    names = [n for n in t if t[n] is not None]
+
+    def f(*tensors):
+        out, h_n, c_n = option_cases.run("cuda", cell, {**t, **dict(zip(names, tensors))}, c)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert torch.autograd.gradcheck(f, [t[n] for n in names])
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj", option_cases.CASES, ids=option_cases.CASE_IDS)
+@pytest.mark.parametrize("T,B,H", [(40, 7, 257), (8, 3, 1024)], ids=["T40-B7-H257", "T8-B3-H1024"])
+def test_options_float32_large(cell, proj, T, B, H, exact_fp32):
+    """float32 with every option at sizes of many pointwise blocks and of
+    LSTM-LN rows far longer than a block (4H = 4096 values per row): no worse
+    than twice the float32 reference's own error against float64."""
+    t, c = option_cases.option_inputs(cell, proj and 96, "all-lengths-reverse", T=T, B=B, H=H,
+                                      device=DEV, key=("f32-large",))
+    t32 = {n: None if v is None else v.float().requires_grad_() for n, v in t.items()}
+    c32 = dict(c, zoneout=c["zoneout"].float())
+    t64 = {n: None if v is None else v.requires_grad_() for n, v in t.items()}
+    want = option_cases.outputs_and_grads("reference", cell, t64, c, key=("f32-large",))
+    ref32 = option_cases.outputs_and_grads("reference", cell, t32, c32, key=("f32-large",))
+    got = option_cases.outputs_and_grads("cuda", cell, t32, c32, key=("f32-large",))
+    for name in want:
+        assert got[name].dtype == torch.float32, name
+        assert_low_precision(got[name], ref32[name], want[name], what=name)
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj", option_cases.CASES, ids=option_cases.CASE_IDS)
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_options_half_types_within_reference_error(cell, proj, dtype):
+    """Every cell with every option in half precision: no worse than twice the
+    reference's own error in that dtype."""
+    t, c = option_cases.option_inputs(cell, proj and 9, "all-lengths-reverse", T=16, B=5, H=40,
+                                      device=DEV, key=("half",))
+    a32 = {n: None if v is None else v.float().requires_grad_() for n, v in t.items()}
+    a16 = {n: None if v is None else v.to(dtype).requires_grad_() for n, v in t.items()}
+    c32, c16 = dict(c, zoneout=c["zoneout"].float()), dict(c, zoneout=c["zoneout"].to(dtype))
+    want = option_cases.outputs_and_grads("reference", cell, a32, c32, key=("half", cell))
+    ref16 = option_cases.outputs_and_grads("reference", cell, a16, c16, key=("half", cell))
+    got = option_cases.outputs_and_grads("cuda", cell, a16, c16, key=("half", cell))
+    for name in want:
+        assert got[name].dtype == dtype, name
+        if compared_in_low_precision(cell, name):
+            assert_low_precision(got[name], ref16[name], want[name], what=name)
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj", [("gru", 0), ("lstm", 3), ("lstm_ln", 0)],
+                         ids=["gru", "lstm-proj3", "lstm_ln"])
+def test_zoneout_mask_strides(cell, proj):
+    """A mask viewed from batch-first storage (read in place) and one with its
+    units strided (copied) give the contiguous mask's results."""
+    t, c = option_cases.option_inputs(cell, proj, "zoneout-lengths", requires_grad=True,
+                                      device=DEV, key=("strides",))
+    z = c["zoneout"]
+    want = option_cases.outputs_and_grads("cuda", cell, t, c, key=("strides",))
+    for view in (z.transpose(0, 1).contiguous().transpose(0, 1),
+                 z.permute(2, 0, 1).contiguous().permute(1, 2, 0)):
+        got = option_cases.outputs_and_grads("cuda", cell, t, dict(c, zoneout=view),
+                                             key=("strides",))
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+@gpu
+@pytest.mark.parametrize("cell", ["lstm_ln", "lstm", "rnn_tanh"])
+def test_workspace_layout_of_the_options(cell):
+    """The workspace in cells.h's layout: lstm_ln's 14 blocks of H and 3 row
+    statistics, the LSTM's zoned c, the RNN's candidate with zoneout."""
+    t, c = option_cases.option_inputs(cell, 0, "all-lengths-reverse", T=4, B=3, H=3, device=DEV,
+                                      key=("ws",))
+    *_, ws = torch.ops.rnnkern.recurrence(cell, *(t[n] for n in option_cases.INPUTS), c["lengths"],
+                                          c["reverse"], True, c["resets"], c["zoneout"], t["ln"])
+    want_ws, _ = option_cases.expected_workspace(cell, t, c)
+    assert ws.device.type == "cuda" and ws.shape == want_ws.shape
+    assert_close(ws.cpu(), want_ws, what="workspace")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *LOW.values()],
+                         ids=["f64", "f32", *LOW])
+def test_lstm_ln_step_matches_reference(dtype, exact_fp32):
+    """The lstm_ln step (x W_ih^T, then the recurrence's kernels with T = 1):
+    float64 and float32 against float64, half types within the reference's
+    own error; float64 gradcheck."""
+    a = option_cases.ln_step_inputs(300, 70, 768, device=DEV)
+    want = option_cases.ln_step_results("reference", {n: v.requires_grad_() for n, v in a.items()})
+    low = {n: v.detach().to(dtype).requires_grad_() for n, v in a.items()}
+    got = option_cases.ln_step_results("cuda", low)
+    ref_lp = option_cases.ln_step_results("reference", low) if dtype != torch.float64 else None
+    for i, (r, w) in enumerate(zip(got, want)):
+        assert r.dtype == dtype and r.device.type == "cuda", i
+        if ref_lp is None:
+            assert_close(r, w, what=f"result {i}")
+        else:
+            assert_low_precision(r, ref_lp[i], w, what=f"result {i}")
+    if dtype == torch.float64:
+        small = option_cases.ln_step_inputs(3, 5, 4, device=DEV)
+        args = [v.requires_grad_() for v in small.values()]
+        assert torch.autograd.gradcheck(
+            lambda *v: ops.step("lstm_ln", *v[:7], backend="cuda", ln=v[7]), args)
+
+
+@gpu
+def test_opcheck_options():
+    """opcheck of every op with the options: recurrence and recurrence_backward
+    with resets, zoneout, lengths (and ln), step and step_backward of lstm_ln."""
+    family = torch.ops.rnnkern
+    g = generator("opcheck-options")
+    a = option_cases.ln_step_inputs(3, 5, 4, device=DEV)
+    names = ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh", "ln")
+    torch.library.opcheck(family.step.default,
+                          ("lstm_ln", *(a[n].clone().requires_grad_() for n in names)))
+    h, c, ws = family.step("lstm_ln", *(a[n] for n in names))
+    torch.library.opcheck(family.step_backward.default,
+                          ("lstm_ln", randn(g, *h.shape).to(DEV), randn(g, *c.shape).to(DEV),
+                           a["x"], a["h"], a["c"], a["w_ih"], a["w_hh"], h, ws, a["ln"]))
+    for cell, proj in [("lstm_ln", 0), ("lstm", 2), ("gru", 0), ("rnn_tanh", 0)]:
+        t, k = option_cases.option_inputs(cell, proj, "all-lengths-reverse", T=4, H=4, device=DEV,
+                                          key=("opcheck",))
+        z = k["zoneout"].contiguous()
+        fwd = (cell, *(t[n] for n in option_cases.INPUTS), k["lengths"], True, True, k["resets"], z,
+               t["ln"])
+        torch.library.opcheck(family.recurrence.default, fwd)
+        out, h_n, c_n, ws = family.recurrence(*fwd)
+        grad_c = randn(g, *c_n.shape).to(DEV) if c_n.numel() else None
+        torch.library.opcheck(family.recurrence_backward.default,
+                              (cell, randn(g, *out.shape).to(DEV), randn(g, *h_n.shape).to(DEV),
+                               grad_c, t["h0"], t["c0"], t["w_hh"], t["w_hr"], out, ws,
+                               k["lengths"], True, k["resets"], z, t["ln"]))
+
+
+@gpu
+@pytest.mark.parametrize("cell", ["lstm_ln", "gru", "lstm"])
+def test_cuda_graph_with_options(cell):
+    """Forward and backward with resets, a training mask and lengths captured
+    in one CUDA graph, replayed on new data and new masks, match eager runs."""
+    proj = 3 if cell == "lstm" else 0
+    static, consts = option_cases.option_inputs(cell, proj, "all-lengths-reverse", T=6, B=3, H=10,
+                                                requires_grad=True, device=DEV, key=("graph",))
+    names = [n for n in static if static[n] is not None]
+
+    def fwd_bwd(t, c):
+        out, h_n, _ = option_cases.run("cuda", cell, t, c)
+        loss = (out * out.detach().sin()).sum() + h_n.sum()
+        return [out, *torch.autograd.grad(loss, [t[n] for n in names])]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fwd_bwd(static, consts)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fwd_bwd(static, consts)
+
+    for round_ in range(2):
+        fresh, fresh_c = option_cases.option_inputs(cell, proj, "all-lengths-reverse", T=6, B=3,
+                                                    H=10, requires_grad=True, device=DEV,
+                                                    key=("graph", round_))
+        with torch.no_grad():
+            for n in names:
+                static[n].copy_(fresh[n])
+            consts["resets"].copy_(fresh_c["resets"])
+            consts["zoneout"].copy_(fresh_c["zoneout"])
+        graph.replay()
+        want = fwd_bwd(fresh, fresh_c)
+        for i, (a, b) in enumerate(zip(captured, want)):
+            assert_close(a, b, what=f"round {round_} result {i}")
+
+
+@gpu
+@pytest.mark.parametrize("cell,proj", [("lstm_ln", 0), ("lstm", 2), ("gru_reset_before", 0)],
+                         ids=["lstm_ln", "lstm-proj2", "gru_reset_before"])
+@pytest.mark.parametrize("T,B,H", [(0, 3, 4), (3, 0, 4), (2, 3, 1), (1, 1, 1)])
+def test_options_empty_and_tiny(cell, proj, T, B, H):
+    """No steps, no sequences, one unit, with every option: the reference's
+    results and gradients (zeros where it leaves an input out of its graph)."""
+    t, c = option_cases.option_inputs(cell, proj and min(proj, H), "all-lengths-reverse",
+                                      T=max(T, 1), B=max(B, 3), H=H, key=("tiny",))
+    t = {n: None if v is None else (v[:T, :B] if n == "xproj" else v[:B] if n in ("h0", "c0")
+                                    else v).to(DEV).requires_grad_() for n, v in t.items()}
+    c = dict(c, lengths=None, reverse=False, resets=c["resets"][:T, :B].contiguous().to(DEV),
+             zoneout=c["zoneout"][:T, :B].contiguous().to(DEV))
+    names = [n for n in t if t[n] is not None]
+    results = []
+    for backend in ("reference", "cuda"):
+        out = [o for o in option_cases.run(backend, cell, t, c) if o is not None]
+        g = generator("tiny-cot", cell, T, B, H)
+        loss = sum((o * randn(g, *o.shape).to(DEV)).sum() for o in out)
+        grads = torch.autograd.grad(loss, [t[n] for n in names], allow_unused=True)
+        results.append(out + [torch.zeros_like(t[n]) if gr is None else gr
+                              for n, gr in zip(names, grads)])
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert a.shape == b.shape, i
+        assert_close(a, b, what=f"result {i}")

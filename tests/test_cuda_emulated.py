@@ -8,8 +8,9 @@ CPU tensors.  These tests run the matrix the CPU backend passes on that code:
 float64 gradcheck of every cell and GRU form (recurrence and step, projection,
 lengths, reverse), the raw ops against the CPU backend's, half types within the
 reference's own error on both step paths (WMMA sm_90, FMA below sm_80), every
-thread-resume order, parity with torch.nn, edge sizes, strided views, opcheck.
-Emulated sizes stay small (B, H, I of 1-40, T of 1-12).
+thread-resume order, parity with torch.nn, edge sizes, strided views, opcheck;
+and issue #16's options (resets, zoneout, lstm_ln: last section).
+Emulated sizes stay small (B, H, I of 1-40, T of 1-12; LSTM-LN rows up to H = 150).
 
 CI builds the emulation and sets RNNKERN_REQUIRE_CUDA_EMULATION=1, so a build
 without it fails here; elsewhere the module is skipped with the reason.
@@ -343,3 +344,205 @@ def test_padding_is_zero_and_states_kept(cell, proj):
     if cell == "lstm":
         assert torch.equal(c_n[2], args["c0"][2])
 
+
+
+# ------------------------------------------------ issue #16: the options ----
+# Per-step resets, zoneout and the lstm_ln cell (tests/test_options.py is the
+# acceptance matrix of every backend).  Here, on the emulated device, and so
+# under the sanitizers of .ci/cuda_emulation.sh: float64 values, gradients and
+# gradcheck against the reference over more variants than the matrix's
+# (option_cases.py: resets in reverse without lengths, zoneout with lengths
+# forward, an evaluation mask in reverse, every position reset), then the paths
+# the matrix does not reach: the LSTM-LN row kernels in every thread-resume
+# order with rows longer than a block (H > kRowThreads), zoneout masks read
+# through unusual strides, empty and tiny sizes, the lstm_ln step in every
+# dtype at a size of several passes, the workspace layout of cells.h, opcheck
+# of the backward ops.  Their GPU twins are in tests/test_cuda.py.
+
+import option_cases  # noqa: E402
+
+
+@pytest.mark.parametrize("cell,proj,variant", option_cases.ALL, ids=option_cases.ALL_IDS)
+def test_options_match_reference_float64(cell, proj, variant):
+    """Outputs, final states and every gradient (ln's included) against the
+    float64 reference."""
+    t, c = option_cases.option_inputs(cell, proj, variant, requires_grad=True)
+    want = option_cases.outputs_and_grads("reference", cell, t, c, key=(cell, variant))
+    got = option_cases.outputs_and_grads(EMU, cell, t, c, key=(cell, variant))
+    assert set(got) == set(want)
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell,proj,variant", option_cases.ALL, ids=option_cases.ALL_IDS)
+def test_options_gradcheck(cell, proj, variant):
+    """float64 gradcheck w.r.t. every tensor input, gradients from the outputs
+    and the final states."""
+    t, c = option_cases.option_inputs(cell, proj, variant, T=4, H=3, requires_grad=True,
+                                      key=("gradcheck",))
+    names = [n for n in t if t[n] is not None]
+
+    def f(*tensors):
+        out, h_n, c_n = option_cases.run(EMU, cell, {**t, **dict(zip(names, tensors))}, c)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    assert torch.autograd.gradcheck(f, [t[n] for n in names], fast_mode=True)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("H", [3, 130], ids=["H3", "H130-multipass"])
+def test_lstm_ln_row_kernels_every_order(order, H):
+    """The LSTM-LN row kernels (one block of kRowThreads per row, reductions
+    over the block) in every thread-resume order of their barriers, with rows
+    shorter than a block and rows longer than one (4H and H above kRowThreads:
+    several passes per thread), every option at once, float64."""
+    cuda_emulated.set_schedule(order, 11)
+    t, c = option_cases.option_inputs("lstm_ln", 0, "all-lengths-reverse", T=3, B=3, H=H,
+                                      requires_grad=True, key=("orders",))
+    before = cuda_emulated.launches()
+    got = option_cases.outputs_and_grads(EMU, "lstm_ln", t, c, key=("orders", H))
+    assert cuda_emulated.launches() > before
+    want = option_cases.outputs_and_grads("reference", "lstm_ln", t, c, key=("orders", H))
+    for name in want:
+        assert_close(got[name], want[name], what=f"{order} {name}")
+
+
+@pytest.mark.parametrize("cell,proj", [("gru", 0), ("lstm", 3), ("rnn_relu", 0), ("lstm_ln", 0)],
+                         ids=["gru", "lstm-proj3", "rnn_relu", "lstm_ln"])
+@pytest.mark.parametrize("layout", ["batch-first", "units-strided"])
+def test_zoneout_mask_strides(cell, proj, layout):
+    """A mask viewed from batch-first storage (strided rows: read in place) and
+    one whose units are not adjacent (copied to dense rows) give the results
+    of the contiguous mask, and the reference's."""
+    t, c = option_cases.option_inputs(cell, proj, "zoneout-lengths", requires_grad=True,
+                                      key=("strides",))
+    z = c["zoneout"]
+    if layout == "batch-first":
+        view = z.transpose(0, 1).contiguous().transpose(0, 1)
+        assert view.stride(2) == 1 and not view.is_contiguous()
+    else:
+        view = z.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+        assert view.stride(2) != 1
+    want = option_cases.outputs_and_grads(EMU, cell, t, c, key=("strides",))
+    got = option_cases.outputs_and_grads(EMU, cell, t, dict(c, zoneout=view), key=("strides",))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    ref = option_cases.outputs_and_grads("reference", cell, t, c, key=("strides",))
+    for name in ref:
+        assert_close(got[name], ref[name], what=name)
+
+
+def tiny_option_results(backend, cell, proj, T, B, H, device="cpu"):
+    """Outputs and gradients of a call with resets, a training mask (and ln)
+    at sizes with nothing in them; zeros for the inputs the reference leaves
+    out of its graph."""
+    t, c = option_cases.option_inputs(cell, proj and min(proj, H), "all-lengths-reverse",
+                                      T=max(T, 1), B=max(B, 3), H=H, key=("tiny",))
+
+    def cut(name, v):  # to T steps and B rows
+        if v is None:
+            return None
+        v = v[:T, :B] if name == "xproj" else v[:B] if name in ("h0", "c0") else v
+        return v.to(device).requires_grad_()
+
+    t = {n: cut(n, v) for n, v in t.items()}
+    c = dict(c, lengths=None, reverse=False, resets=c["resets"][:T, :B].contiguous().to(device),
+             zoneout=c["zoneout"][:T, :B].contiguous().to(device))
+    names = [n for n in t if t[n] is not None]
+    out = [o for o in option_cases.run(backend, cell, t, c) if o is not None]
+    g = generator("tiny-cot", cell, T, B, H)
+    loss = sum((o * randn(g, *o.shape).to(o.device)).sum() for o in out)
+    grads = torch.autograd.grad(loss, [t[n] for n in names], allow_unused=True)
+    return out + [torch.zeros_like(t[n]) if gr is None else gr for n, gr in zip(names, grads)]
+
+
+TINY_CASES = [("lstm_ln", 0), ("lstm", 2), ("gru_reset_before", 0)]
+TINY_SIZES = [(0, 3, 4), (3, 0, 4), (2, 3, 1), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("cell,proj", TINY_CASES, ids=["lstm_ln", "lstm-proj2", "gru_reset_before"])
+@pytest.mark.parametrize("T,B,H", TINY_SIZES)
+def test_options_empty_and_tiny(cell, proj, T, B, H):
+    """No steps, no sequences, one unit, with every option: the reference's
+    results and gradients."""
+    want = tiny_option_results("reference", cell, proj, T, B, H)
+    got = tiny_option_results(EMU, cell, proj, T, B, H)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, i
+        assert_close(a, b, what=f"result {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *LOW.values()],
+                         ids=["f64", "f32", *LOW])
+def test_lstm_ln_step_matches_reference(dtype):
+    """The lstm_ln step (x W_ih^T, then the recurrence's kernels with T = 1) at
+    a size of several row passes: float64 and float32 against the float64
+    reference, the half types within the reference's own error."""
+    a = option_cases.ln_step_inputs(19, 21, 140)
+    want = option_cases.ln_step_results("reference", {n: v.requires_grad_() for n, v in a.items()})
+    low = {n: v.detach().to(dtype).requires_grad_() for n, v in a.items()}
+    got = option_cases.ln_step_results(EMU, low)
+    ref_lp = option_cases.ln_step_results("reference", low) if dtype in LOW.values() else None
+    for i, (r, w) in enumerate(zip(got, want)):
+        assert r.dtype == dtype, i
+        if ref_lp is None:
+            assert_close(r, w.to(dtype), dtype=dtype, what=f"result {i}")
+        else:
+            assert_low_precision(r, ref_lp[i], w, what=f"result {i}")
+
+
+@pytest.mark.parametrize("cell", ["lstm_ln", "lstm", "rnn_tanh"])
+def test_workspace_layout_of_the_options(cell):
+    """The workspace in cells.h's layout (shared by every backend): lstm_ln's
+    14 blocks of H and 3 row statistics, the LSTM's zoned c, the RNN's
+    candidate with zoneout; resets, a training mask, lengths in reverse."""
+    t, c = option_cases.option_inputs(cell, 0, "all-lengths-reverse", T=4, B=3, H=3, key=("ws",))
+    out, _, _, ws = torch.ops.rnnkern_cuda_emu.recurrence(
+        cell, *(t[n] for n in option_cases.INPUTS), c["lengths"], c["reverse"], True, c["resets"],
+        c["zoneout"], t["ln"])
+    want_ws, want_out = option_cases.expected_workspace(cell, t, c)
+    assert_close(want_out, option_cases.run("reference", cell, t, c)[0], what="this test's loop")
+    assert_close(out, want_out, what="output")
+    assert ws.shape == want_ws.shape and ws.dtype == torch.float64
+    assert_close(ws, want_ws, what="workspace")
+
+
+def test_opcheck_options():
+    """opcheck of the lstm_ln step and step_backward, and of recurrence_backward
+    with every option (test_options.py opchecks the forward)."""
+    family = torch.ops.rnnkern_cuda_emu
+    a = option_cases.ln_step_inputs(3, 5, 4)
+    names = ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh", "ln")
+    torch.library.opcheck(family.step.default,
+                          ("lstm_ln", *(a[n].clone().requires_grad_() for n in names)))
+    h, c, ws = family.step("lstm_ln", *(a[n] for n in names))
+    g = generator("opcheck-options")
+    torch.library.opcheck(family.step_backward.default,
+                          ("lstm_ln", randn(g, *h.shape), randn(g, *c.shape), a["x"], a["h"],
+                           a["c"], a["w_ih"], a["w_hh"], h, ws, a["ln"]))
+    for cell, proj in [("lstm_ln", 0), ("lstm", 2), ("gru", 0)]:
+        t, k = option_cases.option_inputs(cell, proj, "all-lengths-reverse", T=4, H=4,
+                                          key=("opcheck",))
+        z = k["zoneout"].contiguous()
+        out, h_n, c_n, ws = family.recurrence(cell, *(t[n] for n in option_cases.INPUTS),
+                                              k["lengths"], True, True, k["resets"], z, t["ln"])
+        grad_c = randn(g, *c_n.shape) if c_n.numel() else None
+        torch.library.opcheck(family.recurrence_backward.default,
+                              (cell, randn(g, *out.shape), randn(g, *h_n.shape), grad_c, t["h0"],
+                               t["c0"], t["w_hh"], t["w_hr"], out, ws, k["lengths"], True,
+                               k["resets"], z, t["ln"]))
+
+
+@pytest.mark.parametrize("cell,proj", [("lstm_ln", 0), ("rnn_tanh", 0), ("lstm", 3), ("gru", 0)],
+                         ids=["lstm_ln", "rnn_tanh", "lstm-proj3", "gru"])
+def test_options_inference_without_workspace(cell, proj):
+    """train=False (no workspace: the LSTM-LN row kernel keeps c~ and o in the
+    GEMM's row instead) computes exactly what training computes."""
+    t, c = option_cases.option_inputs(cell, proj, "all-lengths-reverse", key=("inference",))
+    args = (cell, *(t[n] for n in option_cases.INPUTS), c["lengths"], c["reverse"])
+    options = (c["resets"], c["zoneout"], t["ln"])
+    trained = torch.ops.rnnkern_cuda_emu.recurrence(*args, True, *options)
+    inferred = torch.ops.rnnkern_cuda_emu.recurrence(*args, False, *options)
+    assert inferred[3].numel() == 0 and trained[3].numel() > 0
+    for a, b in zip(inferred[:3], trained[:3]):
+        assert torch.equal(a, b)

@@ -5,7 +5,7 @@ STACK, SHARED, LOCAL, CONSTANT[0] per kernel and arch, and the SASS.  The dump
 has no spill figures (ptxas -v's are not kept in the binary), so spills are the
 SASS's local-memory stores (STL) and loads (LDL), with any non-zero STACK/LOCAL.
 Expected kernels (``__global__`` templates x ``RNNKERN_INSTANTIATE_*`` dtypes x
-enum-class phases), block sizes and dynamic shared memory (``RNNKERN_LAUNCH``,
+enum-class phases x ``bool`` flags, false and true), block sizes and dynamic shared memory (``RNNKERN_LAUNCH``,
 ``constexpr int kX = N;`` resolved) and ``__launch_bounds__`` are read from
 csrc/cuda.  Checked: registers x threads <= the SM's 64K register file, threads
 <= __launch_bounds__, shared memory <= 48 KiB (no cudaFuncSetAttribute opt-in),
@@ -55,7 +55,8 @@ def _enums() -> dict[str, list[str]]:
 
 
 def expected_kernels() -> dict[str, list[str]]:
-    """family -> its instantiations, e.g. "step_kernel" -> ["step_kernel<double, RnnTanh>", ..]."""
+    """family -> its instantiations, e.g. "step_kernel" -> ["step_kernel<double, RnnTanh>", ..],
+    "forward_pointwise_kernel" -> ["forward_pointwise_kernel<double, RnnTanh, false, false>", ..]."""
     text, kernels = "\n".join(_sources().values()), {}
     for name, body in _sources().items():
         macros = re.findall(r"#define (RNNKERN_INSTANTIATE_\w+)\(", body)
@@ -64,7 +65,8 @@ def expected_kernels() -> dict[str, list[str]]:
                              r"(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(", body):
             names = [m.group(2)]
             for kind, param in (p.split() for p in (m.group(1) or "").split(",") if p.strip()):
-                values = dtypes if kind in ("typename", "class") else _enums()[kind]
+                values = (dtypes if kind in ("typename", "class") else ["false", "true"]
+                          if kind == "bool" else _enums()[kind])
                 assert values, f"{m.group(2)} in {name}: no instantiations of its {param} found"
                 names = [f"{n}, {v}" if "<" in n else f"{n}<{v}" for n in names for v in values]
             kernels[m.group(2)] = [n + ">" if "<" in n else n for n in names]
@@ -208,12 +210,18 @@ def table() -> list[dict]:
 def test_sources_parse():
     """The source parsing this module relies on finds what issue #12 names: the
     step kernel for all four dtypes and every StepPhase, both pointwise kernels
-    per dtype, the lengths kernel, each with a block size."""
+    per dtype, the lengths kernel, each with a block size; and issue #16's
+    LSTM-LN row kernels and option flags."""
     expected, config = expected_kernels(), launch_config()
     dtypes = ("double", "float", "__half", "__nv_bfloat16")
     assert {f"step_kernel<{d}, GruRbCandidate>" for d in dtypes} <= set(expected["step_kernel"]), expected
-    for family in ("forward_pointwise_kernel", "backward_pointwise_kernel"):
+    for family in ("forward_pointwise_kernel", "backward_pointwise_kernel", "lstm_ln_forward_kernel",
+                   "lstm_ln_backward_kernel"):
         assert {e.split(",")[0].split("<")[1] for e in expected[family]} == set(dtypes), expected[family]
+    # the options (resets, zoneout) as bool template flags: every combination
+    assert {"lstm_ln_backward_kernel<float, true, false>", "forward_pointwise_kernel<__half, Gru, false, true>",
+            "backward_pointwise_kernel<double, Projection, true, true>"} <= {
+        e for family in expected.values() for e in family}, expected
     assert expected["upload_lengths_kernel"] == ["upload_lengths_kernel"], expected
     assert set(config) == set(expected), (config, expected)
 
@@ -249,11 +257,12 @@ def test_checker_catches_each_violation():
                      "SPILL_ALLOWANCE says (1, 1, 8)"], stale
     bad = [dict(r) for r in clean if r["kernel"] != "step_kernel<__nv_bfloat16, Gru>"]
     big = dict(config, forward_pointwise_kernel=dict(config["forward_pointwise_kernel"], threads=1024))
-    next(r for r in bad if r["kernel"] == "forward_pointwise_kernel<float, Lstm>")["REG"] = 255
+    next(r for r in bad if r["kernel"] == "forward_pointwise_kernel<float, Lstm, false, false>")["REG"] = 255
     next(r for r in bad if r["kernel"] == "step_kernel<float, Gru>")["SHARED"] = 64 * 1024
     next(r for r in bad if r["kernel"] == "step_kernel<double, Lstm>").update(STL=3, LDL=3, STACK=16)
     text = "\n".join(violations(bad, big, expected))
-    for want in ("forward_pointwise_kernel<float, Lstm> [sm_90]: 255 registers x 1024 threads = 261120",
+    for want in ("forward_pointwise_kernel<float, Lstm, false, false> [sm_90]: 255 registers x 1024 "
+                 "threads = 261120",
                  "launched with 1024 threads > __launch_bounds__(256)",
                  "step_kernel<float, Gru> [sm_90]: 65536 B static + 0 B dynamic shared memory > 49152",
                  "step_kernel<double, Lstm> [sm_90]: 3 STL, 3 LDL, 16 B stack+local",

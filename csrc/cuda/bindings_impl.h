@@ -15,8 +15,10 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/where.h>
 #include <torch/library.h>
 
 #include "../ops.h"
@@ -66,11 +68,22 @@ Tensor device_lengths(const OptTensor& lengths, const at::TensorOptions& opt, cu
 
 const int64_t kStepsAndRows[] = {0, 1};
 
-// The options of the ops this backend does not run yet.
-void check_cuda_has(const RecurrenceSizes& z, const char* op) {
-  check_backend_has(z.cell == Cell::LstmLn, op, "cuda", "the lstm_ln cell (LayerNormLSTM)");
-  check_backend_has(z.has_resets, op, "cuda", "resets");
-  check_backend_has(z.has_zoneout, op, "cuda", "zoneout");
+// A zoneout mask as the kernels read it: strides in elements along T and B
+// (an evaluation mask's 0, 0: no copy), the units dense.
+Tensor zoneout_rows(const OptTensor& zoneout) {
+  return zoneout.has_value() ? rows_dense(*zoneout) : Tensor();
+}
+
+// The positions (t, b) [T, B] whose step started from h0 by a reset rather
+// than from the row's previous state: resets, within the row's length, not
+// at the row's first step (which starts from h0 anyway).  For the weight
+// gradients after the loop.
+Tensor reset_restarts(const Tensor& resets, const Tensor& lengths_dev, int64_t T, bool reverse) {
+  const Tensor t = at::arange(T, resets.options().dtype(at::kLong)).unsqueeze(1);  // [T, 1]
+  if (!lengths_dev.defined()) return resets.logical_and(t.ne(reverse ? T - 1 : 0));
+  const Tensor n = lengths_dev.unsqueeze(0);  // [1, B]
+  const Tensor first = reverse ? t.add(1).eq(n) : t.eq(0);
+  return resets.logical_and(t.lt(n)).logical_and(first.logical_not());
 }
 
 // dw = sum over positions p and rows b of d[p, b]^T h_{t-1}(p, b), where
@@ -79,62 +92,71 @@ void check_cuda_has(const RecurrenceSizes& z, const char* op) {
 // have d = 0 and output 0, so two GEMMs cover every case without gathering
 // h_{t-1}: the later positions against the shifted output, and each row's
 // first step (d_first: the gate gradients of step 0, whatever its position)
-// against h0.  d: [T, B, N] (may be a column slice), out: [T, B, P].
+// against h0.  d: [T, B, N] (may be a column slice), out: [T, B, P] (the
+// states: with zoneout the blended ones).  `restarts` ([T, B] bool, or
+// undefined: no resets, reset_restarts) marks the later positions whose
+// step started from h0: there h0 replaces the shifted output.
 void weight_grad_by_prev_state(Tensor dw, const Tensor& d, const Tensor& d_first,
-                               const Tensor& out, const Tensor& h0, bool reverse) {
+                               const Tensor& out, const Tensor& h0, bool reverse,
+                               const Tensor& restarts = Tensor()) {
   const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
   at::mm_out(dw, d_first.t(), h0);
   if (T > 1) {
     const Tensor d_later = reverse ? d.narrow(0, 0, T - 1) : d.narrow(0, 1, T - 1);
-    const Tensor out_earlier = reverse ? out.narrow(0, 1, T - 1) : out.narrow(0, 0, T - 1);
+    Tensor out_earlier = reverse ? out.narrow(0, 1, T - 1) : out.narrow(0, 0, T - 1);
+    if (restarts.defined()) {
+      const Tensor later = reverse ? restarts.narrow(0, 0, T - 1) : restarts.narrow(0, 1, T - 1);
+      out_earlier = at::where(later.unsqueeze(2), h0.unsqueeze(0), out_earlier);
+    }
     dw.addmm_(d_later.reshape({(T - 1) * B, N}).t(), out_earlier.reshape({(T - 1) * B, P}));
   }
 }
 
 // ------------------------------------------------------------- forward ----
 
+// The forward of `recurrence` (arguments checked), and of the lstm_ln step
+// (T = 1, train).
 template <typename Dev>
-std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
-    c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
+std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
+    const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
     const OptTensor& zoneout, const OptTensor& ln) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
-  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                             resets, zoneout, ln);
-  check_cuda_has(z, "rnnkern.recurrence");
-  Dev::check_device("rnnkern.recurrence", xproj);
-  const typename Dev::Guard device_guard(xproj.device());
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t W = workspace_size(z.cell, H, z.has_zoneout);
-  const bool lstm = z.cell == Cell::Lstm, reset_before = z.cell == Cell::GruResetBefore;
+  const bool has_c = has_cell_state(z.cell), reset_before = z.cell == Cell::GruResetBefore;
   const auto dtype = xproj.scalar_type(), acc = acc_type(dtype);
   const auto opt = xproj.options(), acc_opt = opt.dtype(acc);
 
   Tensor output = Dev::empty({T, B, P}, opt);
   Tensor h_n = Dev::empty({B, P}, opt);
-  Tensor c_n = lstm ? Dev::empty({B, H}, opt) : empty_like_options(xproj, dtype);
+  Tensor c_n = has_c ? Dev::empty({B, H}, opt) : empty_like_options(xproj, dtype);
   Tensor ws = train ? Dev::empty({T, B, W}, acc_opt) : empty_like_options(xproj, acc);
   if (T == 0 || B == 0) {
     h_n.copy_(h0);
-    if (lstm) c_n.copy_(*c0);
+    if (has_c) c_n.copy_(*c0);
     return {output, h_n, c_n, ws};
   }
 
   const Context ctx = Dev::context();
   const Tensor x = rows_dense(xproj);
   const Tensor h0c = h0.contiguous(), w = w_hh.contiguous();
+  const Tensor c0c = contiguous_or_undefined(c0);
   const Tensor bi = contiguous_or_undefined(b_ih), bh = contiguous_or_undefined(b_hh);
   const Tensor wr = contiguous_or_undefined(w_hr);
+  const Tensor rs = contiguous_or_undefined(resets), zo = zoneout_rows(zoneout);
+  const Tensor lnc = contiguous_or_undefined(ln);
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
+  // The state lives in ping-pong slots with lengths and with resets.
+  const bool slots = lengths.has_value() || resets.has_value();
   // Scratch of the time loop (params.h).
   const Tensor hproj = Dev::empty({B, reset_before ? 2 * H : G * H}, acc_opt);
   Tensor h_state, c_state;
-  if (lengths.has_value()) {
+  if (slots) {
     h_state = Dev::empty({2, B, P}, opt);
     h_state[0].copy_(h0);
   }
-  if (lstm) {
+  if (has_c) {
     c_state = Dev::empty({2, B, H}, acc_opt);
     c_state[0].copy_(*c0);
   }
@@ -153,6 +175,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
   p.w_hh = ptr(w);
   p.b_ih = ptr(bi), p.b_hh = ptr(bh);
   p.w_hr = ptr(wr);
+  p.c0 = ptr(c0c);
+  p.resets = rs.defined() ? rs.const_data_ptr<bool>() : nullptr;
+  p.zoneout = zo.defined() ? ptr(zo) : nullptr;
+  p.zoneout_stride_t = zo.defined() ? zo.stride(0) : 0;
+  p.zoneout_stride_b = zo.defined() ? zo.stride(1) : 0;
+  p.ln = ptr(lnc);
   p.output = mut_ptr(output);
   p.workspace = train ? mut_ptr(ws) : nullptr;
   p.hproj = mut_ptr(hproj);
@@ -165,11 +193,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
     recurrence_forward<S>(p, ctx);
   });
 
-  // The final state: the last step's state slot, or (without lengths) the
+  // The final state: the last step's state slot, or (without slots) the
   // output row of the last step.
-  h_n.copy_(lengths.has_value() ? h_state[T & 1] : output[reverse ? 0 : T - 1]);
-  if (lstm) c_n.copy_(c_state[T & 1]);
+  h_n.copy_(slots ? h_state[T & 1] : output[reverse ? 0 : T - 1]);
+  if (has_c) c_n.copy_(c_state[T & 1]);
   return {output, h_n, c_n, ws};
+}
+
+template <typename Dev>
+std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
+    c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
+    const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
+    const OptTensor& zoneout, const OptTensor& ln) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
+  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
+                                             resets, zoneout, ln);
+  Dev::check_device("rnnkern.recurrence", xproj);
+  const typename Dev::Guard device_guard(xproj.device());
+  return run_forward<Dev>(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
+                          resets, zoneout, ln);
 }
 
 // ------------------------------------------------------------ backward ----
@@ -185,27 +228,30 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                             const Tensor& grad_h_n, const OptTensor& grad_c_n, const Tensor& h0,
                             const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
                             const Tensor& output, const Tensor& workspace,
-                            const OptTensor& lengths, bool reverse) {
+                            const OptTensor& lengths, bool reverse,
+                            const OptTensor& resets = std::nullopt,
+                            const OptTensor& zoneout = std::nullopt,
+                            const OptTensor& ln = std::nullopt) {
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
-  const bool lstm = z.cell == Cell::Lstm, gru = z.cell == Cell::Gru;
-  const bool reset_before = z.cell == Cell::GruResetBefore;
+  const bool has_c = has_cell_state(z.cell), gru = z.cell == Cell::Gru;
+  const bool reset_before = z.cell == Cell::GruResetBefore, lstm_ln = z.cell == Cell::LstmLn;
   const auto dtype = output.scalar_type(), acc = acc_type(dtype);
   const auto opt = output.options(), acc_opt = opt.dtype(acc);
 
   BackwardResult r;
   r.d_xproj = Dev::empty({T, B, G * H}, opt);
   r.d_h0 = Dev::empty({B, P}, opt);
-  r.d_c0 = lstm ? Dev::empty({B, H}, opt) : empty_like_options(output, dtype);
+  r.d_c0 = has_c ? Dev::empty({B, H}, opt) : empty_like_options(output, dtype);
   r.d_w_hh = Dev::empty({G * H, P}, opt);
   r.d_b_ih = Dev::empty({G * H}, opt);
   r.d_b_hh = Dev::empty({G * H}, opt);
   r.d_w_hr = z.has_proj ? Dev::empty({P, H}, opt) : empty_like_options(output, dtype);
-  r.d_ln = empty_like_options(output, dtype);
+  r.d_ln = lstm_ln ? Dev::empty({10 * H}, opt) : empty_like_options(output, dtype);
   if (T == 0 || B == 0) {
     r.d_xproj.zero_();
     r.d_h0.copy_(grad_h_n);
-    if (lstm) r.d_c0.copy_(*grad_c_n);
-    for (Tensor* t : {&r.d_w_hh, &r.d_b_ih, &r.d_b_hh, &r.d_w_hr}) t->zero_();
+    if (has_c) r.d_c0.copy_(*grad_c_n);
+    for (Tensor* t : {&r.d_w_hh, &r.d_b_ih, &r.d_b_hh, &r.d_w_hr, &r.d_ln}) t->zero_();
     return r;
   }
 
@@ -214,14 +260,25 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const Tensor h0c = h0.contiguous(), w = w_hh.contiguous(), out = output.contiguous();
   const Tensor c0c = contiguous_or_undefined(c0), wr = contiguous_or_undefined(w_hr);
   const Tensor wsc = workspace.contiguous();
+  const Tensor rs = contiguous_or_undefined(resets), zo = zoneout_rows(zoneout);
+  const Tensor lnc = contiguous_or_undefined(ln);
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
   // The carried gradients (updated in place: fresh copies) and the scratch.
   Tensor dh = Dev::empty({B, P}, acc_opt);
   dh.copy_(grad_h_n);
   Tensor dc;
-  if (lstm) {
+  if (has_c) {
     dc = Dev::empty({B, H}, acc_opt);
     dc.copy_(*grad_c_n);
+  }
+  Tensor dh0_reset, dc0_reset;
+  if (resets.has_value()) {
+    dh0_reset = Dev::empty({B, P}, acc_opt);
+    dh0_reset.zero_();
+    if (has_c) {
+      dc0_reset = Dev::empty({B, H}, acc_opt);
+      dc0_reset.zero_();
+    }
   }
   const Tensor da = Dev::empty({B, reset_before ? 2 * H : G * H}, opt);
   const Tensor dhn_all = gru ? Dev::empty({T, B, H}, opt) : Tensor();
@@ -232,6 +289,13 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const Tensor dh_tot_all = z.has_proj ? Dev::empty({T, B, P}, opt) : Tensor();
   const Tensor dh_full = z.has_proj ? Dev::empty({B, H}, acc_opt) : Tensor();
   const Tensor h_full_all = z.has_proj ? Dev::empty({T, B, H}, opt) : Tensor();
+  const Tensor dhproj_all = lstm_ln ? Dev::empty({T, B, 4 * H}, opt) : Tensor();
+  const Tensor ln_scratch = lstm_ln ? Dev::empty({B, 4 * H}, acc_opt) : Tensor();
+  Tensor ln_grads;
+  if (lstm_ln) {
+    ln_grads = Dev::empty({B, 14 * H}, acc_opt);
+    ln_grads.zero_();
+  }
 
   RecurrenceBackwardParams p{};
   p.cell = z.cell;
@@ -245,33 +309,60 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   p.w_hh = ptr(w), p.w_hr = ptr(wr);
   p.output = ptr(out);
   p.workspace = ptr(wsc);
+  p.resets = rs.defined() ? rs.const_data_ptr<bool>() : nullptr;
+  p.zoneout = zo.defined() ? ptr(zo) : nullptr;
+  p.zoneout_stride_t = zo.defined() ? zo.stride(0) : 0;
+  p.zoneout_stride_b = zo.defined() ? zo.stride(1) : 0;
+  p.ln = ptr(lnc);
   p.d_xproj = mut_ptr(r.d_xproj);
   p.dh = mut_ptr(dh), p.dc = mut_ptr(dc);
+  p.dh0_reset = mut_ptr(dh0_reset), p.dc0_reset = mut_ptr(dc0_reset);
   p.da = mut_ptr(da);
   p.dhn_all = mut_ptr(dhn_all);
   p.dn = mut_ptr(dn), p.drh = mut_ptr(drh), p.rh_all = mut_ptr(rh_all);
   p.dh_tot = mut_ptr(dh_tot), p.dh_tot_all = mut_ptr(dh_tot_all);
   p.dh_full = mut_ptr(dh_full), p.h_full_all = mut_ptr(h_full_all);
+  p.dhproj_all = mut_ptr(dhproj_all);
+  p.ln_scratch = mut_ptr(ln_scratch), p.ln_grads = mut_ptr(ln_grads);
   dispatch_storage(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
     recurrence_backward<S>(p, ctx);
   });
 
-  r.d_h0.copy_(dh);
-  if (lstm) r.d_c0.copy_(dc);
+  // h0 (c0) is the starting state of each row's step 0 and of every reset step.
+  if (resets.has_value()) {
+    r.d_h0.copy_(dh.add(dh0_reset));
+    if (has_c) r.d_c0.copy_(dc.add(dc0_reset));
+  } else {
+    r.d_h0.copy_(dh);
+    if (has_c) r.d_c0.copy_(dc);
+  }
 
   // Weight and bias gradients: one GEMM or reduction over all steps each.
+  const Tensor restarts =
+      resets.has_value() ? reset_restarts(rs, lengths_dev, T, reverse) : Tensor();
   const Tensor& dx = r.d_xproj;
   const at::IntArrayRef steps_and_rows(kStepsAndRows);
+  if (lstm_ln) {
+    // The recurrent layer norm's input gradient pairs with h_{t-1}; the gains'
+    // and biases' gradients were summed per row by the kernels.
+    weight_grad_by_prev_state(r.d_w_hh, dhproj_all, da, out, h0c, reverse, restarts);
+    const Tensor sums = ln_grads.sum(0);  // [14H]: d ln (10H), d b (4H)
+    r.d_ln.copy_(sums.narrow(0, 0, 10 * H));
+    r.d_b_ih.copy_(sums.narrow(0, 10 * H, 4 * H));
+    r.d_b_hh.copy_(r.d_b_ih);
+    return r;
+  }
   at::sum_out(r.d_b_ih, dx, steps_and_rows);
   if (gru || reset_before) {
     // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     weight_grad_by_prev_state(r.d_w_hh.narrow(0, 0, 2 * H), dx.narrow(2, 0, 2 * H),
-                              da.narrow(1, 0, 2 * H), out, h0c, reverse);
+                              da.narrow(1, 0, 2 * H), out, h0c, reverse, restarts);
     Tensor dw_n = r.d_w_hh.narrow(0, 2 * H, H), db_n = r.d_b_hh.narrow(0, 2 * H, H);
     if (gru) {
-      weight_grad_by_prev_state(dw_n, dhn_all, da.narrow(1, 2 * H, H), out, h0c, reverse);
+      weight_grad_by_prev_state(dw_n, dhn_all, da.narrow(1, 2 * H, H), out, h0c, reverse,
+                                restarts);
       at::sum_out(db_n, dhn_all, steps_and_rows);
     } else {
       at::mm_out(dw_n, dx.narrow(2, 2 * H, H).reshape({T * B, H}).t(), rh_all.view({T * B, H}));
@@ -279,7 +370,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
     }
     r.d_b_hh.narrow(0, 0, 2 * H).copy_(r.d_b_ih.narrow(0, 0, 2 * H));
   } else {
-    weight_grad_by_prev_state(r.d_w_hh, dx, da, out, h0c, reverse);
+    weight_grad_by_prev_state(r.d_w_hh, dx, da, out, h0c, reverse, restarts);
     r.d_b_hh.copy_(r.d_b_ih);
   }
   if (z.has_proj) {
@@ -299,15 +390,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recur
   const RecurrenceSizes z =
       check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
                                 workspace, lengths, resets, zoneout, ln);
-  check_cuda_has(z, "rnnkern.recurrence_backward");
   Dev::check_device("rnnkern.recurrence_backward", output);
   const typename Dev::Guard device_guard(output.device());
-  const BackwardResult r = run_backward<Dev>(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
-                                        output, workspace, lengths, reverse);
+  const BackwardResult r = run_backward<Dev>(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
+                                             w_hr, output, workspace, lengths, reverse, resets,
+                                             zoneout, ln);
   return {r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_w_hr, r.d_ln};
 }
 
 // ---------------------------------------------------------------- step ----
+
+// The lstm_ln step is a composition, not the fused step kernel: its layer
+// norms need the statistics of the whole rows x W_ih^T and h W_hh^T (4H
+// values each) before any gate, which the fused kernel's blocks (16 rows x
+// 16 units, all gates) do not see.  So: x W_ih^T by one GEMM (ATen), then
+// the recurrence with T = 1 (h W_hh^T by cuBLAS, then the LSTM-LN row
+// kernel); its backward is the recurrence's with T = 1 too (step_backward_op).
+template <typename Dev>
+std::tuple<Tensor, Tensor, Tensor> lstm_ln_step(const StepSizes& s, const Tensor& x,
+                                                const Tensor& h, const OptTensor& c,
+                                                const Tensor& w_ih, const Tensor& w_hh,
+                                                const OptTensor& b_ih, const OptTensor& b_hh,
+                                                const OptTensor& ln) {
+  const RecurrenceSizes z{s.cell, 1, s.B, s.H, s.H, s.G, false};
+  const Tensor xproj = at::mm(x, w_ih.t()).unsqueeze(0);  // raw: the bias follows the layer norm
+  auto [out, h_n, c_n, ws] = run_forward<Dev>(z, xproj, h, c, w_hh, b_ih, b_hh, std::nullopt,
+                                              std::nullopt, false, true, std::nullopt,
+                                              std::nullopt, ln);
+  return {h_n, c_n, ws.select(0, 0)};
+}
 
 template <typename Dev>
 std::tuple<Tensor, Tensor, Tensor> step_op(c10::string_view cell, const Tensor& x,
@@ -317,9 +428,9 @@ std::tuple<Tensor, Tensor, Tensor> step_op(c10::string_view cell, const Tensor& 
                                              const OptTensor& ln) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
-  check_cuda_has(RecurrenceSizes{s.cell, 1, s.B, s.H, s.H, s.G, false}, "rnnkern.step");
   Dev::check_device("rnnkern.step", x);
   const typename Dev::Guard device_guard(x.device());
+  if (s.cell == Cell::LstmLn) return lstm_ln_step<Dev>(s, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
   const bool lstm = s.cell == Cell::Lstm;
   const auto dtype = x.scalar_type(), acc = acc_type(dtype);
   const auto opt = x.options();
@@ -351,7 +462,8 @@ std::tuple<Tensor, Tensor, Tensor> step_op(c10::string_view cell, const Tensor& 
 
 // The step's backward is the recurrence's with T = 1 (its single output is
 // also its final state, so its gradient enters once, as grad_h_n), plus the
-// input half of the product: dx = dA W_ih, dW_ih = dA^T x.
+// input half of the product: dx = dA W_ih, dW_ih = dA^T x (lstm_ln: dA is
+// the gradient of the raw x W_ih^T, before its layer norm).
 template <typename Dev>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_op(
     c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
@@ -360,14 +472,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const StepSizes s = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
                                           workspace, ln);
-  check_cuda_has(RecurrenceSizes{s.cell, 1, s.B, s.H, s.H, s.G, false}, "rnnkern.step_backward");
   Dev::check_device("rnnkern.step_backward", x);
   const typename Dev::Guard device_guard(x.device());
   const RecurrenceSizes z{s.cell, 1, s.B, s.H, s.H, s.G, false};
+  const Tensor ws = workspace.contiguous().view({1, s.B, workspace.size(1)});
   const BackwardResult r =
       run_backward<Dev>(z, Tensor(), grad_h_new, grad_c_new, h, c, w_hh, std::nullopt,
-                   h_new.unsqueeze(0), workspace.contiguous().view({1, s.B, workspace.size(1)}),
-                   std::nullopt, false);
+                        h_new.unsqueeze(0), ws, std::nullopt, false, std::nullopt, std::nullopt, ln);
   const Tensor dxp = r.d_xproj.select(0, 0);
   const Tensor d_x = at::mm(dxp, w_ih);
   const Tensor d_w_ih = at::mm(dxp.t(), x);

@@ -131,6 +131,90 @@ inline unsigned int pointwise_blocks(int64_t n) {
   return static_cast<unsigned int>(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
 }
 
+// Runtime flags as template parameters (mamba's BOOL_SWITCH, without the
+// macro): f(std::bool_constant<a>{}, std::bool_constant<b>{}), so that
+// `decltype(x)::value` is a constant in f and every combination is compiled.
+template <typename F>
+void bool_switch(bool a, bool b, const F& f) {
+  if (a) {
+    if (b) return f(std::true_type{}, std::true_type{});
+    return f(std::true_type{}, std::false_type{});
+  }
+  if (b) return f(std::false_type{}, std::true_type{});
+  return f(std::false_type{}, std::false_type{});
+}
+
+// ------------------------------------------------------ row reductions ----
+
+// The row kernels (LSTM-LN's layer norms): one block per batch row, its
+// threads striding over the row's values, reductions over the block.
+constexpr int kRowThreads = 128;
+
+// Blocks of a row kernel: one per row (gridDim.x allows 2^31 - 1; a batch
+// of more rows would not fit in memory anyway: each has 14 H workspace values).
+inline unsigned int row_blocks(int64_t rows) { return static_cast<unsigned int>(rows); }
+
+// A sum, as a reduction value.
+template <typename A>
+struct RowSum {
+  A v;
+  static __device__ __forceinline__ RowSum combine(const RowSum& a, const RowSum& b) {
+    return RowSum{a.v + b.v};
+  }
+};
+
+// Count, mean and sum of squared deviations (Welford), merged as Chan et al.:
+// a layer norm's statistics in one reduction, without the cancellation of
+// E[v^2] - E[v]^2.
+template <typename A>
+struct RowMoments {
+  A n, mean, m2;
+  __device__ __forceinline__ void add(A v) {
+    n += A(1);
+    const A delta = v - mean;
+    mean += delta / n;
+    m2 += delta * (v - mean);
+  }
+  // The population variance (a layer norm's; 0 for an empty row).
+  __device__ __forceinline__ A variance() const { return n > A(0) ? m2 / n : A(0); }
+  static __device__ __forceinline__ RowMoments combine(const RowMoments& a, const RowMoments& b) {
+    const A n = a.n + b.n;
+    if (n == A(0)) return a;
+    const A delta = b.mean - a.mean;
+    return RowMoments{n, a.mean + delta * (b.n / n),
+                      a.m2 + b.m2 + delta * delta * (a.n * b.n / n)};
+  }
+};
+
+// Reduces N values of every thread of the block (kThreads of them, a power
+// of two) with V::combine, a tree in shared memory `smem` (N * kThreads
+// values); every thread gets the results in v.  Barriers only (no warp
+// shuffles): every thread of the block must call it.  smem is free again on
+// return.
+template <int kThreads, int N, typename V>
+__device__ __forceinline__ void block_allreduce(V (&v)[N], V* smem) {
+  static_assert((kThreads & (kThreads - 1)) == 0, "a power of two");
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < N; ++i) smem[i * kThreads + tid] = v[i];
+  __syncthreads();
+  // Not unrolled: the levels' predicates, hoisted, crowd out the kernels' own.
+#pragma unroll 1
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (tid < stride) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        V* s = smem + i * kThreads + tid;
+        *s = V::combine(*s, s[stride]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = smem[i * kThreads];
+  __syncthreads();  // every thread has read the results before smem is reused
+}
+
 // ----------------------------------------------------------------- GEMM ----
 
 // Row-major C[M, N] = op(A)[M, K] op(B)[K, N] + beta C on the context's

@@ -10,6 +10,13 @@
 // Types: S is the storage dtype of the op (double, float, __half,
 // __nv_bfloat16); A the accumulate dtype of the gate math (double for double,
 // float otherwise).  The workspace and the carried gradients are A.
+//
+// The options of issue #16 (rnnkern/reference.py): `resets` [T, B] bool (the
+// step at position t of row b starts from h0 / c0), `zoneout` [T, B, Z] S
+// (Z = P + H for the cells with a cell state: h's units, then c's; H
+// otherwise), read through its time and batch strides (an evaluation mask is
+// a [Z] vector expanded with strides (0, 0, 1)), and `ln` [10H] S, the layer
+// norms' gains and shift of lstm_ln.  Each is null when not given.
 #pragma once
 
 #include <cstdint>
@@ -46,15 +53,21 @@ struct RecurrenceForwardParams {
   const void* b_ih;  // S [G*H] or null
   const void* b_hh;  // S [G*H] or null
   const void* w_hr;  // S [P, H] (LSTM projection) or null
+  const void* c0;    // S [B, H] (cells with a cell state): the state a reset restarts from
+  const bool* resets;    // device [T, B] or null
+  const void* zoneout;   // S [T, B, Z], element (t, b, k) at
+  int64_t zoneout_stride_t, zoneout_stride_b;  // t*zoneout_stride_t + b*zoneout_stride_b + k
+  const void* ln;        // S [10H] (lstm_ln) or null
 
   void* output;     // S [T, B, P]
-  void* workspace;  // A [T, B, W*H], or null when not training
+  void* workspace;  // A [T, B, workspace_size(cell, H, zoneout)], or null when not training
 
   // Scratch, allocated by the caller so that the time loop allocates nothing.
   void* hproj;    // A [B, G*H] (reset-before GRU: [B, 2H]) = h_{t-1} W_hh^T
-  void* h_state;  // S [2, B, P] ping-pong state, slot 0 = h0; only with lengths
-                  // (without, the output row of the previous step is the state)
-  void* c_state;  // A [2, B, H] ping-pong cell state, slot 0 = c0 (LSTM); c_n is slot T % 2
+  void* h_state;  // S [2, B, P] ping-pong state, slot 0 = h0; only with lengths or
+                  // resets (without, the output row of the previous step is the state)
+  void* c_state;  // A [2, B, H] ping-pong cell state, slot 0 = c0 (LSTM, LSTM-LN);
+                  // c_n is slot T % 2
   void* rh;       // S [B, H] r * h_{t-1} (reset-before GRU)
   void* hn;       // A [B, H] (r * h_{t-1}) W_hn^T (reset-before GRU)
   void* h_full;   // S [B, H] o * tanh(c), the input of the projection (LSTM with w_hr)
@@ -74,11 +87,19 @@ struct RecurrenceBackwardParams {
   const void* w_hh;       // S [G*H, P]
   const void* w_hr;       // S [P, H] or null
   const void* output;     // S [T, B, P]
-  const void* workspace;  // A [T, B, W*H]
+  const void* workspace;  // A [T, B, workspace_size(cell, H, zoneout)]
+  const bool* resets;     // device [T, B] or null (as in the forward)
+  const void* zoneout;    // S [T, B, Z] with strides below, or null
+  int64_t zoneout_stride_t, zoneout_stride_b;
+  const void* ln;         // S [10H] (lstm_ln) or null
 
   void* d_xproj;  // S [T, B, G*H]
   void* dh;       // A [B, P] carried dL/dh: grad_h_n on entry, grad_h0 on exit
   void* dc;       // A [B, H] carried dL/dc (LSTM): grad_c_n on entry, grad_c0 on exit
+                  // (with resets, both: the part through each row's first step)
+  void* dh0_reset;  // A [B, P] with resets: the gradient of h0 through the reset steps
+                    // (zeroed by the caller; grad_h0 = dh + dh0_reset), else null
+  void* dc0_reset;  // A [B, H] the same for c0 (cells with a cell state)
 
   // Scratch.  The *_all arrays are in time-position order, inputs of the
   // weight-gradient GEMMs the caller runs after the loop.
@@ -92,6 +113,10 @@ struct RecurrenceBackwardParams {
   void* dh_tot_all;  // S [T, B, P]
   void* dh_full;     // A [B, H]    projection: dh_tot W_hr
   void* h_full_all;  // S [T, B, H] projection: o * tanh(c)
+  void* dhproj_all;  // S [T, B, 4H] LSTM-LN: gradient of h_{t-1} W_hh^T (the A of dW_hh)
+  void* ln_scratch;  // A [B, 4H]    LSTM-LN: per-row values between the row reductions
+  void* ln_grads;    // A [B, 14H]   LSTM-LN: per row, summed over the steps: d ln (10H) then
+                     //              d b (4H, the same for b_ih and b_hh); zeroed by the caller
 };
 
 // step: one fused kernel per phase, [x, h] [W_ih; W_hh]^T and the gates.

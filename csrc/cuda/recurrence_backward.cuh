@@ -13,6 +13,16 @@
 // rh_all, dh_tot_all, h_full_all, and `da` of step 0), which the caller
 // (bindings.cpp) runs once after the loop.
 //
+// LSTM-LN: one row kernel per step (lstm_ln_backward_kernel: the three
+// layer norms' backward need row means), then the same GEMM; it leaves
+// dhproj_all for dW_hh and, per row, the sums of the gains' and biases'
+// gradients (ln_grads).
+//
+// Resets and zoneout are template parameters (common.cuh's bool_switch).
+// With resets the carried gradient of a reset step's starting state goes to
+// dh0_reset / dc0_reset (taken by the next kernel of the loop that reads the
+// carry), and the caller pairs those steps' gate gradients with h0 in dW_hh.
+//
 // Nothing is allocated and nothing waits for the device in the loop.
 // Instantiated per dtype in recurrence_backward_<dtype>.cu.
 #pragma once
@@ -23,7 +33,7 @@ namespace rnnkern::cuda {
 
 enum class BackwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbCandidate, GruRbReset, Projection };
 
-template <typename S, BackwardPhase kPhase>
+template <typename S, BackwardPhase kPhase, bool kResets, bool kZoneout>
 __global__ void __launch_bounds__(kPointwiseThreads)
     backward_pointwise_kernel(const BackwardStep<S> st) {
   const int64_t width = kPhase == BackwardPhase::Projection ? st.P : st.H;
@@ -32,28 +42,52 @@ __global__ void __launch_bounds__(kPointwiseThreads)
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t b = i / width, j = i - b * width;
     if constexpr (kPhase == BackwardPhase::RnnTanh) {
-      rnn_backward_unit<false>(st, b, j);
+      rnn_backward_unit<false, kResets, kZoneout>(st, b, j);
     } else if constexpr (kPhase == BackwardPhase::RnnRelu) {
-      rnn_backward_unit<true>(st, b, j);
+      rnn_backward_unit<true, kResets, kZoneout>(st, b, j);
     } else if constexpr (kPhase == BackwardPhase::Lstm) {
-      lstm_backward_unit(st, b, j);
+      lstm_backward_unit<kResets, kZoneout>(st, b, j);
     } else if constexpr (kPhase == BackwardPhase::Gru) {
-      gru_backward_unit(st, b, j);
+      gru_backward_unit<kResets, kZoneout>(st, b, j);
     } else if constexpr (kPhase == BackwardPhase::GruRbCandidate) {
-      gru_rb_backward_candidate_unit(st, b, j);
+      gru_rb_backward_candidate_unit<kResets, kZoneout>(st, b, j);
     } else if constexpr (kPhase == BackwardPhase::GruRbReset) {
-      gru_rb_backward_reset_unit(st, b, j);
+      gru_rb_backward_reset_unit<kResets>(st, b, j);
     } else {
-      projection_backward_unit(st, b, j);
+      projection_backward_unit<kResets, kZoneout>(st, b, j);
     }
   }
 }
 
-template <typename S, BackwardPhase kPhase>
+template <typename S, BackwardPhase kPhase, bool kResets, bool kZoneout>
 void launch_backward_pointwise(const BackwardStep<S>& st, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   RNNKERN_LAUNCH(pointwise_blocks(n), kPointwiseThreads, 0, stream,
-                 backward_pointwise_kernel<S, kPhase>)(st);
+                 backward_pointwise_kernel<S, kPhase, kResets, kZoneout>)(st);
+  RNNKERN_LAUNCH_CHECK();
+}
+
+// LSTM-LN, one block per batch row.
+template <typename S, bool kResets, bool kZoneout>
+__global__ void __launch_bounds__(kRowThreads) lstm_ln_backward_kernel(const BackwardStep<S> st) {
+  using A = acc_t<S>;
+  __shared__ __align__(16) unsigned char smem[4 * kRowThreads * sizeof(RowSum<A>)];
+  const int64_t H = st.H;
+  const int64_t b = blockIdx.x;
+  const int64_t p = st.pos(b);  // the same for the whole block: no divergent barrier
+  if (p < 0) {
+    lstm_ln_backward_finished(st, b);
+  } else {
+    lstm_ln_backward_row<kResets, kZoneout>(st, b, p, st.ln_scratch + b * 4 * H,
+                                            st.ln_grads + b * 14 * H,
+                                            reinterpret_cast<RowSum<A>*>(smem));
+  }
+}
+
+template <typename S, bool kResets, bool kZoneout>
+void launch_lstm_ln_backward(const BackwardStep<S>& st, cudaStream_t stream) {
+  RNNKERN_LAUNCH(row_blocks(st.B), kRowThreads, 0, stream,
+                 lstm_ln_backward_kernel<S, kResets, kZoneout>)(st);
   RNNKERN_LAUNCH_CHECK();
 }
 
@@ -96,38 +130,57 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   st.dh_tot_all = proj ? static_cast<S*>(p.dh_tot_all) : nullptr;
   st.dh_full = proj ? static_cast<const A*>(p.dh_full) : nullptr;
   st.h_full_all = proj ? static_cast<S*>(p.h_full_all) : nullptr;
+  st.resets = p.resets;
+  st.dh0_reset = static_cast<A*>(p.dh0_reset);
+  st.dc0_reset = static_cast<A*>(p.dc0_reset);
+  st.zo = static_cast<const S*>(p.zoneout);
+  st.zo_st = p.zoneout_stride_t, st.zo_sb = p.zoneout_stride_b;
+  st.ln = static_cast<const S*>(p.ln);
+  st.dhproj_all = static_cast<S*>(p.dhproj_all);
+  st.ln_scratch = static_cast<A*>(p.ln_scratch);
+  st.ln_grads = static_cast<A*>(p.ln_grads);
+  st.inv_h = A(1) / A(H);
+  st.inv_4h = A(1) / A(4 * H);
 
   const cudaStream_t stream = ctx.stream;
-  for (int64_t s = T - 1; s >= 0; --s) {
-    st.s = s;
-    if (proj) {
-      launch_backward_pointwise<S, BackwardPhase::Projection>(st, B * P, stream);
-      gemm<S, A>(ctx, false, false, B, H, P, st.dh_tot, P, w_hr, H, 0.f,
-                 static_cast<A*>(p.dh_full), H);
+  bool_switch(p.resets != nullptr, p.zoneout != nullptr, [&](auto r, auto z) {
+    constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
+    for (int64_t s = T - 1; s >= 0; --s) {
+      st.s = s;
+      if (proj) {
+        launch_backward_pointwise<S, BackwardPhase::Projection, R, Z>(st, B * P, stream);
+        gemm<S, A>(ctx, false, false, B, H, P, st.dh_tot, P, w_hr, H, 0.f,
+                   static_cast<A*>(p.dh_full), H);
+      }
+      switch (cell) {
+        case Cell::RnnTanh:
+          launch_backward_pointwise<S, BackwardPhase::RnnTanh, R, Z>(st, B * H, stream);
+          break;
+        case Cell::RnnRelu:
+          launch_backward_pointwise<S, BackwardPhase::RnnRelu, R, Z>(st, B * H, stream);
+          break;
+        case Cell::Lstm:
+          launch_backward_pointwise<S, BackwardPhase::Lstm, R, Z>(st, B * H, stream);
+          break;
+        case Cell::Gru:
+          launch_backward_pointwise<S, BackwardPhase::Gru, R, Z>(st, B * H, stream);
+          break;
+        case Cell::GruResetBefore:
+          launch_backward_pointwise<S, BackwardPhase::GruRbCandidate, R, Z>(st, B * H, stream);
+          gemm<S, A>(ctx, false, false, B, H, H, st.dn, H, w_hh + 2 * H * H, H, 0.f,
+                     static_cast<A*>(p.drh), H);
+          launch_backward_pointwise<S, BackwardPhase::GruRbReset, R, Z>(st, B * H, stream);
+          break;
+        case Cell::LstmLn:
+          launch_lstm_ln_backward<S, R, Z>(st, stream);
+          break;
+      }
+      // dh_{t-1} += da W_hh[rows]: after step 0 this is the gradient of h0
+      // (with resets: of the state each row's step 0 started from).
+      gemm<S, A>(ctx, false, false, B, P, st.da_width, st.da, st.da_width, w_hh, P, 1.f, st.dh,
+                 P);
     }
-    switch (cell) {
-      case Cell::RnnTanh:
-        launch_backward_pointwise<S, BackwardPhase::RnnTanh>(st, B * H, stream);
-        break;
-      case Cell::RnnRelu:
-        launch_backward_pointwise<S, BackwardPhase::RnnRelu>(st, B * H, stream);
-        break;
-      case Cell::Lstm:
-        launch_backward_pointwise<S, BackwardPhase::Lstm>(st, B * H, stream);
-        break;
-      case Cell::Gru:
-        launch_backward_pointwise<S, BackwardPhase::Gru>(st, B * H, stream);
-        break;
-      case Cell::GruResetBefore:
-        launch_backward_pointwise<S, BackwardPhase::GruRbCandidate>(st, B * H, stream);
-        gemm<S, A>(ctx, false, false, B, H, H, st.dn, H, w_hh + 2 * H * H, H, 0.f,
-                   static_cast<A*>(p.drh), H);
-        launch_backward_pointwise<S, BackwardPhase::GruRbReset>(st, B * H, stream);
-        break;
-    }
-    // dh_{t-1} += da W_hh[rows]: after step 0 this is the gradient of h0.
-    gemm<S, A>(ctx, false, false, B, P, st.da_width, st.da, st.da_width, w_hh, P, 1.f, st.dh, P);
-  }
+  });
 }
 
 }  // namespace rnnkern::cuda

@@ -7,6 +7,15 @@
 // a second pointwise kernel; the LSTM projection a GEMM  h_t = h_full W_hr^T
 // (plus, with lengths, an epilogue for the rows that have finished).
 //
+// LSTM-LN: the same GEMM (raw, 4H wide), then one row kernel (one block per
+// batch row, lstm_ln_forward_kernel) for the layer norms, the gates and the
+// state: the layer norms need their whole row's statistics first.
+//
+// Resets and zoneout are template parameters of the pointwise and row
+// kernels (common.cuh's bool_switch); resets keep the state in the ping-pong
+// slots (as lengths do), where a step writes h0 / c0 for the next one of a
+// row that resets.
+//
 // Everything runs on the caller's stream; the loop allocates nothing and
 // never waits for the device, so it can be captured in a CUDA graph.
 // Instantiated per dtype in recurrence_forward_<dtype>.cu.
@@ -21,7 +30,7 @@ enum class ForwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbGates, GruRbCandidat
 // One grid-stride pass of a phase over (b, j), j < H (the projection: j < P).
 // hh comes from the step's GEMM output, a row of G*H (reset-before: 2H) values.
 // hproj is not __restrict__: the reset-before gates overwrite it (st.rz).
-template <typename S, ForwardPhase kPhase>
+template <typename S, ForwardPhase kPhase, bool kResets, bool kZoneout>
 __global__ void __launch_bounds__(kPointwiseThreads)
     forward_pointwise_kernel(const ForwardStep<S> st, const acc_t<S>* hproj) {
   using A = acc_t<S>;
@@ -33,33 +42,57 @@ __global__ void __launch_bounds__(kPointwiseThreads)
     const int64_t b = i / width, j = i - b * width;
     if constexpr (kPhase == ForwardPhase::RnnTanh || kPhase == ForwardPhase::RnnRelu) {
       const A hh[1] = {hproj[b * H + j]};
-      rnn_forward_unit<kPhase == ForwardPhase::RnnRelu>(st, b, j, hh);
+      rnn_forward_unit<kPhase == ForwardPhase::RnnRelu, kResets, kZoneout>(st, b, j, hh);
     } else if constexpr (kPhase == ForwardPhase::Lstm) {
       const A* row = hproj + b * 4 * H;
       const A hh[4] = {row[j], row[H + j], row[2 * H + j], row[3 * H + j]};
-      lstm_forward_unit(st, b, j, hh);
+      lstm_forward_unit<kResets, kZoneout>(st, b, j, hh);
     } else if constexpr (kPhase == ForwardPhase::Gru) {
       const A* row = hproj + b * 3 * H;
       const A hh[3] = {row[j], row[H + j], row[2 * H + j]};
-      gru_forward_unit(st, b, j, hh);
+      gru_forward_unit<kResets, kZoneout>(st, b, j, hh);
     } else if constexpr (kPhase == ForwardPhase::GruRbGates) {
       const A* row = hproj + b * 2 * H;
       const A hh[2] = {row[j], row[H + j]};
-      gru_rb_gates_unit(st, b, j, hh);
+      gru_rb_gates_unit(st, b, j, hh);  // reads the state slot; writes no state
     } else if constexpr (kPhase == ForwardPhase::GruRbCandidate) {
-      gru_rb_candidate_unit(st, b, j);
+      gru_rb_candidate_unit<kResets, kZoneout>(st, b, j);
     } else {
-      projection_epilogue_unit(st, b, j);
+      projection_epilogue_unit<kResets, kZoneout>(st, b, j);
     }
   }
 }
 
-template <typename S, ForwardPhase kPhase>
+template <typename S, ForwardPhase kPhase, bool kResets, bool kZoneout>
 void launch_forward_pointwise(const ForwardStep<S>& st, const acc_t<S>* hproj, int64_t n,
                               cudaStream_t stream) {
   if (n == 0) return;
   RNNKERN_LAUNCH(pointwise_blocks(n), kPointwiseThreads, 0, stream,
-                 forward_pointwise_kernel<S, kPhase>)(st, hproj);
+                 forward_pointwise_kernel<S, kPhase, kResets, kZoneout>)(st, hproj);
+  RNNKERN_LAUNCH_CHECK();
+}
+
+// LSTM-LN, one block per batch row; hproj's row b is the step's
+// h_prev W_hh^T, and the kernel's scratch afterwards.
+template <typename S, bool kResets, bool kZoneout>
+__global__ void __launch_bounds__(kRowThreads)
+    lstm_ln_forward_kernel(const ForwardStep<S> st, acc_t<S>* hproj) {
+  using M = RowMoments<acc_t<S>>;
+  __shared__ __align__(16) unsigned char smem[2 * kRowThreads * sizeof(M)];
+  const int64_t b = blockIdx.x;
+  const int64_t p = st.pos(b);  // the same for the whole block: no divergent barrier
+  if (p < 0) {
+    lstm_ln_forward_finished(st, b);
+  } else {
+    lstm_ln_forward_row<kResets, kZoneout>(st, b, p, hproj + b * 4 * st.H,
+                                           reinterpret_cast<M*>(smem));
+  }
+}
+
+template <typename S, bool kResets, bool kZoneout>
+void launch_lstm_ln_forward(const ForwardStep<S>& st, acc_t<S>* hproj, cudaStream_t stream) {
+  RNNKERN_LAUNCH(row_blocks(st.B), kRowThreads, 0, stream,
+                 lstm_ln_forward_kernel<S, kResets, kZoneout>)(st, hproj);
   RNNKERN_LAUNCH_CHECK();
 }
 
@@ -72,7 +105,9 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   const int64_t G = gate_count(cell);
   const bool reset_before = cell == Cell::GruResetBefore;
   const bool proj = p.w_hr != nullptr;
-  const bool lengths = p.lengths != nullptr;
+  const bool resets = p.resets != nullptr, zoneout = p.zoneout != nullptr;
+  // The state in the ping-pong slots (h_state): with lengths, and with resets.
+  const bool slots = p.lengths != nullptr || resets;
   const int64_t hproj_width = reset_before ? 2 * H : G * H;  // reset-before: W_hn apart
 
   const S* h0 = static_cast<const S*>(p.h0);
@@ -97,52 +132,68 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   st.rh = static_cast<S*>(p.rh);
   st.hn = static_cast<const A*>(p.hn);
   st.rz = reset_before ? hproj : nullptr;
+  st.resets = p.resets;
+  st.h0 = h0;
+  st.c0 = static_cast<const S*>(p.c0);
+  st.zo = static_cast<const S*>(p.zoneout);
+  st.zo_st = p.zoneout_stride_t, st.zo_sb = p.zoneout_stride_b;
+  st.ln = static_cast<const S*>(p.ln);
 
-  // Without lengths every row is at the same position, and the output row of
-  // the previous step is the state (no copies); with lengths, ping-pong.
+  // Without lengths and resets every row is at the same position, and the
+  // output row of the previous step is the state (no copies); else ping-pong.
   auto row_of_step = [&](int64_t s) { return p.reverse ? T - 1 - s : s; };
 
-  for (int64_t s = 0; s < T; ++s) {
-    st.s = s;
-    st.h_prev = lengths ? h_state + (s & 1) * B * P
+  bool_switch(resets, zoneout, [&](auto r, auto z) {
+    constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
+    for (int64_t s = 0; s < T; ++s) {
+      st.s = s;
+      st.h_prev = slots ? h_state + (s & 1) * B * P
                         : (s == 0 ? h0 : out + row_of_step(s - 1) * B * P);
-    st.h_next = lengths ? h_state + ((s + 1) & 1) * B * P : nullptr;
-    if (cell == Cell::Lstm) {
-      st.c_prev = c_state + (s & 1) * B * H;
-      st.c_next = c_state + ((s + 1) & 1) * B * H;
-    }
+      st.h_next = slots ? h_state + ((s + 1) & 1) * B * P : nullptr;
+      if (has_cell_state(cell)) {
+        st.c_prev = c_state + (s & 1) * B * H;
+        st.c_next = c_state + ((s + 1) & 1) * B * H;
+      }
 
-    gemm<S, A>(ctx, false, true, B, hproj_width, P, st.h_prev, P, w_hh, P, 0.f, hproj,
-               hproj_width);
-    switch (cell) {
-      case Cell::RnnTanh:
-        launch_forward_pointwise<S, ForwardPhase::RnnTanh>(st, hproj, B * H, ctx.stream);
-        break;
-      case Cell::RnnRelu:
-        launch_forward_pointwise<S, ForwardPhase::RnnRelu>(st, hproj, B * H, ctx.stream);
-        break;
-      case Cell::Lstm:
-        launch_forward_pointwise<S, ForwardPhase::Lstm>(st, hproj, B * H, ctx.stream);
-        if (proj) {
-          // h_t = (o * tanh c) W_hr^T, straight into the output row (no
-          // lengths) or into the next state, then the per-row epilogue.
-          S* dst = lengths ? st.h_next : out + row_of_step(s) * B * P;
-          gemm<S, S>(ctx, false, true, B, P, H, st.h_full, H, w_hr, H, 0.f, dst, P);
-          if (lengths)
-            launch_forward_pointwise<S, ForwardPhase::Projection>(st, hproj, B * P, ctx.stream);
-        }
-        break;
-      case Cell::Gru:
-        launch_forward_pointwise<S, ForwardPhase::Gru>(st, hproj, B * H, ctx.stream);
-        break;
-      case Cell::GruResetBefore:
-        launch_forward_pointwise<S, ForwardPhase::GruRbGates>(st, hproj, B * H, ctx.stream);
-        gemm<S, A>(ctx, false, true, B, H, H, st.rh, H, w_hh + 2 * H * H, H, 0.f,
-                   static_cast<A*>(p.hn), H);
-        launch_forward_pointwise<S, ForwardPhase::GruRbCandidate>(st, hproj, B * H, ctx.stream);
-        break;
+      gemm<S, A>(ctx, false, true, B, hproj_width, P, st.h_prev, P, w_hh, P, 0.f, hproj,
+                 hproj_width);
+      switch (cell) {
+        case Cell::RnnTanh:
+          launch_forward_pointwise<S, ForwardPhase::RnnTanh, R, Z>(st, hproj, B * H, ctx.stream);
+          break;
+        case Cell::RnnRelu:
+          launch_forward_pointwise<S, ForwardPhase::RnnRelu, R, Z>(st, hproj, B * H, ctx.stream);
+          break;
+        case Cell::Lstm:
+          launch_forward_pointwise<S, ForwardPhase::Lstm, R, Z>(st, hproj, B * H, ctx.stream);
+          if (proj) {
+            // h_t = (o * tanh c) W_hr^T, straight into the output row (no
+            // slots) or into the next state, then the per-row epilogue (the
+            // finished rows, zoneout's blend, the reset rows' h0).
+            S* dst = slots ? st.h_next : out + row_of_step(s) * B * P;
+            gemm<S, S>(ctx, false, true, B, P, H, st.h_full, H, w_hr, H, 0.f, dst, P);
+            if (slots || Z)
+              launch_forward_pointwise<S, ForwardPhase::Projection, R, Z>(st, hproj, B * P,
+                                                                          ctx.stream);
+          }
+          break;
+        case Cell::Gru:
+          launch_forward_pointwise<S, ForwardPhase::Gru, R, Z>(st, hproj, B * H, ctx.stream);
+          break;
+        case Cell::GruResetBefore:
+          launch_forward_pointwise<S, ForwardPhase::GruRbGates, R, Z>(st, hproj, B * H,
+                                                                      ctx.stream);
+          gemm<S, A>(ctx, false, true, B, H, H, st.rh, H, w_hh + 2 * H * H, H, 0.f,
+                     static_cast<A*>(p.hn), H);
+          launch_forward_pointwise<S, ForwardPhase::GruRbCandidate, R, Z>(st, hproj, B * H,
+                                                                          ctx.stream);
+          break;
+        case Cell::LstmLn:
+          launch_lstm_ln_forward<S, R, Z>(st, hproj, ctx.stream);
+          break;
+      }
     }
-  }
+  });
 }
 
 }  // namespace rnnkern::cuda

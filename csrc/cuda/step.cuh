@@ -325,6 +325,8 @@ void step_forward(const StepParams& p, const Context& ctx) {
       launch_step<S, StepPhase::GruRbGates>(a, ctx.stream);
       a.a2 = a.rh;  // stage 2 multiplies [x, r * h]
       return launch_step<S, StepPhase::GruRbCandidate>(a, ctx.stream);
+    case Cell::LstmLn:  // its layer norms need whole rows: bindings_impl.h's lstm_ln_step
+      throw std::invalid_argument("rnnkern step_forward: lstm_ln runs as the recurrence, T = 1");
   }
 }
 
