@@ -167,6 +167,34 @@ def test_step_matches_reference(cell, bias):
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("B", [1, 2, 3, 8, 13])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lean_and_driver_steps_match_reference(threads, cell, B, dtype):
+    """The single step's two CPU paths: the lean one (small steps on one
+    thread: dot products up to 7 rows, the transposed product from 8) and the
+    recurrence driver (rows split between threads, the reset-before GRU),
+    values and every gradient against the float64 reference."""
+    args = step_inputs(cell, B, 11, 37, dtype=dtype, requires_grad=True, key=("lean", threads))
+    ref = {k: None if v is None else v.detach().double().requires_grad_() for k, v in args.items()}
+    names = differentiable(args)
+    results = []
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for backend, a in (("reference", ref), ("cpu", args)):
+            h, c = ops.step(cell, *a.values(), backend=backend)
+            outs = [h] if c is None else [h, c]
+            g = generator("lean-cotangent", cell, B)
+            loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in outs)
+            results.append(outs + list(torch.autograd.grad(loss, [a[n] for n in names])))
+    finally:
+        torch.set_num_threads(saved)
+    for got, want in zip(results[1], results[0]):
+        assert_close(got, want.to(dtype), dtype=dtype)
+
+
 def test_no_workspace_without_grad():
     """Inference keeps no workspace; training does."""
     args = recurrence_inputs("lstm", 4, 2, 8)

@@ -1737,23 +1737,44 @@ A* lean_scratch(size_t n) {
   return buf.data();
 }
 
+// C[M, N] = A[M, K] W^T for a row-major W [N, K] read where it lies.  A few
+// rows: dot products with the rows of W (multiply_nt).  From 8 rows on, the
+// transposed product C^T = W A^T through the micro-kernel instead, A^T packed
+// (small) and W's rows as the broadcast operand: 2-2.5x the dot products'
+// speed there (M=16 K=256 N=1024: 93 against 150 us, Zen 5), whose
+// horizontal sums cost as much as their multiply-adds.
+template <typename A>
+RNNKERN_ALWAYS_INLINE void product_with_rows(int64_t M, const A* a, int64_t K, const A* w,
+                                             int64_t N, A* c, A* scratch) {
+  if (M < 8) {
+    gemm::multiply_nt(M, a, K, w, K, N, K, c, N, false);
+    return;
+  }
+  gemm::PackedB<A> at;
+  at.pack(a, K, M, 1, K);  // at[k][m] = a[m][k]
+  gemm::multiply(N, w, gemm::StridesA{K, 1}, at, scratch, M, false);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) c[m * N + n] = scratch[n * M + m];
+}
+
 template <typename A>
 RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const A* h, const A* c,
                                           const A* w_ih, const A* w_hh, const A* b_ih,
                                           const A* b_hh, A* h_new, A* c_new, A* ws) {
   const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
-  A* xp = lean_scratch<A>(2 * B * GH + 3 * GH);
+  A* xp = lean_scratch<A>(3 * B * GH + 3 * GH);
   A* hp = xp + B * GH;
   A* bx = hp + B * GH;  // b_ih, b_hh (zeros when absent) and their sum
   A* bh = bx + GH;
   A* bsum = bh + GH;
+  A* tr = bsum + GH;    // product_with_rows's transposed result
   for (int64_t j = 0; j < GH; ++j) {
     bx[j] = b_ih ? b_ih[j] : A(0);
     bh[j] = b_hh ? b_hh[j] : A(0);
     bsum[j] = bx[j] + bh[j];
   }
-  gemm::multiply_nt(B, x, I, w_ih, I, GH, I, xp, GH, false);  // x W_ih^T
-  gemm::multiply_nt(B, h, H, w_hh, H, GH, H, hp, GH, false);  // h W_hh^T
+  product_with_rows(B, x, I, w_ih, GH, xp, tr);  // x W_ih^T
+  product_with_rows(B, h, H, w_hh, GH, hp, tr);  // h W_hh^T
   for (int64_t b = 0; b < B; ++b) {
     const A* xr = xp + b * GH;
     const A* hr = hp + b * GH;
