@@ -2,9 +2,8 @@
 the reference: per-step state resets (``resets``), zoneout (``zoneout``) and the
 layer-normalised LSTM (cell ``lstm_ln`` with its ``ln`` parameters).
 
-Each backend either runs an option or raises NotImplementedError naming it,
-exactly as ``rnnkern.modules.UNSUPPORTED`` says (so a table entry can be removed
-only when the kernels pass here).  The reference itself is checked against the
+Every backend runs every option (``rnnkern.modules.UNSUPPORTED`` lists none of
+them, tested below).  The reference itself is checked against the
 rules it encodes: a reset splits a sequence, a zoneout mask of ones freezes the
 state, lstm_ln equals a layer-norm LSTM written with torch.nn.LayerNorm.
 """
@@ -36,15 +35,11 @@ def has_c(cell: str) -> bool:
     return cell in ("lstm", "lstm_ln")
 
 
-def options_used(cell: str, variant: str) -> list[str]:
-    """The UNSUPPORTED names of the options a case uses."""
-    used = ["LayerNormLSTM"] if cell == "lstm_ln" else []
-    v = VARIANTS[variant]
-    return used + [name for name in ("resets", "zoneout") if v.get(name)]
-
-
-def lacking(backend: str, cell: str, variant: str) -> list[str]:
-    return [o for o in options_used(cell, variant) if o in modules.UNSUPPORTED.get(backend, ())]
+def test_every_backend_runs_every_option():
+    """No backend lists resets, zoneout or LayerNormLSTM as unsupported: the
+    tests below run all of them on every backend."""
+    for backend in BACKENDS + ["cuda"]:
+        assert not {"resets", "zoneout", "LayerNormLSTM"} & modules.UNSUPPORTED[backend], backend
 
 
 def case_inputs(cell, proj, variant, T=6, B=3, H=5, dtype=torch.float64, requires_grad=False,
@@ -190,11 +185,6 @@ def test_reference_lstm_ln_is_a_layer_norm_lstm():
 def test_matches_reference_float64(backend, cell, proj, variant):
     """Outputs, final states and every gradient against the reference, float64."""
     tensors, consts = case_inputs(cell, proj, variant, requires_grad=True)
-    missing = lacking(backend, cell, variant)
-    if missing:
-        with pytest.raises(NotImplementedError, match="does not support"):
-            run(backend, cell, tensors, consts)
-        return
     want = outputs_and_grads("reference", cell, tensors, consts, key=(cell, variant))
     got = outputs_and_grads(backend, cell, tensors, consts, key=(cell, variant))
     assert set(got) == set(want)
@@ -209,8 +199,6 @@ def test_gradcheck(backend, cell, proj, variant):
     projections of the Jacobian, so the interpreted Triton kernels stay quick)."""
     tensors, consts = case_inputs(cell, proj, variant, T=4, B=3, H=3, requires_grad=True,
                                   key=("gradcheck",))
-    if lacking(backend, cell, variant):
-        return  # the NotImplementedError is asserted above
     names = [n for n in DIFFERENTIABLE if tensors[n] is not None]
 
     def f(*ts):
@@ -224,11 +212,8 @@ def test_gradcheck(backend, cell, proj, variant):
 @pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
 def test_float32_matches_reference(backend, cell, proj):
     """float32 with every option at once, against the float64 reference."""
-    variant = "plain" if cell == "lstm_ln" else "all-lengths-reverse"
     tensors, consts = case_inputs(cell, proj, "all-lengths-reverse", H=9, requires_grad=True,
                                   key=("f32",))
-    if lacking(backend, cell, variant) or lacking(backend, cell, "all-lengths-reverse"):
-        return  # the NotImplementedError is asserted in test_matches_reference_float64
     want = outputs_and_grads("reference", cell, tensors, consts, key=("f32",))
     t32 = {n: None if t is None else t.detach().float().requires_grad_() for n, t in tensors.items()}
     c32 = dict(consts, zoneout=None if consts["zoneout"] is None else consts["zoneout"].float())
@@ -242,8 +227,6 @@ def test_float32_matches_reference(backend, cell, proj):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_within_reference_error(backend, cell, dtype):
     """Half types with every option: within the reference's own error in that dtype."""
-    if lacking(backend, cell, "all-lengths-reverse"):
-        return
     tensors, consts = case_inputs(cell, 0, "all-lengths-reverse", H=8, requires_grad=True,
                                   key=("half",))
     want = outputs_and_grads("reference", cell, tensors, consts, key=("half",))
@@ -283,10 +266,6 @@ def step_case(B=3, I=4, H=5, dtype=torch.float64, requires_grad=False, key=()):
 def test_lstm_ln_step_matches_reference(backend):
     a = step_case(requires_grad=True)
     args = list(a.values())
-    if "LayerNormLSTM" in modules.UNSUPPORTED.get(backend, ()):
-        with pytest.raises(NotImplementedError, match="lstm_ln"):
-            ops.step("lstm_ln", *args[:7], backend=backend, ln=a["ln"])
-        return
 
     def results(b):
         h, c = ops.step("lstm_ln", *args[:7], backend=b, ln=a["ln"])
@@ -307,8 +286,6 @@ def test_lstm_ln_step_matches_reference(backend):
                                                ("gru", 0, "all-lengths-reverse"),
                                                ("lstm_ln", 0, "all-lengths-reverse")])
 def test_opcheck(backend, cell, proj, variant):
-    if lacking(backend, cell, variant):
-        return
     family = torch.ops.rnnkern if backend == "cpu" else torch.ops.rnnkern_cuda_emu
     t, c = case_inputs(cell, proj, variant, T=4, B=3, H=4, requires_grad=True, key=("opcheck",))
     torch.library.opcheck(family.recurrence.default,
@@ -353,7 +330,7 @@ def test_zoneout_gradient_respects_the_mask():
     z = consts["zoneout"].clone()
     z[:, 0] = 1.0  # row 0 never updates: its output is h0 at every step
     consts = dict(consts, zoneout=z)
-    for backend in ["reference"] + ([] if "zoneout" in modules.UNSUPPORTED["cpu"] else ["cpu"]):
+    for backend in ["reference", "cpu"]:
         out, _, _ = run(backend, "gru", tensors, consts)
         torch.testing.assert_close(out[:, 0], tensors["h0"][0].expand(6, 5), rtol=0, atol=0)
         (g,) = torch.autograd.grad(out[:, 0].sum(), tensors["h0"])
