@@ -56,7 +56,7 @@ using StepSig = std::tuple<Tensor, Tensor, Tensor>(c10::string_view, const Tenso
 using StepBackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
     c10::string_view, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
     const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const OptTensor&);
+    const OptTensor&, int64_t);
 using ReferenceGradsSig = std::vector<Tensor>(c10::string_view, c10::string_view,
                                               const c10::List<OptTensor>&,
                                               const c10::List<OptTensor>&,
@@ -185,6 +185,13 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
     auto [h_new, c_new, ws] = f->step.call(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
     ctx->saved_data["family"] = reinterpret_cast<int64_t>(f);
     ctx->saved_data["cell"] = cell;
+    // The gradients the backward computes: of the inputs that require grad
+    // (step_backward's `needs`, bit i for x, h, c, w_ih, w_hh, b_ih, b_hh, ln).
+    int64_t needs = 0;
+    const Tensor inputs[8] = {x, h, def(c), w_ih, w_hh, def(b_ih), def(b_hh), def(ln)};
+    for (int64_t i = 0; i < 8; ++i)
+      if (requires_grad(inputs[i])) needs |= int64_t(1) << i;
+    ctx->saved_data["needs"] = needs;
     ctx->save_for_backward(
         {x, h, def(c), w_ih, w_hh, def(b_ih), def(b_hh), saved_output(h_new), ws, def(ln)});
     ctx->mark_non_differentiable({ws});
@@ -208,17 +215,13 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
       std::copy(g.begin(), g.end(), result.begin() + 2);
       return result;
     }
+    const int64_t needs = ctx->saved_data["needs"].toInt();
     auto [gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh, gln] = f->step_backward.call(
         cell, zeros_if_undefined(g_h, h_new), lstm ? opt(zeros_if_undefined(g_c, c)) : std::nullopt,
-        x, h, opt(c), w_ih, w_hh, h_new, ws, opt(ln));
-    result[2] = gx;
-    result[3] = gh;
-    if (lstm) result[4] = gc;
-    result[5] = gw_ih;
-    result[6] = gw_hh;
-    if (b_ih.defined()) result[7] = gb_ih;
-    if (b_hh.defined()) result[8] = gb_hh;
-    if (ln.defined()) result[9] = gln;
+        x, h, opt(c), w_ih, w_hh, h_new, ws, opt(ln), needs);
+    const Tensor got[8] = {gx, gh, gc, gw_ih, gw_hh, gb_ih, gb_hh, gln};
+    for (int64_t i = 0; i < 8; ++i)
+      if (needs >> i & 1) result[2 + i] = got[i];  // (needs implies the input exists)
     return result;
   }
 };

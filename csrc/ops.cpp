@@ -60,9 +60,14 @@ TORCH_LIBRARY(rnnkern, m) {
       "Tensor? b_hh, Tensor? ln=None) -> (Tensor h_new, Tensor c_new, Tensor workspace)");
   m.def(
       "step_backward(str cell, Tensor grad_h_new, Tensor? grad_c_new, Tensor x, Tensor h, "
-      "Tensor? c, Tensor w_ih, Tensor w_hh, Tensor h_new, Tensor workspace, Tensor? ln=None) "
+      "Tensor? c, Tensor w_ih, Tensor w_hh, Tensor h_new, Tensor workspace, Tensor? ln=None, "
+      "int needs=255) "
       "-> (Tensor grad_x, Tensor grad_h, Tensor grad_c, Tensor grad_w_ih, Tensor grad_w_hh, "
       "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_ln)");
+  // step_backward's `needs`: bit i set when output i is wanted (grad_x = bit 0
+  // ... grad_ln = bit 7); an unwanted output is an empty [0] tensor, and a
+  // backend may skip its work (one step's products are the call's cost: a
+  // cell fed data needs no grad_x).
   // The input projection X W_ih^T as one large product (CPU backend; other
   // backends use torch's matmul).
   m.def("linear(Tensor x, Tensor weight) -> Tensor");

@@ -98,14 +98,15 @@ def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln=None):
 
 
 def _step_backward_fake(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
-                        ln=None):
+                        ln=None, needs=255):
     B, I = x.shape
     G = gate_count(cell)
     H = w_hh.shape[0] // G
     new = x.new_empty
-    return (new((B, I)), new((B, H)), new((B, H)) if _has_cell_state(cell) else new((0,)),
-            new((G * H, I)), new((G * H, H)), new((G * H,)), new((G * H,)),
-            new((ln_width(cell) * H,)) if ln is not None else new((0,)))
+    shapes = ((B, I), (B, H), (B, H) if _has_cell_state(cell) else (0,), (G * H, I), (G * H, H),
+              (G * H,), (G * H,), (ln_width(cell) * H,) if ln is not None else (0,))
+    # An output whose bit is clear in `needs` is empty (schema: csrc/ops.cpp).
+    return tuple(new(shape if needs >> i & 1 else (0,)) for i, shape in enumerate(shapes))
 
 
 def _differentiable_grads(fn, inputs, needs, outputs_grads):

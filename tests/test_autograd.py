@@ -291,3 +291,41 @@ def test_saved_output_is_not_copied_without_an_edit(cell):
     for t in outputs:
         assert torch._C._is_cow_tensor(t)
     assert torch._C._is_cow_tensor(out)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("B", [1, 5])
+def test_step_backward_returns_only_what_is_needed(backend, cell, B):
+    """step_backward's ``needs``: the outputs asked for equal the full call's,
+    the others are empty [0] tensors (as the fake implementation says, so that
+    compiled graphs see the shapes the kernels return); and a cell whose input
+    needs no gradient still trains its weights exactly."""
+    family = ops._op_family(backend)
+    s = step_inputs(cell, B, 6, 7, key=("needs", backend))
+    h, c, ws = family.step(cell, *s.values())
+    g = generator("needs", cell, B)
+    gh, gc = randn(g, B, 7), (randn(g, B, 7) if cell == "lstm" else None)
+    args = (cell, gh, gc, s["x"], s["h"], s["c"], s["w_ih"], s["w_hh"], h, ws)
+    full = family.step_backward(*args)
+    for needs in (0b0011000, 0b0000001, 0b1100110):
+        got = family.step_backward(*args, None, needs)
+        for i, (a, b) in enumerate(zip(got, full)):
+            if needs >> i & 1:
+                assert_close(a, b, what=f"output {i}")
+            else:
+                assert a.numel() == 0, f"output {i} not asked for"
+    torch.library.opcheck(family.step_backward.default, args + (None, 0b0011000))
+    # Through autograd: weights only, against the reference.
+    w = {k: (v.detach().requires_grad_() if k.startswith(("w_", "b_")) and v is not None else v)
+         for k, v in s.items()}
+    wr = {k: (v.detach().requires_grad_() if k.startswith(("w_", "b_")) and v is not None else v)
+          for k, v in s.items()}
+    outs = [t for t in ops.step(cell, *w.values(), backend=backend) if t is not None]
+    want = [t for t in ops.step(cell, *wr.values(), backend="reference") if t is not None]
+    params = [w[k] for k in ("w_ih", "w_hh", "b_ih", "b_hh")]
+    params_r = [wr[k] for k in ("w_ih", "w_hh", "b_ih", "b_hh")]
+    got = torch.autograd.grad(sum(o.sum() for o in outs), params)
+    ref = torch.autograd.grad(sum(o.sum() for o in want), params_r)
+    for a, b in zip(got, ref):
+        assert_close(a, b, what="weight gradient")

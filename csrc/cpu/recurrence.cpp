@@ -1737,6 +1737,14 @@ A* lean_scratch(size_t n) {
   return buf.data();
 }
 
+// A second one: the LSTM's dc carry when grad_c is not wanted.
+template <typename A>
+A* lean_scratch_c(size_t n) {
+  thread_local std::vector<A> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 // C[M, N] = A[M, K] W^T for a row-major W [N, K] read where it lies.  A few
 // rows: dot products with the rows of W (multiply_nt).  From 8 rows on, the
 // transposed product C^T = W A^T through the micro-kernel instead, A^T packed
@@ -1799,12 +1807,15 @@ RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const 
   }
 }
 
+// Outputs given as null are not wanted (step_backward's `needs`): their
+// products are skipped.  d_h always receives the carry; need_dh adds the
+// product through W_hh.
 template <typename A>
 RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, const A* grad_c,
                                            const A* x, const A* h, const A* c, const A* w_ih,
                                            const A* w_hh, const A* h_new, const A* ws, A* d_x,
                                            A* d_h, A* d_c, A* d_w_ih, A* d_w_hh, A* d_b_ih,
-                                           A* d_b_hh) {
+                                           A* d_b_hh, bool need_dh) {
   const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
   const bool gru = s.cell == Cell::Gru;
   // dx: gradients of x W_ih^T (+ b_ih); da: of h W_hh^T (+ b_hh) -- the same
@@ -1815,7 +1826,9 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
   A* dhn = zero + H;      // (GRU: the candidate's hidden part, also da's last block)
   std::fill(zero, zero + H, A(0));
   std::copy(grad_h, grad_h + B * H, d_h);  // the carry; the rows leave the direct part
-  if (c != nullptr) std::copy(grad_c, grad_c + B * H, d_c);
+  // (the LSTM's dc carry lives in d_c, or in scratch when it is not wanted)
+  A* dc = c == nullptr ? nullptr : d_c != nullptr ? d_c : lean_scratch_c<A>(B * H);
+  if (c != nullptr) std::copy(grad_c, grad_c + B * H, dc);
   for (int64_t b = 0; b < B; ++b) {
     const A* w = ws + b * W;
     A* dh = d_h + b * H;
@@ -1827,7 +1840,7 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
         rnn_backward_row<A, true, false>(H, dh, zero, h_new + b * H, dx + b * GH, nullptr);
         break;
       case Cell::Lstm:
-        lstm_backward_row<A, false, false>(H, H, dh, zero, d_c + b * H, w, c + b * H,
+        lstm_backward_row<A, false, false>(H, H, dh, zero, dc + b * H, w, c + b * H,
                                            dx + b * GH, nullptr, nullptr, nullptr);
         break;
       case Cell::Gru:
@@ -1838,20 +1851,22 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
     }
   }
   // The products: dh += da W_hh, dx = dx W_ih, dW_hh = da^T h, dW_ih = dx^T x.
-  gemm::multiply(B, da, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_hh, GH, H, H), d_h,
-                 H, true);
-  gemm::multiply(B, dx, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_ih, GH, I, I), d_x,
-                 I, false);
-  blocked_gemm<A>(GH, H, B, da, 1, GH, h, H, 1, d_w_hh, H, false);
-  blocked_gemm<A>(GH, I, B, dx, 1, GH, x, I, 1, d_w_ih, I, false);
-  for (int64_t j = 0; j < GH; ++j) {
+  if (need_dh)
+    gemm::multiply(B, da, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_hh, GH, H, H),
+                   d_h, H, true);
+  if (d_x != nullptr)
+    gemm::multiply(B, dx, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_ih, GH, I, I),
+                   d_x, I, false);
+  if (d_w_hh != nullptr) blocked_gemm<A>(GH, H, B, da, 1, GH, h, H, 1, d_w_hh, H, false);
+  if (d_w_ih != nullptr) blocked_gemm<A>(GH, I, B, dx, 1, GH, x, I, 1, d_w_ih, I, false);
+  for (int64_t j = 0; j < GH && (d_b_ih != nullptr || d_b_hh != nullptr); ++j) {
     A si = 0, sh = 0;
     for (int64_t b = 0; b < B; ++b) {
       si += dx[b * GH + j];
       sh += da[b * GH + j];
     }
-    d_b_ih[j] = si;
-    d_b_hh[j] = sh;
+    if (d_b_ih != nullptr) d_b_ih[j] = si;
+    if (d_b_hh != nullptr) d_b_hh[j] = sh;
   }
 }
 
@@ -1902,30 +1917,42 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_cpu(
     c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
     const Tensor& h, const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-    const Tensor& h_new, const Tensor& workspace, const OptTensor& ln) {
+    const Tensor& h_new, const Tensor& workspace, const OptTensor& ln, int64_t needs) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const StepSizes s = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
                                           workspace, ln);
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
-  if (lean_step(s, {&grad_h_new, &x, &h, &w_ih, &w_hh, &h_new, &workspace}, {&grad_c_new, &c})) {
+  const auto wanted = [needs](int64_t i) { return (needs >> i & 1) != 0; };
+  // The incoming gradients are often expanded (the backward of a sum): made
+  // dense here, as the driver would.
+  const Tensor gh = grad_h_new.contiguous();
+  const OptTensor gc = grad_c_new.has_value() ? OptTensor(grad_c_new->contiguous()) : std::nullopt;
+  if (lean_step(s, {&gh, &x, &h, &w_ih, &w_hh, &h_new, &workspace}, {&gc, &c})) {
     const auto opt = x.options();
     const int64_t GH = s.G * s.H;
     const bool lstm = s.cell == Cell::Lstm;
-    Tensor d_x = at::empty({s.B, s.I}, opt), d_h = at::empty({s.B, s.H}, opt);
-    Tensor d_c = lstm ? at::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
-    Tensor d_w_ih = pooled_empty({GH, s.I}, opt), d_w_hh = pooled_empty({GH, s.H}, opt);
-    Tensor d_b_ih = at::empty({GH}, opt), d_b_hh = at::empty({GH}, opt);
+    // (each output its own tensor, empty ones too: outputs must not alias)
+    const auto none = [&] { return empty_like_options(x, dtype); };
+    // d_h and d_c are the row kernels' carries: computed whatever is wanted.
+    Tensor d_x = wanted(0) ? at::empty({s.B, s.I}, opt) : none();
+    Tensor d_h = at::empty({s.B, s.H}, opt);
+    Tensor d_c = lstm ? at::empty({s.B, s.H}, opt) : none();
+    Tensor d_w_ih = wanted(3) ? pooled_empty({GH, s.I}, opt) : none();
+    Tensor d_w_hh = wanted(4) ? pooled_empty({GH, s.H}, opt) : none();
+    Tensor d_b_ih = wanted(5) ? at::empty({GH}, opt) : none();
+    Tensor d_b_hh = wanted(6) ? at::empty({GH}, opt) : none();
     AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_backward_cpu", [&] {
+      auto out = [](const Tensor& t) { return t.numel() > 0 ? ptr<scalar_t>(t) : nullptr; };
       lean_step_backward<scalar_t>(
-          s, cptr<scalar_t>(grad_h_new), lstm ? cptr<scalar_t>(*grad_c_new) : nullptr,
+          s, cptr<scalar_t>(gh), lstm ? cptr<scalar_t>(*gc) : nullptr,
           cptr<scalar_t>(x), cptr<scalar_t>(h), lstm ? cptr<scalar_t>(*c) : nullptr,
           cptr<scalar_t>(w_ih), cptr<scalar_t>(w_hh), cptr<scalar_t>(h_new),
-          cptr<scalar_t>(workspace), ptr<scalar_t>(d_x), ptr<scalar_t>(d_h),
-          lstm ? ptr<scalar_t>(d_c) : nullptr, ptr<scalar_t>(d_w_ih), ptr<scalar_t>(d_w_hh),
-          ptr<scalar_t>(d_b_ih), ptr<scalar_t>(d_b_hh));
+          cptr<scalar_t>(workspace), out(d_x), ptr<scalar_t>(d_h), lstm ? out(d_c) : nullptr,
+          out(d_w_ih), out(d_w_hh), out(d_b_ih), out(d_b_hh), wanted(1));
     });
-    return {d_x, d_h, d_c, d_w_ih, d_w_hh, d_b_ih, d_b_hh, empty_like_options(x, dtype)};
+    return {d_x,    wanted(1) ? d_h : none(), wanted(2) ? d_c : none(), d_w_ih, d_w_hh, d_b_ih,
+            d_b_hh, none()};
   }
   // The step's single output is also its final state: its gradient enters
   // once, as grad_h_n, with a zero grad_output.
@@ -1947,8 +1974,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
     blocked_gemm<scalar_t>(GH, s.I, s.B, cptr<scalar_t>(dxp), 1, GH, cptr<scalar_t>(xa), s.I, 1,
                            ptr<scalar_t>(d_w_ih), s.I, false);
   });
-  return {d_x.to(dtype),      r.d_h0.to(dtype),   r.d_c0.to(dtype),  d_w_ih.to(dtype),
-          r.d_w_hh.to(dtype), r.d_b_ih.to(dtype), r.d_b_hh.to(dtype), r.d_ln.to(dtype)};
+  const Tensor got[8] = {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_ln};
+  auto keep = [&](int64_t i) {
+    return wanted(i) ? got[i].to(dtype) : empty_like_options(x, dtype);
+  };
+  return {keep(0), keep(1), keep(2), keep(3), keep(4), keep(5), keep(6), keep(7)};
 }
 
 }  // namespace

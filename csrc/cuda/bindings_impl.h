@@ -468,7 +468,7 @@ template <typename Dev>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_op(
     c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
     const Tensor& h, const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
-    const Tensor& h_new, const Tensor& workspace, const OptTensor& ln) {
+    const Tensor& h_new, const Tensor& workspace, const OptTensor& ln, int64_t needs) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const StepSizes s = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
                                           workspace, ln);
@@ -480,9 +480,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
       run_backward<Dev>(z, Tensor(), grad_h_new, grad_c_new, h, c, w_hh, std::nullopt,
                         h_new.unsqueeze(0), ws, std::nullopt, false, std::nullopt, std::nullopt, ln);
   const Tensor dxp = r.d_xproj.select(0, 0);
-  const Tensor d_x = at::mm(dxp, w_ih);
-  const Tensor d_w_ih = at::mm(dxp.t(), x);
-  return {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_ln};
+  // Outputs not in `needs` are empty (schema: csrc/ops.cpp), each its own
+  // tensor (outputs must not alias); the two input products are skipped then,
+  // the rest comes from the one backward pass.
+  auto none = [&] { return empty_like_options(x, x.scalar_type()); };
+  auto wanted = [needs](int64_t i) { return (needs >> i & 1) != 0; };
+  const Tensor d_x = wanted(0) ? at::mm(dxp, w_ih) : none();
+  const Tensor d_w_ih = wanted(3) ? at::mm(dxp.t(), x) : none();
+  return {d_x,
+          wanted(1) ? r.d_h0 : none(),
+          wanted(2) ? r.d_c0 : none(),
+          d_w_ih,
+          wanted(4) ? r.d_w_hh : none(),
+          wanted(5) ? r.d_b_ih : none(),
+          wanted(6) ? r.d_b_hh : none(),
+          wanted(7) ? r.d_ln : none()};
 }
 
 }  // namespace rnnkern::cuda::bindings

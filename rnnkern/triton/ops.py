@@ -525,7 +525,7 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
 
 def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x: Tensor,
                   h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor, h_new: Tensor,
-                  workspace: Tensor, ln: Optional[Tensor] = None):
+                  workspace: Tensor, ln: Optional[Tensor] = None, needs: int = 255):
     z = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
                             ln)
     _check_device("rnnkern_triton.step_backward", x)
@@ -595,9 +595,10 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
         grad_b_ih = dx.sum(0)
         grad_w_hh = da.t() @ ha
         grad_b_hh = da.sum(0)
-    return (grad_x.to(dtype), grad_h.to(dtype), grad_c.to(dtype), grad_w_ih.to(dtype),
-            grad_w_hh.to(dtype), grad_b_ih.to(dtype),
-            grad_b_hh.to(dtype), grad_ln)
+    grads = (grad_x.to(dtype), grad_h.to(dtype), grad_c.to(dtype), grad_w_ih.to(dtype),
+             grad_w_hh.to(dtype), grad_b_ih.to(dtype), grad_b_hh.to(dtype), grad_ln)
+    # Outputs not in `needs` are empty (schema: csrc/ops.cpp); all are computed here.
+    return tuple(g if needs >> i & 1 else _empty(x) for i, g in enumerate(grads))
 
 
 # ----------------------------------------------------------- registration ----
