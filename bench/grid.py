@@ -12,8 +12,9 @@ headline      B 16, H 768, T 1024 (GUIDE's targets)   B 32, H 256, T 256 (README
 peers         the CPU sizes (the peers are CPU only)  LSTM B32 T256 H256, B1 T256 H128,
                                                      B64 T64 H128; GRU B1 T256 H128,
                                                      B32 T256 H256; RNN B32 T256 H256
-step          B 1, 16 x H 64, 256; T 1, as a          the same
-              sequence call and as a cell call
+step          B 1, 16 x H 64, 256, and B 1 H 8;       the same
+              T 1, as a sequence call and as a cell
+              call
 ============  =====================================  ======================================
 
 ``peers`` is issue #14's table of rnnkern against the CPU inference engines a user
@@ -70,7 +71,9 @@ PEER_SIZES = {
     "rnn_tanh": [(32, 256, 256)],
     "rnn_relu": [(32, 256, 256)],
 }
-STEP_SIZES = _cross((1, 16), (64, 256), (1,))
+#: Issue #14's one-step sizes, plus B=1 H=8 (a call that is almost nothing but
+#: its per-call cost).
+STEP_SIZES = [(1, 1, 8)] + _cross((1, 16), (64, 256), (1,))
 
 
 #: (B, T, H) per family, per device kind, per mode; a family whose sizes depend on

@@ -215,7 +215,7 @@ def test_default_grid_covers_every_cell_and_family_in_a_few_sizes():
 
 def test_peers_and_step_families_are_the_issues_tables():
     """Issue #14's two tables: the peers family's six sizes, and the step family's
-    T=1 and cell calls at B 1, 16 x H 64, 256 (not in the default run)."""
+    T=1 and cell calls at B 1, 16 x H 64, 256 and B 1 H 8 (not in the default run)."""
     peers = build_grid("cpu", CELLS, ["float32"], ["peers"], "default")
     assert [(c.cell, c.B, c.T, c.H, c.call) for c in peers] == [
         ("lstm", 32, 256, 256, "sequence"), ("lstm", 1, 256, 128, "sequence"), ("lstm", 64, 64, 128, "sequence"),
@@ -223,7 +223,8 @@ def test_peers_and_step_families_are_the_issues_tables():
         ("rnn_tanh", 32, 256, 256, "sequence")]
     step = build_grid("cpu", CELLS, ["float32"], ["step"], "default")
     assert sorted((c.cell, c.B, c.H, c.call) for c in step) == sorted(
-        (cell, B, H, call) for cell in CELLS for B in (1, 16) for H in (64, 256) for call in ("sequence", "cell"))
+        (cell, B, H, call) for cell in CELLS for B, H in ((1, 8), (1, 64), (1, 256), (16, 64), (16, 256))
+        for call in ("sequence", "cell"))
     assert all(c.T == 1 for c in step)
     # A size in two families is one case, tagged with both.
     both = build_grid("cpu", ["lstm"], ["float32"], ["headline", "peers"], "default")
