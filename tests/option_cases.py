@@ -10,7 +10,7 @@ import torch
 
 from rnnkern import ops, reference
 from conftest import generator, randn
-from test_options import case_inputs
+from test_options import case_inputs, outputs_and_grads, run  # noqa: F401  (re-exported)
 
 CASES = [(cell, 0) for cell in reference.CELLS] + [("lstm", 3), ("lstm_ln", 0)]
 CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
@@ -59,24 +59,6 @@ def option_inputs(cell, proj, variant, T=5, B=3, H=4, dtype=torch.float64, requi
         if c[n] is not None:
             c[n] = c[n].to(device)
     return tensors, c
-
-
-def run(backend, cell, t, c):
-    """rnnkern.ops.recurrence on option_inputs' results."""
-    return ops.recurrence(cell, *(t[n] for n in INPUTS), c["lengths"], c["reverse"],
-                          backend=backend, resets=c["resets"], zoneout=c["zoneout"], ln=t["ln"])
-
-
-def outputs_and_grads(backend, cell, t, c, key=()):
-    """Outputs, final states and the gradient of every tensor input under a
-    random linear functional of all outputs (cotangents drawn on the CPU)."""
-    out = [o for o in run(backend, cell, t, c) if o is not None]
-    g = generator("cuda-options-cotangent", *key)
-    loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
-    names = [n for n in t if t[n] is not None]
-    grads = torch.autograd.grad(loss, [t[n] for n in names])
-    results = dict(zip(["output", "h_n", "c_n"], out))
-    return results | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
 def expected_workspace(cell, t, c):

@@ -462,6 +462,9 @@ def test_both_vector_widths_match_reference(bits):
 OPTION_CASES = CASES + [("lstm_ln", 0)]
 OPTION_IDS = CASE_IDS + ["lstm_ln"]
 OPTION_NAMES = ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh", "w_hr", "ln")
+# The option matrix's runners (one copy, in test_options.py): the call, and
+# outputs with every gradient under a random functional of them.
+from test_options import outputs_and_grads as option_results, run as run_options  # noqa: E402
 
 
 def option_inputs(cell, proj, T, B, H, variant, dtype=torch.float64, key=()):
@@ -499,23 +502,6 @@ def option_inputs(cell, proj, T, B, H, variant, dtype=torch.float64, key=()):
     if "lengths" in parts:
         lengths = torch.randint(0, T + 1, (B,), generator=g)
     return args, dict(resets=resets, zoneout=zoneout, lengths=lengths, reverse="reverse" in parts)
-
-
-def run_options(backend, cell, args, opts):
-    return ops.recurrence(cell, *(args[n] for n in OPTION_NAMES[:7]), opts["lengths"],
-                          opts["reverse"], backend=backend, resets=opts["resets"],
-                          zoneout=opts["zoneout"], ln=args["ln"])
-
-
-def option_results(backend, cell, args, opts, key=()):
-    """Outputs, final states and the gradient of every tensor argument under a
-    random linear functional of all outputs."""
-    out = [o for o in run_options(backend, cell, args, opts) if o is not None]
-    g = generator("cpu-options-cotangent", *key)
-    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
-    names = [n for n in OPTION_NAMES if args[n] is not None]
-    grads = torch.autograd.grad(loss, [args[n] for n in names])
-    return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
 def assert_options_match_reference(cell, args, opts, key):

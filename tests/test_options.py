@@ -88,10 +88,11 @@ def run(backend, cell, tensors, consts):
 
 def outputs_and_grads(backend, cell, tensors, consts, key=()):
     """Outputs, final states and the gradient of every tensor input under a
-    random linear functional of all outputs."""
+    random linear functional of all outputs (cotangents drawn on the CPU; also
+    used by test_cpu.py and option_cases.py)."""
     out = [o for o in run(backend, cell, tensors, consts) if o is not None]
     g = generator("cotangent", *key)
-    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
     names = [n for n in DIFFERENTIABLE if tensors[n] is not None]
     grads = torch.autograd.grad(loss, [tensors[n] for n in names])
     return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
