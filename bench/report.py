@@ -41,6 +41,12 @@ def _device_line(doc) -> str:
     dev = m["device"]
     n = dev["threads"]
     where = dev["name"] + (f", {n} thread{'s' if n != 1 else ''}" if dev["type"] == "cpu" else "")
+    isa = dev.get("isa")
+    if isa:
+        where += (f" ({'/'.join(isa['cpu_flags']) or 'no AVX2'}; torch {isa['torch_capability']}"
+                  + (f", rnnkern {isa['rnnkern_vector_bits']}-bit" if "rnnkern_vector_bits" in isa else "")
+                  + ("; capped: " + ", ".join(f"{k}={v}" for k, v in isa["caps"].items())
+                     if isa.get("caps") else "") + ")")
     line = f"{where}; torch {m['versions']['torch']}"
     if p.get("copy_gbps"):
         gemm = ", ".join(f"{k} {v:.3g}" for k, v in p["gemm_tflops"].items())

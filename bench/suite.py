@@ -332,6 +332,36 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# Environment variables that cap the vector ISA of a candidate's kernels (torch's ATen,
+# oneDNN in torch.nn and OpenVINO, MKL, rnnkern): a run made under a cap says so.
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS", "RNNKERN_CPU_VECTOR_BITS")
+
+
+def _cpu_isa() -> dict:
+    """What the CPU offers, what torch and rnnkern dispatch to, and any caps set."""
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = {"cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16")
+                         if f in flags],
+           "torch_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        import rnnkern._C as _C
+        isa["rnnkern_vector_bits"] = _C.cpu_vector_bits()
+    except (ImportError, AttributeError):
+        pass
+    caps = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
+    if caps:
+        isa["caps"] = caps
+    return isa
+
+
 def _git_commit() -> Optional[str]:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -352,6 +382,8 @@ def _load() -> Optional[list]:
 def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dict:
     dev = {"type": device.type, "cpu": _cpu_name(), "threads": torch.get_num_threads(),
            "cores": os.cpu_count(), "load_average_at_start": _load()}
+    if device.type == "cpu":
+        dev["isa"] = _cpu_isa()
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         dev.update(name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
