@@ -169,13 +169,16 @@ def test_step_matches_reference(cell, bias):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("B", [1, 2, 3, 8, 13])
+@pytest.mark.parametrize("B", [1, 2, 3, 5, 6, 8, 13, 17, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_lean_and_driver_steps_match_reference(threads, cell, B, dtype):
-    """The single step's two CPU paths: the lean one (small steps on one
-    thread: dot products up to 7 rows, the transposed product from 8) and the
-    recurrence driver (rows split between threads, the reset-before GRU),
-    values and every gradient against the float64 reference."""
+    """The single step's two CPU paths: the lean one (every step on one
+    thread, small ones on more) and the recurrence driver (rows split between
+    threads, the reset-before GRU), values and every gradient against the
+    float64 reference.  Both products with W read in place: dot products up to 5 rows,
+    W's rows broadcast from 6 (one to four vectors of rows, and past four in
+    chunks: 33 and 70 rows), over 4 x 37 gate rows (whole register blocks, then
+    blocks of 4 and single rows)."""
     args = step_inputs(cell, B, 11, 37, dtype=dtype, requires_grad=True, key=("lean", threads))
     ref = {k: None if v is None else v.detach().double().requires_grad_() for k, v in args.items()}
     names = differentiable(args)
@@ -416,7 +419,8 @@ torch.manual_seed(0)
 worst = 0.0
 for cell in ("lstm", "gru", "rnn_tanh", "gru_reset_before"):
     G = reference.gate_count(cell)
-    for B, T, H in ((1, 5, 70), (2, 4, 33), (3, 3, 40), (32, 3, 64)):
+    # T = 1: W_hh read in place (dot products, or its rows broadcast from 6 rows)
+    for B, T, H in ((1, 5, 70), (2, 4, 33), (3, 3, 40), (32, 3, 64), (7, 1, 37), (40, 1, 29)):
         xp = torch.randn(T, B, G * H, dtype=torch.float64, requires_grad=True)
         h0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
         c0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True) if cell == "lstm" else None
@@ -430,6 +434,20 @@ for cell in ("lstm", "gru", "rnn_tanh", "gru_reset_before"):
             sink += [o.detach() for o in outs]
             sink += torch.autograd.grad(sum(o.sum() for o in outs), ins)
         worst = max(worst, max(((g - r).abs().max() / (1 + r.abs().max())).item() for g, r in zip(got, want)))
+    if cell == "gru_reset_before":
+        continue
+    for B in (5, 6, 9, 33, 70):  # the step: every form of the in-place products
+        x, h = (torch.randn(B, 23, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        c = torch.randn(B, 23, dtype=torch.float64, requires_grad=True) if cell == "lstm" else None
+        w_ih, w_hh = ((torch.randn(G * 23, 23, dtype=torch.float64) / 5).requires_grad_() for _ in range(2))
+        b = torch.randn(G * 23, dtype=torch.float64, requires_grad=True)
+        ins = [t for t in (x, h, c, w_ih, w_hh, b) if t is not None]
+        got, want = [], []
+        for backend, sink in (("cpu", got), ("reference", want)):
+            outs = [o for o in rnnkern.ops.step(cell, x, h, c, w_ih, w_hh, b, b, backend=backend) if o is not None]
+            sink += [o.detach() for o in outs]
+            sink += torch.autograd.grad(sum((o * o).sum() for o in outs), ins)
+        worst = max(worst, max(((g - r).abs().max() / (1 + r.abs().max())).item() for g, r in zip(got, want)))
 print(rnnkern._C.cpu_vector_bits(), worst)
 '''
 
@@ -438,8 +456,9 @@ print(rnnkern._C.cpu_vector_bits(), worst)
 def test_both_vector_widths_match_reference(bits):
     """Both widths of the products in this build (on an AVX-512 CPU the default
     is 512-bit; RNNKERN_CPU_VECTOR_BITS=256 runs the 256-bit kernels), batch 1
-    and 2 (the two-panel matrix-vector form) to 32, float64 values and
-    gradients against the reference."""
+    and 2 (the two-panel matrix-vector form) to 32, one-step calls of 5 to 70
+    rows (W read in place), float64 values and gradients against the
+    reference."""
     env = dict(os.environ)
     env.pop("RNNKERN_CPU_VECTOR_BITS", None)
     if bits == "256":

@@ -306,6 +306,89 @@ RNNKERN_ALWAYS_INLINE void multiply_nt_impl(int64_t M, const T* A, int64_t lda, 
   }
 }
 
+// C[M, N] = A[M, K] W^T for a row-major W [N, K] and a batch of M rows (one
+// step of a batch): computed as C^T = W A^T.  W's rows are the broadcast
+// operand, read once where they lie; A^T is packed as one panel of V vectors
+// holding M columns (V = ceil(M / lanes), up to 4; wider M in chunks).  The
+// accumulators fill the registers whatever V is (R * V = 24 of 32, 12 of 16),
+// so no lane is spent on padding beyond M's last vector: the general
+// micro-kernel's two-vector panels leave half of every FMA idle at M = 16 with
+// 512-bit vectors.  C^T lands in scratch, row n's M values contiguous, and is
+// transposed into C a cache line of C at a time: written straight from the
+// accumulators, C's column n would touch M lines N floats apart, which at
+// N = 512 or 256 share a few cache sets and evict each other (an LSTM step at
+// B=64 H=128 ran 5x slower than a GRU step at H=170).
+template <typename T, int R, int Bytes, int V>
+RNNKERN_ALWAYS_INLINE void rows_block(int64_t K, const T* W, int64_t ldw, const T* at, T* ct) {
+  using Vt = typename Vec<T, Bytes>::type;
+  constexpr int L = Vec<T, Bytes>::kLanes;
+  // (unrolled by pragma: past 16 iterations GCC would keep acc in memory)
+  Vt acc[R][V];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = Vt{};
+  for (int64_t k = 0; k < K; ++k) {
+    Vt b[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) std::memcpy(&b[v], at + (k * V + v) * L, sizeof(Vt));
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const T w = W[r * ldw + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] += w * b[v];
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) std::memcpy(ct + (r * V + v) * L, &acc[r][v], sizeof(Vt));
+}
+
+// C^T[N, V*L] (row n at ct + n*V*L) = W[N, K] A^T, A^T packed [K, V*L].
+template <typename T, int Bytes, int V>
+RNNKERN_ALWAYS_INLINE void rows_product(int64_t N, const T* W, int64_t ldw, int64_t K,
+                                        const T* at, T* ct) {
+  constexpr int L = Vec<T, Bytes>::kLanes;
+  constexpr int R = (Bytes == kWide ? 24 : 12) / V;
+  int64_t n = 0;
+  for (; n + R <= N; n += R) rows_block<T, R, Bytes, V>(K, W + n * ldw, ldw, at, ct + n * V * L);
+  if constexpr (R > 4)
+    for (; n + 4 <= N; n += 4) rows_block<T, 4, Bytes, V>(K, W + n * ldw, ldw, at, ct + n * V * L);
+  for (; n < N; ++n) rows_block<T, 1, Bytes, V>(K, W + n * ldw, ldw, at, ct + n * V * L);
+}
+
+template <typename T, int Bytes>
+RNNKERN_ALWAYS_INLINE void multiply_nt_rows_impl(int64_t M, const T* A, int64_t lda, const T* W,
+                                                 int64_t ldw, int64_t N, int64_t K, T* C,
+                                                 int64_t ldc) {
+  constexpr int L = Vec<T, Bytes>::kLanes;
+  constexpr int64_t kLine = 64 / sizeof(T);  // C's columns per transposed tile
+  thread_local std::vector<T> at, ct;  // grown as needed and kept: no allocation per step
+  at.resize(std::max<size_t>(at.size(), static_cast<size_t>(K * 4 * L)));
+  ct.resize(std::max<size_t>(ct.size(), static_cast<size_t>(N * 4 * L)));
+  for (int64_t m0 = 0; m0 < M; m0 += 4 * L) {
+    const int64_t m = std::min<int64_t>(4 * L, M - m0);
+    const int64_t V = (m + L - 1) / L, VL = V * L;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < VL; ++j) at[k * VL + j] = j < m ? A[(m0 + j) * lda + k] : T(0);
+    switch (V) {
+      case 1: rows_product<T, Bytes, 1>(N, W, ldw, K, at.data(), ct.data()); break;
+      case 2: rows_product<T, Bytes, 2>(N, W, ldw, K, at.data(), ct.data()); break;
+      case 3: rows_product<T, Bytes, 3>(N, W, ldw, K, at.data(), ct.data()); break;
+      default: rows_product<T, Bytes, 4>(N, W, ldw, K, at.data(), ct.data()); break;
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += kLine) {
+      const int64_t nn = std::min<int64_t>(kLine, N - n0);
+      const T* src = ct.data() + n0 * VL;
+      for (int64_t j = 0; j < m; ++j) {
+        T* c = C + (m0 + j) * ldc + n0;
+        for (int64_t t = 0; t < nn; ++t) c[t] = src[t * VL + j];
+      }
+    }
+  }
+}
+
 #if defined(RNNKERN_CPU_WIDE_VECTORS)
 // The 512-bit versions, compiled for x86-64-v4 whatever the caller's target
 // (not inlined into it: a v4 body cannot inline into a baseline function).
@@ -326,6 +409,12 @@ RNNKERN_CPU_WIDE_TARGET void multiply_nt_wide(int64_t M, const T* A, int64_t lda
                                               int64_t ldw, int64_t N, int64_t K, T* C,
                                               int64_t ldc, bool accumulate) {
   multiply_nt_impl<T, kWide>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
+}
+template <typename T>
+RNNKERN_CPU_WIDE_TARGET void multiply_nt_rows_wide(int64_t M, const T* A, int64_t lda, const T* W,
+                                                   int64_t ldw, int64_t N, int64_t K, T* C,
+                                                   int64_t ldc) {
+  multiply_nt_rows_impl<T, kWide>(M, A, lda, W, ldw, N, K, C, ldc);
 }
 #endif
 
@@ -360,6 +449,22 @@ RNNKERN_ALWAYS_INLINE void multiply_nt(int64_t M, const T* A, int64_t lda, const
   if (wide_vectors()) return multiply_nt_wide<T>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
 #endif
   multiply_nt_impl<T, kNarrow>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
+}
+
+// C[M, N] = A[M, K] W^T (W row-major [N, K]) with W's rows broadcast: for
+// batches of kMinBroadcastRows rows or more (fewer: multiply_nt's dot
+// products, whose cost grows with M where this one's holds until M fills a
+// vector; an LSTM step at H = 256, Zen 5: even at 6 rows, 121 us at 7 by dot
+// products against 90 us at 8 broadcast).
+constexpr int64_t kMinBroadcastRows = 6;
+template <typename T>
+RNNKERN_ALWAYS_INLINE void multiply_nt_rows(int64_t M, const T* A, int64_t lda, const T* W,
+                                            int64_t ldw, int64_t N, int64_t K, T* C,
+                                            int64_t ldc) {
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+  if (wide_vectors()) return multiply_nt_rows_wide<T>(M, A, lda, W, ldw, N, K, C, ldc);
+#endif
+  multiply_nt_rows_impl<T, kNarrow>(M, A, lda, W, ldw, N, K, C, ldc);
 }
 
 // ---- blocked large products ----------------------------------------------

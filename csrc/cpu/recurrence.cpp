@@ -706,12 +706,19 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
                                   A* c, bool accumulate) {
   if (!w.in_place) {
     gemm::multiply(M, a, gemm::StridesA{lda, 1}, w.packed, c, w.packed.N, accumulate);
-  } else if (w.n == w.H) {  // the whole weight: its gate blocks are contiguous
-    gemm::multiply_nt(M, a, lda, w.w, w.K, w.blocks * w.H, w.K, c, w.cols(), accumulate);
   } else {
-    for (int64_t g = 0; g < w.blocks; ++g)
-      gemm::multiply_nt(M, a, lda, w.w + (g * w.H + w.j0) * w.K, w.K, w.n, w.K, c + g * w.n,
-                        w.cols(), accumulate);
+    // The whole weight (its gate blocks contiguous) as one block, or the slice's
+    // rows of each gate block.
+    const bool whole = w.n == w.H;
+    for (int64_t g = 0; g < (whole ? 1 : w.blocks); ++g) {
+      const A* rows = whole ? w.w : w.w + (g * w.H + w.j0) * w.K;
+      const int64_t n = whole ? w.blocks * w.H : w.n;
+      A* cg = c + g * w.n;
+      if (M < gemm::kMinBroadcastRows || accumulate)
+        gemm::multiply_nt(M, a, lda, rows, w.K, n, w.K, cg, w.cols(), accumulate);
+      else
+        gemm::multiply_nt_rows(M, a, lda, rows, w.K, n, w.K, cg, w.cols());
+    }
   }
 }
 
@@ -1713,13 +1720,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recur
 
 // Whether step(cell ...) takes the lean path: a cell without options, inputs
 // already contiguous in the accumulate type, and a step the driver would run
-// on one thread anyway (fewer rows than a split by rows takes, or one
-// thread; far below a split by units).
+// on one thread anyway: one thread (whatever the size: the driver's T = 1
+// input projection packs W_ih, which made an LSTM step at B=32 H=256 take
+// 324 us against the lean path's 168 at B=31), or fewer rows than a split by
+// rows takes and far below a split by units.
 bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
                std::initializer_list<const OptTensor*> opts) {
   if (s.cell == Cell::GruResetBefore || s.cell == Cell::LstmLn) return false;
-  if (s.B >= 2 * kMinRowsPerThread && at::get_num_threads() > 1) return false;
-  if (s.B * s.G * s.H * (s.I + s.H) >= kMinStepMacsPerWorker) return false;
+  if (at::get_num_threads() > 1 &&
+      (s.B >= 2 * kMinRowsPerThread || s.B * s.G * s.H * (s.I + s.H) >= kMinStepMacsPerWorker))
+    return false;
   for (const Tensor* t : ts) {
     const auto st = t->scalar_type();
     if ((st != at::kFloat && st != at::kDouble) || !t->is_contiguous()) return false;
@@ -1745,24 +1755,16 @@ A* lean_scratch_c(size_t n) {
   return buf.data();
 }
 
-// C[M, N] = A[M, K] W^T for a row-major W [N, K] read where it lies.  A few
-// rows: dot products with the rows of W (multiply_nt).  From 8 rows on, the
-// transposed product C^T = W A^T through the micro-kernel instead, A^T packed
-// (small) and W's rows as the broadcast operand: 2-2.5x the dot products'
-// speed there (M=16 K=256 N=1024: 93 against 150 us, Zen 5), whose
-// horizontal sums cost as much as their multiply-adds.
+// C[M, N] = A[M, K] W^T for a row-major W [N, K] read where it lies: dot
+// products with the rows of W for a few rows, W's rows broadcast from
+// gemm::kMinBroadcastRows on.
 template <typename A>
 RNNKERN_ALWAYS_INLINE void product_with_rows(int64_t M, const A* a, int64_t K, const A* w,
-                                             int64_t N, A* c, A* scratch) {
-  if (M < 8) {
+                                             int64_t N, A* c) {
+  if (M < gemm::kMinBroadcastRows)
     gemm::multiply_nt(M, a, K, w, K, N, K, c, N, false);
-    return;
-  }
-  gemm::PackedB<A> at;
-  at.pack(a, K, M, 1, K);  // at[k][m] = a[m][k]
-  gemm::multiply(N, w, gemm::StridesA{K, 1}, at, scratch, M, false);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) c[m * N + n] = scratch[n * M + m];
+  else
+    gemm::multiply_nt_rows(M, a, K, w, K, N, K, c, N);
 }
 
 template <typename A>
@@ -1770,19 +1772,18 @@ RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const 
                                           const A* w_ih, const A* w_hh, const A* b_ih,
                                           const A* b_hh, A* h_new, A* c_new, A* ws) {
   const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
-  A* xp = lean_scratch<A>(3 * B * GH + 3 * GH);
+  A* xp = lean_scratch<A>(2 * B * GH + 3 * GH);
   A* hp = xp + B * GH;
   A* bx = hp + B * GH;  // b_ih, b_hh (zeros when absent) and their sum
   A* bh = bx + GH;
   A* bsum = bh + GH;
-  A* tr = bsum + GH;    // product_with_rows's transposed result
   for (int64_t j = 0; j < GH; ++j) {
     bx[j] = b_ih ? b_ih[j] : A(0);
     bh[j] = b_hh ? b_hh[j] : A(0);
     bsum[j] = bx[j] + bh[j];
   }
-  product_with_rows(B, x, I, w_ih, GH, xp, tr);  // x W_ih^T
-  product_with_rows(B, h, H, w_hh, GH, hp, tr);  // h W_hh^T
+  product_with_rows(B, x, I, w_ih, GH, xp);  // x W_ih^T
+  product_with_rows(B, h, H, w_hh, GH, hp);  // h W_hh^T
   for (int64_t b = 0; b < B; ++b) {
     const A* xr = xp + b * GH;
     const A* hr = hp + b * GH;
