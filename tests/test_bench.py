@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import agreement, report
+import rnnkern
+from bench import agreement, report, suite
 from bench.cost import cost
 from bench.grid import DEFAULT_FAMILIES, FAMILIES, build_grid
 
@@ -64,6 +65,11 @@ def test_quick_json_is_well_formed(quick_run):
     for key in ("date", "git", "device", "versions", "settings", "grid", "timing", "agreement", "candidates"):
         assert key in meta, key
     assert meta["device"]["type"] == "cpu" and meta["device"]["threads"] >= 1
+    isa = meta["device"]["isa"]  # what ran, and any ISA caps (a stand-in run says so)
+    assert isa["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isa["rnnkern_vector_bits"] == rnnkern._C.cpu_vector_bits()
+    assert set(isa["cpu_flags"]) <= {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}
+    assert isa.get("caps", {}) == {k: os.environ[k] for k in suite.ISA_CAPS if os.environ.get(k)}
     assert meta["versions"]["torch"] == torch.__version__
     assert sorted(meta["grid"]) == sorted(FAMILIES)
     assert meta["grid_calls"]["step"] == ["sequence", "cell"] and meta["grid_calls"]["peers"] == ["sequence"]
@@ -243,8 +249,6 @@ def test_a_cell_call_is_one_step():
 
 
 def test_peer_families_bring_the_engines_and_rounds_are_exact():
-    from bench import suite
-
     assert not set(PEERS) & set(suite.Config().default_candidates())
     for families in (("peers",), ("step",), ("latency", "step")):
         assert set(PEERS) <= set(suite.Config(families=families).default_candidates()), families
@@ -311,7 +315,7 @@ def test_json_writer_refuses_non_finite_numbers(tmp_path):
 def test_a_disagreeing_or_failing_candidate_is_reported_not_timed(monkeypatch):
     from tqdm import tqdm
 
-    from bench import candidates, suite
+    from bench import candidates
     from bench.grid import Case
 
     def build_wrong(case, src, device):  # the vanilla loop, one percent off
@@ -453,7 +457,7 @@ def test_a_peer_on_wrong_weights_disagrees_and_is_not_timed(monkeypatch):
     (so the ONNX cache cannot mix them up), agrees and is timed."""
     from tqdm import tqdm
 
-    from bench import candidates, suite
+    from bench import candidates
     from bench.grid import Case
 
     def perturbed(build):
