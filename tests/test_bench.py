@@ -489,3 +489,34 @@ def test_a_peer_on_wrong_weights_disagrees_and_is_not_timed(monkeypatch):
     assert fwd["candidates"]["torch"]["status"] == "timed" and train["candidates"]["torch"]["status"] == "timed"
     # Where no engine is installed the test still checks that the baseline ran alone.
     assert list(fwd["candidates"]) == names
+
+
+def test_resets_bench_checks_agreement_then_times(tmp_path):
+    """`python -m bench.resets --quick`: rnnkern's resets= against torch.nn run over
+    the pieces between restarts, float64 agreement first, then interleaved times."""
+    out = tmp_path / "resets.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.resets", "--quick", "--cells", "lstm", "gru",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [r["cell"] for r in doc["results"]] == ["lstm", "gru"]
+    for r in doc["results"]:
+        assert r["float64_max_difference"] <= 1e-10
+        assert positive(r["torch_pieces_ms"]) and positive(r["rnnkern_ms"]) and positive(r["speedup"])
+        assert r["rounds"] == {"torch.nn pieces": 3, "rnnkern resets=": 3}
+        assert 1 <= r["torch_pieces"] <= r["T"]
+    assert "isa" in doc["meta"] and doc["meta"]["threads"] >= 1
+
+
+def test_resets_bench_refuses_to_time_a_wrong_answer(monkeypatch):
+    from bench import resets
+
+    right = resets.rnnkern_resets
+
+    def off_by_a_millionth(*args):
+        out, h, c = right(*args)
+        return out * (1 + 1e-6), h, c
+
+    monkeypatch.setattr(resets, "rnnkern_resets", off_by_a_millionth)
+    with pytest.raises(SystemExit, match="differ by"):
+        resets.measure("gru", 6, 3, 8, 0.3, rounds=1, seed=0)

@@ -327,6 +327,45 @@ def test_resets_equal_the_episodes_run_separately(backend, cell, form, batch_fir
     compare(got, want, labels, f"{backend} {cell} {form}")
 
 
+def reset_pattern(pattern: str, key) -> torch.Tensor:
+    """[T, B] masks: a reset at the first step only, at every step, never, or at
+    random (40%)."""
+    if pattern == "random":
+        return torch.rand(T, B, generator=generator("pattern", *key)) < 0.4
+    resets = torch.full((T, B), pattern == "every", dtype=torch.bool)
+    if pattern == "first":
+        resets[0] = True
+    return resets
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pattern", ["first", "every", "never", "random"])
+def test_reset_patterns_within_1e_12_of_torch_nn_on_the_episodes(backend, pattern):
+    """Issue #16's criterion: float64 outputs, final states and the gradients of
+    the input, hx and every parameter within 1e-12 of torch.nn run on the
+    episodes separately, for resets at t=0 only, at every step, never, and at
+    random; two layers, bidirectional, variable lengths."""
+    cell = "gru" if backend == "triton" else "lstm"  # (the interpreter is slow: one cell)
+    key = ("patterns", cell, pattern)
+    m = make_module(cell, backend, num_layers=2, bidirectional=True)
+    g = generator(*key)
+    x = randn(g, T, B, I).requires_grad_()
+    lengths = [T, 3, T - 2]
+    resets = reset_pattern(pattern, key)
+    hx = state_leaves(m, B, key)
+    call = lambda: flat(m(x, hx_arg(hx), lengths=torch.tensor(lengths), resets=resets))  # noqa: E731
+    if raises_unsupported(backend, used(cell, "resets"), call):
+        return
+    leaves = [x, *hx, *m.parameters()]
+    got = values_and_grads(call(), leaves, key)
+    want = values_and_grads(run_episodes_separately(m, x, resets, lengths, hx), leaves, key)
+    labels = ["output", "h_n", "c_n"][:len(hx) + 1] + ["grad input"] + \
+        [f"grad hx[{i}]" for i in range(len(hx))] + [f"grad {n}" for n, _ in m.named_parameters()]
+    assert len(got) == len(want) == len(labels)
+    for label, a, b in zip(labels, got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda msg: f"{pattern} {label}: {msg}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("with_hx", [True, False], ids=["hx", "no-hx"])
 def test_reset_rule_in_both_directions_by_hand(backend, with_hx):
