@@ -184,7 +184,10 @@ def test_lines_stream_and_a_stopped_run_keeps_what_it_measured(tmp_path, sig):
     cmd = [sys.executable, "-u", "-m", "bench", "--quick", "--backends", "cpu", "--no-progress",
            "--out", str(tmp_path)]
     env = dict(os.environ, MPLBACKEND="Agg")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # SIGINT back to its default in the child: a test run started in the background by
+    # a non-interactive shell inherits it ignored, and Python keeps it so.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     head = []
     try:
         for line in proc.stdout:
