@@ -1723,10 +1723,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recur
 // on one thread anyway: one thread (whatever the size: the driver's T = 1
 // input projection packs W_ih, which made an LSTM step at B=32 H=256 take
 // 324 us against the lean path's 168 at B=31), or fewer rows than a split by
-// rows takes and far below a split by units.
+// rows takes and far below a split by units.  Its scratch is kept per thread,
+// so a step with more than kMaxLeanGateValues gate pre-activations (B x G x H;
+// 16 MiB of float32 scratch) goes to the driver, whose buffers are pooled.
+constexpr int64_t kMaxLeanGateValues = int64_t(1) << 21;
 bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
                std::initializer_list<const OptTensor*> opts) {
   if (s.cell == Cell::GruResetBefore || s.cell == Cell::LstmLn) return false;
+  if (s.B * s.G * s.H > kMaxLeanGateValues) return false;
   if (at::get_num_threads() > 1 &&
       (s.B >= 2 * kMinRowsPerThread || s.B * s.G * s.H * (s.I + s.H) >= kMinStepMacsPerWorker))
     return false;
