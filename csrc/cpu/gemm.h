@@ -451,16 +451,18 @@ RNNKERN_ALWAYS_INLINE void multiply_nt(int64_t M, const T* A, int64_t lda, const
   multiply_nt_impl<T, kNarrow>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
 }
 
-// C[M, N] = A[M, K] W^T (W row-major [N, K]) with W's rows broadcast: for
-// batches of kMinBroadcastRows rows or more (fewer: multiply_nt's dot
-// products, whose cost grows with M where this one's holds until M fills a
-// vector; an LSTM step at H = 256, Zen 5: even at 6 rows, 121 us at 7 by dot
-// products against 90 us at 8 broadcast).
+// C[M, N] = A[M, K] W^T (W row-major [N, K]), W read where it lies, for a
+// step's batch of M rows: W's rows broadcast from kMinBroadcastRows rows on,
+// multiply_nt's dot products below (their cost grows with M where the
+// broadcast one's holds until M fills a vector; an LSTM step at H = 256, Zen
+// 5: even at 6 rows, 121 us at 7 by dot products against 90 us at 8
+// broadcast).
 constexpr int64_t kMinBroadcastRows = 6;
 template <typename T>
 RNNKERN_ALWAYS_INLINE void multiply_nt_rows(int64_t M, const T* A, int64_t lda, const T* W,
                                             int64_t ldw, int64_t N, int64_t K, T* C,
                                             int64_t ldc) {
+  if (M < kMinBroadcastRows) return multiply_nt(M, A, lda, W, ldw, N, K, C, ldc, false);
 #if defined(RNNKERN_CPU_WIDE_VECTORS)
   if (wide_vectors()) return multiply_nt_rows_wide<T>(M, A, lda, W, ldw, N, K, C, ldc);
 #endif

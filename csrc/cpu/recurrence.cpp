@@ -714,8 +714,8 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
       const A* rows = whole ? w.w : w.w + (g * w.H + w.j0) * w.K;
       const int64_t n = whole ? w.blocks * w.H : w.n;
       A* cg = c + g * w.n;
-      if (M < gemm::kMinBroadcastRows || accumulate)
-        gemm::multiply_nt(M, a, lda, rows, w.K, n, w.K, cg, w.cols(), accumulate);
+      if (accumulate)
+        gemm::multiply_nt(M, a, lda, rows, w.K, n, w.K, cg, w.cols(), true);
       else
         gemm::multiply_nt_rows(M, a, lda, rows, w.K, n, w.K, cg, w.cols());
     }
@@ -1759,18 +1759,6 @@ A* lean_scratch_c(size_t n) {
   return buf.data();
 }
 
-// C[M, N] = A[M, K] W^T for a row-major W [N, K] read where it lies: dot
-// products with the rows of W for a few rows, W's rows broadcast from
-// gemm::kMinBroadcastRows on.
-template <typename A>
-RNNKERN_ALWAYS_INLINE void product_with_rows(int64_t M, const A* a, int64_t K, const A* w,
-                                             int64_t N, A* c) {
-  if (M < gemm::kMinBroadcastRows)
-    gemm::multiply_nt(M, a, K, w, K, N, K, c, N, false);
-  else
-    gemm::multiply_nt_rows(M, a, K, w, K, N, K, c, N);
-}
-
 template <typename A>
 RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const A* h, const A* c,
                                           const A* w_ih, const A* w_hh, const A* b_ih,
@@ -1786,8 +1774,8 @@ RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const 
     bh[j] = b_hh ? b_hh[j] : A(0);
     bsum[j] = bx[j] + bh[j];
   }
-  product_with_rows(B, x, I, w_ih, GH, xp);  // x W_ih^T
-  product_with_rows(B, h, H, w_hh, GH, hp);  // h W_hh^T
+  gemm::multiply_nt_rows(B, x, I, w_ih, I, GH, I, xp, GH);  // x W_ih^T
+  gemm::multiply_nt_rows(B, h, H, w_hh, H, GH, H, hp, GH);  // h W_hh^T
   for (int64_t b = 0; b < B; ++b) {
     const A* xr = xp + b * GH;
     const A* hr = hp + b * GH;
