@@ -34,13 +34,13 @@ MUTANTS = [
     ("barrier under if (tid < 64)", "csrc/cuda/step.cuh",
      "    tile.store(Ps, tid);\n    __syncthreads();",
      "    tile.store(Ps, tid);\n    if (tid < 64) __syncthreads();"),
-    # issue #16's options
+    # the step options (resets, zoneout) and the LayerNorm cell
     ("removed the barrier between the levels of the row reductions (LSTM-LN)", "csrc/cuda/common.cuh",
      "      }\n    }\n    __syncthreads();\n  }", "      }\n    }\n  }"),
-    ("carried dh not restarted after a reset", "csrc/cuda/pointwise.cuh",
+    ("carried dh not restarted after a reset", "csrc/cuda/pointwise_backward.cuh",
      "        dh0_reset[b * P + k] += d;\n        return A(0);",
      "        dh0_reset[b * P + k] += d;\n        return d;"),
-    ("LSTM's c blended with the mask of h", "csrc/cuda/pointwise.cuh",
+    ("LSTM's c blended with the mask of h", "csrc/cuda/pointwise_forward.cuh",
      "st.mask(p, b, P + j), c_prev, r.c)", "st.mask(p, b, j), c_prev, r.c)"),
 ]
 

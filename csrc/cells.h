@@ -45,7 +45,7 @@ enum class Cell : int {
   RnnRelu = 1,
   Lstm = 2,
   Gru = 3,             // torch/cuDNN form: n = tanh(x_n + r * (W_hn h + b_hn))
-  GruResetBefore = 4,  // seed 000 form:    n = tanh(x_n + W_hn (r * h) + b_hn)
+  GruResetBefore = 4,  // reset-before form: n = tanh(x_n + W_hn (r * h) + b_hn)
   LstmLn = 5,          // layer-normalised LSTM (rnnkern/reference.py: lstm_ln_cell)
 };
 

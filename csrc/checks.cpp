@@ -1,8 +1,8 @@
 // The argument checks every backend runs first, and the small helpers of
-// ops.h (schemas and conventions: ops.cpp).  No registrations here: this file
+// checks.h (schemas and conventions: ops.cpp).  No registrations here: this file
 // is also compiled into the emulated CUDA build (csrc/cuda_emu).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
-#include "ops.h"
+#include "checks.h"
 
 #include <ATen/ops/empty.h>
 
@@ -34,11 +34,6 @@ const char* cell_name(Cell cell) {
 }
 
 int64_t zoneout_width(Cell cell, int64_t H, int64_t P) { return has_cell_state(cell) ? P + H : H; }
-
-void check_backend_has(bool lacking, const char* op, const char* backend, const char* what) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!lacking, op, ": the ", backend, " backend does not support ", what,
-                              " yet (see rnnkern.modules.UNSUPPORTED for the backends that do)");
-}
 
 at::ScalarType acc_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;

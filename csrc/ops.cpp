@@ -1,4 +1,4 @@
-// Schemas of the rnnkern ops and the argument checks every backend runs.
+// Schemas of the rnnkern ops (the argument checks every backend runs: checks.h).
 //
 // The ops work on one layer in one direction; modules (rnnkern/modules.py)
 // stack them.  Conventions (torch.nn's):
@@ -25,24 +25,19 @@
 //             LN(h W_hh^T) (4H), gain (H) and shift (H) of LN(c_t)
 // Half-precision inputs are computed in float; the workspace is kept in float.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
-#include "ops.h"
-#include "autograd.h"
-
-#include <Python.h>
-
-#include "cpu/buffers.h"
-#include "cpu/gemm.h"
-#include "cpu/isa.h"
-#include "cpu/parallel.h"
 #include <torch/library.h>
 
 // The argument checks every backend runs are in checks.cpp (also linked into
-// the emulated CUDA build, which registers no schemas of its own).
+// the emulated CUDA build, which registers no schemas of its own); each
+// backend registers its implementations from its own folder (cpu/bindings.cpp,
+// cpu/linear.cpp, cuda/bindings.cpp); the rnnkern._C module is module.cpp's.
 
 TORCH_LIBRARY(rnnkern, m) {
-  // resets, zoneout and ln (rnnkern/reference.py's module docstring has the
-  // formulas) come last with defaults, so that calls without them keep their
-  // form; a backend lacking one raises NotImplementedError naming it.
+  // The step options resets and zoneout, and the LayerNorm cell's gains ln
+  // (rnnkern/reference.py's module docstring has the formulas), come last with
+  // defaults, so that calls without them keep their form (a backend lacking
+  // one would be listed in rnnkern.modules.UNSUPPORTED, which the modules
+  // check before any call).
   m.def(
       "recurrence(str cell, Tensor xproj, Tensor h0, Tensor? c0, Tensor w_hh, Tensor? b_ih, "
       "Tensor? b_hh, Tensor? w_hr, Tensor? lengths, bool reverse, bool train, "
@@ -83,81 +78,4 @@ TORCH_LIBRARY(rnnkern, m) {
   m.def(
       "linear_backward(Tensor grad_y, Tensor x, Tensor weight, bool need_x, bool need_weight) "
       "-> (Tensor grad_x, Tensor grad_weight)");
-}
-
-namespace {
-
-PyObject* empty_cpu_cache(PyObject*, PyObject*) {
-  return PyLong_FromLongLong(rnnkern::cpu::empty_cache());
-}
-
-// The x86 ISA level the CPU kernels' vectorised loops run at in this process:
-// the level a pinned build (RNNKERN_CPU_ISA) was compiled for, else the clone
-// target_clones picks on this CPU.
-PyObject* cpu_isa(PyObject*, PyObject*) {
-#if defined(RNNKERN_CPU_ISA)
-  return PyUnicode_FromString(RNNKERN_STRINGIFY(RNNKERN_CPU_ISA));
-#elif defined(RNNKERN_CPU_DISPATCH)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4")) return PyUnicode_FromString("x86-64-v4");
-  if (__builtin_cpu_supports("x86-64-v3")) return PyUnicode_FromString("x86-64-v3");
-  return PyUnicode_FromString("x86-64");
-#else
-  return PyUnicode_FromString("native");  // one version, compiled for the build's target
-#endif
-}
-
-// The width of the CPU products' vectors in this process (gemm.h): 512 on
-// CPUs with AVX-512 unless RNNKERN_CPU_VECTOR_BITS=256, else 256.
-PyObject* cpu_vector_bits(PyObject*, PyObject*) {
-  return PyLong_FromLong(rnnkern::cpu::gemm::wide_vectors() ? 512 : 256);
-}
-
-PyObject* register_autograd(PyObject*, PyObject* ns) {
-  const char* name = PyUnicode_AsUTF8(ns);
-  if (name == nullptr) return nullptr;
-  try {
-    rnnkern::register_autograd(name);
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
-PyObject* cpu_parallel_regions(PyObject*, PyObject*) {
-  return PyLong_FromLongLong(rnnkern::cpu::parallel_regions.load());
-}
-
-PyMethodDef methods[] = {
-    {"empty_cpu_cache", empty_cpu_cache, METH_NOARGS,
-     "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
-    {"cpu_isa", cpu_isa, METH_NOARGS,
-     "The x86 ISA level of the CPU kernels' vectorised loops in this process."},
-    {"cpu_vector_bits", cpu_vector_bits, METH_NOARGS,
-     "The vector width (bits) of the CPU kernels' products in this process."},
-    {"register_autograd", register_autograd, METH_O,
-     "Registers rnnkern's autograd formulas for the op family in the given namespace."},
-    {"cpu_parallel_regions", cpu_parallel_regions, METH_NOARGS,
-     "The number of parallel regions rnnkern's CPU kernels have opened in this process."},
-    {nullptr, nullptr, 0, nullptr}};
-
-}  // namespace
-
-// `import rnnkern._C` runs the static registrations above; the module itself
-// says whether the CUDA kernels were compiled in and can empty the CPU cache.
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
-  PyObject* m = PyModule_Create(&module_def);
-  if (m == nullptr) return nullptr;
-#ifdef RNNKERN_WITH_CUDA
-  const long with_cuda = 1;
-#else
-  const long with_cuda = 0;
-#endif
-  if (PyModule_AddIntConstant(m, "WITH_CUDA", with_cuda) != 0) {
-    Py_DECREF(m);
-    return nullptr;
-  }
-  return m;
 }

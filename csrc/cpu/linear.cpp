@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "../ops.h"
+#include "../checks.h"
 #include "buffers.h"
 #include "gemm.h"
 #include "parallel.h"

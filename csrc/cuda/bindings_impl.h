@@ -1,4 +1,4 @@
-// The CUDA backend's ops, device-independent: argument checks (ops.h), the
+// The CUDA backend's ops, device-independent: argument checks (checks.h), the
 // tensors -> params.h structs unpacking, scratch allocation and the weight
 // gradients after the time loop.  Instantiated for the real device
 // (bindings.cpp) and for the emulated one (csrc/cuda_emu/bindings.cpp), so
@@ -21,7 +21,7 @@
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
-#include "../ops.h"
+#include "../checks.h"
 #include "params.h"
 
 namespace rnnkern::cuda::bindings {

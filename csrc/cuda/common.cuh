@@ -154,6 +154,14 @@ constexpr int kRowThreads = 128;
 // of more rows would not fit in memory anyway: each has 14 H workspace values).
 inline unsigned int row_blocks(int64_t rows) { return static_cast<unsigned int>(rows); }
 
+// The workspace row of LSTM-LN at (position p, row b): cells.h's 14 blocks
+// of H (i f g o c, x^ of the 4 gates, h^ of the 4 gates, c^) and the 3 row
+// statistics (reciprocal standard deviations of x W_ih^T, h W_hh^T, c~).
+template <typename A>
+__device__ __forceinline__ A* ln_ws_row(A* ws, int64_t p, int64_t b, int64_t B, int64_t H) {
+  return ws + (p * B + b) * workspace_size(Cell::LstmLn, H);
+}
+
 // A sum, as a reduction value.
 template <typename A>
 struct RowSum {

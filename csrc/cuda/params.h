@@ -11,12 +11,13 @@
 // __nv_bfloat16); A the accumulate dtype of the gate math (double for double,
 // float otherwise).  The workspace and the carried gradients are A.
 //
-// The options of issue #16 (rnnkern/reference.py): `resets` [T, B] bool (the
-// step at position t of row b starts from h0 / c0), `zoneout` [T, B, Z] S
-// (Z = P + H for the cells with a cell state: h's units, then c's; H
-// otherwise), read through its time and batch strides (an evaluation mask is
-// a [Z] vector expanded with strides (0, 0, 1)), and `ln` [10H] S, the layer
-// norms' gains and shift of lstm_ln.  Each is null when not given.
+// The step options and the LayerNorm cell's gains (rnnkern/reference.py):
+// `resets` [T, B] bool (the step at position t of row b starts from h0 /
+// c0), `zoneout` [T, B, Z] S (Z = P + H for the cells with a cell state: h's
+// units, then c's; H otherwise), read through its time and batch strides (an
+// evaluation mask is a [Z] vector expanded with strides (0, 0, 1)), and `ln`
+// [10H] S, the layer norms' gains and shift of lstm_ln.  Each is null when
+// not given.
 #pragma once
 
 #include <cstdint>

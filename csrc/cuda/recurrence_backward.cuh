@@ -1,6 +1,6 @@
 // recurrence backward (BPTT): the time loop in reverse.
 //
-// Per step: one fused pointwise kernel (pointwise.cuh) that adds the step's
+// Per step: one fused pointwise kernel (pointwise_backward.cuh) that adds the step's
 // output gradient to the carried dh, runs the cell's backward and writes the
 // gate gradients -- into d_xproj at the row's time position and into `da`,
 // the A of the step's GEMM -- then one cuBLAS GEMM  dh += da W_hh  (fp32
@@ -27,7 +27,7 @@
 // Instantiated per dtype in recurrence_backward_<dtype>.cu.
 #pragma once
 
-#include "pointwise.cuh"
+#include "pointwise_backward.cuh"
 
 namespace rnnkern::cuda {
 

@@ -1,7 +1,7 @@
 // recurrence forward: the time loop of one layer in one direction.
 //
 // Per step: one cuBLAS GEMM  hproj = h_{t-1} W_hh^T  (fp32 result for half
-// inputs), then one fused pointwise kernel (pointwise.cuh) that adds xproj
+// inputs), then one fused pointwise kernel (pointwise_forward.cuh) that adds xproj
 // and the biases, applies the cell and writes h_t (output and state), c_t and
 // the workspace.  The reset-before GRU needs a second GEMM on r * h_{t-1} and
 // a second pointwise kernel; the LSTM projection a GEMM  h_t = h_full W_hr^T
@@ -21,7 +21,7 @@
 // Instantiated per dtype in recurrence_forward_<dtype>.cu.
 #pragma once
 
-#include "pointwise.cuh"
+#include "pointwise_forward.cuh"
 
 namespace rnnkern::cuda {
 

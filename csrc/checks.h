@@ -73,11 +73,6 @@ StepSizes check_step_backward(c10::string_view cell, const Tensor& grad_h_new,
                               const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
                               const Tensor& h_new, const Tensor& workspace, const OptTensor& ln);
 
-// Raises NotImplementedError naming `what` (an option of the ops) for a
-// backend that lacks it (rnnkern.modules.UNSUPPORTED says so to module users
-// before any call).
-void check_backend_has(bool lacking, const char* op, const char* backend, const char* what);
-
 // linear(x[M,K], weight[N,K]) -> x weight^T: the input projection of the CPU backend.
 void check_linear(const Tensor& x, const Tensor& weight);
 void check_linear_backward(const Tensor& grad_y, const Tensor& x, const Tensor& weight);

@@ -1,0 +1,496 @@
+// The CPU recurrence's backward driver (BPTT).  Per step in reverse: one
+// pass of the cell's pointwise backward (rows.h) that writes the gate
+// gradients, then one GEMM  dH_{t-1} += dA W_hh.  The weight gradients are
+// one large GEMM over all steps at the end, from the gate gradients and the
+// h_{t-1} the pass collected in time order.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "buffers.h"
+#include "linear.h"
+#include "products.h"
+#include "recurrence.h"
+#include "rows.h"
+#include "schedule.h"
+
+namespace rnnkern::cpu {
+namespace {
+
+// dW = sum over steps and rows of d[p, b]^T h_{t-1}[p, b], where h_{t-1} of
+// position p is the output one step earlier (p - 1, or p + 1 in reverse) and
+// h0 at each sequence's first position.  Padding positions have d = 0 and
+// output 0, so two GEMMs cover every case without gathering h_{t-1}:
+//   forward:  d[1:]^T out[:-1] + d[0]^T h0
+//   reverse:  d[:-1]^T out[1:] + sum_b d[len_b - 1, b]^T h0[b]
+// With resets, a step that restarts its row started from h0 instead: a third
+// GEMM over those positions alone (gathered) adds d^T (h0 - h_{t-1}).
+// d: [T, B, N] with unit stride along N (it may be a column slice),
+// out: [T, B, P] and h0: [B, P] contiguous, dw: [N, P] with rows contiguous;
+// resets: [T, B] or null.
+template <typename A>
+void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, const Tensor& h0,
+                               const Positions& pos, const bool* resets) {
+  const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
+  const int64_t ld = d.stride(1);
+  A* c = ptr<A>(dw);
+  if (T == 0 || B == 0) {
+    dw.zero_();
+    return;
+  }
+  const A* d_later = cptr<A>(d) + (pos.reverse ? 0 : B * ld);
+  const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
+  blocked_gemm<A>(N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0), false);
+  // Each sequence's gradient at its first step, against h0.
+  Tensor d_first = at::zeros({B, N}, d.options());
+  A* df = ptr<A>(d_first);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = pos.reverse ? pos.length(b) - 1 : (pos.length(b) > 0 ? 0 : -1);
+    if (first >= 0) copy_row(df + b * N, cptr<A>(d) + (first * B + b) * ld, N);
+  }
+  blocked_gemm<A>(N, P, B, df, 1, N, cptr<A>(h0), P, 1, c, dw.stride(0), true);
+  if (resets == nullptr) return;
+  std::vector<int64_t> restarted;  // p * B + b
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = pos.length(b);
+    for (int64_t p = 0; p < n; ++p)
+      if (resets[p * B + b] && p != (pos.reverse ? n - 1 : 0)) restarted.push_back(p * B + b);
+  }
+  if (restarted.empty()) return;
+  const int64_t R = static_cast<int64_t>(restarted.size());
+  Tensor d_r = at::empty({R, N}, d.options()), x_r = at::empty({R, P}, d.options());
+  const A* o = cptr<A>(out);
+  const A* h = cptr<A>(h0);
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t p = restarted[i] / B, b = restarted[i] % B;
+    const A* earlier = o + ((pos.reverse ? p + 1 : p - 1) * B + b) * P;
+    copy_row(ptr<A>(d_r) + i * N, cptr<A>(d) + (p * B + b) * ld, N);
+    A* x = ptr<A>(x_r) + i * P;
+    for (int64_t k = 0; k < P; ++k) x[k] = h[b * P + k] - earlier[k];
+  }
+  blocked_gemm<A>(N, P, R, cptr<A>(d_r), 1, N, cptr<A>(x_r), P, 1, c, dw.stride(0), true);
+}
+
+// acc += src; src = 0.
+template <typename A>
+void move_row(A* __restrict acc, A* __restrict src, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += src[j];
+  zero_row(src, n);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------
+// Backward driver.  Per step, each worker first adds the GEMM part of its
+// carried dh (from the previous step's gate gradients, ping-pong buffered so
+// that, split by units, no thread overwrites what another still reads), then
+// runs its pointwise backward.
+//
+// Options, backward:
+//  * resets: a restarting step's h_{t-1} (c_{t-1}) is h0 (c0), in its
+//    pointwise backward and in the weight gradients; the carry it leaves
+//    (direct part and, once the next step has added it, GEMM part) is the
+//    gradient of h0 (c0): it moves to d_h0 (d_c0) and the carry goes on from
+//    zero.
+//  * zoneout: the row kernels split each state's gradient between the state
+//    the step started from and the cell's update.
+//  * lstm_ln: the carry's GEMM part by units, the layer norms' backward by
+//    rows (as the forward, ln_product); the gate gradient the next GEMM and
+//    dW_hh take is that of h_{t-1} W_hh^T (through LN_h), kept in time order.
+template <typename A>
+void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
+                   Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
+                   Tensor& d_ln) {
+  const RecurrenceSizes& z = a.z;
+  const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
+  const int64_t GH = G * H;
+  const int64_t W = workspace_size(z.cell, H, z.has_zoneout);  // per row and step
+  const auto opt = a.output.options();
+  const bool lstm = has_cell_state(z.cell);
+  const bool gru = z.cell == Cell::Gru;
+  const bool reset_before = z.cell == Cell::GruResetBefore;
+  const bool ln_cell = z.cell == Cell::LstmLn;
+  const Options<A> opts = options_of<A>(z, a.resets, a.zoneout);
+  const bool resets = opts.resets != nullptr, zone = opts.zone != nullptr;
+
+  // The carried dh lives in per-worker buffers: over hidden units, or over
+  // the projected outputs with a projection.
+  const Split split(z, sizeof(A));
+  const std::vector<Slice>& units = split.units;
+  const std::vector<Slice>& carry = z.has_proj ? split.outs : split.units;
+  const size_t unit_workers = split.unit_workers();
+  const size_t carry_workers = z.has_proj ? split.out_workers() : unit_workers;
+  auto carry_work = [&](size_t t) { return z.has_proj ? split.out_work(t) : split.unit_work(t); };
+  // Rows of W_hh whose gradient feeds dh through the per-step GEMM: all, or
+  // r, z for reset-before (the candidate's part goes through drh).
+  const Tensor w_dh = reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh;
+  std::vector<Tensor> dh, drh, dh_full;
+  std::vector<gemm::PackedB<A>> w_dh_cols, w_n_cols, w_r_cols;
+  const bool in_place = split.weights_in_place(T);
+  for (const Slice& sl : carry) w_dh_cols.push_back(weight_cols<A>(w_dh, sl, in_place));
+  for (const Slice& sl : units) {
+    if (reset_before) w_n_cols.push_back(weight_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl, in_place));
+    if (z.has_proj) w_r_cols.push_back(weight_cols<A>(a.w_hr, sl, in_place));
+  }
+  for (size_t t = 0; t < carry_workers; ++t) {
+    const auto [r, ci, c] = carry_work(t);
+    // a carry we update
+    dh.push_back(a.grad_h_n.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).clone(at::MemoryFormat::Contiguous));
+  }
+  for (size_t t = 0; t < unit_workers; ++t) {
+    const auto [r, u, sl] = split.unit_work(t);
+    if (reset_before) drh.push_back(at::empty({r.nb, sl.n}, opt));
+    if (z.has_proj) dh_full.push_back(at::empty({r.nb, sl.n}, opt));
+  }
+  if (lstm) d_c0.copy_(a.grad_c_n);
+  // Per worker: sums of the gate gradients of its rows and units (gate k of
+  // unit j at k*n + j) and, for GRU, of dhn after them.
+  std::vector<std::vector<double>> bias_sum;
+  for (size_t t = 0; t < unit_workers && !ln_cell; ++t)
+    bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * split.unit_work(t).sl.n), 0.0);
+  // lstm_ln, per worker of the rows' phase (all split by rows, one split by
+  // units): the parameters' sums (lstm_ln_backward_row's acc), scratch, and
+  // split by units the row's carry gathered from the slices.
+  const size_t ln_row_workers = split.by_rows ? split.rows.size() : 1;
+  std::vector<std::vector<double>> ln_sum;
+  std::vector<Tensor> ln_scratch, ln_dh;
+  for (size_t t = 0; ln_cell && t < ln_row_workers; ++t) {
+    ln_sum.emplace_back(static_cast<size_t>(14 * H), 0.0);
+    ln_scratch.push_back(at::empty({H}, opt));
+    if (!split.by_rows) ln_dh.push_back(at::empty({H}, opt));
+  }
+  // Gate gradients of the step, the next step's GEMM input (ping-pong).
+  const int64_t da_width = reset_before ? 2 * H : GH;
+  // Without lengths every row of a step is at the same time position, so for
+  // RNN and LSTM (da = dx) the step's rows of d_xproj are its da: no copy,
+  // and the next step's GEMM reads what this step left in cache.  lstm_ln
+  // keeps its da (the gradient of h W_hh^T) in time order for dW_hh: without
+  // lengths that is the step's da likewise.
+  const bool da_in_dx = !a.pos.lengths && !gru && !reset_before && !ln_cell;
+  const bool da_in_dhp = !a.pos.lengths && ln_cell;
+  Tensor dhp_all = ln_cell ? pooled_empty({T, B, GH}, opt) : Tensor();
+  Tensor da[2];
+  if (!da_in_dx && !da_in_dhp)
+    da[0] = at::zeros({B, da_width}, opt), da[1] = at::zeros({B, da_width}, opt);
+  auto da_of = [&](int64_t s) {
+    return da_in_dx    ? ptr<A>(d_xproj) + a.pos.at(0, s) * B * GH
+           : da_in_dhp ? ptr<A>(dhp_all) + a.pos.at(0, s) * B * GH
+                       : ptr<A>(da[s & 1]);
+  };
+  // Time-ordered inputs of the final weight GEMMs.
+  Tensor dhn_all = gru ? pooled_empty({T, B, H}, opt) : Tensor();
+  Tensor rh_all = reset_before ? pooled_empty({T, B, H}, opt) : Tensor();
+  Tensor dn = reset_before ? at::empty({B, H}, opt) : Tensor();
+  Tensor dh_tot = z.has_proj ? at::empty({B, P}, opt) : Tensor();
+  Tensor dh_tot_all = z.has_proj ? pooled_empty({T, B, P}, opt) : Tensor();
+  Tensor h_full_all = z.has_proj ? pooled_empty({T, B, H}, opt) : Tensor();
+  // With resets: the gradients of h0 and c0 the restarting steps leave.
+  Tensor dh0_acc = resets ? at::zeros({B, P}, opt) : Tensor();
+  Tensor dc0_acc = resets && lstm ? at::zeros({B, H}, opt) : Tensor();
+
+  A* dc = lstm ? ptr<A>(d_c0) : nullptr;
+  A* dx = ptr<A>(d_xproj);
+  const A* gout = cptr<A>(a.grad_output);
+  const A* out = cptr<A>(a.output);
+  const A* wsp = W > 0 ? cptr<A>(a.ws) : nullptr;
+  const A* h0 = cptr<A>(a.h0);
+  const A* c0 = lstm ? cptr<A>(a.c0) : nullptr;
+  const A* lnp = cptr<A>(a.ln);
+
+  // h_{t-1} of row b at step s: its state one step earlier (c_{t-1}
+  // likewise), or h0 at its first step and where it restarts.
+  auto prev_pos = [&](int64_t b, int64_t s) {
+    return s == 0 || opts.restart(a.pos.at(b, s), b) ? int64_t(-1) : a.pos.at(b, s - 1);
+  };
+  auto h_prev_of = [&](int64_t b, int64_t s) {
+    const int64_t q = prev_pos(b, s);
+    return q < 0 ? h0 + b * P : out + (q * B + b) * P;
+  };
+  // Whether row b restarted at step s + 1: its carry at step s, once the
+  // GEMM part is in, belongs to h0 (c0).
+  auto restarted_after = [&](int64_t b, int64_t s) {
+    return s + 1 < T && opts.restart(a.pos.at(b, s + 1), b);
+  };
+  // dh += (gate gradients of step s + 1) W_hh[:, slice], carry worker t.
+  auto add_gemm_part = [&](size_t t, int64_t s) {
+    const auto [r, ci, c] = carry_work(t);
+    if (s + 1 < T)
+      step_gemm<A>(r.nb, da_of(s + 1) + r.b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh[t]), true);
+  };
+
+  // Adds worker t's gate gradients of step s (complete) to its bias sums.
+  auto add_bias_part = [&](size_t t, int64_t s) {
+    const auto [r, u, sl] = split.unit_work(t);
+    double* sum = bias_sum[t].data();
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) continue;
+      const int64_t row = p * B + b;
+      for (int64_t k = 0; k < G; ++k) add_row_to_sum<A>(sl.n, dx + row * GH + k * H + sl.j0, sum + k * sl.n);
+      if (gru) add_row_to_sum<A>(sl.n, ptr<A>(dhn_all) + row * H + sl.j0, sum + G * sl.n);
+    }
+  };
+
+  // With a projection, phase 0 per output slice: the total gradient of the
+  // projected h_t.
+  auto total = [&](size_t t, int64_t s) {
+    const auto [r, ci, c] = carry_work(t);
+    add_gemm_part(t, s);
+    A* d = ptr<A>(dh[t]);
+    A* dt = ptr<A>(dh_tot);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        zero_row(dt + b * P + c.j0, c.n);
+        zero_row(ptr<A>(dh_tot_all) + (s * B + b) * P + c.j0, c.n);
+        continue;
+      }
+      A* di = d + (b - r.b0) * c.n;
+      if (restarted_after(b, s)) move_row(ptr<A>(dh0_acc) + b * P + c.j0, di, c.n);
+      if (zone) {
+        zoneout_total_row<A>(c.n, di, gout + (p * B + b) * P + c.j0, opts.mask(p, b) + c.j0,
+                             dt + b * P + c.j0);
+      } else {
+        for (int64_t k = 0; k < c.n; ++k) dt[b * P + c.j0 + k] = di[k] + gout[(p * B + b) * P + c.j0 + k];
+        zero_row(di, c.n);  // LSTM: no direct path from h_t to h_{t-1}
+      }
+      copy_row(ptr<A>(dh_tot_all) + (p * B + b) * P + c.j0, dt + b * P + c.j0, c.n);
+    }
+  };
+
+  // Phase 1, per unit slice: the pointwise backward of the step.
+  auto pointwise = [&](size_t t, int64_t s) {
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
+    A* da_s = da_of(s);
+    if (z.has_proj) {
+      step_gemm<A>(r.nb, ptr<A>(dh_tot) + r.b0 * P, P, w_r_cols[u], ptr<A>(dh_full[t]), false);
+    } else {
+      add_gemm_part(t, s);
+    }
+    A* dht = z.has_proj ? ptr<A>(dh_full[t]) : ptr<A>(dh[t]);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        // Finished sequence: no gradient here, the carry passes through.
+        for (int64_t k = 0; k < G; ++k) {
+          if (k < da_width / H) zero_row(da_s + b * da_width + k * H + j0, n);
+          zero_row(dx + (s * B + b) * GH + k * H + j0, n);
+        }
+        if (gru) zero_row(ptr<A>(dhn_all) + (s * B + b) * H + j0, n);
+        if (reset_before) {
+          zero_row(ptr<A>(dn) + b * H + j0, n);
+          zero_row(ptr<A>(rh_all) + (s * B + b) * H + j0, n);
+        }
+        if (z.has_proj) zero_row(ptr<A>(h_full_all) + (s * B + b) * H + j0, n);
+        continue;
+      }
+      const int64_t row = p * B + b;
+      const A* hprev = h_prev_of(b, s) + j0;
+      A* d = dht + (b - r.b0) * n;
+      const A* g = gout + row * P + j0;
+      const A* w = wsp + row * W + j0;
+      A* dxr = dx + row * GH + j0;
+      A* dar = da_s + b * da_width + j0;
+      if (restarted_after(b, s)) {
+        if (!z.has_proj) move_row(ptr<A>(dh0_acc) + b * P + j0, d, n);
+        if (lstm) move_row(ptr<A>(dc0_acc) + b * H + j0, dc + b * H + j0, n);
+      }
+      const A* m = opts.mask(p, b);
+      const A* mh = zone ? m + j0 : nullptr;
+      const A* mc = zone ? m + opts.zc + j0 : nullptr;
+      switch (z.cell) {
+        case Cell::RnnTanh:
+        case Cell::RnnRelu: {
+          // With zoneout the output is blended: the candidate is in the workspace.
+          const A* h = zone ? w : out + row * H + j0;
+          bool_switch(zone, [&](auto kZone) {
+            constexpr bool Z = decltype(kZone)::value;
+            if (z.cell == Cell::RnnRelu)
+              rnn_backward_row<A, true, Z>(n, d, g, h, dar, mh);
+            else
+              rnn_backward_row<A, false, Z>(n, d, g, h, dar, mh);
+          });
+          break;
+        }
+        case Cell::Lstm: {
+          const int64_t q = prev_pos(b, s);
+          const A* c_prev = (q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H) + j0;
+          bool_switch(zone, [&](auto kZone) {
+            constexpr bool Z = decltype(kZone)::value;
+            if (z.has_proj)
+              lstm_backward_row<A, true, Z>(n, H, d, nullptr, dc + b * H + j0, w, c_prev, dar,
+                                            ptr<A>(h_full_all) + row * H + j0, nullptr, mc);
+            else
+              lstm_backward_row<A, false, Z>(n, H, d, g, dc + b * H + j0, w, c_prev, dar,
+                                             nullptr, mh, mc);
+          });
+          break;
+        }
+        case Cell::Gru:
+          bool_switch(zone, [&](auto kZone) {
+            gru_backward_row<A, decltype(kZone)::value>(n, H, d, g, w, hprev, dxr, dar,
+                                                        ptr<A>(dhn_all) + row * H + j0, mh);
+          });
+          break;
+        case Cell::GruResetBefore:
+          bool_switch(zone, [&](auto kZone) {
+            gru_rb_backward_candidate_row<A, decltype(kZone)::value>(
+                n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0, mh);
+          });
+          break;
+        case Cell::LstmLn:
+          break;  // ln_carry and ln_pointwise
+      }
+      if (!gru && !reset_before && !da_in_dx)
+        for (int64_t k = 0; k < G; ++k) copy_row(dxr + k * H, dar + k * H, n);
+    }
+    if (!reset_before) add_bias_part(t, s);
+  };
+
+  // Reset-before GRU, phase 2: drh = dn W_hn (all units of dn), then the reset gate.
+  auto reset = [&](size_t t, int64_t s) {
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
+    A* da_s = da_of(s);
+    step_gemm<A>(r.nb, ptr<A>(dn) + r.b0 * H, H, w_n_cols[u], ptr<A>(drh[t]), false);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) continue;
+      const int64_t row = p * B + b, i = b - r.b0;
+      gru_rb_backward_reset_row<A>(n, ptr<A>(dh[t]) + i * n, ptr<A>(drh[t]) + i * n,
+                                   wsp + row * W + j0, h_prev_of(b, s) + j0, dx + row * GH + j0,
+                                   da_s + b * da_width + j0, ptr<A>(rh_all) + row * H + j0);
+    }
+    add_bias_part(t, s);
+  };
+
+  // lstm_ln: the carry's GEMM part per unit slice, then the rows' backward
+  // (whole rows: the layer norms), on the rows' workers (see ln_product).
+  auto ln_carry = [&](size_t t, int64_t s) { add_gemm_part(t, s); };
+  auto ln_pointwise = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    A* da_s = da_of(s);
+    A* dchat = ptr<A>(ln_scratch[t]);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        zero_row(da_s + b * GH, GH);
+        zero_row(dx + (s * B + b) * GH, GH);
+        zero_row(ptr<A>(dhp_all) + (s * B + b) * GH, GH);
+        continue;
+      }
+      const int64_t row = p * B + b;
+      // The row's carry: the worker's own (all units), or gathered from the slices.
+      A* d = split.by_rows ? ptr<A>(dh[t]) + (b - r.b0) * H : ptr<A>(ln_dh[t]);
+      if (!split.by_rows)
+        for (size_t u = 0; u < units.size(); ++u)
+          copy_row(d + units[u].j0, ptr<A>(dh[u]) + b * units[u].n, units[u].n);
+      if (restarted_after(b, s)) {
+        move_row(ptr<A>(dh0_acc) + b * P, d, H);
+        move_row(ptr<A>(dc0_acc) + b * H, dc + b * H, H);
+      }
+      const int64_t q = prev_pos(b, s);
+      const A* c_prev = q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H;
+      const A* m = opts.mask(p, b);
+      bool_switch(zone, [&](auto kZone) {
+        lstm_ln_backward_row<A, decltype(kZone)::value>(
+            H, d, gout + row * H, dc + b * H, wsp + row * W, c_prev, lnp, zone ? m : nullptr,
+            zone ? m + opts.zc : nullptr, dchat, dx + row * GH, da_s + b * GH,
+            ln_sum[t].data());
+      });
+      if (!da_in_dhp) copy_row(ptr<A>(dhp_all) + row * GH, da_s + b * GH, GH);
+      if (!split.by_rows)
+        for (size_t u = 0; u < units.size(); ++u)
+          copy_row(ptr<A>(dh[u]) + b * units[u].n, d + units[u].j0, units[u].n);
+    }
+  };
+
+  if (ln_cell) {
+    run_steps(split, T, true, phase(true, carry_workers, ln_carry),
+              phase(true, ln_row_workers, ln_pointwise));
+  } else {
+    run_steps(split, T, true, phase(z.has_proj, carry_workers, total),
+              phase(true, unit_workers, pointwise), phase(reset_before, unit_workers, reset));
+  }
+
+  // The GEMM part of dh_0, then the carry into d_h0.
+  for_each_worker(carry_workers, [&](size_t t) {
+    const auto [r, ci, c] = carry_work(t);
+    if (T > 0) step_gemm<A>(r.nb, da_of(0) + r.b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh[t]), true);
+    d_h0.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).copy_(dh[t]);
+  });
+  if (resets) {
+    d_h0.add_(dh0_acc);
+    if (lstm) d_c0.add_(dc0_acc);
+  }
+
+  // Bias gradients: d_b_hh equals d_b_ih but for the reset-after GRU's
+  // candidate, whose hidden part is dhn.  lstm_ln: both are the sums of the
+  // pre-activation gradients, and the sums after them are d_ln.
+  if (ln_cell) {
+    std::vector<double> sum(static_cast<size_t>(14 * H), 0.0);
+    for (const auto& s : ln_sum)
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += s[i];
+    A* dbi = ptr<A>(d_b_ih);
+    A* dbh = ptr<A>(d_b_hh);
+    A* dl = ptr<A>(d_ln);
+    for (int64_t i = 0; i < GH; ++i) dbi[i] = dbh[i] = static_cast<A>(sum[i]);
+    for (int64_t i = 0; i < 10 * H; ++i) dl[i] = static_cast<A>(sum[GH + i]);
+  } else {
+    std::vector<double> sum_ih(static_cast<size_t>(G * H), 0.0), sum_hh(sum_ih.size(), 0.0);
+    for (size_t t = 0; t < unit_workers; ++t) {
+      const int64_t j0 = split.unit_work(t).sl.j0, n = split.unit_work(t).sl.n;
+      const double* sum = bias_sum[t].data();
+      for (int64_t k = 0; k < G; ++k) {
+        const int64_t hk = gru && k == 2 ? G : k;  // where the hidden part's sum is
+        for (int64_t j = 0; j < n; ++j) {
+          sum_ih[k * H + j0 + j] += sum[k * n + j];
+          sum_hh[k * H + j0 + j] += sum[hk * n + j];
+        }
+      }
+    }
+    A* dbi = ptr<A>(d_b_ih);
+    A* dbh = ptr<A>(d_b_hh);
+    for (int64_t i = 0; i < G * H; ++i) {
+      dbi[i] = static_cast<A>(sum_ih[i]);
+      dbh[i] = static_cast<A>(sum_hh[i]);
+    }
+  }
+
+  // Weight gradients: one GEMM over all steps each.
+  const Tensor dx3 = d_xproj.view({T, B, GH});
+  if (gru || reset_before) {
+    // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
+    // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
+    Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
+    const Tensor d_rz = dx3.narrow(2, 0, 2 * H);
+    weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos, opts.resets);
+    if (gru) {
+      weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos, opts.resets);
+    } else {
+      // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
+      blocked_gemm<A>(H, H, T * B, ptr<A>(dx3) + 2 * H, 1, GH, ptr<A>(rh_all), H, 1, ptr<A>(dw_n),
+                      H, false);
+    }
+  } else {
+    weight_grad_by_prev_state<A>(d_w_hh, ln_cell ? dhp_all : dx3, a.output, a.h0, a.pos,
+                                 opts.resets);
+  }
+  if (z.has_proj) {
+    blocked_gemm<A>(P, H, T * B, ptr<A>(dh_tot_all), 1, P, ptr<A>(h_full_all), H, 1,
+                    ptr<A>(d_w_hr), H, false);
+  }
+}
+
+template void backward_impl<float>(const BackwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&,
+                                   Tensor&, Tensor&, Tensor&, Tensor&);
+template void backward_impl<double>(const BackwardArgs<double>&, Tensor&, Tensor&, Tensor&,
+                                    Tensor&, Tensor&, Tensor&, Tensor&, Tensor&);
+
+}  // namespace rnnkern::cpu

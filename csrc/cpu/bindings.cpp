@@ -1,0 +1,253 @@
+// CPU implementations of rnnkern::recurrence, recurrence_backward, step and
+// step_backward (schemas and conventions in ops.cpp): the op entry points,
+// the twin of cuda/bindings.cpp.  Each checks its arguments (checks.h),
+// converts them to the accumulate dtype, dispatches on float / double to the
+// drivers (recurrence.h) or the lean single step (lean_step.h) and converts
+// the results back.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../checks.h"
+#include "buffers.h"
+#include "lean_step.h"
+#include "linear.h"
+#include "products.h"
+#include "recurrence.h"
+
+namespace rnnkern::cpu {
+namespace {
+
+Tensor to_acc(const Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
+Tensor to_acc(const OptTensor& t, at::ScalarType acc) {
+  return t.has_value() ? to_acc(*t, acc) : Tensor();
+}
+
+// The zoneout mask in the accumulate dtype with unit stride along Z, read
+// through its strides along T and B (ops.cpp): a mask expanded along them (an
+// evaluation-mode mask is a [Z] vector with strides (0, 0, 1)) is converted
+// once per distinct row and stays expanded, never copied T*B times.
+Tensor mask_to_acc(const OptTensor& m, at::ScalarType acc) {
+  if (!m.has_value()) return Tensor();
+  Tensor base = *m;
+  for (int64_t d = 0; d < 2; ++d)
+    if (base.stride(d) == 0) base = base.narrow(d, 0, std::min<int64_t>(base.size(d), 1));
+  return base.to(acc).contiguous().expand(m->sizes());
+}
+
+Tensor bools(const OptTensor& t) { return t.has_value() ? t->contiguous() : Tensor(); }
+
+struct LengthsHolder {
+  Tensor lengths;  // keeps the contiguous copy alive while Positions points into it
+  Positions positions(const OptTensor& l, int64_t T, bool reverse) {
+    if (!l.has_value()) return Positions{nullptr, T, reverse};
+    lengths = l->contiguous();
+    return Positions{lengths.const_data_ptr<int64_t>(), T, reverse};
+  }
+};
+
+Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt) {
+  return b.has_value() ? to_acc(*b, opt.dtype().toScalarType()) : at::zeros({n}, opt);
+}
+
+// Forward on tensors of any floating dtype; results in the accumulate dtype.
+std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
+    const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
+    const Positions& pos, bool train, const OptTensor& resets, const OptTensor& zoneout,
+    const OptTensor& ln) {
+  const auto acc = acc_type(h0.scalar_type());
+  const auto opt = h0.options().dtype(acc);
+  const bool lstm = has_cell_state(z.cell);
+  Tensor output = pooled_empty({z.T, z.B, z.P}, opt);
+  Tensor h_n = at::empty({z.B, z.P}, opt);
+  Tensor c_n = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
+  Tensor ws = train ? pooled_empty({z.T, z.B, workspace_size(z.cell, z.H, z.has_zoneout)}, opt)
+                    : empty_like_options(h0, acc);
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
+    ForwardArgs<scalar_t> a{z,
+                            to_acc(xproj, acc),
+                            to_acc(h0, acc),
+                            to_acc(c0, acc),
+                            to_acc(w_hh, acc),
+                            bias_or_zeros(b_ih, z.G * z.H, opt),
+                            bias_or_zeros(b_hh, z.G * z.H, opt),
+                            to_acc(w_hr, acc),
+                            pos,
+                            train,
+                            bools(resets),
+                            mask_to_acc(zoneout, acc),
+                            to_acc(ln, acc)};
+    forward_impl<scalar_t>(a, output, h_n, c_n, ws);
+  });
+  return {output, h_n, c_n, ws};
+}
+
+struct BackwardResult {
+  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln;
+};
+
+// Backward on tensors of any floating dtype; results in the accumulate dtype.
+BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
+                            const Tensor& grad_h_n, const OptTensor& grad_c_n, const Tensor& h0,
+                            const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
+                            const Tensor& output, const Tensor& workspace,
+                            const Positions& pos, const OptTensor& resets,
+                            const OptTensor& zoneout, const OptTensor& ln) {
+  const auto acc = acc_type(h0.scalar_type());
+  const auto opt = h0.options().dtype(acc);
+  const bool lstm = has_cell_state(z.cell);
+  BackwardResult r;
+  r.d_xproj = pooled_empty({z.T, z.B, z.G * z.H}, opt);
+  r.d_h0 = at::empty({z.B, z.P}, opt);
+  r.d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
+  r.d_w_hh = pooled_empty({z.G * z.H, z.P}, opt);  // 1 MiB at LSTM H = 256: fresh pages cost
+  r.d_b_ih = at::empty({z.G * z.H}, opt);
+  r.d_b_hh = at::empty({z.G * z.H}, opt);
+  r.d_w_hr = z.has_proj ? at::empty({z.P, z.H}, opt) : empty_like_options(h0, acc);
+  r.d_ln = ln.has_value() ? at::empty({ln->size(0)}, opt) : empty_like_options(h0, acc);
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
+    BackwardArgs<scalar_t> a{z,
+                             to_acc(grad_output, acc),
+                             to_acc(grad_h_n, acc),
+                             to_acc(grad_c_n, acc),
+                             to_acc(h0, acc),
+                             to_acc(c0, acc),
+                             to_acc(w_hh, acc),
+                             to_acc(w_hr, acc),
+                             to_acc(output, acc),
+                             workspace.contiguous(),
+                             pos,
+                             bools(resets),
+                             mask_to_acc(zoneout, acc),
+                             to_acc(ln, acc)};
+    backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
+                            r.d_w_hr, r.d_ln);
+  });
+  return r;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
+    c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
+    const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
+    const OptTensor& zoneout, const OptTensor& ln) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
+  const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
+                                             resets, zoneout, ln);
+  LengthsHolder holder;
+  auto [output, h_n, c_n, ws] =
+      run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
+                  holder.positions(lengths, z.T, reverse), train, resets, zoneout, ln);
+  const auto dtype = xproj.scalar_type();
+  return {output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_cpu(
+    c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
+    const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
+    const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
+    const OptTensor& lengths, bool reverse, const OptTensor& resets, const OptTensor& zoneout,
+    const OptTensor& ln) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
+  const RecurrenceSizes z =
+      check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                                workspace, lengths, resets, zoneout, ln);
+  LengthsHolder holder;
+  const BackwardResult r =
+      run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
+                   holder.positions(lengths, z.T, reverse), resets, zoneout, ln);
+  const auto dtype = output.scalar_type();
+  return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),  r.d_w_hh.to(dtype),
+          r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype)};
+}
+
+RecurrenceSizes step_as_recurrence(const StepSizes& s) {
+  return RecurrenceSizes{s.cell, 1, s.B, s.H, s.H, s.G, false};
+}
+
+// The single step: the product [x, h] [W_ih; W_hh]^T is split along K into
+// x W_ih^T and h W_hh^T, two GEMMs whose sum (with the biases) the gate pass
+// forms: the recurrence above with T = 1 and xproj = x W_ih^T (lstm_ln: its
+// layer norm of x W_ih^T is the recurrence's too).
+std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor& x,
+                                            const Tensor& h, const OptTensor& c,
+                                            const Tensor& w_ih, const Tensor& w_hh,
+                                            const OptTensor& b_ih, const OptTensor& b_hh,
+                                            const OptTensor& ln) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
+  const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
+  const auto dtype = x.scalar_type();
+  const auto acc = acc_type(dtype);
+  if (lean_step(s, {&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh}))
+    return step_lean(s, x, h, c, w_ih, w_hh, b_ih, b_hh);
+  const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
+  const Tensor xproj = pooled_empty({s.B, s.G * s.H}, xa.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_cpu", [&] {
+    blocked_gemm<scalar_t>(s.B, s.G * s.H, s.I, cptr<scalar_t>(xa), s.I, 1, cptr<scalar_t>(wa), 1,
+                           s.I, ptr<scalar_t>(xproj), s.G * s.H, false);
+  });
+  auto [output, h_new, c_new, ws] =
+      run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
+                  std::nullopt, Positions{nullptr, 1, false}, true, std::nullopt, std::nullopt,
+                  ln);
+  return {h_new.to(dtype), c_new.to(dtype), ws.view({s.B, workspace_size(s.cell, s.H)})};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_cpu(
+    c10::string_view cell, const Tensor& grad_h_new, const OptTensor& grad_c_new, const Tensor& x,
+    const Tensor& h, const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh,
+    const Tensor& h_new, const Tensor& workspace, const OptTensor& ln, int64_t needs) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
+  const StepSizes s = check_step_backward(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new,
+                                          workspace, ln);
+  const auto dtype = x.scalar_type();
+  const auto acc = acc_type(dtype);
+  const auto wanted = [needs](int64_t i) { return (needs >> i & 1) != 0; };
+  // The incoming gradients are often expanded (the backward of a sum): made
+  // dense here, as the driver would.
+  const Tensor gh = grad_h_new.contiguous();
+  const OptTensor gc = grad_c_new.has_value() ? OptTensor(grad_c_new->contiguous()) : std::nullopt;
+  if (lean_step(s, {&gh, &x, &h, &w_ih, &w_hh, &h_new, &workspace}, {&gc, &c}))
+    return step_backward_lean(s, gh, gc, x, h, c, w_ih, w_hh, h_new, workspace, needs);
+  // The step's single output is also its final state: its gradient enters
+  // once, as grad_h_n, with a zero grad_output.
+  const BackwardResult r = run_backward(
+      step_as_recurrence(s), at::zeros({1, s.B, s.H}, h.options().dtype(acc)), grad_h_new,
+      grad_c_new, h, c, w_hh, std::nullopt, h_new.unsqueeze(0),
+      workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false}, std::nullopt,
+      std::nullopt, ln);
+  // dX = dXproj W_ih, dW_ih = dXproj^T X (the GEMMs of rnnkern::linear's
+  // backward: in place at small batch, outputs pooled).
+  const int64_t GH = s.G * s.H;
+  const Tensor dxp = r.d_xproj.view({s.B, GH});
+  const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
+  const Tensor d_x = pooled_empty({s.B, s.I}, xa.options());
+  const Tensor d_w_ih = pooled_empty({GH, s.I}, xa.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_backward_cpu", [&] {
+    blocked_gemm<scalar_t>(s.B, s.I, GH, cptr<scalar_t>(dxp), GH, 1, cptr<scalar_t>(wa), s.I, 1,
+                           ptr<scalar_t>(d_x), s.I, false);
+    blocked_gemm<scalar_t>(GH, s.I, s.B, cptr<scalar_t>(dxp), 1, GH, cptr<scalar_t>(xa), s.I, 1,
+                           ptr<scalar_t>(d_w_ih), s.I, false);
+  });
+  const Tensor got[8] = {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_ln};
+  auto keep = [&](int64_t i) {
+    return wanted(i) ? got[i].to(dtype) : empty_like_options(x, dtype);
+  };
+  return {keep(0), keep(1), keep(2), keep(3), keep(4), keep(5), keep(6), keep(7)};
+}
+
+}  // namespace
+}  // namespace rnnkern::cpu
+
+TORCH_LIBRARY_IMPL(rnnkern, CPU, m) {
+  m.impl("recurrence", &rnnkern::cpu::recurrence_cpu);
+  m.impl("recurrence_backward", &rnnkern::cpu::recurrence_backward_cpu);
+  m.impl("step", &rnnkern::cpu::step_cpu);
+  m.impl("step_backward", &rnnkern::cpu::step_backward_cpu);
+}

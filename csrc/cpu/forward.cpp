@@ -1,0 +1,330 @@
+// The CPU recurrence's forward driver.  Per time step: one GEMM
+// hproj = H_{t-1} W_hh^T into a buffer allocated once, then one pass over the
+// batch rows that adds xproj, the bias and applies the cell's gate math
+// (rows.h, cells.h), writing h_t, c_t and the workspace.  GRU with the reset
+// gate before the product needs a second GEMM (on r * h) and pass; an LSTM
+// projection a GEMM h = (o * tanh c) W_hr^T.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "products.h"
+#include "recurrence.h"
+#include "rows.h"
+#include "schedule.h"
+
+namespace rnnkern::cpu {
+
+// Options per step, forward:
+//  * resets: a restarting row reads h0, c0 where it would read the previous
+//    state, and h0 W_hh^T (step 0's product of the row, kept at step 0) in
+//    place of its row of the step's product: the product itself and the
+//    state buffers are those of a call without resets.
+//  * zoneout: the row kernels blend each new state with the one the step
+//    started from (the projected h of an LSTM with a projection after its
+//    product); the mask rows are read where they lie.
+//  * lstm_ln: see ln_product below.
+template <typename A>
+void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& c_n,
+                  Tensor& ws) {
+  const RecurrenceSizes& z = a.z;
+  const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
+  const int64_t GH = G * H;
+  const int64_t W = workspace_size(z.cell, H, z.has_zoneout);  // per row and step
+  const int64_t nsave = workspace_width(z.cell, z.has_zoneout);
+  const auto opt = a.xproj.options();
+  const bool lstm = has_cell_state(z.cell);
+  const bool ln_cell = z.cell == Cell::LstmLn;
+  const bool reset_before = z.cell == Cell::GruResetBefore;
+  const bool save = a.train;
+  const Options<A> opts = options_of<A>(z, a.resets, a.zoneout);
+  const bool resets = opts.resets != nullptr, zone = opts.zone != nullptr;
+
+  // Packed weights per unit (output) slice, scratch per worker, allocated once.
+  const Split split(z, sizeof(A));
+  const bool in_place = T == 1;  // see kMaxInPlaceRows
+  std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice;
+  for (const Slice& sl : split.units) {
+    // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
+    w_slice.push_back(gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
+                                     reset_before ? 2 : G, sl, in_place));
+    if (reset_before) w_n_slice.push_back(gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl, in_place));
+  }
+  for (const Slice& sl : split.outs) w_r_slice.push_back(gate_rows_t<A>(a.w_hr, 1, sl, in_place));
+  std::vector<Tensor> hproj, hproj0, hn, hq;
+  for (size_t t = 0; t < split.unit_workers(); ++t) {
+    const auto [r, u, sl] = split.unit_work(t);
+    hproj.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
+    if (resets && !ln_cell) hproj0.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
+    if (reset_before) hn.push_back(at::empty({r.nb, sl.n}, opt));
+  }
+  for (size_t t = 0; t < split.out_workers(); ++t)
+    hq.push_back(at::empty({split.out_work(t).r.nb, split.out_work(t).sl.n}, opt));
+  // lstm_ln: the rows' workers (all of them split by rows, one split by
+  // units), the whole product's rows split by units, h0 W_hh^T with resets,
+  // and a workspace row per worker for calls that keep none.
+  const size_t ln_row_workers = split.by_rows ? split.rows.size() : 1;
+  const Tensor hfull = ln_cell && !split.by_rows ? at::empty({B, GH}, opt) : Tensor();
+  const Tensor hproj0_ln = ln_cell && resets ? at::empty({B, GH}, opt) : Tensor();
+  std::vector<Tensor> ln_scratch;
+  for (size_t t = 0; ln_cell && !save && t < ln_row_workers; ++t)
+    ln_scratch.push_back(at::empty({W}, opt));
+  // Without lengths or a projection, h_t is written straight into the
+  // output (all rows of a step at one position), which is then the next
+  // step's h_{t-1}: no state buffer and no copy.
+  const bool h_in_out = !a.pos.lengths && !z.has_proj;
+  Tensor h_buf[2] = {a.h0.clone(), h_in_out ? Tensor() : at::empty({B, P}, opt)};
+  Tensor c_buf[2];
+  if (lstm) c_buf[0] = a.c0.clone(), c_buf[1] = at::empty({B, H}, opt);
+  const Tensor rh = reset_before ? at::empty({B, H}, opt) : Tensor();
+  const Tensor h_full = z.has_proj ? at::empty({B, H}, opt) : Tensor();
+
+  const A* xp = cptr<A>(a.xproj);
+  // Every cell but the GRU candidate needs only the sum of the two biases.
+  const Tensor bias_sum = a.b_x.add(a.b_h);
+  const A* bias = cptr<A>(bias_sum);
+  const A* bx = cptr<A>(a.b_x);
+  const A* bh = cptr<A>(a.b_h);
+  const A* lnp = cptr<A>(a.ln);
+  // The initial states as given (h_buf[0], c_buf[0] are overwritten from step 2 on).
+  const A* h0p = cptr<A>(a.h0);
+  const A* c0p = lstm ? cptr<A>(a.c0) : nullptr;
+  A* out = ptr<A>(output);
+  A* wsp = save ? ptr<A>(ws) : nullptr;
+  // The state buffers of step s.
+  auto h_next_of = [&](int64_t s) {
+    return h_in_out ? out + a.pos.at(0, s) * B * P : ptr<A>(h_buf[(s + 1) & 1]);
+  };
+  auto h_prev_of = [&](int64_t s) -> const A* {
+    return h_in_out && s > 0 ? h_next_of(s - 1) : ptr<A>(h_buf[s & 1]);
+  };
+  auto c_prev_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[s & 1]) : nullptr; };
+  auto c_next_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr; };
+  // Whether row b (at time position p) restarts from h0, c0 at step s (at
+  // step 0 every row starts from them anyway).
+  auto restarts = [&](int64_t p, int64_t b, int64_t s) { return s > 0 && opts.restart(p, b); };
+
+  // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
+  auto gates = [&](size_t t, int64_t s) {
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    const A* c_prev = c_prev_of(s);
+    A* c_next = c_next_of(s);
+    // The next step's rows of xproj, from memory into cache while this step's
+    // GEMM computes: a call's xproj outgrows the caches (LSTM B=32 T=256
+    // H=256: 32 MB), and a step's rows span more pages than the hardware
+    // prefetchers follow.
+    if (s + 1 < T) {
+      for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+        const int64_t p = a.pos.at(b, s + 1);
+        if (p < 0) continue;
+        const char* row = reinterpret_cast<const char*>(xp + (p * B + b) * GH + j0);
+        for (int64_t k = 0; k < G; ++k)
+          for (int64_t off = 0; off < n * int64_t(sizeof(A)); off += 64)
+            __builtin_prefetch(row + k * H * int64_t(sizeof(A)) + off);
+      }
+    }
+    step_gemm<A>(r.nb, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    A* hp = ptr<A>(hproj[t]);
+    const int64_t ldh = n;
+    const int64_t hrow = hproj[t].size(1);
+    if (resets && s == 0) copy_row(ptr<A>(hproj0[t]), hp, r.nb * hrow);  // h0 W_hh^T
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        // Finished sequence: state unchanged, zeros at the padding position s.
+        if (!z.has_proj) {
+          copy_row(h_next + b * H + j0, h_prev + b * H + j0, n);
+          zero_row(out + (s * B + b) * H + j0, n);
+        }
+        if (lstm) copy_row(c_next + b * H + j0, c_prev + b * H + j0, n);
+        if (reset_before) zero_row(ptr<A>(rh) + b * H + j0, n);
+        for (int64_t k = 0; k < nsave && save; ++k) zero_row(wsp + (s * B + b) * W + k * H + j0, n);
+        continue;
+      }
+      const int64_t row = p * B + b;
+      const A* x = xp + row * GH + j0;
+      A* hh = hp + (b - r.b0) * hrow;
+      A* w = save ? wsp + row * W + j0 : nullptr;
+      A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;
+      // The state the step starts from (h_s: unprojected cells only).
+      const bool restart = restarts(p, b, s);
+      if (restart) copy_row(hh, ptr<A>(hproj0[t]) + (b - r.b0) * hrow, hrow);
+      const A* h_s = z.has_proj ? nullptr : (restart ? h0p : h_prev) + b * H + j0;
+      const A* c_s = lstm ? (restart ? c0p : c_prev) + b * H + j0 : nullptr;
+      const A* m = opts.mask(p, b);
+      const A* mh = zone ? m + j0 : nullptr;
+      const A* mc = zone ? m + opts.zc + j0 : nullptr;
+      switch (z.cell) {
+        case Cell::RnnTanh:
+        case Cell::RnnRelu:
+          bool_switch(save, [&](auto kSave) {
+            bool_switch(zone, [&](auto kZone) {
+              constexpr bool S = decltype(kSave)::value, Z = decltype(kZone)::value;
+              if (z.cell == Cell::RnnRelu)
+                rnn_forward_row<A, true, S, Z>(n, x, hh, bias + j0, h, h_s, mh, w);
+              else
+                rnn_forward_row<A, false, S, Z>(n, x, hh, bias + j0, h, h_s, mh, w);
+            });
+          });
+          break;
+        case Cell::Lstm:
+          bool_switch(save, [&](auto kSave) {
+            bool_switch(zone, [&](auto kZone) {
+              bool_switch(zone && !z.has_proj, [&](auto kZoneH) {
+                lstm_forward_row<A, decltype(kSave)::value, decltype(kZone)::value,
+                                 decltype(kZoneH)::value>(n, H, ldh, x, hh, bias + j0, c_s,
+                                                          c_next + b * H + j0, h, w, h_s, mh, mc);
+              });
+            });
+          });
+          break;
+        case Cell::Gru:
+          bool_switch(save, [&](auto kSave) {
+            bool_switch(zone, [&](auto kZone) {
+              gru_forward_row<A, decltype(kSave)::value, decltype(kZone)::value>(
+                  n, H, ldh, x, hh, bx + j0, bh + j0, h_s, h, w, mh);
+            });
+          });
+          break;
+        case Cell::GruResetBefore:
+          gru_rb_gates_row<A>(n, H, ldh, x, hh, bias + j0, h_s, hh, ptr<A>(rh) + b * H + j0);
+          continue;  // h comes in phase 2
+        case Cell::LstmLn:
+          continue;  // ln_product and ln_rows
+      }
+      if (!z.has_proj && !h_in_out) copy_row(out + row * H + j0, h, n);
+    }
+  };
+
+  // Reset-before GRU, phase 2: the candidate's GEMM on r * h (all units), then h.
+  auto candidate = [&](size_t t, int64_t s) {
+    const auto [r, u, sl] = split.unit_work(t);
+    const int64_t j0 = sl.j0, n = sl.n;
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    step_gemm<A>(r.nb, ptr<A>(rh) + r.b0 * H, H, w_n_slice[u], ptr<A>(hn[t]), false);
+    const A* rz = ptr<A>(hproj[t]);  // r, z of the slice, from phase 1
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) continue;
+      const int64_t row = p * B + b;
+      const int64_t i = b - r.b0;
+      A* h = h_next + b * H + j0;
+      A* w = save ? wsp + row * W + j0 : nullptr;
+      const A* h_s = (restarts(p, b, s) ? h0p : h_prev) + b * H + j0;
+      const A* mh = zone ? opts.mask(p, b) + j0 : nullptr;
+      bool_switch(save, [&](auto kSave) {
+        bool_switch(zone, [&](auto kZone) {
+          gru_rb_candidate_row<A, decltype(kSave)::value, decltype(kZone)::value>(
+              n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n, bias + j0, rz + i * 2 * n, h_s,
+              h, w, mh);
+        });
+      });
+      if (!h_in_out) copy_row(out + row * H + j0, h, n);
+    }
+  };
+
+  // LSTM projection, phase 2, per output slice: h_t = (o * tanh c) W_hr^T.
+  auto project = [&](size_t t, int64_t s) {
+    const auto [r, oi, o] = split.out_work(t);
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    step_gemm<A>(r.nb, ptr<A>(h_full) + r.b0 * H, H, w_r_slice[oi], ptr<A>(hq[t]), false);
+    const A* q = ptr<A>(hq[t]);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        copy_row(h_next + b * P + o.j0, h_prev + b * P + o.j0, o.n);
+        zero_row(out + (s * B + b) * P + o.j0, o.n);
+        continue;
+      }
+      if (zone) {
+        const A* h_s = (restarts(p, b, s) ? h0p : h_prev) + b * P + o.j0;
+        zoneout_row<A>(o.n, opts.mask(p, b) + o.j0, h_s, q + (b - r.b0) * o.n,
+                       h_next + b * P + o.j0);
+      } else {
+        copy_row(h_next + b * P + o.j0, q + (b - r.b0) * o.n, o.n);
+      }
+      copy_row(out + (p * B + b) * P + o.j0, h_next + b * P + o.j0, o.n);
+    }
+  };
+
+  // lstm_ln.  Its layer norms need whole rows: of h_{t-1} W_hh^T (4H) and of
+  // c~ (H).  Split by rows, every worker has them (its slice is all units)
+  // and runs both phases back to back.  Split by units, each worker runs its
+  // slice of the product (the step's bulk: at least kMinStepMacsPerWorker
+  // multiply-adds a worker) and copies it into a buffer of whole rows; then
+  // one thread runs the rows' layer norms and gate math, O(B H) against each
+  // worker's O(B H H / workers) product.  So a step still has one meeting of
+  // the threads (its product), where splitting the layer norms by units too
+  // would add a reduction phase, and a meeting, per layer norm.
+  auto ln_product = [&](size_t t, int64_t s) {
+    const auto [r, u, sl] = split.unit_work(t);
+    step_gemm<A>(r.nb, h_prev_of(s) + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    if (split.by_rows) return;
+    const A* hp = ptr<A>(hproj[t]);  // [B, G*n]: gate k of unit j0 + j at k*n + j
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t k = 0; k < G; ++k)
+        copy_row(ptr<A>(hfull) + b * GH + k * H + sl.j0, hp + (b * G + k) * sl.n, sl.n);
+  };
+  auto ln_rows = [&](size_t t, int64_t s) {
+    const Rows r = split.rows_of(t);
+    const A* h_prev = h_prev_of(s);
+    A* h_next = h_next_of(s);
+    const A* c_prev = c_prev_of(s);
+    A* c_next = c_next_of(s);
+    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
+      const int64_t p = a.pos.at(b, s);
+      if (p < 0) {
+        copy_row(h_next + b * H, h_prev + b * H, H);
+        zero_row(out + (s * B + b) * H, H);
+        copy_row(c_next + b * H, c_prev + b * H, H);
+        if (save) zero_row(wsp + (s * B + b) * W, W);
+        continue;
+      }
+      const int64_t row = p * B + b;
+      A* hh = split.by_rows ? ptr<A>(hproj[t]) + (b - r.b0) * GH : ptr<A>(hfull) + b * GH;
+      const bool restart = restarts(p, b, s);
+      if (resets && s == 0) copy_row(ptr<A>(hproj0_ln) + b * GH, hh, GH);  // h0 W_hh^T
+      if (restart) copy_row(hh, ptr<A>(hproj0_ln) + b * GH, GH);
+      const A* h_s = (restart ? h0p : h_prev) + b * H;
+      const A* c_s = (restart ? c0p : c_prev) + b * H;
+      const A* m = opts.mask(p, b);
+      A* w = save ? wsp + row * W : ptr<A>(ln_scratch[t]);
+      A* h = h_next + b * H;
+      bool_switch(zone, [&](auto kZone) {
+        lstm_ln_forward_row<A, decltype(kZone)::value>(H, xp + row * GH, hh, bias, lnp, h_s, c_s,
+                                                       zone ? m : nullptr,
+                                                       zone ? m + opts.zc : nullptr, w,
+                                                       c_next + b * H, h);
+      });
+      if (!h_in_out) copy_row(out + row * H, h, H);
+    }
+  };
+
+  if (ln_cell) {
+    run_steps(split, T, false, phase(true, split.unit_workers(), ln_product),
+              phase(true, ln_row_workers, ln_rows));
+  } else {
+    run_steps(split, T, false, phase(true, split.unit_workers(), gates),
+              phase(reset_before, split.unit_workers(), candidate),
+              phase(z.has_proj, split.out_workers(), project));
+  }
+  if (h_in_out && T > 0)
+    h_n.copy_(output[a.pos.at(0, T - 1)]);
+  else
+    h_n.copy_(h_buf[h_in_out ? 0 : T & 1]);
+  if (lstm) c_n.copy_(c_buf[T & 1]);
+}
+
+template void forward_impl<float>(const ForwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&);
+template void forward_impl<double>(const ForwardArgs<double>&, Tensor&, Tensor&, Tensor&, Tensor&);
+
+}  // namespace rnnkern::cpu

@@ -1,0 +1,224 @@
+// The CPU backend's lean single step (see lean_step.h): single-threaded,
+// scratch per thread, the same row kernels (rows.h) and cells.h formulas as
+// the recurrence drivers.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
+#include "lean_step.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "buffers.h"
+#include "gemm.h"
+#include "linear.h"
+#include "products.h"
+#include "rows.h"
+#include "schedule.h"
+
+namespace rnnkern::cpu {
+namespace {
+
+// Scratch of the lean step, per thread, grown as needed and kept.
+template <typename A>
+A* lean_scratch(size_t n) {
+  thread_local std::vector<A> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// A second one: the LSTM's dc carry when grad_c is not wanted.
+template <typename A>
+A* lean_scratch_c(size_t n) {
+  thread_local std::vector<A> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+template <typename A>
+RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const A* h, const A* c,
+                                          const A* w_ih, const A* w_hh, const A* b_ih,
+                                          const A* b_hh, A* h_new, A* c_new, A* ws) {
+  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
+  A* xp = lean_scratch<A>(2 * B * GH + 3 * GH);
+  A* hp = xp + B * GH;
+  A* bx = hp + B * GH;  // b_ih, b_hh (zeros when absent) and their sum
+  A* bh = bx + GH;
+  A* bsum = bh + GH;
+  for (int64_t j = 0; j < GH; ++j) {
+    bx[j] = b_ih ? b_ih[j] : A(0);
+    bh[j] = b_hh ? b_hh[j] : A(0);
+    bsum[j] = bx[j] + bh[j];
+  }
+  gemm::multiply_nt_rows(B, x, I, w_ih, I, GH, I, xp, GH);  // x W_ih^T
+  gemm::multiply_nt_rows(B, h, H, w_hh, H, GH, H, hp, GH);  // h W_hh^T
+  for (int64_t b = 0; b < B; ++b) {
+    const A* xr = xp + b * GH;
+    const A* hr = hp + b * GH;
+    A* w = ws + b * W;
+    switch (s.cell) {
+      case Cell::RnnTanh:
+        rnn_forward_row<A, false, true, false>(H, xr, hr, bsum, h_new + b * H, nullptr, nullptr, w);
+        break;
+      case Cell::RnnRelu:
+        rnn_forward_row<A, true, true, false>(H, xr, hr, bsum, h_new + b * H, nullptr, nullptr, w);
+        break;
+      case Cell::Lstm:
+        lstm_forward_row<A, true, false, false>(H, H, H, xr, hr, bsum, c + b * H, c_new + b * H,
+                                                h_new + b * H, w, nullptr, nullptr, nullptr);
+        break;
+      case Cell::Gru:
+        gru_forward_row<A, true, false>(H, H, H, xr, hr, bx, bh, h + b * H, h_new + b * H, w,
+                                        nullptr);
+        break;
+      default: TORCH_INTERNAL_ASSERT(false, "lean_step_forward: ", cell_name(s.cell));
+    }
+  }
+}
+
+// Outputs given as null are not wanted (step_backward's `needs`): their
+// products are skipped.  d_h always receives the carry; need_dh adds the
+// product through W_hh.
+template <typename A>
+RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, const A* grad_c,
+                                           const A* x, const A* h, const A* c, const A* w_ih,
+                                           const A* w_hh, const A* h_new, const A* ws, A* d_x,
+                                           A* d_h, A* d_c, A* d_w_ih, A* d_w_hh, A* d_b_ih,
+                                           A* d_b_hh, bool need_dh) {
+  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
+  const bool gru = s.cell == Cell::Gru;
+  // dx: gradients of x W_ih^T (+ b_ih); da: of h W_hh^T (+ b_hh) -- the same
+  // numbers but for the GRU candidate (dx_n against dhn).
+  A* dx = lean_scratch<A>((gru ? 2 : 1) * B * GH + H + B * H);
+  A* da = gru ? dx + B * GH : dx;
+  A* zero = da + B * GH;  // the step's output gradient: it enters as grad_h only
+  A* dhn = zero + H;      // (GRU: the candidate's hidden part, also da's last block)
+  std::fill(zero, zero + H, A(0));
+  std::copy(grad_h, grad_h + B * H, d_h);  // the carry; the rows leave the direct part
+  // (the LSTM's dc carry lives in d_c, or in scratch when it is not wanted)
+  A* dc = c == nullptr ? nullptr : d_c != nullptr ? d_c : lean_scratch_c<A>(B * H);
+  if (c != nullptr) std::copy(grad_c, grad_c + B * H, dc);
+  for (int64_t b = 0; b < B; ++b) {
+    const A* w = ws + b * W;
+    A* dh = d_h + b * H;
+    switch (s.cell) {
+      case Cell::RnnTanh:
+        rnn_backward_row<A, false, false>(H, dh, zero, h_new + b * H, dx + b * GH, nullptr);
+        break;
+      case Cell::RnnRelu:
+        rnn_backward_row<A, true, false>(H, dh, zero, h_new + b * H, dx + b * GH, nullptr);
+        break;
+      case Cell::Lstm:
+        lstm_backward_row<A, false, false>(H, H, dh, zero, dc + b * H, w, c + b * H,
+                                           dx + b * GH, nullptr, nullptr, nullptr);
+        break;
+      case Cell::Gru:
+        gru_backward_row<A, false>(H, H, dh, zero, w, h + b * H, dx + b * GH, da + b * GH,
+                                   dhn + b * H, nullptr);
+        break;
+      default: TORCH_INTERNAL_ASSERT(false, "lean_step_backward: ", cell_name(s.cell));
+    }
+  }
+  // The products: dh += da W_hh, dx = dx W_ih, dW_hh = da^T h, dW_ih = dx^T x.
+  if (need_dh)
+    gemm::multiply(B, da, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_hh, GH, H, H),
+                   d_h, H, true);
+  if (d_x != nullptr)
+    gemm::multiply(B, dx, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_ih, GH, I, I),
+                   d_x, I, false);
+  if (d_w_hh != nullptr) blocked_gemm<A>(GH, H, B, da, 1, GH, h, H, 1, d_w_hh, H, false);
+  if (d_w_ih != nullptr) blocked_gemm<A>(GH, I, B, dx, 1, GH, x, I, 1, d_w_ih, I, false);
+  for (int64_t j = 0; j < GH && (d_b_ih != nullptr || d_b_hh != nullptr); ++j) {
+    A si = 0, sh = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      si += dx[b * GH + j];
+      sh += da[b * GH + j];
+    }
+    if (d_b_ih != nullptr) d_b_ih[j] = si;
+    if (d_b_hh != nullptr) d_b_hh[j] = sh;
+  }
+}
+
+}  // namespace
+
+// Whether step(cell ...) takes the lean path: a cell without options, inputs
+// already contiguous in the accumulate type, and a step the driver would run
+// on one thread anyway: one thread (whatever the size: the driver's T = 1
+// input projection packs W_ih, which made an LSTM step at B=32 H=256 take
+// 324 us against the lean path's 168 at B=31), or fewer rows than a split by
+// rows takes and far below a split by units.  Its scratch is kept per thread,
+// so a step with more than kMaxLeanGateValues gate pre-activations (B x G x H;
+// 16 MiB of float32 scratch) goes to the driver, whose buffers are pooled.
+constexpr int64_t kMaxLeanGateValues = int64_t(1) << 21;
+bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
+               std::initializer_list<const OptTensor*> opts) {
+  if (s.cell == Cell::GruResetBefore || s.cell == Cell::LstmLn) return false;
+  if (s.B * s.G * s.H > kMaxLeanGateValues) return false;
+  if (at::get_num_threads() > 1 &&
+      (s.B >= 2 * kMinRowsPerThread || s.B * s.G * s.H * (s.I + s.H) >= kMinStepMacsPerWorker))
+    return false;
+  for (const Tensor* t : ts) {
+    const auto st = t->scalar_type();
+    if ((st != at::kFloat && st != at::kDouble) || !t->is_contiguous()) return false;
+  }
+  for (const OptTensor* t : opts)
+    if (t->has_value() && !(*t)->is_contiguous()) return false;
+  return true;
+}
+
+std::tuple<Tensor, Tensor, Tensor> step_lean(const StepSizes& s, const Tensor& x, const Tensor& h,
+                                             const OptTensor& c, const Tensor& w_ih,
+                                             const Tensor& w_hh, const OptTensor& b_ih,
+                                             const OptTensor& b_hh) {
+  const auto dtype = x.scalar_type();
+  const auto acc = acc_type(dtype);
+  const auto opt = x.options();
+  Tensor h_new = at::empty({s.B, s.H}, opt);
+  Tensor c_new = s.cell == Cell::Lstm ? at::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
+  Tensor ws = at::empty({s.B, workspace_size(s.cell, s.H)}, opt);
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_cpu", [&] {
+    auto opt_ptr = [](const OptTensor& t) { return t.has_value() ? cptr<scalar_t>(*t) : nullptr; };
+    lean_step_forward<scalar_t>(s, cptr<scalar_t>(x), cptr<scalar_t>(h), opt_ptr(c),
+                                cptr<scalar_t>(w_ih), cptr<scalar_t>(w_hh), opt_ptr(b_ih),
+                                opt_ptr(b_hh), ptr<scalar_t>(h_new),
+                                c.has_value() ? ptr<scalar_t>(c_new) : nullptr, ptr<scalar_t>(ws));
+  });
+  return {h_new, c_new, ws};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_backward_lean(
+    const StepSizes& s, const Tensor& gh, const OptTensor& gc, const Tensor& x, const Tensor& h,
+    const OptTensor& c, const Tensor& w_ih, const Tensor& w_hh, const Tensor& h_new,
+    const Tensor& workspace, int64_t needs) {
+  const auto dtype = x.scalar_type();
+  const auto acc = acc_type(dtype);
+  const auto wanted = [needs](int64_t i) { return (needs >> i & 1) != 0; };
+  const auto opt = x.options();
+  const int64_t GH = s.G * s.H;
+  const bool lstm = s.cell == Cell::Lstm;
+  // (each output its own tensor, empty ones too: outputs must not alias)
+  const auto none = [&] { return empty_like_options(x, dtype); };
+  // d_h and d_c are the row kernels' carries: computed whatever is wanted.
+  Tensor d_x = wanted(0) ? at::empty({s.B, s.I}, opt) : none();
+  Tensor d_h = at::empty({s.B, s.H}, opt);
+  Tensor d_c = lstm ? at::empty({s.B, s.H}, opt) : none();
+  Tensor d_w_ih = wanted(3) ? pooled_empty({GH, s.I}, opt) : none();
+  Tensor d_w_hh = wanted(4) ? pooled_empty({GH, s.H}, opt) : none();
+  Tensor d_b_ih = wanted(5) ? at::empty({GH}, opt) : none();
+  Tensor d_b_hh = wanted(6) ? at::empty({GH}, opt) : none();
+  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_backward_cpu", [&] {
+    auto out = [](const Tensor& t) { return t.numel() > 0 ? ptr<scalar_t>(t) : nullptr; };
+    lean_step_backward<scalar_t>(
+        s, cptr<scalar_t>(gh), lstm ? cptr<scalar_t>(*gc) : nullptr,
+        cptr<scalar_t>(x), cptr<scalar_t>(h), lstm ? cptr<scalar_t>(*c) : nullptr,
+        cptr<scalar_t>(w_ih), cptr<scalar_t>(w_hh), cptr<scalar_t>(h_new),
+        cptr<scalar_t>(workspace), out(d_x), ptr<scalar_t>(d_h), lstm ? out(d_c) : nullptr,
+        out(d_w_ih), out(d_w_hh), out(d_b_ih), out(d_b_hh), wanted(1));
+  });
+  return {d_x,    wanted(1) ? d_h : none(), wanted(2) ? d_c : none(), d_w_ih, d_w_hh, d_b_ih,
+          d_b_hh, none()};
+}
+
+}  // namespace rnnkern::cpu

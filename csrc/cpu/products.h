@@ -1,0 +1,101 @@
+// The CPU recurrence's per-step products: a slice of the gate-stacked
+// weights, packed or read in place, times the state rows (gemm.h), and the
+// pointers into tensors that the drivers pass around.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "gemm.h"
+#include "isa.h"
+#include "schedule.h"
+
+namespace rnnkern::cpu {
+
+// Rows of a [G*H, K] gate-stacked weight for the units of one slice: [G*n, K].
+inline Tensor gate_rows(const Tensor& w, int64_t G, const Slice& s) {
+  return w.view({G, w.size(0) / G, w.size(1)}).narrow(1, s.j0, s.n).reshape({G * s.n, w.size(1)}).contiguous();
+}
+
+// Outputs and scratch buffers.
+template <typename A>
+A* ptr(const Tensor& t) {
+  return t.defined() ? t.template data_ptr<A>() : nullptr;
+}
+
+// Inputs, read only: a const pointer leaves a copy-on-write input (the output
+// the autograd formula saves, rnnkern/ops.py) shared; data_ptr() would copy it.
+template <typename A>
+const A* cptr(const Tensor& t) {
+  return t.defined() ? t.template const_data_ptr<A>() : nullptr;
+}
+
+// The forward's per-step product  C[M, cols] (+)= A[M, K] W_s^T, where W_s is
+// rows [j0, j0 + n) of each of `blocks` gate blocks of a row-major
+// [blocks*H, K] weight (one unit slice's gates, in gate order).
+template <typename A>
+struct StepWeightT {
+  bool in_place = false;
+  gemm::PackedB<A> packed;  // !in_place
+  const A* w = nullptr;     // in_place: the weight itself
+  int64_t K = 0, blocks = 0, H = 0, j0 = 0, n = 0;
+  int64_t cols() const { return blocks * n; }
+};
+
+template <typename A>
+RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const StepWeightT<A>& w,
+                                  A* c, bool accumulate) {
+  if (!w.in_place) {
+    gemm::multiply(M, a, gemm::StridesA{lda, 1}, w.packed, c, w.packed.N, accumulate);
+  } else {
+    // The whole weight (its gate blocks contiguous) as one block, or the slice's
+    // rows of each gate block.
+    const bool whole = w.n == w.H;
+    for (int64_t g = 0; g < (whole ? 1 : w.blocks); ++g) {
+      const A* rows = whole ? w.w : w.w + (g * w.H + w.j0) * w.K;
+      const int64_t n = whole ? w.blocks * w.H : w.n;
+      A* cg = c + g * w.n;
+      if (accumulate)
+        gemm::multiply_nt(M, a, lda, rows, w.K, n, w.K, cg, w.cols(), true);
+      else
+        gemm::multiply_nt_rows(M, a, lda, rows, w.K, n, w.K, cg, w.cols());
+    }
+  }
+}
+
+// The backward's per-step product  C[M, N] (+)= A[M, K] B, B packed or a view.
+template <typename A>
+RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const gemm::PackedB<A>& b,
+                                  A* c, bool accumulate) {
+  gemm::multiply(M, a, gemm::StridesA{lda, 1}, b, c, b.N, accumulate);
+}
+
+// W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
+// [G*H, K] weight.
+template <typename A>
+StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_place) {
+  StepWeightT<A> s;
+  s.in_place = in_place;
+  s.K = w.size(1);
+  s.blocks = G;
+  s.H = w.size(0) / G;
+  s.j0 = sl.j0;
+  s.n = sl.n;
+  if (in_place)
+    s.w = cptr<A>(w);
+  else
+    s.packed.pack(cptr<A>(gate_rows(w, G, sl)), s.K, G * sl.n, 1, s.K);
+  return s;
+}
+
+// Columns [j0, j0 + n) of a contiguous [K, C] weight: the B of  dh = da W[:, slice].
+template <typename A>
+gemm::PackedB<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place) {
+  if (in_place) return gemm::PackedB<A>::view_rows(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1));
+  gemm::PackedB<A> p;
+  p.pack(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
+  return p;
+}
+
+}  // namespace rnnkern::cpu

@@ -1,0 +1,70 @@
+// The CPU recurrence's drivers (forward.cpp, backward.cpp): their arguments
+// and entry points, called by the op entry points (bindings.cpp).
+//
+// Gate math runs in float (for float, bfloat16, float16) or double; half
+// inputs are converted on entry and outputs converted back (bindings.cpp).
+// The row loops (rows.h) are compiled for several x86 ISA levels
+// (target_clones) and vectorise.
+//
+// The options beyond torch.nn (resets, zoneout, the LayerNorm cell lstm_ln;
+// formulas in rnnkern/reference.py) run inside the same loops: per-row
+// choices of the state a step starts from, template flags of the row
+// kernels, and for lstm_ln row kernels of its own (see forward_impl and
+// backward_impl).  A call without them runs the code it ran before they
+// existed.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "../checks.h"
+#include "rows.h"
+
+namespace rnnkern::cpu {
+
+// ------------------------------------------------------------------------
+// Forward driver.  All tensors are contiguous, of dtype A (the zoneout mask:
+// unit stride along Z, any strides along T and B).
+template <typename A>
+struct ForwardArgs {
+  const RecurrenceSizes& z;
+  Tensor xproj, h0, c0, w_hh, b_x, b_h, w_hr;  // b_x, b_h: b_ih, b_hh or zeros
+  Positions pos;
+  bool train;
+  Tensor resets, zoneout, ln;  // undefined when not given
+};
+
+template <typename A>
+Options<A> options_of(const RecurrenceSizes& z, const Tensor& resets, const Tensor& zoneout) {
+  Options<A> o;
+  o.B = z.B;
+  if (resets.defined()) o.resets = resets.template const_data_ptr<bool>();
+  if (zoneout.defined()) {
+    o.zone = zoneout.template const_data_ptr<A>();
+    o.zt = zoneout.stride(0);
+    o.zb = zoneout.stride(1);
+    o.zc = z.P;
+  }
+  return o;
+}
+
+// Forward of the whole sequence into output [T, B, P], h_n, c_n and the
+// workspace ws (forward.cpp; A = float or double).
+template <typename A>
+void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& c_n,
+                  Tensor& ws);
+
+// Backward (BPTT) of the whole sequence, every gradient (backward.cpp).
+template <typename A>
+struct BackwardArgs {
+  const RecurrenceSizes& z;
+  Tensor grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, ws;
+  Positions pos;
+  Tensor resets, zoneout, ln;  // undefined when not given
+};
+
+template <typename A>
+void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
+                   Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
+                   Tensor& d_ln);
+
+}  // namespace rnnkern::cpu
