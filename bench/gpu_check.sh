@@ -55,16 +55,24 @@
 # install -e --dry-run instead of a full recompile); env records device "none"
 # and null ceilings; tests_cuda runs tests/test_cuda_emulated.py on the emulated
 # device (result "no emulated device" if rnnkern._C_cuda_emu is not built);
-# memcheck, racecheck, initcheck and bench record "no GPU" (bench runs its real
-# command, which must say that no CUDA device is visible); tests_other runs a
+# memcheck, racecheck, initcheck and bench record "no GPU" (memcheck runs
+# bench/sanitizer_cases.py --emulated on float32 and bfloat16 if the emulated
+# device is built, bench its real command, which must say that no CUDA device
+# is visible); tests_other runs a
 # bounded subset of tests/test_triton.py under TRITON_INTERPRET=1.  Exit 0 when
 # every stage did what a rehearsal expects, 1 otherwise (a stage broke, timed
-# out or was skipped).  About 2-4 minutes on 2 CPU cores.
+# out or was skipped).  Measured on 2 CPU cores shared with other work (load
+# average 17; 125 s of CPU time in all): build 55 s (pip --dry-run), env 14,
+# tests_cuda 157 (315 emulated tests), memcheck 25 (emulated cases), bench 10,
+# tests_other 59 (20 Triton tests, interpreted): 345 s wall of the 540 s
+# budget; on 2 idle cores about 2-3 minutes.
 #
 # Knobs: STAGES (default build,env,tests,sanitizer,bench), PYTHON (default
 # python3), MAX_JOBS (default: all cores), GPU_CHECK_BUDGET, XDIST_WORKERS
 # (default 4; 0 runs the tests in one process), BENCH_ARGS (see above),
-# REHEARSE_TRITON_K (the rehearsal's -k expression for tests/test_triton.py).
+# REHEARSE_TRITON_K (the rehearsal's -k expression for tests/test_triton.py),
+# REHEARSE_SANITIZER_DTYPES (the dtypes of the rehearsal's emulated sanitizer
+# cases, default float32,bfloat16; empty: none).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -102,6 +110,7 @@ record() {
 # run_stage NAME CAP_SECONDS COMMAND...: runs COMMAND under a time limit (its
 # cap or what is left of the budget), output to $WORK/NAME.log; records name,
 # exit code, seconds, limit and result in stages.tsv.  124: timed out.
+# RESULT_IF_OK, if set: the result of exit 0 instead of "ok".
 # EXPECT_FAIL (a regex), if set: a non-zero exit whose log matches it is the
 # expected result RESULT_IF_EXPECTED (the rehearsal's "no GPU").
 run_stage() {
@@ -120,7 +129,7 @@ run_stage() {
   timeout -s INT --kill-after=20 "$limit" "$@" >"$WORK/$name.log" 2>&1
   rc=$?
   local secs=$(($(date +%s) - t0))
-  if ((rc == 0)); then result=ok
+  if ((rc == 0)); then result=${RESULT_IF_OK:-ok}
   elif ((rc == 124 || rc == 137)); then result="timed out"
   elif [[ -n "${EXPECT_FAIL:-}" ]] && ! grep -q '^Traceback' "$WORK/$name.log" &&
        grep -Eq "$EXPECT_FAIL" "$WORK/$name.log"; then result=$RESULT_IF_EXPECTED
@@ -129,6 +138,15 @@ run_stage() {
   say "$name: exit $rc after ${secs}s: $result"
   tail -n 5 "$WORK/$name.log" | sed 's/^/    /' | tee -a "$LOG"
   return 0
+}
+
+# has_emulation: rnnkern._C_cuda_emu is built (the rehearsal's CUDA device), asked once.
+has_emulation() {
+  if [[ -z "${HAS_EMU:-}" ]]; then
+    HAS_EMU=0
+    "$PY" -c "import sys; from rnnkern import ops; sys.exit(0 if ops.WITH_CUDA_EMULATION else 1)" 2>/dev/null && HAS_EMU=1
+  fi
+  ((HAS_EMU))
 }
 
 # ------------------------------------------------------------------ build ----
@@ -227,16 +245,18 @@ fi
 
 # ------------------------------------------------------------------ tests ----
 if wants tests; then
+  read -r has_xdist has_timeout < <("$PY" -c "import importlib.util as u
+print(*(int(u.find_spec(m) is not None) for m in ('xdist', 'pytest_timeout')))" 2>/dev/null || echo 0 0)
   XDIST=()
   workers=${XDIST_WORKERS:-4}
-  if ((workers > 0)) && "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$workers"); fi
+  if ((workers > 0 && has_xdist)); then XDIST=(-n "$workers"); fi
   TIMEOUT=()
-  if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT=(--timeout=240); fi
+  if ((has_timeout)); then TIMEOUT=(--timeout=240); fi
   PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE --durations=20 -o junit_family=xunit2
           --continue-on-collection-errors "${XDIST[@]}" "${TIMEOUT[@]}")
   if ((REHEARSE)); then
     # The CUDA kernels' code on the emulated device (its tests are not marked gpu).
-    if "$PY" -c "import sys; from rnnkern import ops; sys.exit(0 if ops.WITH_CUDA_EMULATION else 1)" 2>/dev/null; then
+    if has_emulation; then
       RNNKERN_REQUIRE_CUDA_EMULATION=1 run_stage tests_cuda 200 "${PYTEST[@]}" tests/test_cuda_emulated.py \
         --junitxml="$OUT/junit_cuda.xml"
     else
@@ -254,13 +274,17 @@ fi
 sanitize() {
   local tool=$1 cap=$2
   shift 2
-  if ((REHEARSE)); then
+  if ((REHEARSE)) && [[ "$tool" == memcheck && -n "${REHEARSE_SANITIZER_DTYPES-x}" ]] && has_emulation; then
+    # No GPU, no compute-sanitizer: the cases themselves, once, on the emulated device.
+    RESULT_IF_OK="no GPU" run_stage "$tool" "$cap" "$PY" bench/sanitizer_cases.py --emulated \
+      --dtypes "${REHEARSE_SANITIZER_DTYPES:-float32,bfloat16}"
+  elif ((REHEARSE)); then
     record "$tool" "no GPU"
   elif [[ -z "$SAN" ]]; then
     record "$tool" "compute-sanitizer not found"
   else
     local filter=()
-    [[ "$tool" != memcheck ]] && filter=("${FILTER[@]}")
+    [[ "$tool" == racecheck ]] && filter=("${FILTER[@]}")
     # initcheck and memcheck: every tensor its own allocation, so an access past one's end is caught.
     if [[ "$tool" != racecheck ]]; then export PYTORCH_NO_CUDA_MEMORY_CACHING=1; fi
     run_stage "$tool" "$cap" "$SAN" --tool "$tool" --error-exitcode 99 --print-limit 100 "${filter[@]}" \
@@ -270,8 +294,8 @@ sanitize() {
 }
 if wants sanitizer; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -n 1)
-  # Restrict racecheck / initcheck reports to rnnkern's kernels where the
-  # tool can filter by kernel name.
+  # Restrict racecheck's reports to rnnkern's kernels where the tool can
+  # filter by kernel name.
   FILTER=()
   if [[ -n "$SAN" ]]; then
     if "$SAN" --help 2>&1 | grep -q -- '--kernel-name '; then FILTER=(--kernel-name kns=rnnkern)
