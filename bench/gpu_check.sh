@@ -50,9 +50,9 @@
 #
 # --rehearse: every stage's real command on a machine without a GPU, the same
 # files, summary.json with "rehearsal": true, so that CI keeps this script from
-# rotting.  build runs pip install -e as above (when the extension is already
-# built in place and no build tree is there for an incremental rebuild, pip
-# install -e --dry-run instead of a full recompile); env records device "none"
+# rotting.  build runs pip install -e as above, or, when the extension is
+# already built in place and newer than every source (CI: .ci/run built it),
+# pip install -e --dry-run, which needs no recompile; env records device "none"
 # and null ceilings; tests_cuda runs tests/test_cuda_emulated.py on the emulated
 # device (result "no emulated device" if rnnkern._C_cuda_emu is not built);
 # memcheck, racecheck, initcheck and bench record "no GPU" (memcheck runs
@@ -153,8 +153,7 @@ has_emulation() {
 build() {
   export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-$(nproc)}
   local pip=("$PY" -m pip install --no-build-isolation --no-deps -v -e .)
-  if ((REHEARSE)) && ! ls build/temp*/build.ninja >/dev/null 2>&1 &&
-     "$PY" - <<'EOF'
+  if ((REHEARSE)) && "$PY" - <<'EOF'
 # Built in place and newer than every source: exit 0 (the rehearsal then need not recompile).
 import glob, os, sys
 so = glob.glob("rnnkern/_C.*.so")
@@ -162,8 +161,8 @@ src = [f for f in glob.glob("csrc/**/*", recursive=True) if os.path.isfile(f)] +
 sys.exit(0 if so and min(map(os.path.getmtime, so)) > max(map(os.path.getmtime, src)) else 1)
 EOF
   then
-    echo "rehearsal: rnnkern/_C is built in place and up to date, and no build tree is here for an" \
-         "incremental rebuild: pip install -e --dry-run (metadata and setup.py, no recompile)"
+    echo "rehearsal: rnnkern/_C is built in place and newer than every source: pip install -e" \
+         "--dry-run (pip, setup.py and the package metadata; no recompile)"
     pip+=(--dry-run)
   fi
   "${pip[@]}" ||

@@ -64,6 +64,21 @@ def test_rehearsal_of_the_cheap_stages(tmp_path):
     assert "bench: exit" in (out / "gpu_check.log").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a rehearsal is for machines without a GPU")
+def test_rehearsal_fails_when_a_stage_breaks(tmp_path):
+    """A stage whose command breaks (here the benchmark, given an option it does
+    not have) makes the rehearsal exit non-zero and is named in summary.json."""
+    out = tmp_path / "out"
+    env = dict(os.environ, STAGES="bench", BENCH_ARGS="--no-such-option", PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"]["bench"]["result"] == "failed"
+    assert summary["rehearsal_broken_stages"] == ["bench"]
+
+
 @pytest.mark.skipif(not ops.WITH_CUDA_EMULATION, reason="rnnkern was built without the emulated CUDA device")
 def test_sanitizer_cases_on_the_emulated_device():
     """The cases the sanitizer stages run, as the full rehearsal runs them (step
