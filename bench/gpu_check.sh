@@ -58,14 +58,13 @@
 # memcheck, racecheck, initcheck and bench record "no GPU" (memcheck runs
 # bench/sanitizer_cases.py --emulated on float32 and bfloat16 if the emulated
 # device is built, bench its real command, which must say that no CUDA device
-# is visible); tests_other runs a
-# bounded subset of tests/test_triton.py under TRITON_INTERPRET=1.  Exit 0 when
-# every stage did what a rehearsal expects, 1 otherwise (a stage broke, timed
-# out or was skipped).  Measured on 2 CPU cores shared with other work (load
-# average 17; 125 s of CPU time in all): build 55 s (pip --dry-run), env 14,
-# tests_cuda 157 (315 emulated tests), memcheck 25 (emulated cases), bench 10,
-# tests_other 59 (20 Triton tests, interpreted): 345 s wall of the 540 s
-# budget; on 2 idle cores about 2-3 minutes.
+# is visible); tests_other runs a bounded subset of tests/test_triton.py under
+# TRITON_INTERPRET=1.  Exit 0 when every stage did what a rehearsal expects, 1
+# otherwise (a stage broke, timed out or was skipped).  Measured on 2 CPU cores
+# shared with other work (load average ~17; 126 s of CPU time in all): build
+# 35 s (pip --dry-run), env 15, tests_cuda 161 (315 emulated tests), memcheck
+# 26 (emulated cases), bench 17, tests_other 73 (20 Triton tests, interpreted):
+# 355 s wall of the 540 s budget; on 2 idle cores an estimated 2-3 minutes.
 #
 # Knobs: STAGES (default build,env,tests,sanitizer,bench), PYTHON (default
 # python3), MAX_JOBS (default: all cores), GPU_CHECK_BUDGET, XDIST_WORKERS
