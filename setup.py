@@ -4,7 +4,8 @@ whenever nvcc and a CUDA build of torch are present.
 Environment knobs:
   RNNKERN_SKIP_CUDA=1      build the CPU kernels only
   CUDA_HOME                the CUDA toolkit (default: found from the nvcc on PATH,
-                           following a wrapper script to the real toolkit)
+                           following a wrapper script to the real toolkit; else
+                           /usr/local/cuda or the newest /usr/local/cuda-*)
   TORCH_CUDA_ARCH_LIST     GPU architectures (default: recent ones, see below)
   MAX_JOBS                 parallel compile jobs (ninja); NVCC_THREADS per nvcc call
   RNNKERN_CPU_ISA          x86-64 | x86-64-v2 | x86-64-v3 | x86-64-v4: compile the CPU
@@ -49,7 +50,13 @@ def find_cuda_home():
         if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
             return _toolkit_of(os.path.join(home, "bin", "nvcc"))
     nvcc = shutil.which("nvcc")
-    return _toolkit_of(nvcc) if nvcc else None
+    if nvcc:
+        return _toolkit_of(nvcc)
+    # Images that install the toolkit without putting it on PATH: the usual places.
+    for home in ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]:
+        if os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return _toolkit_of(os.path.join(home, "bin", "nvcc"))
+    return None
 
 
 CUDA_HOME = find_cuda_home()

@@ -1,35 +1,86 @@
 #!/usr/bin/env bash
-# Everything a session with a lent GPU should run, in one call:
+# Everything a session with a lent GPU should run first, in one device call:
 #
-#     bash bench/gpu_check.sh OUTDIR
+#     bash bench/gpu_check.sh OUTDIR              # on the GPU machine
+#     bash bench/gpu_check.sh --rehearse OUTDIR   # on a machine without a GPU (CI)
 #
-# 1. build   the extension in place (pip install -e, CUDA kernels for sm_90)
-# 2. env     device, driver, torch / CUDA / cuDNN / Triton versions, and the
-#            two measured ceilings: device-to-device copy GB/s, bf16 GEMM TFLOP/s
-# 3. tests   the GPU tests (pytest -m gpu): tests/test_cuda.py first, then the rest
-# 4. sanitizer  compute-sanitizer memcheck and racecheck (then initcheck, if
-#            time is left) on bench/sanitizer_cases.py: a small case of every kernel
-# 5. bench   the GPU benchmark: python -m bench --device cuda $BENCH_ARGS (by
-#            default the issue's sizes only, headline and throughput, bf16 and
-#            fp16, so that it fits after the build and the tests; BENCH_ARGS=""
-#            in a call of its own runs the suite's whole grid), or a small timing
-#            of rnnkern against torch.nn/cuDNN where that CLI is not there
+# Stage plan, ordered by what a short GPU window must answer first.  "H100" is
+# the time each stage took in the first run on an H100 (torch 2.11 / triton 3.6,
+# cold caches: bench/results/gpu-h100-2026-11-26/check/summary.json); "cap" is
+# its limit here (a stage also never runs past what is left of the budget).
 #
-# A stage that fails does not stop the others.  The whole run keeps to a
-# budget (GPU_CHECK_BUDGET seconds, default 540: a device call allows 600);
-# each stage gets what is left, up to its own cap.  OUTDIR receives at most
-# six files (the device tool returns eight): summary.json (versions, ceilings,
-# pass counts, timings, date), gpu_check.log, junit_cuda.xml, junit_other.xml,
-# bench_gpu.json and logs.tar.gz (every stage's full log, sanitizer reports, plots).
+#   stage        what                                                  H100   cap
+#   build        pip install -e . (CPU + CUDA kernels for sm_90)         70   300
+#   env          versions, device, ceilings (copy GB/s, bf16 TFLOP/s)     5    90
+#   tests_cuda   pytest -m gpu tests/test_cuda.py                        49   200
+#   memcheck     compute-sanitizer memcheck, bench/sanitizer_cases.py      9   120
+#   bench        python -m bench --device cuda $BENCH_ARGS (CUDA         25   150
+#                against cuDNN at the issue's sizes, bf16 and fp16)
+#   racecheck    compute-sanitizer racecheck, float32 and bfloat16         9    90
+#   tests_other  pytest -m gpu on the other test files (Triton...)       95   120
+#   initcheck    compute-sanitizer initcheck, float32                      5   120
+#   summary      summary.json, logs.tar.gz                               ~1   (15 kept)
+#
+# Budget: GPU_CHECK_BUDGET=540 s of a 600 s device call (60 s for starting the
+# command and returning the files).  Measured: 70+5+49+9+25+9+95+5 = 267 s
+# (273 s wall), so every stage fits with ~265 s to spare for a slower build or
+# tests; the caps add up to 1190 s, so a stage that hangs costs at most its cap
+# and the later ones get what is left (a stage with under 10 s left is skipped).
+# Each stage is stopped with SIGINT at its limit (pytest then still writes its
+# junit XML; SIGKILL 20 s later) and writes its results as it goes.
+#
+# What does not fit, as a second call on the same warm machine (the build and
+# Triton's cache are still there; the Triton benchmark autotunes 4-6
+# configurations per kernel from a cold cache: 8 of 45 headline/throughput
+# cases in 150 s on the H100, so give it the whole call):
+#
+#     STAGES=bench GPU_CHECK_BUDGET=580 BENCH_ARGS="--families headline throughput \
+#       --dtypes bfloat16 float16 --backends cuda triton" bash bench/gpu_check.sh OUT2
+#
+# and, on a third call if time is left, the whole CUDA grid (85 s on the H100):
+#
+#     STAGES=bench GPU_CHECK_BUDGET=580 BENCH_ARGS="--families latency throughput long \
+#       headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT3
+#
+# A stage that fails does not stop the others.  OUTDIR receives at most six
+# files (the device tool returns eight): summary.json (versions, ceilings, each
+# stage's exit code, time and result, pass counts, sanitizer and benchmark
+# figures), gpu_check.log, junit_cuda.xml, junit_other.xml, bench_gpu.json and
+# logs.tar.gz (every stage's full log, sanitizer reports, plots).
+#
+# --rehearse: every stage's real command on a machine without a GPU, the same
+# files, summary.json with "rehearsal": true, so that CI keeps this script from
+# rotting.  build runs pip install -e as above, or, when the extension is
+# already built in place and newer than every source (CI: .ci/run built it),
+# pip install -e --dry-run, which needs no recompile; env records device "none"
+# and null ceilings; tests_cuda runs tests/test_cuda_emulated.py on the emulated
+# device (result "no emulated device" if rnnkern._C_cuda_emu is not built);
+# memcheck, racecheck, initcheck and bench record "no GPU" (memcheck runs
+# bench/sanitizer_cases.py --emulated on float32 and bfloat16 if the emulated
+# device is built, bench its real command, which must say that no CUDA device
+# is visible); tests_other runs a bounded subset of tests/test_triton.py under
+# TRITON_INTERPRET=1.  Exit 0 when every stage did what a rehearsal expects, 1
+# otherwise (a stage broke, timed out or was skipped).  Measured on 2 CPU cores
+# shared with other work (load average ~17; 126 s of CPU time in all): build
+# 35 s (pip --dry-run), env 15, tests_cuda 161 (315 emulated tests), memcheck
+# 26 (emulated cases), bench 17, tests_other 73 (20 Triton tests, interpreted):
+# 355 s wall of the 540 s budget; on 2 idle cores an estimated 2-3 minutes.
 #
 # Knobs: STAGES (default build,env,tests,sanitizer,bench), PYTHON (default
 # python3), MAX_JOBS (default: all cores), GPU_CHECK_BUDGET, XDIST_WORKERS
-# (default 4; 0 runs the tests in one process), BENCH_ARGS (see 5).
-# A second call on a warm machine: STAGES=bench BENCH_ARGS="" GPU_CHECK_BUDGET=580.
+# (default 4; 0 runs the tests in one process), BENCH_ARGS (see above),
+# REHEARSE_TRITON_K (the rehearsal's -k expression for tests/test_triton.py),
+# REHEARSE_SANITIZER_DTYPES (the dtypes of the rehearsal's emulated sanitizer
+# cases, default float32,bfloat16; empty: none).
 set -u
 cd "$(dirname "$0")/.."
 
-OUT=${1:?usage: bench/gpu_check.sh OUTDIR}
+REHEARSE=0
+if [[ "${1:-}" == "--rehearse" ]]; then
+  REHEARSE=1
+  shift
+fi
+OUT=${1:?usage: bench/gpu_check.sh [--rehearse] OUTDIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
@@ -47,10 +98,20 @@ LOG="$OUT/gpu_check.log"
 
 say() { echo "[gpu_check +$(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
 wants() { [[ ",$STAGES," == *",$1,"* ]]; }
+((REHEARSE)) && say "rehearsal: no GPU expected; every stage's command runs as far as a CPU machine allows"
+
+# record NAME RESULT: a stage that did not run its command, with the reason.
+record() {
+  say "$1: $2"
+  printf '%s\t-\t0\t0\t%s\n' "$1" "$2" >>"$WORK/stages.tsv"
+}
 
 # run_stage NAME CAP_SECONDS COMMAND...: runs COMMAND under a time limit (its
-# cap or what is left of the budget), output to $WORK/NAME.log; records
-# name, exit code, seconds and limit in stages.tsv.  124: timed out.
+# cap or what is left of the budget), output to $WORK/NAME.log; records name,
+# exit code, seconds, limit and result in stages.tsv.  124: timed out.
+# RESULT_IF_OK, if set: the result of exit 0 instead of "ok".
+# EXPECT_FAIL (a regex), if set: a non-zero exit whose log matches it is the
+# expected result RESULT_IF_EXPECTED (the rehearsal's "no GPU").
 run_stage() {
   local name=$1 cap=$2
   shift 2
@@ -58,31 +119,63 @@ run_stage() {
   local limit=$((cap < left ? cap : left))
   if ((limit < 10)); then
     say "$name: skipped, no time left"
-    printf '%s\tskipped\t0\t0\n' "$name" >>"$WORK/stages.tsv"
+    printf '%s\tskipped\t0\t0\tskipped (no time left)\n' "$name" >>"$WORK/stages.tsv"
     return 0
   fi
   say "$name: start (limit ${limit}s)"
-  local t0 rc
+  local t0 rc result
   t0=$(date +%s)
   timeout -s INT --kill-after=20 "$limit" "$@" >"$WORK/$name.log" 2>&1
   rc=$?
   local secs=$(($(date +%s) - t0))
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$limit" >>"$WORK/stages.tsv"
-  say "$name: exit $rc after ${secs}s$( ((rc == 124)) && echo ' (timed out)')"
+  if ((rc == 0)); then result=${RESULT_IF_OK:-ok}
+  elif ((rc == 124 || rc == 137)); then result="timed out"
+  elif [[ -n "${EXPECT_FAIL:-}" ]] && ! grep -q '^Traceback' "$WORK/$name.log" &&
+       grep -Eq "$EXPECT_FAIL" "$WORK/$name.log"; then result=$RESULT_IF_EXPECTED
+  else result=failed; fi
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$limit" "$result" >>"$WORK/stages.tsv"
+  say "$name: exit $rc after ${secs}s: $result"
   tail -n 5 "$WORK/$name.log" | sed 's/^/    /' | tee -a "$LOG"
   return 0
+}
+
+# has_emulation: rnnkern._C_cuda_emu is built (the rehearsal's CUDA device), asked once.
+has_emulation() {
+  if [[ -z "${HAS_EMU:-}" ]]; then
+    HAS_EMU=0
+    "$PY" -c "import sys; from rnnkern import ops; sys.exit(0 if ops.WITH_CUDA_EMULATION else 1)" 2>/dev/null && HAS_EMU=1
+  fi
+  ((HAS_EMU))
 }
 
 # ------------------------------------------------------------------ build ----
 build() {
   export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-$(nproc)}
-  "$PY" -m pip install --no-build-isolation --no-deps -v -e . ||
-    { echo "pip install -e failed; building in place with setup.py"; "$PY" setup.py build_ext --inplace; } || return 1
-  "$PY" -c "import rnnkern, torch; print('rnnkern', rnnkern.__file__, 'WITH_CUDA', rnnkern.ops.WITH_CUDA); assert rnnkern.ops.WITH_CUDA"
+  local pip=("$PY" -m pip install --no-build-isolation --no-deps -v -e .)
+  if ((REHEARSE)) && "$PY" - <<'EOF'
+# Built in place and newer than every source: exit 0 (the rehearsal then need not recompile).
+import glob, os, sys
+so = glob.glob("rnnkern/_C.*.so")
+src = [f for f in glob.glob("csrc/**/*", recursive=True) if os.path.isfile(f)] + ["setup.py"]
+sys.exit(0 if so and min(map(os.path.getmtime, so)) > max(map(os.path.getmtime, src)) else 1)
+EOF
+  then
+    echo "rehearsal: rnnkern/_C is built in place and newer than every source: pip install -e" \
+         "--dry-run (pip, setup.py and the package metadata; no recompile)"
+    pip+=(--dry-run)
+  fi
+  "${pip[@]}" ||
+    { echo "pip install -e failed; building in place with setup.py (PYTHONPATH has the tree)"
+      "$PY" setup.py build_ext --inplace; } || return 1
+  # The tree's rnnkern, the CUDA kernels in it (a rehearsal only reports them).
+  "$PY" -c "import os, rnnkern; print('rnnkern', rnnkern.__file__, 'WITH_CUDA', rnnkern.ops.WITH_CUDA,
+'emulated CUDA device', rnnkern.ops.WITH_CUDA_EMULATION)
+assert os.path.realpath(rnnkern.__file__).startswith(os.path.realpath('.') + os.sep), 'not this tree'
+assert rnnkern.ops.WITH_CUDA or os.environ.get('REHEARSE') == '1'"
 }
 if wants build; then
   export -f build
-  export PY
+  export PY REHEARSE
   run_stage build 300 bash -c build
 fi
 
@@ -117,6 +210,11 @@ except ImportError:
 info["nvcc"] = run(["nvcc", "--version"]).splitlines()[-1:] or None
 info["driver"] = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
 info["git_commit"] = run(["git", "rev-parse", "HEAD"]) or None
+if not torch.cuda.is_available():  # a rehearsal: recorded, no ceilings to measure
+    info["device"], info["ceilings"] = "none", None
+    json.dump(info, open(sys.argv[1], "w"), indent=2)
+    print(json.dumps(info, indent=2))
+    sys.exit(0)
 p = torch.cuda.get_device_properties(0)
 info["device"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
                   "memory_gib": round(p.total_memory / 2**30, 1)}
@@ -145,34 +243,63 @@ fi
 
 # ------------------------------------------------------------------ tests ----
 if wants tests; then
+  read -r has_xdist has_timeout < <("$PY" -c "import importlib.util as u
+print(*(int(u.find_spec(m) is not None) for m in ('xdist', 'pytest_timeout')))" 2>/dev/null || echo 0 0)
   XDIST=()
   workers=${XDIST_WORKERS:-4}
-  if ((workers > 0)) && "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$workers"); fi
+  if ((workers > 0 && has_xdist)); then XDIST=(-n "$workers"); fi
   TIMEOUT=()
-  if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT=(--timeout=240); fi
-  PYTEST=("$PY" -m pytest -m gpu -p no:cacheprovider -q -rfE --durations=20 -o junit_family=xunit2
+  if ((has_timeout)); then TIMEOUT=(--timeout=240); fi
+  PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE --durations=20 -o junit_family=xunit2
           --continue-on-collection-errors "${XDIST[@]}" "${TIMEOUT[@]}")
-  run_stage tests_cuda 200 "${PYTEST[@]}" tests/test_cuda.py --junitxml="$OUT/junit_cuda.xml"
+  if ((REHEARSE)); then
+    # The CUDA kernels' code on the emulated device (its tests are not marked gpu).
+    if has_emulation; then
+      RNNKERN_REQUIRE_CUDA_EMULATION=1 run_stage tests_cuda 200 "${PYTEST[@]}" tests/test_cuda_emulated.py \
+        --junitxml="$OUT/junit_cuda.xml"
+    else
+      record tests_cuda "no emulated device (rnnkern._C_cuda_emu not built: RNNKERN_CUDA_EMULATION=1)"
+    fi
+  else
+    run_stage tests_cuda 200 "${PYTEST[@]}" -m gpu tests/test_cuda.py --junitxml="$OUT/junit_cuda.xml"
+  fi
 fi
 
 # -------------------------------------------------------------- sanitizer ----
-if wants sanitizer; then
-  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -n 1)
-  if [[ -z "$SAN" ]]; then
-    say "sanitizer: compute-sanitizer not found"
-    printf 'memcheck\tmissing\t0\t0\n' >>"$WORK/stages.tsv"
+# sanitize TOOL CAP ARGS...: compute-sanitizer TOOL on bench/sanitizer_cases.py
+# ARGS; without a GPU (a rehearsal) the result "no GPU", without the tool
+# "compute-sanitizer not found".
+sanitize() {
+  local tool=$1 cap=$2
+  shift 2
+  if ((REHEARSE)) && [[ "$tool" == memcheck && -n "${REHEARSE_SANITIZER_DTYPES-x}" ]] && has_emulation; then
+    # No GPU, no compute-sanitizer: the cases themselves, once, on the emulated device.
+    RESULT_IF_OK="no GPU" run_stage "$tool" "$cap" "$PY" bench/sanitizer_cases.py --emulated \
+      --dtypes "${REHEARSE_SANITIZER_DTYPES:-float32,bfloat16}"
+  elif ((REHEARSE)); then
+    record "$tool" "no GPU"
+  elif [[ -z "$SAN" ]]; then
+    record "$tool" "compute-sanitizer not found"
   else
-    # Restrict racecheck / initcheck reports to rnnkern's kernels where the
-    # tool can filter by kernel name.
-    FILTER=()
-    if "$SAN" --help 2>&1 | grep -q -- '--kernel-name '; then FILTER=(--kernel-name kns=rnnkern)
-    elif "$SAN" --help 2>&1 | grep -q -- '--filter'; then FILTER=(--filter kns=rnnkern); fi
-    # Every tensor its own allocation, so an access past one's end is caught.
-    export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-    run_stage memcheck 120 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 100 \
-      "$PY" bench/sanitizer_cases.py
+    local filter=()
+    [[ "$tool" == racecheck ]] && filter=("${FILTER[@]}")
+    # initcheck and memcheck: every tensor its own allocation, so an access past one's end is caught.
+    if [[ "$tool" != racecheck ]]; then export PYTORCH_NO_CUDA_MEMORY_CACHING=1; fi
+    run_stage "$tool" "$cap" "$SAN" --tool "$tool" --error-exitcode 99 --print-limit 100 "${filter[@]}" \
+      "$PY" bench/sanitizer_cases.py "$@"
     unset PYTORCH_NO_CUDA_MEMORY_CACHING
   fi
+}
+if wants sanitizer; then
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -n 1)
+  # Restrict racecheck's reports to rnnkern's kernels where the tool can
+  # filter by kernel name.
+  FILTER=()
+  if [[ -n "$SAN" ]]; then
+    if "$SAN" --help 2>&1 | grep -q -- '--kernel-name '; then FILTER=(--kernel-name kns=rnnkern)
+    elif "$SAN" --help 2>&1 | grep -q -- '--filter'; then FILTER=(--filter kns=rnnkern); fi
+  fi
+  sanitize memcheck 120
 fi
 
 # ------------------------------------------------------------------ bench ----
@@ -240,9 +367,13 @@ EOF
 if wants bench; then
   if "$PY" -m bench --help 2>&1 | grep -q -- '--device'; then
     # Plots and markdown go into logs.tar.gz: the device tool returns few files.
+    # A rehearsal runs the same command: it must stop saying that no CUDA device is visible.
     read -r -a bench_args <<<"${BENCH_ARGS---families headline throughput --dtypes bfloat16 float16 --backends cuda}"
-    run_stage bench 150 "$PY" -m bench --device cuda --no-progress "${bench_args[@]}" \
+    EXPECT_FAIL=$( ((REHEARSE)) && echo 'no CUDA device' ) RESULT_IF_EXPECTED="no GPU" \
+      run_stage bench 150 "$PY" -m bench --device cuda --no-progress "${bench_args[@]}" \
       --json "$OUT/bench_gpu.json" --markdown "$WORK/bench_gpu.md" --plots "$WORK/plots"
+  elif ((REHEARSE)); then
+    record bench "no GPU (python -m bench has no --device: the fallback timing would run)"
   else
     say "bench: python -m bench has no --device yet; running the fallback timing"
     run_stage bench 200 "$PY" "$WORK/bench_fallback.py" "$OUT/bench_gpu.json"
@@ -250,20 +381,24 @@ if wants bench; then
 fi
 
 # Then, while time is left: races, the Triton and other GPU tests, uninitialised reads.
-if wants sanitizer && [[ -n "${SAN:-}" ]]; then
-  run_stage racecheck 90 "$SAN" --tool racecheck --error-exitcode 99 --print-limit 100 "${FILTER[@]}" \
-    "$PY" bench/sanitizer_cases.py --dtypes float32,bfloat16
+if wants sanitizer; then
+  sanitize racecheck 90 --dtypes float32,bfloat16
 fi
 if wants tests; then
-  run_stage tests_other 120 "${PYTEST[@]}" tests --ignore=tests/test_cuda.py --junitxml="$OUT/junit_other.xml"
+  if ((REHEARSE)); then
+    # The Triton kernels under Triton's interpreter: a bounded subset of tests/test_triton.py
+    # (the whole file takes many minutes on a CPU; CI's main test run has the rest).
+    TRITON_INTERPRET=1 run_stage tests_other 120 "${PYTEST[@]}" tests/test_triton.py \
+      -k "${REHEARSE_TRITON_K:-test_step_matches_reference or test_cells_match_torch_nn_float32 or (test_recurrence_matches_reference_float64 and loop-plain)}" \
+      --junitxml="$OUT/junit_other.xml"
+  else
+    run_stage tests_other 120 "${PYTEST[@]}" -m gpu tests --ignore=tests/test_cuda.py --junitxml="$OUT/junit_other.xml"
+  fi
 fi
 
 # An extra check while time is left: reads of memory nothing wrote.
-if wants sanitizer && [[ -n "${SAN:-}" ]]; then
-  export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-  run_stage initcheck 120 "$SAN" --tool initcheck --error-exitcode 99 --print-limit 100 \
-    "$PY" bench/sanitizer_cases.py --dtypes float32
-  unset PYTORCH_NO_CUDA_MEMORY_CACHING
+if wants sanitizer; then
+  sanitize initcheck 120 --dtypes float32
 fi
 
 # ---------------------------------------------------------------- summary ----
@@ -271,16 +406,22 @@ cat >"$WORK/summary.py" <<'EOF'
 import glob, json, os, re, sys, time
 import xml.etree.ElementTree as ET
 
-out, work, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+out, work, start, rehearsal = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1"
 summary = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "wall_seconds": round(time.time() - start)}
+           "wall_seconds": round(time.time() - start), "rehearsal": rehearsal}
 env = os.path.join(work, "env.json")
 summary["env"] = json.load(open(env)) if os.path.exists(env) else None
 summary["stages"] = {}
 for line in open(os.path.join(work, "stages.tsv")):
-    name, rc, secs, limit = line.rstrip("\n").split("\t")
+    name, rc, secs, limit, result = line.rstrip("\n").split("\t")
     summary["stages"][name] = {"exit": rc, "seconds": int(secs), "limit": int(limit),
-                               "timed_out": rc == "124"}
+                               "timed_out": result == "timed out", "result": result}
+# A rehearsal expects each stage to run its command to the end (ok), or to
+# record why it cannot without a GPU; a failure, a timeout or a skip is a break.
+broken = [n for n, st in summary["stages"].items()
+          if st["result"] in ("failed", "timed out") or st["result"].startswith("skipped")]
+if rehearsal:
+    summary["rehearsal_broken_stages"] = broken
 tests = {}
 for path in sorted(glob.glob(os.path.join(out, "junit_*.xml"))):
     try:
@@ -327,8 +468,16 @@ if os.path.exists(bench):
         summary["bench"] = {"unreadable": str(e)}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
 print(json.dumps({k: summary[k] for k in ("stages", "tests", "sanitizer")}, indent=2))
+if rehearsal:
+    print("rehearsal: " + (f"broken stages: {', '.join(broken)}" if broken else "every stage did what it should"))
+sys.exit(1 if rehearsal and broken else 0)
 EOF
 say "summary"
-"$PY" "$WORK/summary.py" "$OUT" "$WORK" "$START" 2>&1 | tee -a "$LOG"
+"$PY" "$WORK/summary.py" "$OUT" "$WORK" "$START" "$REHEARSE" >"$WORK/summary.log" 2>&1
+status=$?
+tee -a "$LOG" <"$WORK/summary.log"
+((status == 0)) || say "summary: exit $status"
 tar czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null
 say "done: $(ls "$OUT" | tr '\n' ' ')"
+rm -rf "$WORK"
+exit "$status"

@@ -13,6 +13,11 @@ row kernels, with rows longer than a block) are checked against the float64
 reference instead (the CPU backend may lack them).  Run it with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation
 and an access past its end is caught (gpu_check.sh does).
+
+``--emulated`` runs the same cases on the emulated CUDA device instead
+(backend "cuda_emulated", CPU tensors; rnnkern built with
+RNNKERN_CUDA_EMULATION=1): how ``gpu_check.sh --rehearse`` exercises this
+script where no GPU is.
 """
 from __future__ import annotations
 
@@ -22,6 +27,16 @@ import sys
 import torch
 
 import rnnkern  # noqa: F401  (registers the ops)
+
+#: The device under test and its ops: the CUDA backend, or (--emulated) the
+#: emulated device's ops on CPU tensors.
+DEVICE = "cuda"
+NAMESPACE = "rnnkern"
+
+
+def device_ops():
+    return getattr(torch.ops, NAMESPACE)
+
 
 CELLS = ("rnn_tanh", "rnn_relu", "lstm", "gru", "gru_reset_before")
 GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3, "gru_reset_before": 3}
@@ -56,13 +71,13 @@ def recurrence_case(cell, dtype, proj, lengths, reverse, g):
             rand(g, G * H, dtype=dtype, scale=s), rand(g, P, H, dtype=dtype, scale=s) if proj else None]
     lens = torch.tensor([5, 2, 0]) if lengths else None
     results = []
-    for device in ("cpu", "cuda"):
+    for device, ops in (("cpu", torch.ops.rnnkern), (DEVICE, device_ops())):
         a = [None if t is None else t.to(device) for t in args]
-        out, h_n, c_n, ws = torch.ops.rnnkern.recurrence(cell, *a, lens, reverse, True)
+        out, h_n, c_n, ws = ops.recurrence(cell, *a, lens, reverse, True)
         g2 = torch.Generator().manual_seed(1)
         go, gh = rand(g2, *out.shape, dtype=dtype).to(device), rand(g2, *h_n.shape, dtype=dtype).to(device)
         gc = rand(g2, *c_n.shape, dtype=dtype).to(device) if cell == "lstm" else None
-        grads = torch.ops.rnnkern.recurrence_backward(cell, go, gh, gc, a[1], a[2], a[3], a[6], out,
+        grads = ops.recurrence_backward(cell, go, gh, gc, a[1], a[2], a[3], a[6], out,
                                                       ws, lens, reverse)
         results.append([out, h_n, c_n, ws, *grads])
     return all(close(x, y, dtype) for x, y in zip(results[1], results[0]))
@@ -77,13 +92,13 @@ def step_case(cell, dtype, g):
             rand(g, G * H, I, dtype=dtype, scale=s), rand(g, G * H, H, dtype=dtype, scale=s),
             rand(g, G * H, dtype=dtype, scale=s), rand(g, G * H, dtype=dtype, scale=s)]
     results = []
-    for device in ("cpu", "cuda"):
+    for device, ops in (("cpu", torch.ops.rnnkern), (DEVICE, device_ops())):
         a = [None if t is None else t.to(device) for t in args]
-        h, c, ws = torch.ops.rnnkern.step(cell, *a)
+        h, c, ws = ops.step(cell, *a)
         g2 = torch.Generator().manual_seed(2)
         gh = rand(g2, *h.shape, dtype=dtype).to(device)
         gc = rand(g2, *c.shape, dtype=dtype).to(device) if cell == "lstm" else None
-        grads = torch.ops.rnnkern.step_backward(cell, gh, gc, a[0], a[1], a[2], a[3], a[4], h, ws)
+        grads = ops.step_backward(cell, gh, gc, a[0], a[1], a[2], a[3], a[4], h, ws)
         results.append([h, c, ws, *grads])
     return all(close(x, y, dtype) for x, y in zip(results[1], results[0]))
 
@@ -109,14 +124,14 @@ def options_case(cell, dtype, proj, g):
     zoneout = (torch.rand(T, B, Z, generator=g) < 0.4).double()
     lens = torch.tensor([5, 2, 0])
     results = []
-    for device, dt in (("cpu", f64), ("cuda", dtype)):
+    for reference_side, device, dt in ((True, "cpu", f64), (False, DEVICE, dtype)):
         a = [None if t is None else t.to(device, dt).requires_grad_() for t in args]
         l_ = None if ln is None else ln.to(device, dt).requires_grad_()
         r, z = resets.to(device), zoneout.to(device, dt)
-        if device == "cpu":
+        if reference_side:
             out = reference.recurrence(cell, *a, lens, True, r, z, l_)
         else:
-            out = torch.ops.rnnkern.recurrence(cell, *a, lens, True, True, r, z, l_)[:3]
+            out = device_ops().recurrence(cell, *a, lens, True, True, r, z, l_)[:3]
         out = [o for o in out if o is not None and o.numel() > 0]
         g2 = torch.Generator().manual_seed(3)
         loss = sum((o * rand(g2, *o.shape, dtype=o.dtype).to(device)).sum() for o in out)
@@ -130,8 +145,18 @@ def main() -> int:
     parser.add_argument("--kernels", choices=["all", "recurrence", "step", "options"],
                         default="all")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
+    parser.add_argument("--emulated", action="store_true",
+                        help="on the emulated CUDA device (no GPU; RNNKERN_CUDA_EMULATION=1 build)")
     args = parser.parse_args()
-    if not torch.cuda.is_available() or not rnnkern.ops.WITH_CUDA:
+    global DEVICE, NAMESPACE
+    if args.emulated:
+        if not rnnkern.ops.WITH_CUDA_EMULATION:
+            print("sanitizer_cases: --emulated needs rnnkern built with RNNKERN_CUDA_EMULATION=1",
+                  file=sys.stderr)
+            return 2
+        from rnnkern import cuda_emulated
+        DEVICE, NAMESPACE = "cpu", cuda_emulated.NAMESPACE
+    elif not torch.cuda.is_available() or not rnnkern.ops.WITH_CUDA:
         print("sanitizer_cases: needs a GPU and rnnkern built with its CUDA kernels", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(0)
@@ -152,7 +177,8 @@ def main() -> int:
                 for proj in ([0, 11] if cell == "lstm" else [0]):
                     results.append((f"options {cell} {name} proj={proj}",
                                     options_case(cell, dtype, proj, g)))
-            torch.cuda.synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
             for label, ok in results:
                 print(("ok    " if ok else "WRONG ") + label, flush=True)
                 if not ok:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rnnkern
-from rnnkern import ops, reference
+from rnnkern import ops, reference, tolerance
 from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
                       outputs_and_grads, randn, recurrence_inputs, rnnkern_module,
                       run_recurrence, step_inputs, to_device, torch_module)
@@ -71,7 +71,7 @@ def test_cuda_backend_refuses_cpu_tensors():
 # --------------------------------------------------------------- helpers ----
 
 def assert_as_accurate_as(ours, theirs, truth, what=""):
-    """Low-precision result `ours` against the float64 `truth`: its error may be
+    """Result `ours` (float32 or a half type) against the float64 `truth`: its error may be
     at most twice that of `theirs` (torch.nn's), plus one rounding of the result
     to its dtype (eps * |truth|, Frobenius norms).  That floor is what a
     perfect fp32 computation rounded once to bf16/fp16 may already cost: on a
@@ -288,10 +288,18 @@ def nn_parity(cell, T, B, H, dtype, proj=0, I=13, key=()):
 @pytest.mark.parametrize("cell", TORCH_CELLS)
 @pytest.mark.parametrize("T,B,H", PARITY_SIZES, ids=PARITY_IDS)
 def test_matches_cudnn_float32(cell, T, B, H, exact_fp32):
-    ours, theirs, _ = nn_parity(cell, T, B, H, torch.float32)
-    for name in theirs:
+    """Each result equals cuDNN's within the float32 tolerance, or, where the two
+    differ by more, is at least as accurate as cuDNN's against the float64 truth
+    (at most twice cuDNN's own error, plus one rounding).  Over T=1000 steps two
+    correct float32 computations summing in different orders can drift apart by
+    more than one float32 tolerance (seen on an H100: grad_input of T1000-B1-H3,
+    2.8e-5 apart where 1.9e-5 is allowed); which of the two is wrong then only
+    the truth can say."""
+    ours, theirs, truth = nn_parity(cell, T, B, H, torch.float32)
+    for name in truth:
         assert ours[name].dtype == torch.float32, name
-        assert_close(ours[name], theirs[name], what=name)
+        if tolerance.close_error(ours[name], theirs[name], torch.float32) > tolerance.TOL[torch.float32]:
+            assert_as_accurate_as(ours[name], theirs[name], truth[name], what=name)
 
 
 @gpu

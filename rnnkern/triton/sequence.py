@@ -144,14 +144,14 @@ def forward_loop_kernel(
         zero = tl.zeros([BLOCK_B, BLOCK_H], ACC)
         b_hd = b_h.to(DOT)
         x0 = tl.load(p_x, mask=m_act, other=0.0).to(ACC)
-        hp0 = tl.dot(b_hd, b_w0, zero, input_precision="ieee")
+        hp0 = tl.dot(b_hd, b_w0, zero, input_precision="ieee", out_dtype=ACC)
         if CELL == LSTM:
             x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
             x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
             x3 = tl.load(p_x + 3 * H, mask=m_act, other=0.0).to(ACC)
-            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
-            hp2 = tl.dot(b_hd, b_w2, zero, input_precision="ieee")
-            hp3 = tl.dot(b_hd, b_w3, zero, input_precision="ieee")
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee", out_dtype=ACC)
+            hp2 = tl.dot(b_hd, b_w2, zero, input_precision="ieee", out_dtype=ACC)
+            hp3 = tl.dot(b_hd, b_w3, zero, input_precision="ieee", out_dtype=ACC)
             i, f, g, o, c, h = lstm_forward(x0 + hp0 + b0, x1 + hp1 + b1, x2 + hp2 + b2,
                                             x3 + hp3 + b3, b_c)
             if HAS_ZONEOUT:
@@ -165,14 +165,14 @@ def forward_loop_kernel(
                 tl.store(p_w + 3 * H, tl.where(act, o, 0.0).to(WS_DTYPE), mask=m_bh)
                 tl.store(p_w + 4 * H, tl.where(act, c, 0.0).to(WS_DTYPE), mask=m_bh)
             if HAS_PROJ:
-                h = tl.dot(h.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_P], ACC), input_precision="ieee")
+                h = tl.dot(h.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_P], ACC), input_precision="ieee", out_dtype=ACC)
         elif CELL == LSTM_LN:
             x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
             x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
             x3 = tl.load(p_x + 3 * H, mask=m_act, other=0.0).to(ACC)
-            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
-            hp2 = tl.dot(b_hd, b_w2, zero, input_precision="ieee")
-            hp3 = tl.dot(b_hd, b_w3, zero, input_precision="ieee")
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee", out_dtype=ACC)
+            hp2 = tl.dot(b_hd, b_w2, zero, input_precision="ieee", out_dtype=ACC)
+            hp3 = tl.dot(b_hd, b_w3, zero, input_precision="ieee", out_dtype=ACC)
             # The two gate layer norms over the 4H values of each row (masked
             # units load as 0 and are left out of the variance).
             mh = m_h[None, :]
@@ -229,8 +229,8 @@ def forward_loop_kernel(
         elif CELL == GRU:
             x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
             x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
-            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
-            hn = tl.dot(b_hd, b_w2, zero, input_precision="ieee") + bh2
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee", out_dtype=ACC)
+            hn = tl.dot(b_hd, b_w2, zero, input_precision="ieee", out_dtype=ACC) + bh2
             r, z, n, h = gru_forward(x0 + bi0, x1 + bi1, x2 + bi2, hp0 + bh0, hp1 + bh1, hn, b_h)
             if TRAIN:
                 tl.store(p_w, tl.where(act, r, 0.0).to(WS_DTYPE), mask=m_bh)
@@ -240,9 +240,9 @@ def forward_loop_kernel(
         elif CELL == GRU_RESET_BEFORE:
             x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
             x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
-            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee")
+            hp1 = tl.dot(b_hd, b_w1, zero, input_precision="ieee", out_dtype=ACC)
             r, z, rh = gru_rb_gates(x0 + bi0, x1 + bi1, hp0 + bh0, hp1 + bh1, b_h)
-            hn = tl.dot(rh.to(DOT), b_w2, zero, input_precision="ieee") + bh2
+            hn = tl.dot(rh.to(DOT), b_w2, zero, input_precision="ieee", out_dtype=ACC) + bh2
             n, h = gru_rb_candidate(x2 + bi2, hn, z, b_h)
             if TRAIN:
                 tl.store(p_w, tl.where(act, r, 0.0).to(WS_DTYPE), mask=m_bh)
@@ -361,7 +361,7 @@ def backward_loop_kernel(
             d = tl.where(act, d, 0.0)
             tl.store(p_dh_tot_all + row * P + o_p[None, :], d.to(p_dh_tot_all.dtype.element_ty),
                      mask=m_bp)
-            d = tl.dot(d.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_H], ACC), input_precision="ieee")
+            d = tl.dot(d.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_H], ACC), input_precision="ieee", out_dtype=ACC)
 
         if CELL == LSTM:
             i = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
@@ -383,10 +383,10 @@ def backward_loop_kernel(
             tl.store(p_d + 3 * H, do.to(DX_DTYPE), mask=m_bh)
             if HAS_PROJ:
                 tl.store(p_a, tl.where(act, lstm_hidden(o, c), 0.0).to(AUX_DTYPE), mask=m_bh)
-            dh_prev = tl.dot(di.to(DOT), b_w0, zero_p, input_precision="ieee")
-            dh_prev = tl.dot(df.to(DOT), b_w1, dh_prev, input_precision="ieee")
-            dh_prev = tl.dot(dg.to(DOT), b_w2, dh_prev, input_precision="ieee")
-            dh_prev = tl.dot(do.to(DOT), b_w3, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(di.to(DOT), b_w0, zero_p, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(df.to(DOT), b_w1, dh_prev, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(dg.to(DOT), b_w2, dh_prev, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(do.to(DOT), b_w3, dh_prev, input_precision="ieee", out_dtype=ACC)
         elif CELL == LSTM_LN:
             i = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
             f = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
@@ -444,10 +444,10 @@ def backward_loop_kernel(
             tl.store(p_r + H, v1.to(DX_DTYPE), mask=m_bh)
             tl.store(p_r + 2 * H, v2.to(DX_DTYPE), mask=m_bh)
             tl.store(p_r + 3 * H, v3.to(DX_DTYPE), mask=m_bh)
-            dh_prev = tl.dot(v0.to(DOT), b_w0, zero_p, input_precision="ieee")
-            dh_prev = tl.dot(v1.to(DOT), b_w1, dh_prev, input_precision="ieee")
-            dh_prev = tl.dot(v2.to(DOT), b_w2, dh_prev, input_precision="ieee")
-            dh_prev = tl.dot(v3.to(DOT), b_w3, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(v0.to(DOT), b_w0, zero_p, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(v1.to(DOT), b_w1, dh_prev, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(v2.to(DOT), b_w2, dh_prev, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(v3.to(DOT), b_w3, dh_prev, input_precision="ieee", out_dtype=ACC)
         elif CELL == GRU:
             r = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
             z = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
@@ -465,9 +465,9 @@ def backward_loop_kernel(
             tl.store(p_d + H, dz.to(DX_DTYPE), mask=m_bh)
             tl.store(p_d + 2 * H, dxn.to(DX_DTYPE), mask=m_bh)
             tl.store(p_a, dhn.to(AUX_DTYPE), mask=m_bh)
-            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct, input_precision="ieee")
-            dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee")
-            dh_prev = tl.dot(dhn.to(DOT), b_w2, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(dhn.to(DOT), b_w2, dh_prev, input_precision="ieee", out_dtype=ACC)
         elif CELL == GRU_RESET_BEFORE:
             r = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
             z = tl.load(p_w + H, mask=m_act, other=0.0).to(ACC)
@@ -477,7 +477,7 @@ def backward_loop_kernel(
             h_prev = tl.where(has_prev, h_prev, b_h0)
             dz, dn, dh_direct = gru_rb_backward_candidate(d, z, n, h_prev)
             dn = tl.where(act, dn, 0.0)
-            drh = tl.dot(dn.to(DOT), b_w2, zero_p, input_precision="ieee")
+            drh = tl.dot(dn.to(DOT), b_w2, zero_p, input_precision="ieee", out_dtype=ACC)
             dr, dh_reset = gru_rb_backward_reset(drh, r, h_prev)
             dr = tl.where(act, dr, 0.0)
             dz = tl.where(act, dz, 0.0)
@@ -485,8 +485,8 @@ def backward_loop_kernel(
             tl.store(p_d + H, dz.to(DX_DTYPE), mask=m_bh)
             tl.store(p_d + 2 * H, dn.to(DX_DTYPE), mask=m_bh)
             tl.store(p_a, tl.where(act, r * h_prev, 0.0).to(AUX_DTYPE), mask=m_bh)
-            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct + dh_reset, input_precision="ieee")
-            dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee")
+            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct + dh_reset, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee", out_dtype=ACC)
         else:
             if HAS_ZONEOUT:  # the candidate h~_t, saved by the forward
                 h = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
@@ -494,7 +494,7 @@ def backward_loop_kernel(
                 h = tl.load(p_out + row * P + o_p[None, :], mask=m_actp, other=0.0).to(ACC)
             da = tl.where(act, rnn_backward(d, h, CELL == RNN_RELU), 0.0)
             tl.store(p_d, da.to(DX_DTYPE), mask=m_bh)
-            dh_prev = tl.dot(da.to(DOT), b_w0, zero_p, input_precision="ieee")
+            dh_prev = tl.dot(da.to(DOT), b_w0, zero_p, input_precision="ieee", out_dtype=ACC)
         if HAS_ZONEOUT:
             dh_prev += dh_zoned
             if CELL == LSTM or CELL == LSTM_LN:

@@ -77,7 +77,7 @@ def matmul(acc, p_a, row_a, stride_a, m_a, K, p_w, stride_wk, stride_wn, o_n, m_
         m_k = o_k < K - k0
         b_a = tl.load(p_a, mask=m_a[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        acc = tl.dot(b_a.to(DOT), b_w.to(DOT), acc, input_precision="ieee")
+        acc = tl.dot(b_a.to(DOT), b_w.to(DOT), acc, input_precision="ieee", out_dtype=acc.dtype)
         p_a += BLOCK_K
         p_w += BLOCK_K * stride_wk
     return acc
@@ -97,16 +97,16 @@ def matmul_gates(acc0, acc1, acc2, acc3, p_a, row_a, stride_a, m_a, K, p_w, gate
         m_w = m_k[:, None] & m_n[None, :]
         b_a = tl.load(p_a, mask=m_a[:, None] & m_k[None, :], other=0.0).to(DOT)
         b_w = tl.load(p_w, mask=m_w, other=0.0).to(DOT)
-        acc0 = tl.dot(b_a, b_w, acc0, input_precision="ieee")
+        acc0 = tl.dot(b_a, b_w, acc0, input_precision="ieee", out_dtype=acc0.dtype)
         if GATES > 1:
             b_w = tl.load(p_w + gate_stride, mask=m_w, other=0.0).to(DOT)
-            acc1 = tl.dot(b_a, b_w, acc1, input_precision="ieee")
+            acc1 = tl.dot(b_a, b_w, acc1, input_precision="ieee", out_dtype=acc1.dtype)
         if GATES > 2:
             b_w = tl.load(p_w + 2 * gate_stride, mask=m_w, other=0.0).to(DOT)
-            acc2 = tl.dot(b_a, b_w, acc2, input_precision="ieee")
+            acc2 = tl.dot(b_a, b_w, acc2, input_precision="ieee", out_dtype=acc2.dtype)
         if GATES > 3:
             b_w = tl.load(p_w + 3 * gate_stride, mask=m_w, other=0.0).to(DOT)
-            acc3 = tl.dot(b_a, b_w, acc3, input_precision="ieee")
+            acc3 = tl.dot(b_a, b_w, acc3, input_precision="ieee", out_dtype=acc3.dtype)
         p_a += BLOCK_K
         p_w += BLOCK_K * stride_wk
     return acc0, acc1, acc2, acc3

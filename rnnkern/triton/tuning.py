@@ -14,6 +14,28 @@ import triton
 #: chosen before triton is imported, as tests/conftest.py does).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+
+def _version(text: str) -> tuple:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def check_interpreter_versions() -> None:
+    """Triton's interpreter before 3.8 converts one-element arrays to Python
+    scalars, which numpy 2.4 made an error ("only 0-dimensional arrays can be
+    converted to Python scalars"): every kernel would fail deep inside Triton.
+    Seen with Triton 3.6 and numpy 2.4/2.5; Triton 3.8 runs with numpy 2.4."""
+    if not INTERPRET:
+        return
+    import numpy
+    if _version(triton.__version__) < (3, 8) and _version(numpy.__version__) >= (2, 4):
+        raise RuntimeError(
+            f"TRITON_INTERPRET=1 with triton {triton.__version__} needs numpy < 2.4 (found "
+            f"{numpy.__version__}): its interpreter fails on every kernel with numpy >= 2.4. "
+            "Install numpy<2.4, or triton >= 3.8.")
+
+
+check_interpreter_versions()
+
 #: The smallest block side of a tl.dot on NVIDIA GPUs.
 MIN_DOT = 16
 
