@@ -17,7 +17,8 @@ Data-parallel on two CPU processes (gloo; on GPUs add --device cuda for nccl):
 
 ``--batch`` is the number of streams per process.  ``--backend torch`` runs the
 same model on torch.nn's modules: the baseline for timing rnnkern's backends.
-The logic lives in :mod:`rnnkern.char_lm`.
+The logic lives in ``examples/char_lm_train.py`` (:mod:`char_lm_train`, next to
+this script).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rnnkern import char_lm
+import char_lm_train as char_lm  # examples/char_lm_train.py, next to this script
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -1,4 +1,4 @@
-"""The character-level language model (rnnkern/char_lm.py, examples/char_lm.py):
+"""The character-level language model (examples/char_lm_train.py, examples/char_lm.py):
 batch samplers, perplexity, training to a stated perplexity, the same loss curve
 on every backend, sampling through the cells, checkpoints, the command line and
 2-process DDP."""
@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rnnkern import char_lm as lm
 from conftest import TOL, assert_close, assert_low_precision
 
 ROOT = Path(__file__).resolve().parent.parent
+# The example's trainer is no part of the package: it lives next to its command line.
+sys.path.insert(0, str(ROOT / "examples"))
+import char_lm_train as lm  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -68,7 +70,7 @@ def test_vocab_rejects_unknown_characters():
 # --------------------------------------------------------------- samplers ----
 
 def test_offset_batches_streams_continue_across_batches_and_epochs():
-    """Seed 004: stream b starts at b*N/S, every batch continues where the last one
+    """Offset streams: stream b starts at b*N/S, every batch continues where the last one
     stopped (wrapping at the end of the text), targets are inputs shifted by one."""
     N, B, T = 103, 3, 5
     ids = torch.arange(N) * 7 % N  # a permutation: an id tells its position
@@ -121,7 +123,7 @@ def test_samplers_shard_the_global_batch_across_ranks(kind):
 
 
 def test_random_chunks_are_disjoint_contiguous_and_seeded():
-    """Seed 002: chunks of T characters from one random offset, shuffled, no chunk
+    """Random chunks: chunks of T characters from one random offset, shuffled, no chunk
     twice in an epoch; the order is a function of (seed, epoch)."""
     N, B, T = 500, 4, 7
     ids = torch.arange(N)

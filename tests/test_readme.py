@@ -1,4 +1,4 @@
-"""Every code block of README.md runs as pasted.
+"""Every code block of README.md and docs/*.md runs as pasted.
 
 How each fenced block is tested:
 
@@ -17,6 +17,10 @@ How each fenced block is tested:
       (the program is started, and stopped as soon as its parser returns: bad flags,
       values or choices fail), and for ``torchrun`` the launched script's arguments too;
     * ``python -m pytest ...``: ``--collect-only`` (the suite is found and imports);
+    * ``./run bench ARGS``: ARGS parsed by the benchmark's parser; ``./run test ARGS``: pytest
+      ``--collect-only`` on ARGS; ``./run setup``: the script's syntax (``bash -n``);
+    * ``python setup.py CMD ARGS``: ``CMD --help`` runs and lists every flag of ARGS;
+    * ``VAR=value`` assignments before a command are kept for its check;
     * ``pip install ...``: every flag is one ``pip install --help`` lists, requirement
       files and the source directory exist;
     * ``bash SCRIPT.sh ...``: ``bash -n`` (syntax), the script exists.
@@ -46,6 +50,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 SKIP_MARKER = re.compile(r"^<!--\s*readme-test:\s*skip\b:?\s*(?P<reason>.*?)\s*-->$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 PYTHON_KINDS = ("python", "py", "python3")
@@ -57,15 +62,21 @@ TEXT_KINDS = ("", "text", "console", "output", "json")
 class Block:
     lang: str               # the fence's label: "python", "bash", "" (text), ...
     code: str
-    line: int               # 1-based line of the opening fence in README.md
+    line: int               # 1-based line of the opening fence in its page
     skip: Optional[str]     # the reason given by a skip marker, if any
+    page: str = "README.md"  # the page, relative to the checkout
 
     @property
     def id(self) -> str:
-        return f"{self.lang or 'text'}-line{self.line}"
+        page = "" if self.page == "README.md" else self.page.replace("/", "-").removesuffix(".md") + "-"
+        return f"{page}{self.lang or 'text'}-line{self.line}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def readme_blocks(text: str) -> List[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> List[Block]:
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         opening = FENCE.match(lines[i])
@@ -73,18 +84,19 @@ def readme_blocks(text: str) -> List[Block]:
             i += 1
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), None)
-        assert end is not None, f"README.md:{i + 1}: code block never closed"
+        assert end is not None, f"{page}:{i + 1}: code block never closed"
         before = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         marker = SKIP_MARKER.match(before)
         assert not marker or len(marker["reason"].split()) >= 3, \
-            f"README.md:{i + 1}: a skip marker must give its reason (a few words)"
+            f"{page}:{i + 1}: a skip marker must give its reason (a few words)"
         blocks.append(Block(opening["lang"], "\n".join(lines[i + 1:end]) + "\n", i + 1,
-                            marker["reason"] if marker else None))
+                            marker["reason"] if marker else None, page))
         i = end + 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [b for page in PAGES
+          for b in readme_blocks(page.read_text(encoding="utf-8"), str(page.relative_to(ROOT)))]
 RUN = [b for b in BLOCKS if b.skip is None]
 
 
@@ -99,9 +111,10 @@ def env_with_checkout() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run(argv: List[str], cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=cwd, env=env_with_checkout(), capture_output=True, text=True,
-                          timeout=timeout)
+def run(argv: List[str], cwd: Path = ROOT, timeout: float = 300, env: Optional[dict] = None) \
+        -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, env={**env_with_checkout(), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 # ------------------------------------------------------- parse, do not run ----
@@ -203,7 +216,8 @@ def check_pip_install(argv: List[str]) -> None:
 
 def check_pytest(argv: List[str]) -> None:
     """Running the suite from inside the suite would recurse: collect it instead."""
-    done = run([sys.executable, "-m", "pytest", *argv[3:], "--collect-only", "-q"])
+    args = [a for a in argv[3:] if a not in ("-q", "--quiet")]  # -qq lists counts per file
+    done = run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert re.search(r"^\d+ tests? collected", done.stdout, re.M), done.stdout[-2000:]
 
@@ -215,14 +229,49 @@ def check_bash_script(argv: List[str]) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def check_setup_py(argv: List[str], env: dict) -> None:
+    """``python setup.py CMD ARGS``: CMD's help runs (nothing is built) and lists each flag."""
+    assert len(argv) > 2 and not argv[2].startswith("-"), f"{shlex.join(argv)}: name a setup.py command"
+    done = run([sys.executable, "setup.py", argv[2], "--help"], env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for arg in argv[3:]:
+        assert not arg.startswith("-") or re.search(rf"(^|[\s,]){re.escape(arg.split('=', 1)[0])}\b",
+                                                     done.stdout, re.M), f"setup.py {argv[2]} has no option {arg}"
+
+
+def check_run_script(argv: List[str]) -> Optional[tuple]:
+    """``./run bench|test|setup ARGS``: the script parses; bench's ARGS go to the benchmark's
+    parser (returned, to be parsed with the block's others), test's to pytest --collect-only."""
+    assert (ROOT / "run").is_file() and os.access(ROOT / "run", os.X_OK), "./run: missing or not executable"
+    done = run(["bash", "-n", str(ROOT / "run")])
+    assert done.returncode == 0, done.stderr
+    assert len(argv) > 1 and argv[1] in ("bench", "test", "setup"), f"{shlex.join(argv)}: no such ./run command"
+    if argv[1] == "bench":
+        return ("module", "bench", argv[2:])
+    if argv[1] == "test":
+        check_pytest(["python", "-m", "pytest", *(argv[2:] or ["tests"])])
+    else:
+        assert argv[2:] == [], f"{shlex.join(argv)}: ./run setup takes no arguments"
+    return None
+
+
 def check_commands(commands: List[List[str]]) -> None:
     """Every command by its rule (see the module docstring); the argparse programs of
     the block are parsed together, in one process."""
     to_parse, launchers = [], []
     for argv in commands:
+        env = {}
+        while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
+            key, _, value = argv[0].partition("=")
+            env[key], argv = value, argv[1:]
         argv = {"python3": ["python"], "pytest": ["python", "-m", "pytest"]}.get(argv[0], argv[:1]) + argv[1:]
         if argv[:2] == ["pip", "install"]:
             check_pip_install(argv)
+        elif argv[0] == "./run":
+            if (parse := check_run_script(argv)):
+                to_parse.append(parse)
+        elif argv[:2] == ["python", "setup.py"]:
+            check_setup_py(argv, env)
         elif argv[:3] == ["python", "-m", "pytest"]:
             check_pytest(argv)
         elif argv[0] == "bash" and len(argv) > 1 and argv[1].endswith(".sh"):
@@ -268,14 +317,14 @@ def test_python_block_runs_as_pasted(block, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(block.code)
     done = run([sys.executable, str(script)], cwd=tmp_path)
-    assert done.returncode == 0, f"README.md:{block.line}:\n{block.code}\n{done.stderr[-3000:]}"
-    assert done.stderr == "", f"README.md:{block.line} printed on stderr:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{block.where}:\n{block.code}\n{done.stderr[-3000:]}"
+    assert done.stderr == "", f"{block.where} printed on stderr:\n{done.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("block", [b for b in RUN if b.lang in SHELL_KINDS], ids=lambda b: b.id)
 def test_bash_block_commands_check(block):
     commands = bash_commands(block.code)
-    assert commands, f"README.md:{block.line}: empty bash block"
+    assert commands, f"{block.where}: empty bash block"
     check_commands(commands)
 
 
@@ -292,3 +341,9 @@ def test_the_checks_catch_a_bad_flag_a_bad_choice_and_an_unknown_command():
         check_pip_install(["pip", "install", "--no-such-option", "-e", "."])
     with pytest.raises(pytest.fail.Exception, match="no rule checks"):
         check_commands([["make", "everything"]])
+    with pytest.raises(AssertionError, match="no such ./run command"):
+        check_commands([["./run", "everything"]])
+    with pytest.raises(AssertionError, match="unrecognized"):
+        check_commands([["./run", "bench", "--no-such-flag"]])
+    with pytest.raises(AssertionError, match="has no option --no-such-option"):
+        check_setup_py(["python", "setup.py", "build_ext", "--no-such-option"], {"RNNKERN_SKIP_CUDA": "1"})

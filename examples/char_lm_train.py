@@ -1,4 +1,4 @@
-"""Character-level language model on rnnkern: the application of seeds 002 and 004.
+"""Character-level language model on rnnkern: the trainer behind ``examples/char_lm.py``.
 
 A recurrent network reads text one character at a time and predicts the next one
 (softmax over the characters, cross-entropy loss); it is judged by its
@@ -12,8 +12,8 @@ The pieces, in the order the data flows (``examples/char_lm.py`` is the command 
 - corpus: :func:`load_text` (the documentation shipped with Python itself,
   ``pydoc_data.topics``, so it works offline, or a file), :class:`Vocab`,
   :func:`split_held_out`;
-- batches: :class:`OffsetBatches` (seed 004: ``S`` parallel streams read at offsets,
-  for stateful truncated BPTT) and :class:`RandomChunks` (seed 002: chunks at random
+- batches: :class:`OffsetBatches` (``S`` parallel streams read at offsets,
+  for stateful truncated BPTT) and :class:`RandomChunks` (chunks at random
   offsets, state reset per batch); both shard their streams across DDP ranks;
 - model: :class:`CharLM` (one-hot or embedding input, ``rnnkern.RNN`` / ``GRU`` /
   ``LSTM``, output layer), whose :meth:`CharLM.cells` and :meth:`CharLM.step` run the
@@ -49,7 +49,7 @@ __all__ = ["Config", "Vocab", "OffsetBatches", "RandomChunks", "CharLM", "EpochS
            "init_distributed", "CELLS", "BACKENDS", "DTYPES", "SAMPLERS"]
 
 #: Recurrent cells the model can use (rnnkern's names; ``gru_reset_before`` is the
-#: classic GRU of seed 000, which torch.nn lacks).
+#: classic GRU, which torch.nn lacks).
 CELLS = ("lstm", "gru", "gru_reset_before", "rnn_tanh", "rnn_relu")
 #: rnnkern's backends, plus ``torch``: the same model on torch.nn's modules, the baseline.
 BACKENDS = tuple(b for b in rnnkern.ops.BACKENDS) + ("torch",)
@@ -128,7 +128,7 @@ def split_held_out(ids: Tensor, fraction: float) -> Tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------- batches ----
 
 class OffsetBatches:
-    """Seed 004's mini-batches for stateful truncated BPTT.
+    """Mini-batches for stateful truncated BPTT.
 
     The training text (length N, read as a ring) is read by ``S = batch * world``
     parallel streams; stream ``s`` starts at ``s * N // S``.  Each batch holds the
@@ -136,7 +136,7 @@ class OffsetBatches:
     the same shifted by one), continuing exactly where the previous batch stopped
     -- also across epochs -- so the hidden state left by one batch is the right
     initial state for the next.  A stream that reaches the end of the text wraps
-    to its beginning (seed 004: "return to the head").
+    to its beginning ("return to the head").
 
     Under data-parallel training rank ``r`` reads streams ``r*batch .. (r+1)*batch - 1``:
     a contiguous share of the text, and together the ranks read exactly the batch a
@@ -174,7 +174,7 @@ class OffsetBatches:
 
 
 class RandomChunks:
-    """Seed 002's random sampling: each epoch cuts the training text into
+    """Random sampling: each epoch cuts the training text into
     non-overlapping chunks of ``bptt`` characters from a random offset in
     ``[0, bptt)``, shuffles them and serves ``S = batch * world`` chunks per batch.
     Neighbouring examples are unrelated, so the hidden state starts from zero in
@@ -272,7 +272,7 @@ def check_model_args(cell: str, backend: str) -> None:
 class CharLM(nn.Module):
     """Characters -> (one-hot or embedding) -> recurrent layers -> linear -> logits.
 
-    ``embed=0`` feeds one-hot vectors (seed 002); otherwise an ``nn.Embedding`` of
+    ``embed=0`` feeds one-hot vectors; otherwise an ``nn.Embedding`` of
     that width.  ``backend`` is an rnnkern backend, or ``"torch"`` for torch.nn's
     modules (the baseline); the parameter names are the same either way, so a
     checkpoint moves freely between them."""
