@@ -9,6 +9,7 @@ bundled ptxas and TRITON_INTERPRET unset:
     python -m rnnkern.triton.aot                     # a quick subset, sm_90, float16
     python -m rnnkern.triton.aot --all --arch 80     # every cell and dtype, with and
                                                      # without resets and zoneout
+    python -m rnnkern.triton.aot --all --jobs 2      # the same, two processes at once
 
 Each line gives the kernel, its dynamic shared memory and the compile time.
 """
@@ -124,11 +125,42 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
     return [job if len(job) == 3 else job + ((),) for job in out]
 
 
+def _run_in_processes(cases, args) -> int:
+    """Each case in a process of its own, ``args.jobs`` at a time: compiling is
+    CPU-bound, and a compiler that aborts (an assertion inside Triton) fails its
+    case instead of ending the run."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(case):
+        cell, dtype, options, _ = case
+        spec = f"{cell}:{_TYPE[dtype]}:{'options' if options else 'plain'}"
+        done = subprocess.run([sys.executable, "-m", "rnnkern.triton.aot", "--arch", str(args.arch),
+                               "--case", spec], capture_output=True, text=True)
+        lines = [l for l in done.stdout.splitlines() if l.split(" ", 1)[0] in ("ok", "FAIL", "skip")]
+        if done.returncode not in (0, 1):  # killed: by an abort inside the compiler, say
+            lines.append(f"FAIL  sm_{args.arch} {spec}: the compiler process ended with "
+                         f"{done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+        return lines
+
+    failures = 0
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for lines in pool.map(run, cases):
+            for line in lines:
+                print(line, flush=True)
+                failures += line.startswith("FAIL")
+    print(f"{failures} failures")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="SM version, e.g. 80, 90")
     parser.add_argument("--all", action="store_true",
                         help="every cell in float32, float16, bfloat16 and float64")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="with --all: compile the cases in this many processes at once")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # CELL:DTYPE:options|plain, one process
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
@@ -146,12 +178,22 @@ def main(argv=None) -> int:
                  ("gru_reset_before", torch.bfloat16, True,
                   {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
                  ("lstm_ln", torch.bfloat16, True, None)]
+    if args.case:
+        cell, dtype, options = args.case.split(":")
+        cases = [(cell, {v: k for k, v in _TYPE.items()}[dtype], options == "options", None)]
+    elif args.all and args.jobs > 1:
+        return _run_in_processes(cases, args)
     failures = 0
     for cell, dtype, options, names in cases:
         label = f"{cell}{'+options' if options else '':8s}"
         for kernel, constexprs, acc_args in jobs(cell, dtype, options=options):
             name = kernel.fn.__name__
             if names is not None and name not in names:
+                continue
+            if "loop" in name and not sequence.loop_compiles(dtype, options):
+                print(f"skip  sm_{args.arch} {label:24s} {_TYPE[dtype]} {name:27s} never launched "
+                      "on a GPU (sequence.loop_compiles: the ops take the per-step kernels)",
+                      flush=True)
                 continue
             start = time.time()
             try:

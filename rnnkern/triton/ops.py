@@ -47,7 +47,7 @@ from . import sequence, step as step_kernels
 from .cells import CELL_IDS
 from .checks import (acc_dtype, check_recurrence, check_recurrence_backward, check_step,
                      check_step_backward, has_cell_state)
-from .sequence import block_size, fits_on_chip
+from .sequence import block_size, fits_on_chip, loop_compiles
 from .tuning import INTERPRET
 
 NAMESPACE = "rnnkern_triton"
@@ -93,19 +93,26 @@ def _check_device(op: str, t: Tensor) -> None:
                      f"got tensors on {t.device}")
 
 
-def choose_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool) -> str:
-    """"loop" or "step" for these sizes, following :data:`PATH`."""
+def choose_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool,
+                options: bool = False) -> str:
+    """"loop" or "step" for these sizes, following :data:`PATH`; ``options``:
+    the call has resets or zoneout."""
     if PATH not in PATHS:
         raise ValueError(f"rnnkern_triton: RNNKERN_TRITON_PATH / PATH is {PATH!r}; "
                          f"expected one of {', '.join(PATHS)}")
     fits = fits_on_chip(cell, H, P, dtype, proj)
+    compiles = loop_compiles(dtype, options)
     if PATH == "loop" and not fits:
         raise ValueError(
             f"rnnkern_triton: the in-kernel time loop was forced (PATH='loop') but {cell} with "
             f"H={H}, P={P} in {dtype} needs {sequence.on_chip_bytes(cell, H, P, dtype, proj)} "
             f"bytes of weights on chip, more than {sequence.ON_CHIP_BYTES}; use 'auto' or 'step'")
+    if PATH == "loop" and not compiles:
+        raise ValueError(
+            f"rnnkern_triton: the in-kernel time loop was forced (PATH='loop') but Triton cannot "
+            f"compile it for {dtype} with resets or zoneout on a GPU; use 'auto' or 'step'")
     if PATH == "auto":
-        return "loop" if fits else "step"
+        return "loop" if fits and compiles else "step"
     return PATH
 
 
@@ -171,7 +178,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     T, B, H, P = z.T, z.B, z.H, z.P
     has_c = has_cell_state(cell)
     k = _Call(cell, xproj.dtype, H, z.has_zoneout)
-    path = choose_path(cell, H, P, xproj.dtype, z.has_proj)
+    path = choose_path(cell, H, P, xproj.dtype, z.has_proj,
+                       options=resets is not None or zoneout is not None)
     xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln = _contiguous(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
                                                             ln)
 
@@ -277,7 +285,7 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     has_c, proj, ln_cell = has_cell_state(cell), z.has_proj, cell == "lstm_ln"
     dtype = output.dtype
     k = _Call(cell, dtype, H, z.has_zoneout)
-    path = choose_path(cell, H, P, dtype, proj)
+    path = choose_path(cell, H, P, dtype, proj, options=resets is not None or zoneout is not None)
     grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln = _contiguous(
         grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln)
     device = output.device

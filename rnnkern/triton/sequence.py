@@ -32,7 +32,7 @@ from .cells import (GRU, GRU_RESET_BEFORE, LSTM, LSTM_LN, RNN_RELU, gru_backward
                     rnn_forward, zoneout_forward, zoneout_to_candidate, zoneout_to_prev)
 from .tiles import (load_gate_vectors, load_rows, load_vector, load_weight, positions,
                     previous_position, reset_rows, store_rows, zoneout_rows)
-from .tuning import MIN_DOT, loop_configs
+from .tuning import INTERPRET, MIN_DOT, loop_configs
 
 #: Bytes of weights (W_hh, plus W_hr with a projection, in their storage dtype,
 #: padded to powers of two) a loop kernel keeps on chip for a whole sequence.
@@ -55,6 +55,16 @@ def on_chip_bytes(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool = Fa
     if proj:
         elems += block_size(H) * block_size(P)
     return elems * dtype.itemsize
+
+
+def loop_compiles(dtype: torch.dtype, options: bool) -> bool:
+    """Whether Triton compiles the time-loop kernels of this case for a GPU.
+    float64 with resets or zoneout does not (Triton 3.6 and 3.8 for sm_90: with
+    the reset state blended into the tl.dot operand, the float64 MMA lowering
+    fails: "Currently fp64 don't support largeK MMA", PassManager::run failed),
+    so those cases run on the per-step kernels, which compile.  The interpreter
+    compiles nothing and runs both."""
+    return INTERPRET or not (dtype == torch.float64 and options)
 
 
 def fits_on_chip(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool = False) -> bool:
@@ -165,7 +175,8 @@ def forward_loop_kernel(
                 tl.store(p_w + 3 * H, tl.where(act, o, 0.0).to(WS_DTYPE), mask=m_bh)
                 tl.store(p_w + 4 * H, tl.where(act, c, 0.0).to(WS_DTYPE), mask=m_bh)
             if HAS_PROJ:
-                h = tl.dot(h.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_P], ACC), input_precision="ieee", out_dtype=ACC)
+                h = tl.dot(h.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_P], ACC),
+                           input_precision="ieee", out_dtype=ACC)
         elif CELL == LSTM_LN:
             x1 = tl.load(p_x + H, mask=m_act, other=0.0).to(ACC)
             x2 = tl.load(p_x + 2 * H, mask=m_act, other=0.0).to(ACC)
@@ -361,7 +372,8 @@ def backward_loop_kernel(
             d = tl.where(act, d, 0.0)
             tl.store(p_dh_tot_all + row * P + o_p[None, :], d.to(p_dh_tot_all.dtype.element_ty),
                      mask=m_bp)
-            d = tl.dot(d.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_H], ACC), input_precision="ieee", out_dtype=ACC)
+            d = tl.dot(d.to(DOT), b_wr, tl.zeros([BLOCK_B, BLOCK_H], ACC),
+                       input_precision="ieee", out_dtype=ACC)
 
         if CELL == LSTM:
             i = tl.load(p_w, mask=m_act, other=0.0).to(ACC)
@@ -485,7 +497,8 @@ def backward_loop_kernel(
             tl.store(p_d + H, dz.to(DX_DTYPE), mask=m_bh)
             tl.store(p_d + 2 * H, dn.to(DX_DTYPE), mask=m_bh)
             tl.store(p_a, tl.where(act, r * h_prev, 0.0).to(AUX_DTYPE), mask=m_bh)
-            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct + dh_reset, input_precision="ieee", out_dtype=ACC)
+            dh_prev = tl.dot(dr.to(DOT), b_w0, dh_direct + dh_reset,
+                             input_precision="ieee", out_dtype=ACC)
             dh_prev = tl.dot(dz.to(DOT), b_w1, dh_prev, input_precision="ieee", out_dtype=ACC)
         else:
             if HAS_ZONEOUT:  # the candidate h~_t, saved by the forward

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU image's versions, rehearsed on the CPU: torch 2.11.0 and triton 3.6.0,
+# without expecttest (the image has none: the suite must collect without it).
+# numpy < 2.4 here, because Triton 3.6's interpreter fails on every kernel with
+# numpy >= 2.4 (the image's numpy 2.5 only meets Triton's compiler, on the GPU).
+#
+#   1. the CPU build against torch 2.11,
+#   2. the tests where a torch or Triton version shows: the CPU kernels, the
+#      modules and their autograd, compile, the inputs' errors, the torch.nn
+#      contract file's collection, the Triton kernels under the interpreter,
+#   3. every Triton kernel compiled for sm_90 in every dtype, with and without
+#      resets and zoneout (python -m rnnkern.triton.aot --all), as the GPU will.
+#
+# It builds a copy of the tracked tree, so the main environment's in-place
+# build stays as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+ROOT=$PWD
+VENV=$ROOT/.venv-2.11
+TREE=$(mktemp -d)
+trap 'rm -rf "$TREE"' EXIT
+git ls-files -z | (cd "$ROOT" && xargs -0 cp --parents -t "$TREE")
+
+if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV"; fi
+"$VENV/bin/python" -m pip install -q torch==2.11.0 triton==3.6.0 "numpy<2.4" "setuptools<82" \
+  ninja pybind11 pytest hypothesis
+"$VENV/bin/python" -c "import importlib.util as u, torch, triton, numpy; \
+print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, \
+'expecttest', u.find_spec('expecttest') is not None)"
+echo "== torch 2.11: installed at $((SECONDS - start)) s"
+
+cd "$TREE"
+RNNKERN_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" setup.py -q build_ext --inplace
+echo "== torch 2.11: built at $((SECONDS - start)) s"
+
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_cpu.py tests/test_modules.py \
+  tests/test_autograd.py tests/test_compile.py tests/test_inputs.py tests/test_torch_contract.py \
+  tests/test_triton.py
+echo "== torch 2.11: tests done at $((SECONDS - start)) s"
+
+env -u TRITON_INTERPRET "$VENV/bin/python" -m rnnkern.triton.aot --all --arch 90 --jobs "${MAX_JOBS:-2}"
+echo "== torch 2.11: every Triton kernel compiled for sm_90 at $((SECONDS - start)) s"

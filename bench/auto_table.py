@@ -1,0 +1,79 @@
+"""Writes the table ``backend="auto"`` decides by (rnnkern/auto_table.json) from
+benchmark results: ``python -m bench.auto_table RESULT.json [...]``.
+
+For each case of each file (one cell, dtype, size and phase, timed against
+torch.nn in the same process), the entry keeps rnnkern's speed ratios
+(torch.nn time / rnnkern time, per rnnkern backend).  A device's entries are
+replaced by those of the files given for it; other devices' entries stay.  So
+one GPU run updates the GPU's rows:
+
+    python -m bench.auto_table bench/results/gpu-h100-2026-11-26/bench-full-cuda/bench_gpu_cuda.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from rnnkern import auto
+
+RNNKERN_CANDIDATES = ("cpu", "cuda", "triton")
+
+
+def device_key(meta: dict) -> str:
+    dev = meta["device"]
+    if dev["type"] == "cuda":
+        return "cuda:sm_" + dev["capability"].replace(".", "")
+    isa = dev.get("isa") or {}
+    if "rnnkern_vector_bits" not in isa:
+        raise ValueError("a CPU result without meta.device.isa.rnnkern_vector_bits (older than the "
+                         "ISA record): its CPU class is unknown")
+    return auto.cpu_class(isa["rnnkern_vector_bits"], "avx512_bf16" in isa.get("cpu_flags", []))
+
+
+def entries_of(path: str, root: str) -> tuple[str, list]:
+    with open(path) as f:
+        doc = json.load(f)
+    key = device_key(doc["meta"])
+    source = os.path.relpath(path, root)
+    out = []
+    for r in doc["results"]:
+        if r.get("call", "sequence") != "sequence":
+            continue
+        speedups = {name: e["speedup_vs_torch"] for name, e in r["candidates"].items()
+                    if name in RNNKERN_CANDIDATES and e.get("status") == "timed"
+                    and e.get("speedup_vs_torch") is not None}
+        if speedups:
+            out.append({"device": key, "cell": r["cell"], "dtype": r["dtype"], "phase": r["phase"],
+                        "B": r["B"], "T": r["T"], "H": r["H"],
+                        "speedups": {k: round(v, 3) for k, v in speedups.items()}, "source": source})
+    return key, out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.auto_table", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="bench JSON files (python -m bench --json)")
+    p.add_argument("--out", default=auto.TABLE_PATH, help="the table to update (default: the package's)")
+    a = p.parse_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    new, devices = [], set()
+    for path in a.results:
+        key, entries = entries_of(path, root)
+        devices.add(key)
+        new += entries
+        print(f"{path}: {len(entries)} entries for {key}")
+    old = auto._load(a.out)["entries"] if os.path.exists(a.out) else []
+    kept = [e for e in old if e["device"] not in devices]
+    doc = {"about": "rnnkern/auto.py: what backend='auto' runs; written by python -m bench.auto_table",
+           "entries": sorted(kept + new, key=lambda e: (e["device"], e["cell"], e["dtype"], e["phase"],
+                                                       e["B"], e["T"], e["H"]))}
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"{a.out}: {len(doc['entries'])} entries ({len(kept)} kept from other devices)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""What ``backend="auto"`` runs: the fastest correct implementation, torch.nn's own included.
+
+A module with ``backend="auto"`` asks :func:`choose` on every call.  The answer
+is torch.nn's implementation (the module's torch.nn base class: cuDNN on a GPU,
+oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
+
+1. A call torch.nn cannot express (``GRU(reset_after=False)``, ``resets=``,
+   ``zoneout=``, ``lengths=``, the LayerNorm LSTM) runs rnnkern's kernels.
+2. Where the shipped table (``auto_table.json``, written from benchmark results
+   by ``python -m bench.auto_table``) has measurements for this device, cell and
+   dtype, the faster of the two at the measured size nearest to the call's
+   (log-distance in B, H and T; forward for inference, forward+backward when the
+   call builds a graph) runs.
+3. Without a measurement: on a GPU, torch.nn (cuDNN) for what it supports; on a
+   CPU, torch.nn for bfloat16 where the CPU has AVX512_BF16 (oneDNN runs the
+   bf16 dot-product instructions, rnnkern computes bf16 in float32 there), and
+   rnnkern's CPU kernels otherwise (measured faster than oneDNN on the CPU grid).
+
+Explicit backends (``"cpu"``, ``"cuda"``, ``"triton"``, ``"reference"``) always
+run rnnkern's own code.  :func:`rnnkern.explain` names the choice for a module
+and an input without running anything.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+#: The table shipped with the package; RNNKERN_AUTO_TABLE names another file.
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "auto_table.json")
+
+TORCH = "torch.nn"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The implementation ``backend="auto"`` runs for a call, and why."""
+
+    implementation: str  # "torch.nn" or rnnkern's backend name ("cpu", "cuda", "triton")
+    reason: str
+
+    @property
+    def uses_torch(self) -> bool:
+        return self.implementation == TORCH
+
+    def __str__(self) -> str:
+        name = self.implementation if self.uses_torch else f"rnnkern backend={self.implementation!r}"
+        return f"{name}: {self.reason}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"entries": []}
+    with open(path) as f:
+        return json.load(f)
+
+
+def table() -> dict:
+    """The measurements ``auto`` decides by (see the module docstring)."""
+    return _load(os.environ.get("RNNKERN_AUTO_TABLE", TABLE_PATH))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has the bf16 dot-product instructions (Linux's flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def cpu_class(vector_bits: int, bf16: bool) -> str:
+    """The table's key of a CPU: the width rnnkern's kernels run at, and whether
+    the CPU has the bf16 dot products (oneDNN's speed differs with both)."""
+    return f"cpu:{vector_bits}bit{'+bf16' if bf16 else ''}"
+
+
+def device_class(device: torch.device) -> str:
+    """The key of a device in the table: ``cuda:sm_90``, ``cpu:512bit+bf16``, ..."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:sm_{major}{minor}"
+    if device.type == "cpu":
+        from . import _C
+        return cpu_class(_C.cpu_vector_bits(), cpu_has_avx512_bf16())
+    return device.type
+
+
+def _nearest(entries: list, B: int, H: int, T: int) -> dict:
+    def distance(e):
+        return sum(math.log(max(a, 1) / max(b, 1)) ** 2 for a, b in ((e["B"], B), (e["H"], H), (e["T"], T)))
+    return min(entries, key=distance)
+
+
+def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
+           training: bool, torch_lacks: Optional[str], rnnkern_backend: str,
+           device_key: Optional[str] = None) -> Choice:
+    """The implementation for one call of a sequence module.
+
+    ``torch_lacks``: the option of the call torch.nn cannot run (None: it can);
+    ``rnnkern_backend``: rnnkern's backend for this device (``resolve_backend``);
+    ``device_key``: the table's key for the device (default :func:`device_class`)."""
+    if torch_lacks is not None:
+        return Choice(rnnkern_backend, f"torch.nn has no {torch_lacks}")
+    key = device_key or device_class(device)
+    dtype_name = str(dtype).replace("torch.", "")
+    phase = "forward_backward" if training else "forward"
+    entries = [e for e in table().get("entries", [])
+               if e["device"] == key and e["cell"] == cell and e["dtype"] == dtype_name
+               and e["phase"] == phase and rnnkern_backend in e["speedups"]]
+    if entries:
+        e = _nearest(entries, B, H, T)
+        ratio = e["speedups"][rnnkern_backend]
+        where = (f"{cell} {dtype_name} {phase.replace('_', '+')} at B={e['B']} T={e['T']} H={e['H']} "
+                 f"on {key} ({e['source']})")
+        if ratio >= 1.0:
+            return Choice(rnnkern_backend, f"measured {ratio:.2f}x torch.nn's speed: {where}")
+        return Choice(TORCH, f"rnnkern measured {ratio:.2f}x torch.nn's speed: {where}")
+    if device.type == "cuda":
+        return Choice(TORCH, f"no measurement of rnnkern for {cell} {dtype_name} on {key}: "
+                             "torch.nn's cuDNN path")
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_avx512_bf16():
+        return Choice(TORCH, "bfloat16 on a CPU with AVX512_BF16: oneDNN runs the bf16 dot-product "
+                             "instructions, rnnkern computes bf16 in float32")
+    return Choice(rnnkern_backend, f"rnnkern's {device.type} kernels (no measurement says otherwise)")
