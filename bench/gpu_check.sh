@@ -10,7 +10,7 @@
 # 4. sanitizer  compute-sanitizer memcheck and racecheck (then initcheck, if
 #            time is left) on bench/sanitizer_cases.py: a small case of every kernel
 # 5. bench   the GPU benchmark: python -m bench --device cuda $BENCH_ARGS (by
-#            default the sizes only, headline and throughput, bf16 and
+#            default the headline and throughput sizes only, bf16 and
 #            fp16, so that it fits after the build and the tests; BENCH_ARGS=""
 #            in a call of its own runs the suite's whole grid), or a small timing
 #            of rnnkern against torch.nn/cuDNN where that CLI is not there
