@@ -35,7 +35,8 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from . import _C, reference
-from .library import WITH_CUDA_EMULATION, acc_dtype, has_cell_state, register_op_family
+# (WITH_CUDA_EMULATION, acc_dtype and register_op_family keep their old address here too)
+from .library import WITH_CUDA_EMULATION, acc_dtype, has_cell_state, register_op_family  # noqa: F401
 from .reference import ALL_CELLS, CELLS, check_cell
 
 BACKENDS = ("auto", "reference", "cpu", "cuda", "triton") + (
