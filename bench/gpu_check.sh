@@ -15,7 +15,7 @@
 #   tests_cuda   pytest -m gpu tests/test_cuda.py                        49   200
 #   memcheck     compute-sanitizer memcheck, bench/sanitizer_cases.py      9   120
 #   bench        python -m bench --device cuda $BENCH_ARGS (CUDA         25   150
-#                against cuDNN at the sizes, bf16 and fp16)
+#                against cuDNN at the headline sizes, bf16, fp16)
 #   racecheck    compute-sanitizer racecheck, float32 and bfloat16         9    90
 #   tests_other  pytest -m gpu on the other test files (Triton...)       95   120
 #   initcheck    compute-sanitizer initcheck, float32                      5   120

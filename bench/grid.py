@@ -3,12 +3,12 @@
 Six families of sizes, one list per device:
 
 ============  =====================================  ======================================
-family        GPU (the issue's grid)                 CPU (scaled to 2 shared cores)
+family        GPU (the benchmark's grid)             CPU (scaled to 2 shared cores)
 ============  =====================================  ======================================
 latency       B 1, 16, 64 x H 256, 768, 1024; T 1024  B 1, 16, 64 x H 64, 128, 256; T 256
 throughput    B 256; H 512, 1024; T 256               B 128; H 128, 256; T 64
 long          B 16, H 768; T 2k, 4k, 8k, 16k          B 4, H 128; T 512, 2k, 8k
-headline      B 16, H 768, T 1024 (GUIDE's targets)   B 32, H 256, T 256 (README's CPU table)
+headline      B 16, H 768, T 1024 (the GPU targets)   B 32, H 256, T 256 (README's CPU table)
 peers         the CPU sizes (the peers are CPU only)  LSTM B32 T256 H256, B1 T256 H128,
                                                      B64 T64 H128; GRU B1 T256 H128,
                                                      B32 T256 H256; RNN B32 T256 H256
@@ -17,8 +17,8 @@ step          B 1, 16 x H 64, 256, and B 1 H 8;       the same
               call
 ============  =====================================  ======================================
 
-``peers`` is issue #14's table of rnnkern against the CPU inference engines a user
-would pick instead (ONNX Runtime, OpenVINO; bench/candidates.py): its sizes are set
+``peers`` is the table of rnnkern against the CPU inference engines a user
+would pick instead (ONNX Runtime, OpenVINO; bench/candidates/peers.py): its sizes are set
 per cell.  ``step`` is the one-step regime (RL agents stepping one observation at a
 time, streaming inference, token-by-token generation): every size is measured twice,
 as a T=1 call of the sequence module (``rnnkern.LSTM`` vs ``torch.nn.LSTM``) and as a
@@ -64,14 +64,14 @@ def _cross(Bs, Hs, Ts):
     return [(B, T, H) for B in Bs for H in Hs for T in Ts]
 
 
-#: Issue #14's peer table: (B, T, H) per cell (ReLU RNN: the tanh one's size).
+#: The peer table: (B, T, H) per cell (ReLU RNN: the tanh one's size).
 PEER_SIZES = {
     "lstm": [(32, 256, 256), (1, 256, 128), (64, 64, 128)],
     "gru": [(1, 256, 128), (32, 256, 256)],
     "rnn_tanh": [(32, 256, 256)],
     "rnn_relu": [(32, 256, 256)],
 }
-#: Issue #14's one-step sizes, plus B=1 H=8 (a call that is almost nothing but
+#: The one-step sizes, plus B=1 H=8 (a call that is almost nothing but
 #: its per-call cost).
 STEP_SIZES = [(1, 1, 8)] + _cross((1, 16), (64, 256), (1,))
 

@@ -51,6 +51,11 @@ def _device_line(doc) -> str:
     if p.get("copy_gbps"):
         gemm = ", ".join(f"{k} {v:.3g}" for k, v in p["gemm_tflops"].items())
         line += f"; measured peaks: GEMM TFLOP/s {gemm}; copy {p['copy_gbps']:.3g} GB/s"
+    fma = p.get("fma")
+    if fma and fma["tflops"]:
+        peak = ", ".join(f"{k} {v:.3g}" for k, v in fma["tflops"].items())
+        line += (f"; FMA peak TFLOP/s {peak} ({fma['core']}, {fma['threads']} x {fma['fma_units']} x "
+                 f"{fma['fp32_lanes_per_unit']} fp32 lanes x 2 at {fma['clock_mhz']:.0f} MHz: %peak is of this)")
     return line
 
 

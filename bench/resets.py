@@ -1,5 +1,5 @@
 """Episode boundaries inside a chunk: rnnkern's ``resets=`` against the loop a
-torch.nn user writes without it (issue #16).
+torch.nn user writes without it.
 
     python -m bench.resets                       # LSTM T=64 B=32 H=256, 5% resets
     python -m bench.resets --cells lstm gru rnn_tanh --fraction 0.02
@@ -29,8 +29,9 @@ import torch
 
 import rnnkern
 
+from rnnkern.check.probe import cpu_isa, cpu_model, git_commit, load_average
+
 from . import timing
-from .suite import _cpu_isa, _cpu_name, _git_commit, _load
 
 MODULES = {"lstm": (torch.nn.LSTM, rnnkern.LSTM), "gru": (torch.nn.GRU, rnnkern.GRU),
            "rnn_tanh": (torch.nn.RNN, rnnkern.RNN)}
@@ -147,8 +148,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python -m bench.resets"] + (argv if argv is not None else sys.argv[1:])),
-            "git": _git_commit(), "cpu": _cpu_name(), "isa": _cpu_isa(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average_at_start": _load(),
+            "git": git_commit(), "cpu": cpu_model(), "isa": cpu_isa(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
             "versions": {"python": platform.python_version(), "torch": torch.__version__}}
     print(f"bench.resets on {meta['cpu']}, {meta['threads']} thread(s), load average "
           f"{meta['load_average_at_start']}: forward + backward, float32", flush=True)
@@ -160,7 +161,7 @@ def main(argv=None) -> None:
               f"({100 * args.fraction:g}%): torch.nn over {r['torch_pieces']} pieces "
               f"{r['torch_pieces_ms']:.3g} ms; rnnkern resets= {r['rnnkern_ms']:.3g} ms: "
               f"{r['speedup']:.2f}x (float64 agreement {r['float64_max_difference']:.1e})", flush=True)
-    meta["load_average_at_end"] = _load()
+    meta["load_average_at_end"] = load_average()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

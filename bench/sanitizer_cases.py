@@ -7,8 +7,8 @@ Runs the forward and backward of every cell (and the LSTM projection), with
 and without lengths, in both directions, and the step op and its backward,
 in every dtype, on sizes that leave partial tiles everywhere (odd B, H, I).
 Each result is checked against the CPU backend on the same inputs, so a run
-that the sanitizer passes also computed the right thing.  The options of
-issue #16 (``--kernels options``: resets, zoneout, the lstm_ln cell and its
+that the sanitizer passes also computed the right thing.  The step options
+and the LayerNorm cell (``--kernels options``: resets, zoneout, the lstm_ln cell and its
 row kernels, with rows longer than a block) are checked against the float64
 reference instead (the CPU backend may lack them).  Run it with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation

@@ -4,14 +4,15 @@ For every case of the grid (bench/grid.py) and both phases -- forward (inference
 no autograd) and forward + backward (a training forward, then the gradients of
 the input, the initial states and every weight) -- it
 
-1. builds every candidate (bench/candidates.py) on the same weights and inputs;
+1. builds every candidate (bench/candidates/) on the same weights and inputs;
 2. runs each once to warm up (torch.compile and FlashRNN compile here), once more
    for its result and its peak memory, and checks that result against torch.nn in
    float64 (bench/agreement.py); a candidate that disagrees is reported, not timed;
 3. times the agreeing candidates interleaved, rotating input buffers
    (bench/timing.py), and derives the figures: median time, speed ratio against
    torch.nn, microseconds per step, TFLOP/s and GB/s (bench/cost.py) against the
-   device's measured peaks, peak memory against torch.nn's (GPU).
+   device's ceilings (the CPU's FMA peak, bench/fma_peak.py; a GPU's measured GEMM
+   peak; the measured copy bandwidth), peak memory against torch.nn's (GPU).
 
 Output: a line per case and phase as soon as it is measured, then the terminal
 tables; JSON and the markdown summary rewritten after every case, PNG plots at the
@@ -27,7 +28,6 @@ import math
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 import zlib
@@ -39,7 +39,9 @@ import torch
 
 import rnnkern
 
-from . import agreement, report, timing
+from rnnkern.check.probe import cpu_identity, cpu_isa, cpu_model, git_commit, load_average, package_version
+
+from . import agreement, fma_peak, report, timing
 from .candidates import (BASELINE, CANDIDATES, FLASHRNN_FAMILIES, LOOP_MAX_T, ONNX_EXPORT, OPENVINO_HINTS,
                          PEERS, torch_module)
 from .cost import cost
@@ -198,10 +200,6 @@ def truth_results(case: Case, src, inputs: Inputs, device: torch.device) -> tupl
         return results, "vanilla loop float64"
 
 
-def _finite_positive(v):
-    return v if (v is not None and math.isfinite(v) and v > 0) else None
-
-
 def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, progress) -> list[dict]:
     """Both phases of one case: a record per phase (see bench/README.md for the fields)."""
     lstm = case.cell == "lstm"
@@ -303,87 +301,26 @@ def run_case(case: Case, names: list[str], device: torch.device, cfg: Config, pr
 
 
 def apply_peaks(records: list[dict], peaks: dict) -> None:
-    """Achieved TFLOP/s and GB/s as percentages of the measured peaks."""
+    """Achieved TFLOP/s and GB/s as percentages of the ceilings: on the CPU the
+    cores' FMA peak (bench/fma_peak.py, ``peaks["fma"]``), on a GPU the measured
+    GEMM peak of the dtype; the measured copy bandwidth."""
+    flops = peaks["fma"]["tflops"] if "fma" in peaks else peaks["gemm_tflops"]
     for r in records:
-        gemm_peak = peaks["gemm_tflops"].get(r["dtype"])
+        flops_peak = flops.get(r["dtype"])
         for e in r["candidates"].values():
             if e["status"] == "timed":
-                e["pct_peak_flops"] = 100 * e["tflops"] / gemm_peak if gemm_peak else None
+                e["pct_peak_flops"] = 100 * e["tflops"] / flops_peak if flops_peak else None
                 e["pct_peak_bw"] = 100 * e["gbps"] / peaks["copy_gbps"]
 
 
 # ------------------------------------------------------------- metadata ----
 
-def _version(module: str) -> Optional[str]:
-    try:
-        from importlib.metadata import version
-        return version(module)
-    except Exception:  # not installed, or no metadata: reported as null
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-# Environment variables that cap the vector ISA of a candidate's kernels (torch's ATen,
-# oneDNN in torch.nn and OpenVINO, MKL, rnnkern): a run made under a cap says so.
-ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
-            "MKL_ENABLE_INSTRUCTIONS", "RNNKERN_CPU_VECTOR_BITS")
-
-
-def _cpu_isa() -> dict:
-    """What the CPU offers, what torch and rnnkern dispatch to, and any caps set."""
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = {"cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16")
-                         if f in flags],
-           "torch_capability": torch.backends.cpu.get_cpu_capability()}
-    try:
-        import rnnkern._C as _C
-        isa["rnnkern_vector_bits"] = _C.cpu_vector_bits()
-    except (ImportError, AttributeError):
-        pass
-    caps = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
-    if caps:
-        isa["caps"] = caps
-    return isa
-
-
-def _git_commit() -> Optional[str]:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _load() -> Optional[list]:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dict:
-    dev = {"type": device.type, "cpu": _cpu_name(), "threads": torch.get_num_threads(),
-           "cores": os.cpu_count(), "load_average_at_start": _load()}
+    dev = {"type": device.type, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+           "cores": os.cpu_count(), "load_average_at_start": load_average()}
     if device.type == "cpu":
-        dev["isa"] = _cpu_isa()
+        dev["isa"] = cpu_isa()
+        dev["cpu_id"] = cpu_identity()
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         dev.update(name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
@@ -402,14 +339,14 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m bench"] + list(cfg.argv)),
-        "git": _git_commit(),
+        "git": git_commit(),
         "device": dev,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "rnnkern": rnnkern.__version__, "triton": _version("triton"),
+                     "rnnkern": rnnkern.__version__, "triton": package_version("triton"),
                      "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-                     "flashrnn": _version("flashrnn"), "onnxruntime": _version("onnxruntime"),
-                     "openvino": _version("openvino"), "numpy": _version("numpy")},
+                     "flashrnn": package_version("flashrnn"), "onnxruntime": package_version("onnxruntime"),
+                     "openvino": package_version("openvino"), "numpy": package_version("numpy")},
         "settings": {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
                      "tf32_cudnn": torch.backends.cudnn.allow_tf32,
                      "rnnkern_cuda_built": rnnkern.ops.WITH_CUDA},
@@ -486,7 +423,7 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     threads = cfg.threads or (1 if cfg.quick else None)
-    load = _load()
+    load = load_average()
     busy = device.type == "cpu" and load is not None and load[0] > (os.cpu_count() or 1)
     if busy and threads is None:
         # Oversubscribed, every multi-threaded kernel waits at each parallel region
@@ -526,6 +463,8 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
     try:
         doc["peaks"] = timing.measure_peaks(device, [DTYPES[d] for d in dtypes])
         if device.type == "cpu":
+            doc["peaks"]["fma"] = fma_peak.at_least_measured(fma_peak.fma_peak(torch.get_num_threads(), dtypes),
+                                                             doc["peaks"]["gemm_tflops"])
             overhead = timing.harness_overhead([None] * 4)
             doc["meta"]["timing"]["harness_overhead_us"] = overhead * 1e6
         for i, case in enumerate(cases):
@@ -542,6 +481,8 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
                 outputs.save(doc, final=False)
         progress.set_postfix_str("measuring peaks")
         doc["peaks"] = timing.best_peaks(doc["peaks"], timing.measure_peaks(device, [DTYPES[d] for d in dtypes]))
+        if "fma" in doc["peaks"]:
+            doc["peaks"]["fma"] = fma_peak.at_least_measured(doc["peaks"]["fma"], doc["peaks"]["gemm_tflops"])
         doc["meta"]["complete"] = True
     except (Stopped, KeyboardInterrupt) as e:
         doc["meta"]["stopped_by"] = e.signal_name if isinstance(e, Stopped) else "SIGINT"
@@ -550,7 +491,7 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
         progress.close()
     if doc["peaks"].get("copy_gbps"):
         apply_peaks(doc["results"], doc["peaks"])
-    doc["meta"]["device"]["load_average_at_end"] = _load()
+    doc["meta"]["device"]["load_average_at_end"] = load_average()
     return doc
 
 

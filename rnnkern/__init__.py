@@ -25,9 +25,9 @@ _torch_warnings.install()  # before anything imports torch.utils.cpp_extension (
 
 
 def __getattr__(name):
-    # rnnkern.check, the field self-check, is imported on first use: importing it
-    # here would make `python -m rnnkern.check` find it already imported (runpy
-    # warns).  The module is callable: rnnkern.check() runs rnnkern.check.check().
+    # rnnkern.check, the field self-check (a package), is imported on first use:
+    # `import rnnkern` stays light.  The package is callable: rnnkern.check() runs
+    # rnnkern.check.check().
     if name == "check":
         import importlib
         return importlib.import_module(".check", __name__)

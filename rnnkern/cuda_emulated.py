@@ -16,29 +16,17 @@ runs the step kernel's FMA path for half types instead of WMMA (``900``).
 """
 from __future__ import annotations
 
-import torch
-
-from . import ops as _ops  # loads rnnkern._C: the schemas
+from .library import WITH_CUDA_EMULATION, define_family, register_op_family
 
 NAMESPACE = "rnnkern_cuda_emu"
 
-
-def _define_ops() -> torch.library.Library:
-    """The four ops with rnnkern's own schemas (one source: csrc/ops.cpp)."""
-    lib = torch.library.Library(NAMESPACE, "DEF")
-    for name in ("recurrence", "recurrence_backward", "step", "step_backward"):
-        schema = str(getattr(torch.ops.rnnkern, name).default._schema)
-        lib.define(schema.split("::", 1)[1])
-    return lib
-
-
-if not _ops.WITH_CUDA_EMULATION:
+if not WITH_CUDA_EMULATION:
     raise ImportError("rnnkern was built without the emulated CUDA device "
                       "(rebuild with RNNKERN_CUDA_EMULATION=1)")
-_lib = _define_ops()
+_lib = define_family(NAMESPACE)  # rnnkern's own schemas (one source: csrc/ops.cpp)
 from . import _C_cuda_emu  # noqa: E402  (implements the ops for CPU tensors)
 
-_ops.register_op_family(NAMESPACE)
+register_op_family(NAMESPACE)
 
 set_schedule = _C_cuda_emu.set_schedule
 set_arch = _C_cuda_emu.set_arch

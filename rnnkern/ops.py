@@ -19,14 +19,14 @@ Every op family has the same four schemas (csrc/ops.cpp): ``recurrence``,
 ``recurrence_backward``, ``step``, ``step_backward``.  The CPU backend also
 computes the input projection with its own op (``rnnkern::linear``), whose
 GEMM and pooled buffers beat the BLAS bundled with torch on the CPUs measured;
-the other backends use torch's matmul.  Their fake (meta)
-implementations and their autograd formulas are registered here, once per family,
-by :func:`register_op_family`, so ``torch.compile(fullgraph=True)`` traces every
-backend without a graph break.
+the other backends use torch's matmul.  Their fake (meta) implementations and
+their autograd formulas are registered once per family by
+:func:`rnnkern.library.register_op_family`, so ``torch.compile(fullgraph=True)``
+traces every backend without a graph break.  This module chooses the backend
+only; the op library's plumbing lives in :mod:`rnnkern.library`.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Optional
 
@@ -34,12 +34,10 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from . import _C
-from .reference import ALL_CELLS, CELLS, check_cell, gate_count, ln_width, workspace_size
-from . import reference
-
-#: True when the emulated CUDA device was built (RNNKERN_CUDA_EMULATION=1): tests only.
-WITH_CUDA_EMULATION = importlib.util.find_spec("rnnkern._C_cuda_emu") is not None
+from . import _C, reference
+# (WITH_CUDA_EMULATION, acc_dtype and register_op_family keep their old address here too)
+from .library import WITH_CUDA_EMULATION, acc_dtype, has_cell_state, register_op_family  # noqa: F401
+from .reference import ALL_CELLS, CELLS, check_cell
 
 BACKENDS = ("auto", "reference", "cpu", "cuda", "triton") + (
     ("cuda_emulated",) if WITH_CUDA_EMULATION else ())
@@ -49,134 +47,6 @@ WITH_CUDA = bool(_C.WITH_CUDA)
 
 __all__ = ["BACKENDS", "CELLS", "ALL_CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
            "run_recurrence", "run_step", "resolve_backend", "register_op_family", "empty_cpu_cache"]
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the gate math runs in (and the workspace is kept in)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-# --------------------------------------------------------------------------
-# Fake implementations and autograd, shared by every op family.
-
-def _has_cell_state(cell: str) -> bool:
-    return cell in ("lstm", "lstm_ln")
-
-
-def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
-                     resets=None, zoneout=None, ln=None):
-    T, B = xproj.shape[0], xproj.shape[1]
-    H = w_hh.shape[0] // gate_count(cell)
-    P = h0.shape[1]
-    output = xproj.new_empty((T, B, P))
-    h_n = xproj.new_empty((B, P))
-    c_n = xproj.new_empty((B, H)) if _has_cell_state(cell) else xproj.new_empty((0,))
-    ws_shape = (T, B, workspace_size(cell, H, zoneout is not None)) if train else (0,)
-    workspace = xproj.new_empty(ws_shape, dtype=acc_dtype(xproj.dtype))
-    return output, h_n, c_n, workspace
-
-
-def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                              workspace, lengths, reverse, resets=None, zoneout=None, ln=None):
-    T, B = output.shape[0], output.shape[1]
-    G = gate_count(cell)
-    H = w_hh.shape[0] // G
-    P = h0.shape[1]
-    new = output.new_empty
-    return (new((T, B, G * H)), new((B, P)), new((B, H)) if _has_cell_state(cell) else new((0,)),
-            new((G * H, P)), new((G * H,)), new((G * H,)),
-            new((P, H)) if w_hr is not None else new((0,)),
-            new((ln_width(cell) * H,)) if ln is not None else new((0,)))
-
-
-def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln=None):
-    B = x.shape[0]
-    H = w_hh.shape[0] // gate_count(cell)
-    c_new = x.new_empty((B, H)) if _has_cell_state(cell) else x.new_empty((0,))
-    workspace = x.new_empty((B, workspace_size(cell, H)), dtype=acc_dtype(x.dtype))
-    return x.new_empty((B, H)), c_new, workspace
-
-
-def _step_backward_fake(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
-                        ln=None, needs=255):
-    B, I = x.shape
-    G = gate_count(cell)
-    H = w_hh.shape[0] // G
-    new = x.new_empty
-    shapes = ((B, I), (B, H), (B, H) if _has_cell_state(cell) else (0,), (G * H, I), (G * H, H),
-              (G * H,), (G * H,), (ln_width(cell) * H,) if ln is not None else (0,))
-    # An output whose bit is clear in `needs` is empty (schema: csrc/ops.cpp).
-    return tuple(new(shape if needs >> i & 1 else (0,)) for i, shape in enumerate(shapes))
-
-
-def _differentiable_grads(fn, inputs, needs, outputs_grads):
-    """The gradients of ``fn(*inputs)`` as a differentiable function of the
-    saved inputs, for a backward run with ``create_graph=True`` (second
-    derivatives: gradient penalties, Hessian-vector products).  ``fn`` is the
-    reference formulation; it runs in the accumulate dtype, as the kernels do.
-    Returns one gradient (or None) per input."""
-    wrt = [t for t, need in zip(inputs, needs) if need and t is not None]
-    if not wrt:
-        return [None] * len(inputs)
-    with torch.enable_grad():
-        acc = acc_dtype(inputs[0].dtype)
-        outputs = fn(*(None if t is None else t.to(acc) for t in inputs))
-        pairs = [(o, g) for o, g in zip(outputs, outputs_grads) if o is not None and g is not None]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                         create_graph=True, allow_unused=True))
-    return [next(grads) if need and t is not None else None for t, need in zip(inputs, needs)]
-
-
-@torch.library.impl("rnnkern::reference_grads", "CompositeImplicitAutograd")
-def _reference_grads(op, cell, inputs, grads, constants, reverse, needs):
-    """rnnkern::reference_grads (schema in csrc/ops.cpp): the create_graph=True
-    backward of every op family, called by the autograd formulas in
-    csrc/autograd.cpp.  The first-order backward runs the kernels' own backward
-    ops; a differentiable one recomputes the reference from the saved inputs
-    (xproj and the biases are saved for it) and differentiates that.
-    ``inputs``: the op's differentiable arguments in its order, then ``ln``;
-    ``constants``: lengths, resets, zoneout (recurrence)."""
-    inputs = list(inputs)
-    wanted = [bool(needs >> i & 1) for i in range(len(inputs))]
-    if op == "recurrence":
-        lengths, resets, zoneout = constants
-
-        def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln):
-            return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                        reverse, resets,
-                                        None if zoneout is None else zoneout.to(xproj.dtype), ln)
-    else:
-        def fn(*tensors):
-            return reference.step(cell, *tensors)
-    result = _differentiable_grads(fn, inputs, wanted, list(grads))
-    # Every wanted input gets a tensor (the schema returns Tensor[]); unused: zeros.
-    return [torch.zeros_like(t) if g is None else g
-            for g, t, want in zip(result, inputs, wanted) if want]
-
-
-def register_op_family(namespace: str) -> None:
-    """Registers the fake implementations and the autograd formulas of
-    ``torch.ops.<namespace>.{recurrence, recurrence_backward, step, step_backward}``
-    (the formulas are C++, csrc/autograd.cpp, one source for every family)."""
-    torch.library.register_fake(f"{namespace}::recurrence")(_recurrence_fake)
-    torch.library.register_fake(f"{namespace}::recurrence_backward")(_recurrence_backward_fake)
-    torch.library.register_fake(f"{namespace}::step")(_step_fake)
-    torch.library.register_fake(f"{namespace}::step_backward")(_step_backward_fake)
-    _C.register_autograd(namespace)
-
-
-register_op_family("rnnkern")
-
-
-@torch.library.register_fake("rnnkern::linear")
-def _linear_fake(x, weight):
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-@torch.library.register_fake("rnnkern::linear_backward")
-def _linear_backward_fake(grad_y, x, weight, need_x, need_weight):
-    return (x.new_empty(x.shape) if need_x else x.new_empty((0,)),
-            weight.new_empty(weight.shape) if need_weight else x.new_empty((0,)))
 
 
 def empty_cpu_cache() -> int:
@@ -296,7 +166,7 @@ def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optio
     train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln)
     output, h_n, c_n, _ = _op_family(backend).recurrence.default(
         cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln)
-    return output, h_n, (c_n if _has_cell_state(cell) else None)
+    return output, h_n, (c_n if has_cell_state(cell) else None)
 
 
 def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
@@ -329,4 +199,4 @@ def run_step(backend: str, cell: str, x: Tensor, h: Tensor, c: Optional[Tensor],
     if backend == "reference" or _transformed(x, h, c, w_ih, w_hh, b_ih, b_hh, ln):
         return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
     h_new, c_new, _ = _op_family(backend).step.default(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
-    return h_new, (c_new if _has_cell_state(cell) else None)
+    return h_new, (c_new if has_cell_state(cell) else None)

@@ -1,4 +1,4 @@
-"""The seed formulas in plain PyTorch: the ground truth every kernel is tested against.
+"""The textbook formulas in plain PyTorch: the ground truth every kernel is tested against.
 
 Everything here is differentiable by autograd and follows the conventions of the
 rnnkern ops (csrc/ops.cpp): one layer, one direction, torch.nn's weight layout
@@ -7,13 +7,13 @@ GRU ``r, z, n``), time-major tensors.
 
 Cells (``cell`` argument):
 
-- ``rnn_tanh`` / ``rnn_relu``: ``H_t = phi([X_t, H_{t-1}] [W_xh; W_hh] + b_h)`` (seed 000)
-- ``lstm``: seed 003, torch gate order i, f, g, o, optional projection ``h = W_hr (o * tanh c)``
+- ``rnn_tanh`` / ``rnn_relu``: ``H_t = phi([X_t, H_{t-1}] [W_xh; W_hh] + b_h)`` (the Elman RNN)
+- ``lstm``: the LSTM with forget gate, torch gate order i, f, g, o, optional projection ``h = W_hr (o * tanh c)``
 - ``gru``: torch/cuDNN "reset after" form, ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``
-- ``gru_reset_before``: the classic form of seed 000, ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``
+- ``gru_reset_before``: the classic form (Cho et al.), ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``
 
-In both GRU forms ``h_t = (1 - z) * n + z * h_{t-1}`` (torch's convention; seed 003
-writes the same update with ``u = 1 - z``).
+In both GRU forms ``h_t = (1 - z) * n + z * h_{t-1}`` (torch's convention; some texts
+write the same update with the update gate ``u = 1 - z``).
 
 Beyond torch.nn (one more cell, two options of the recurrence):
 
@@ -30,7 +30,7 @@ Beyond torch.nn (one more cell, two options of the recurrence):
   position t of sequence b starts from ``h0[b]`` (and ``c0[b]``) instead of the
   previous step's state (an episode boundary in reinforcement learning).  The
   rule is by time position in both directions; the modules shift the mask for a
-  reverse direction (rnnkern/modules.py).
+  reverse direction (rnnkern/modules/sequence.py).
 - ``zoneout`` [T, B, Z] (Z = P + H for LSTM: the h part, then the c part; H
   otherwise): per unit, the weight of the state the step started from in the
   state it ends with, ``h_t = m * h_{t-1} + (1 - m) * h~_t`` (and c alike): 0 or 1
@@ -124,7 +124,7 @@ def cell_from_projections(cell: str, xp: Tensor, h: Tensor, c: Optional[Tensor],
     """
     check_cell(cell)
     if cell == "gru_reset_before":
-        # The reset gate acts on h before its product with W_hn (seed 000).
+        # The reset gate acts on h before its product with W_hn (the classic GRU).
         H = w_hh.shape[0] // 3
         w_rz, w_n = w_hh[: 2 * H], w_hh[2 * H:]
         b_rz = None if b_hh is None else b_hh[: 2 * H]
@@ -164,7 +164,7 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
     ``ln`` [10H] for ``lstm_ln``).
 
     The pre-activation is the product of the concatenations
-    ``[x, h] [W_ih; W_hh]^T`` (seed 000) wherever a gate takes x and h together,
+    ``[x, h] [W_ih; W_hh]^T`` (the concatenated textbook form) wherever a gate takes x and h together,
     written as its split along K, ``x W_ih^T + h W_hh^T``: autograd then returns
     every gradient in its tensor's own layout, as torch.nn's cells do (through
     ``torch.cat`` the weight gradients would be strided slices of one buffer).

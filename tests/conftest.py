@@ -1,6 +1,6 @@
 """Shared test machinery: NaN poisoning, the tolerance table, input builders.
 
-Conventions (see ../shared/GUIDE.md section 4):
+The conventions every test follows:
 - the reference (float64, or float32 for the half types) is the truth;
 - every test draws fresh random inputs from a seeded generator, never zeros;
 - every tensor allocated without being written is NaN (fixture below), so an

@@ -1,5 +1,5 @@
-"""Inputs and expected values for the CUDA backend's tests of issue #16's options
-(per-step resets, zoneout, the lstm_ln cell), shared by tests/test_cuda_emulated.py
+"""Inputs and expected values for the CUDA backend's tests of the step options
+(per-step resets, zoneout) and the LayerNorm cell (lstm_ln), shared by tests/test_cuda_emulated.py
 (the emulated device) and tests/test_cuda.py (their GPU twins).  Not a test
 module: the acceptance matrix of every backend is tests/test_options.py, whose
 input builder this extends with the variants the CUDA kernels have paths for.

@@ -1,8 +1,8 @@
 """Autograd beyond the first-order backward, on every CPU-runnable backend
-(issue #15, items 1-3):
+(second derivatives, forward mode, torch.func):
 
 - second derivatives (``create_graph=True``): gradgradcheck of the ops, the
-  gradient penalty of the issue against torch.nn, and the first-order gradients
+  gradient penalty against torch.nn, and the first-order gradients
   of the differentiable path equal to the kernels' own backward;
 - forward-mode AD (dual tensors) and the torch.func transforms (jvp, grad,
   jacrev, vmap) against torch.nn (vmap, which torch.nn's modules lack, against
@@ -110,7 +110,7 @@ def test_differentiable_backward_equals_kernel_backward(cell, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cell", TORCH_CELLS)
 def test_gradient_penalty_matches_torch_nn(cell, backend):
-    """The issue's case: |d penalty / dW_hh| was 0.0 where torch.nn gives 1.62."""
+    """A gradient penalty's |d penalty / dW_hh| (once 0.0 where torch.nn gives 1.62)."""
     theirs, ours = twins(cell, backend, num_layers=2, bidirectional=True)
     x = randn(generator("penalty", cell), 4, 3, 5, requires_grad=True)
     results = []
@@ -163,7 +163,7 @@ def test_forward_mode_ad_matches_torch_nn(cell, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cell", TORCH_CELLS)
 def test_func_jvp_of_cells_matches_torch_nn(cell, backend):
-    """The issue's silent zero: torch.func.jvp through LSTMCell gave 0.0."""
+    """torch.func.jvp through the cells (once a silent 0.0 through LSTMCell)."""
     theirs, ours = cell_twins(cell, backend)
     g = generator("jvp", cell)
     x, hx, tx = randn(g, 3, 5), randn(g, 3, 7), randn(g, 3, 5)

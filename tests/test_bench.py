@@ -22,9 +22,10 @@ import pytest
 import torch
 
 import rnnkern
-from bench import agreement, report, suite
+from bench import agreement, fma_peak, report, suite
 from bench.cost import cost
 from bench.grid import DEFAULT_FAMILIES, FAMILIES, build_grid
+from rnnkern.check.probe import ISA_CAPS
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = ("lstm", "gru", "rnn_tanh")
@@ -69,11 +70,19 @@ def test_quick_json_is_well_formed(quick_run):
     assert isa["torch_capability"] == torch.backends.cpu.get_cpu_capability()
     assert isa["rnnkern_vector_bits"] == rnnkern._C.cpu_vector_bits()
     assert set(isa["cpu_flags"]) <= {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}
-    assert isa.get("caps", {}) == {k: os.environ[k] for k in suite.ISA_CAPS if os.environ.get(k)}
+    assert isa.get("caps", {}) == {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
     assert meta["versions"]["torch"] == torch.__version__
     assert sorted(meta["grid"]) == sorted(FAMILIES)
     assert meta["grid_calls"]["step"] == ["sequence", "cell"] and meta["grid_calls"]["peers"] == ["sequence"]
     assert positive(doc["peaks"]["gemm_tflops"]["float32"]) and positive(doc["peaks"]["copy_gbps"])
+    # The CPU's FLOP/s ceiling is the cores' FMA peak, every number behind it stated.
+    fma = doc["peaks"]["fma"]
+    assert fma["core"] in fma_peak.CORES and fma["threads"] == meta["device"]["threads"]
+    assert positive(fma["clock_mhz"]) and fma["clock_source"]
+    assert math.isclose(fma["tflops"]["float32"], fma["threads"] * fma["fma_units"] * fma["fp32_lanes_per_unit"]
+                        * 2 * fma["clock_mhz"] * 1e-6, rel_tol=1e-9)
+    assert fma["tflops"]["float32"] >= doc["peaks"]["gemm_tflops"]["float32"] * (1 - 1e-9)  # a ceiling of torch.mm too
+    assert set(meta["device"]["cpu_id"]) == {"vendor", "family", "model", "stepping", "name"}
     assert positive(meta["timing"]["harness_overhead_us"])
     for name in CPU_CANDIDATES:
         assert meta["candidates"][name]["available"], meta["candidates"][name]
@@ -115,8 +124,40 @@ def test_quick_json_is_well_formed(quick_run):
             assert math.isclose(e["us_per_step"], e["median_ms"] * 1e3 / r["T"], rel_tol=1e-9)
             assert math.isclose(e["speedup_vs_torch"], base["median_ms"] / e["median_ms"], rel_tol=1e-9)
             assert math.isclose(e["tflops"], r["flops"] / e["median_ms"] / 1e9, rel_tol=1e-9)
+            # %peak is of a ceiling: the FMA peak, which no candidate exceeds.
+            assert math.isclose(e["pct_peak_flops"], 100 * e["tflops"] / fma["tflops"]["float32"], rel_tol=1e-9)
+            assert e["pct_peak_flops"] <= 100, (where, name, e["pct_peak_flops"])
         assert base["speedup_vs_torch"] == 1.0
 
+
+
+@pytest.mark.parametrize("family, model, flags, core, fp32_per_cycle", [
+    (0x19, 0x01, {"avx2", "fma"}, "AMD Zen 3", 32),                          # EPYC Milan: 2 x 8 lanes x 2
+    (0x19, 0x11, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 4", 32),  # AVX-512 on 256-bit units
+    (0x1A, 0x02, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 5", 64),  # 512-bit units
+    (0x06, 0x55, {"avx2", "fma", "avx512f"}, "AVX-512 core", 64),
+    (0x06, 0x3C, {"avx2", "fma"}, "AVX2 core", 32),
+])
+def test_fma_peak_per_core(family, model, flags, core, fp32_per_cycle):
+    """The FMA peak: threads x units x lanes x 2 x clock, per core generation
+    (bench/fma_peak.py's table); float64 at half the float32 rate, bfloat16 at
+    twice it where the core has a bfloat16 dot product."""
+    vendor = "AuthenticAMD" if family >= 0x17 else "GenuineIntel"
+    identity = {"vendor": vendor, "family": family, "model": model, "stepping": 0, "name": "test"}
+    peak = fma_peak.fma_peak(2, ("float64", "float32", "bfloat16"), clock_mhz=3000.0, clock_source="test",
+                             identity=identity, flags=flags)
+    assert peak["core"] == core
+    assert peak["flops_per_cycle_per_core"]["float32"] == fp32_per_cycle
+    assert peak["flops_per_cycle_per_core"]["float64"] == fp32_per_cycle // 2
+    assert peak["flops_per_cycle_per_core"]["bfloat16"] == fp32_per_cycle * (2 if "avx512_bf16" in flags else 1)
+    assert math.isclose(peak["tflops"]["float32"], 2 * fp32_per_cycle * 3e9 / 1e12)
+    assert peak["clock_mhz"] == 3000.0 and peak["clock_source"] == "test"
+    # A GEMM measured above that peak means the cores ran faster than the stated clock.
+    assert fma_peak.at_least_measured(peak, {"float32": 0.5 * peak["tflops"]["float32"]}) is peak
+    raised = fma_peak.at_least_measured(peak, {"float32": 1.5 * peak["tflops"]["float32"]})
+    assert math.isclose(raised["clock_mhz"], 4500.0) and raised["stated_clock_mhz"] == 3000.0
+    assert math.isclose(raised["tflops"]["float32"], 1.5 * peak["tflops"]["float32"])
+    assert "implied by the measured float32 GEMM" in raised["clock_source"]
 
 def test_quick_runs_the_peers_and_the_step_family(quick_run):
     """The peers family's cases and the step family's T=1 and cell calls, every cell;
@@ -222,8 +263,8 @@ def test_default_grid_covers_every_cell_and_family_in_a_few_sizes():
     assert all(c.call == "sequence" for c in cases)
 
 
-def test_peers_and_step_families_are_the_issues_tables():
-    """Issue #14's two tables: the peers family's six sizes, and the step family's
+def test_peers_and_step_families_are_the_peer_tables():
+    """The two tables of the peer comparison: the peers family's six sizes, and the step family's
     T=1 and cell calls at B 1, 16 x H 64, 256 and B 1 H 8 (not in the default run)."""
     peers = build_grid("cpu", CELLS, ["float32"], ["peers"], "default")
     assert [(c.cell, c.B, c.T, c.H, c.call) for c in peers] == [

@@ -1,4 +1,4 @@
-"""The field self-check (rnnkern/check.py): in-process and as ``python -m
+"""The field self-check (rnnkern/check/): in-process and as ``python -m
 rnnkern.check``, on the CPU backends (the Triton kernels through the
 interpreter, tiny sizes), the JSON report's schema, and a planted mismatch."""
 from __future__ import annotations
@@ -178,10 +178,10 @@ def one_case_plan(target, quick):
 def test_speed_line(tmp_path, monkeypatch):
     """The speed comparison, at a tiny size here (and as on a quiet machine): every
     torch.nn cell timed on both sides, the ratio of the medians reported."""
-    monkeypatch.setattr(check_module, "_load_average", lambda: [0.0, 0.0, 0.0])
+    monkeypatch.setattr(check_module.probe, "load_average", lambda: [0.0, 0.0, 0.0])
     monkeypatch.setitem(check_module.SPEED, "cpu", {"B": 2, "T": 3, "H": 8, "dtype": torch.float32,
                                                     "warmup": 1, "repeats": 3, "budget_s": 1.0})
-    monkeypatch.setattr(check_module, "plan", one_case_plan)
+    monkeypatch.setattr(check_module.runner, "plan", one_case_plan)
     report, on_disk, text = run_check(tmp_path, backends=["reference", "cpu"], speed_test=True)
     assert report["ok"], text
     assert on_disk["speed"]["reference"] == {"skipped": "the reference is not a fast path"}
@@ -199,8 +199,8 @@ def test_speed_line(tmp_path, monkeypatch):
 def test_speed_skipped_on_a_busy_cpu(tmp_path, monkeypatch):
     """With the load average above the core count the CPU is not timed, and the
     output says why."""
-    monkeypatch.setattr(check_module, "_load_average", lambda: [99.0, 99.0, 99.0])
-    monkeypatch.setattr(check_module, "plan", one_case_plan)
+    monkeypatch.setattr(check_module.probe, "load_average", lambda: [99.0, 99.0, 99.0])
+    monkeypatch.setattr(check_module.runner, "plan", one_case_plan)
     report, on_disk, text = run_check(tmp_path, backends=["cpu"], speed_test=True)
     assert report["ok"], text
     assert on_disk["speed"]["cpu"]["skipped"].startswith("load average 99.0 on")

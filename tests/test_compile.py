@@ -15,16 +15,12 @@ tiny sizes only.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import rnnkern
 from conftest import HAS_GPU, assert_close, generator, randn
-
-HAS_TRITON_OPS = importlib.util.find_spec("rnnkern.triton.ops") is not None
 
 
 @pytest.fixture(autouse=True)
@@ -156,8 +152,6 @@ def test_reference_packed():
 
 
 def test_triton_interpreter():
-    if not HAS_TRITON_OPS:
-        pytest.skip("rnnkern.triton.ops is absent (the Triton backend is not in this tree)")
     if HAS_GPU:
         pytest.skip("the interpreter runs where there is no GPU; test_triton_cuda covers the GPU")
     m = rnnkern.LSTM(2, 4, bidirectional=True, backend="triton", dtype=torch.float64)

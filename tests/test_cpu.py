@@ -471,7 +471,7 @@ def test_both_vector_widths_match_reference(bits):
     assert float(worst) < 1e-10
 
 
-# ------------------------------- resets, zoneout, lstm_ln (issue #16) ----
+# ----------------------- the step options and the LayerNorm cell ----
 # tests/test_options.py holds the matrix every backend passes (small sizes,
 # default threads); these reach the CPU kernels' own paths: both work splits
 # on 1-3 threads, widths off the vector width, calls that keep no workspace,

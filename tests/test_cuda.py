@@ -1,5 +1,5 @@
 """The CUDA kernels (backend="cuda", csrc/cuda) against the reference, the CPU
-backend and torch.nn (cuDNN); issue #16's options against the reference (last
+backend and torch.nn (cuDNN); the step options and the LayerNorm cell against the reference (last
 section).
 
 The first tests run everywhere: a build made with nvcc present must contain the
@@ -595,7 +595,7 @@ def test_cuda_graph_forward_backward(cell, lengths):
             assert_close(a, b, what=f"round {round_} result {i}")
 
 
-# ------------------------------------------------ issue #16: the options ----
+# ------------------------- the step options and the LayerNorm cell ----
 # GPU twins of tests/test_cuda_emulated.py's option tests (per-step resets,
 # zoneout, the lstm_ln cell; tests/test_options.py, the acceptance matrix, runs
 # the CUDA code on the emulated device), plus what only sizes a GPU runs

@@ -1,4 +1,4 @@
-"""The CUDA backend's code executed on the CPU: backend="cuda_emulated" (issue #12).
+"""The CUDA backend's code executed on the CPU: backend="cuda_emulated".
 
 rnnkern built with RNNKERN_CUDA_EMULATION=1 compiles csrc/cuda with g++ for an
 emulated device (csrc/cuda_emu: one fiber per CUDA thread, barriers checked,
@@ -9,7 +9,7 @@ float64 gradcheck of every cell and GRU form (recurrence and step, projection,
 lengths, reverse), the raw ops against the CPU backend's, half types within the
 reference's own error on both step paths (WMMA sm_90, FMA below sm_80), every
 thread-resume order, parity with torch.nn, edge sizes, strided views, opcheck;
-and issue #16's options (resets, zoneout, lstm_ln: last section).
+and the step options and the LayerNorm cell (resets, zoneout, lstm_ln: last section).
 Emulated sizes stay small (B, H, I of 1-40, T of 1-12; LSTM-LN rows up to H = 150).
 
 CI builds the emulation and sets RNNKERN_REQUIRE_CUDA_EMULATION=1, so a build
@@ -346,7 +346,7 @@ def test_padding_is_zero_and_states_kept(cell, proj):
 
 
 
-# ------------------------------------------------ issue #16: the options ----
+# ------------------------- the step options and the LayerNorm cell ----
 # Per-step resets, zoneout and the lstm_ln cell (tests/test_options.py is the
 # acceptance matrix of every backend).  Here, on the emulated device, and so
 # under the sanitizers of .ci/cuda_emulation.sh: float64 values, gradients and

@@ -1,4 +1,4 @@
-"""Static resource checks of the real CUDA build (issue #12 item 4), no GPU needed.
+"""Static resource checks of the real CUDA build (registers, stack, shared and local memory), no GPU needed.
 
 One ``cuobjdump --dump-resource-usage -sass`` of rnnkern._C per session: REG,
 STACK, SHARED, LOCAL, CONSTANT[0] per kernel and arch, and the SASS.  The dump
@@ -208,10 +208,10 @@ def table() -> list[dict]:
 
 
 def test_sources_parse():
-    """The source parsing this module relies on finds what issue #12 names: the
+    """The source parsing this module relies on finds every kernel: the
     step kernel for all four dtypes and every StepPhase, both pointwise kernels
-    per dtype, the lengths kernel, each with a block size; and issue #16's
-    LSTM-LN row kernels and option flags."""
+    per dtype, the lengths kernel, each with a block size; and the
+    LayerNorm cell's row kernels and the step options' flags."""
     expected, config = expected_kernels(), launch_config()
     dtypes = ("double", "float", "__half", "__nv_bfloat16")
     assert {f"step_kernel<{d}, GruRbCandidate>" for d in dtypes} <= set(expected["step_kernel"]), expected

@@ -12,7 +12,6 @@ other options drawn at random; ``RNNKERN_FULL_GRID=1`` runs the whole product.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import itertools
 import os
@@ -29,9 +28,6 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 import rnnkern
 from rnnkern import modules, ops, reference
 from conftest import HAS_GPU, assert_close, assert_low_precision, generator, randn
-
-HAS_TRITON_OPS = importlib.util.find_spec("rnnkern.triton.ops") is not None
-NO_TRITON_OPS = "rnnkern.triton.ops is absent (the Triton backend is not in this tree)"
 
 
 # --------------------------------------------------------------- the grid ----
@@ -236,8 +232,6 @@ def test_parity_grid(backend, case):
 
 @pytest.mark.parametrize("case", grid(per_stratum=1, seed=2), ids=lambda c: c.id)
 def test_parity_grid_triton_interpreter(case):
-    if not HAS_TRITON_OPS:
-        pytest.skip(NO_TRITON_OPS)
     if HAS_GPU:
         pytest.skip("the interpreter grid runs where there is no GPU; the GPU grid covers triton on CUDA")
     check_case(case, "triton")

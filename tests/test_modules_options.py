@@ -1,4 +1,4 @@
-"""The modules' options beyond torch.nn (issue #16): ``resets=`` on forward,
+"""The modules' options beyond torch.nn: ``resets=`` on forward,
 ``zoneout=`` on every module and cell, and LayerNormLSTM / LayerNormLSTMCell.
 
 Every test runs on each backend that runs on the CPU (reference, cpu, triton
@@ -41,7 +41,7 @@ from conftest import assert_close, generator, randn
 BACKENDS = ["reference", "cpu", "triton"] + (["cuda_emulated"] if ops.WITH_CUDA_EMULATION else [])
 #: Sequence cells: torch.nn's (with a twin to run the episodes) and lstm_ln.
 CELLS = ("lstm", "gru", "rnn_tanh", "lstm_ln")
-EPS = 1e-5  # the layer norms' epsilon (issue #16's contract)
+EPS = 1e-5  # the layer norms' epsilon (the LayerNorm cell's contract)
 T, B, I, H = 7, 3, 3, 4
 
 
@@ -341,7 +341,7 @@ def reset_pattern(pattern: str, key) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pattern", ["first", "every", "never", "random"])
 def test_reset_patterns_within_1e_12_of_torch_nn_on_the_episodes(backend, pattern):
-    """Issue #16's criterion: float64 outputs, final states and the gradients of
+    """The resets' criterion: float64 outputs, final states and the gradients of
     the input, hx and every parameter within 1e-12 of torch.nn run on the
     episodes separately, for resets at t=0 only, at every step, never, and at
     random; two layers, bidirectional, variable lengths."""

@@ -1,4 +1,4 @@
-"""The options of the ops beyond torch.nn (issue #16), on every backend, against
+"""The options of the ops beyond torch.nn (the step options and the LayerNorm cell), on every backend, against
 the reference: per-step state resets (``resets``), zoneout (``zoneout``) and the
 layer-normalised LSTM (cell ``lstm_ln`` with its ``ln`` parameters).
 

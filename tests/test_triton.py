@@ -9,7 +9,7 @@ LSTM projection, lengths and reverse.  The interpreter's blocks are 4 wide
 masked tails.  The interpreter costs ~0.3 ms per block operation: sizes are
 small and gradcheck runs in fast mode on all inputs at once.
 
-The options of issue #16 (resets, zoneout, the lstm_ln cell) run through
+The step options (resets, zoneout) and the LayerNorm cell (lstm_ln) run through
 tests/test_options.py's matrix on the automatic path; here they run through it
 on both paths, with gradcheck on the per-step path, against the workspace
 layout of csrc/cells.h, with a transposed zoneout mask, in half precision on
@@ -426,7 +426,7 @@ def test_kernels_compile_for_sm90():
     assert "lstm+options" in done.stdout and "lstm_ln+options" in done.stdout, done.stdout
 
 
-# ------------------------------------------ issue #16 options, both paths ----
+# ------------- the step options and the LayerNorm cell, both paths ----
 
 def options_on_device(tensors, consts):
     """test_options' inputs on DEVICE; an evaluation zoneout mask stays an

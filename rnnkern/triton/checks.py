@@ -12,14 +12,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..library import acc_dtype, has_cell_state
 from ..reference import ALL_CELLS, gate_count, workspace_size, zoneout_width
 
 FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the gate math runs in and the workspace is kept in."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @dataclass(frozen=True)
@@ -48,10 +44,6 @@ def parse_cell(cell: str) -> str:
     if cell not in ALL_CELLS:
         raise ValueError(f"rnnkern: unknown cell '{cell}'; expected one of {', '.join(ALL_CELLS)}")
     return cell
-
-
-def has_cell_state(cell: str) -> bool:
-    return cell in ("lstm", "lstm_ln")
 
 
 def check_ln(op: str, cell: str, ln: Optional[Tensor], H: int, ref: Tensor) -> None:

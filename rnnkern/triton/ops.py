@@ -5,7 +5,7 @@ The four ops have the schemas of the C++ ops (csrc/ops.cpp), read from
 workspace layout and dtype (float32 for half inputs), lengths, reverse, the
 LSTM projection, both GRU forms, empty ``[0]`` placeholders.  They are defined
 with ``torch.library.Library`` and implemented for CUDA and, under
-``TRITON_INTERPRET=1``, for CPU tensors; :func:`rnnkern.ops.register_op_family`
+``TRITON_INTERPRET=1``, for CPU tensors; :func:`rnnkern.library.register_op_family`
 adds the fake implementations and the autograd formulas shared with the C++ ops.
 
 Each wrapper checks its arguments (:mod:`.checks`), then picks how to run the
@@ -22,7 +22,7 @@ for sizes that do not fit raises instead of running.  The weight gradients
 are one large GEMM each over all steps, after the time loop (torch.matmul on
 tensors the kernels saved in time order).
 
-The options of issue #16 run on both paths, inside the kernels, as constexpr
+The step options and the LayerNorm cell run on both paths, inside the kernels, as constexpr
 flags (the kernels without them are unchanged): ``resets`` and ``zoneout``
 (read through its strides: an evaluation mask stays an expanded vector), and
 the cell ``lstm_ln`` with its ``ln`` gains.  Their weight gradients: W_hh
@@ -41,12 +41,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import ops as rnnkern_ops
+from ..library import acc_dtype, define_family, has_cell_state, register_op_family
 from ..reference import gate_count, workspace_size
 from . import sequence, step as step_kernels
 from .cells import CELL_IDS
-from .checks import (acc_dtype, check_recurrence, check_recurrence_backward, check_step,
-                     check_step_backward, has_cell_state)
+from .checks import check_recurrence, check_recurrence_backward, check_step, check_step_backward
 from .sequence import block_size, fits_on_chip, loop_compiles
 from .tuning import INTERPRET
 
@@ -611,19 +610,8 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
 
 # ----------------------------------------------------------- registration ----
 
-def _define_ops() -> torch.library.Library:
-    """Defines the four ops with the schemas of torch.ops.rnnkern (one source)
-    and implements them for CUDA and CPU (the interpreter)."""
-    lib = torch.library.Library(NAMESPACE, "DEF")
-    impls = dict(recurrence=recurrence, recurrence_backward=recurrence_backward, step=step,
-                 step_backward=step_backward)
-    for name, fn in impls.items():
-        schema = str(getattr(torch.ops.rnnkern, name).default._schema)
-        lib.define(schema.split("::", 1)[1])
-        lib.impl(name, fn, "CUDA")
-        lib.impl(name, fn, "CPU")
-    return lib
-
-
-_lib = _define_ops()
-rnnkern_ops.register_op_family(NAMESPACE)
+# The four ops with the schemas of torch.ops.rnnkern (one source), implemented
+# for CUDA and CPU (the interpreter).
+_lib = define_family(NAMESPACE, dict(recurrence=recurrence, recurrence_backward=recurrence_backward,
+                                     step=step, step_backward=step_backward), ("CUDA", "CPU"))
+register_op_family(NAMESPACE)

@@ -12,7 +12,7 @@ That needs the weights to fit on chip: :func:`fits_on_chip` states the limit
 and the host wrapper (:mod:`.ops`) takes the per-step kernels of :mod:`.step`
 for larger sizes.  The gate formulas come from :mod:`.cells`.
 
-The options of issue #16 are constexpr flags, so the kernels without them are
+The step options (resets, zoneout) and the LayerNorm cell are constexpr flags, so the kernels without them are
 the same code as before: HAS_RESETS (the step at a reset position starts from
 h0 / c0, kept on chip; its start state's gradient goes to grad_h0 / grad_c0),
 HAS_ZONEOUT (the blend of the start state and the candidate, the mask read

@@ -1,0 +1,175 @@
+"""The op library's plumbing, shared by every op family (one module, imported
+downward by :mod:`rnnkern.ops`, :mod:`rnnkern.triton.ops` and
+:mod:`rnnkern.cuda_emulated`).
+
+An op family is ``torch.ops.<namespace>.{recurrence, recurrence_backward, step,
+step_backward}`` with rnnkern's schemas (csrc/ops.cpp): ``rnnkern`` (the C++ CPU
+and CUDA kernels, defined by rnnkern._C), ``rnnkern_triton`` and
+``rnnkern_cuda_emu``.  :func:`define_family` defines a family with those schemas;
+:func:`register_op_family` adds what every family shares: the fake (meta)
+implementations, so ``torch.compile(fullgraph=True)`` traces every backend
+without a graph break, and the autograd formulas (C++, csrc/autograd.cpp),
+whose ``create_graph=True`` backward differentiates the reference
+(``rnnkern::reference_grads``, here).
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional, Sequence
+
+import torch
+
+from . import _C, reference
+from .reference import gate_count, ln_width, workspace_size
+
+#: True when the emulated CUDA device was built (RNNKERN_CUDA_EMULATION=1): tests only.
+WITH_CUDA_EMULATION = importlib.util.find_spec("rnnkern._C_cuda_emu") is not None
+
+#: The ops of every family, in schema order.
+OP_NAMES = ("recurrence", "recurrence_backward", "step", "step_backward")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the gate math runs in (and the workspace is kept in)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def has_cell_state(cell: str) -> bool:
+    """True for the cells with a cell state c (the LSTMs)."""
+    return cell in ("lstm", "lstm_ln")
+
+
+# --------------------------------------------------------------------------
+# Fake implementations and autograd, shared by every op family.
+
+
+def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
+                     resets=None, zoneout=None, ln=None):
+    T, B = xproj.shape[0], xproj.shape[1]
+    H = w_hh.shape[0] // gate_count(cell)
+    P = h0.shape[1]
+    output = xproj.new_empty((T, B, P))
+    h_n = xproj.new_empty((B, P))
+    c_n = xproj.new_empty((B, H)) if has_cell_state(cell) else xproj.new_empty((0,))
+    ws_shape = (T, B, workspace_size(cell, H, zoneout is not None)) if train else (0,)
+    workspace = xproj.new_empty(ws_shape, dtype=acc_dtype(xproj.dtype))
+    return output, h_n, c_n, workspace
+
+
+def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                              workspace, lengths, reverse, resets=None, zoneout=None, ln=None):
+    T, B = output.shape[0], output.shape[1]
+    G = gate_count(cell)
+    H = w_hh.shape[0] // G
+    P = h0.shape[1]
+    new = output.new_empty
+    return (new((T, B, G * H)), new((B, P)), new((B, H)) if has_cell_state(cell) else new((0,)),
+            new((G * H, P)), new((G * H,)), new((G * H,)),
+            new((P, H)) if w_hr is not None else new((0,)),
+            new((ln_width(cell) * H,)) if ln is not None else new((0,)))
+
+
+def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln=None):
+    B = x.shape[0]
+    H = w_hh.shape[0] // gate_count(cell)
+    c_new = x.new_empty((B, H)) if has_cell_state(cell) else x.new_empty((0,))
+    workspace = x.new_empty((B, workspace_size(cell, H)), dtype=acc_dtype(x.dtype))
+    return x.new_empty((B, H)), c_new, workspace
+
+
+def _step_backward_fake(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
+                        ln=None, needs=255):
+    B, I = x.shape
+    G = gate_count(cell)
+    H = w_hh.shape[0] // G
+    new = x.new_empty
+    shapes = ((B, I), (B, H), (B, H) if has_cell_state(cell) else (0,), (G * H, I), (G * H, H),
+              (G * H,), (G * H,), (ln_width(cell) * H,) if ln is not None else (0,))
+    # An output whose bit is clear in `needs` is empty (schema: csrc/ops.cpp).
+    return tuple(new(shape if needs >> i & 1 else (0,)) for i, shape in enumerate(shapes))
+
+
+def _differentiable_grads(fn, inputs, needs, outputs_grads):
+    """The gradients of ``fn(*inputs)`` as a differentiable function of the
+    saved inputs, for a backward run with ``create_graph=True`` (second
+    derivatives: gradient penalties, Hessian-vector products).  ``fn`` is the
+    reference formulation; it runs in the accumulate dtype, as the kernels do.
+    Returns one gradient (or None) per input."""
+    wrt = [t for t, need in zip(inputs, needs) if need and t is not None]
+    if not wrt:
+        return [None] * len(inputs)
+    with torch.enable_grad():
+        acc = acc_dtype(inputs[0].dtype)
+        outputs = fn(*(None if t is None else t.to(acc) for t in inputs))
+        pairs = [(o, g) for o, g in zip(outputs, outputs_grads) if o is not None and g is not None]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                         create_graph=True, allow_unused=True))
+    return [next(grads) if need and t is not None else None for t, need in zip(inputs, needs)]
+
+
+@torch.library.impl("rnnkern::reference_grads", "CompositeImplicitAutograd")
+def _reference_grads(op, cell, inputs, grads, constants, reverse, needs):
+    """rnnkern::reference_grads (schema in csrc/ops.cpp): the create_graph=True
+    backward of every op family, called by the autograd formulas in
+    csrc/autograd.cpp.  The first-order backward runs the kernels' own backward
+    ops; a differentiable one recomputes the reference from the saved inputs
+    (xproj and the biases are saved for it) and differentiates that.
+    ``inputs``: the op's differentiable arguments in its order, then ``ln``;
+    ``constants``: lengths, resets, zoneout (recurrence)."""
+    inputs = list(inputs)
+    wanted = [bool(needs >> i & 1) for i in range(len(inputs))]
+    if op == "recurrence":
+        lengths, resets, zoneout = constants
+
+        def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln):
+            return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
+                                        reverse, resets,
+                                        None if zoneout is None else zoneout.to(xproj.dtype), ln)
+    else:
+        def fn(*tensors):
+            return reference.step(cell, *tensors)
+    result = _differentiable_grads(fn, inputs, wanted, list(grads))
+    # Every wanted input gets a tensor (the schema returns Tensor[]); unused: zeros.
+    return [torch.zeros_like(t) if g is None else g
+            for g, t, want in zip(result, inputs, wanted) if want]
+
+
+def register_op_family(namespace: str) -> None:
+    """Registers the fake implementations and the autograd formulas of
+    ``torch.ops.<namespace>.{recurrence, recurrence_backward, step, step_backward}``
+    (the formulas are C++, csrc/autograd.cpp, one source for every family)."""
+    torch.library.register_fake(f"{namespace}::recurrence")(_recurrence_fake)
+    torch.library.register_fake(f"{namespace}::recurrence_backward")(_recurrence_backward_fake)
+    torch.library.register_fake(f"{namespace}::step")(_step_fake)
+    torch.library.register_fake(f"{namespace}::step_backward")(_step_backward_fake)
+    _C.register_autograd(namespace)
+
+
+def define_family(namespace: str, impls: Optional[dict] = None,
+                  keys: Sequence[str] = ()) -> torch.library.Library:
+    """Defines ``torch.ops.<namespace>.{recurrence, recurrence_backward, step,
+    step_backward}`` with the schemas of ``torch.ops.rnnkern`` (one source:
+    csrc/ops.cpp) and implements each op of ``impls`` (name -> function) for the
+    dispatch ``keys``.  The caller keeps the returned library alive and calls
+    :func:`register_op_family` once the implementations are in place."""
+    lib = torch.library.Library(namespace, "DEF")
+    for name in OP_NAMES:
+        schema = str(getattr(torch.ops.rnnkern, name).default._schema)
+        lib.define(schema.split("::", 1)[1])
+        for key in keys:
+            lib.impl(name, (impls or {})[name], key)
+    return lib
+
+
+register_op_family("rnnkern")
+
+
+@torch.library.register_fake("rnnkern::linear")
+def _linear_fake(x, weight):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("rnnkern::linear_backward")
+def _linear_backward_fake(grad_y, x, weight, need_x, need_weight):
+    return (x.new_empty(x.shape) if need_x else x.new_empty((0,)),
+            weight.new_empty(weight.shape) if need_weight else x.new_empty((0,)))

@@ -1,0 +1,68 @@
+"""Drop-in replacements for torch.nn's recurrent modules.
+
+Each class subclasses its torch.nn twin, so constructor arguments, parameter
+names and shapes, initialisation, ``extra_repr``, ``state_dict``, pickling and
+``isinstance`` checks are torch's own; only ``forward`` changes.  Layers,
+directions, packing, dropout and hidden-state handling live here; each
+(layer, direction) is one call of :func:`rnnkern.ops.recurrence` on the input
+projection of the whole sequence, so no Python runs per time step.
+
+Extra keyword arguments: ``backend`` (see :data:`rnnkern.ops.BACKENDS`) on every
+class, ``reset_after`` on :class:`GRU` and :class:`GRUCell` (``False`` selects the
+classic GRU of Cho et al., ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``),
+``zoneout`` on every class, and ``lengths=`` and ``resets=`` on the sequence
+modules' ``forward``.
+
+Beyond torch.nn, the step options and the LayerNorm cell (the README's "Beyond
+torch.nn" section has the rules):
+
+- ``resets=`` ([T, B] bool, time-major like the input): where ``resets[t, b]``,
+  the step at position t of sequence b starts from hx's row b (zeros without
+  hx) in every layer, as if an episode began there.  A reverse direction gets
+  the mask shifted by one position (``rev[t] = resets[t + 1]``): the episodes on
+  the two sides of a boundary never see each other, in either direction.
+- ``zoneout=p``: per unit and step, the state keeps its previous value with
+  probability p while training (masks drawn from torch's default generator),
+  and becomes ``p * previous + (1 - p) * new`` in evaluation.
+- :class:`LayerNormLSTM` and :class:`LayerNormLSTMCell`: haste's layer-normalised
+  LSTM (cell ``lstm_ln``), with torch.nn.LSTM's parameters plus the layer norms'
+  gains and shift.  They share the layer stack of the drop-ins, but subclass
+  ``torch.nn.RNNBase`` / ``RNNCellBase``, not torch.nn.LSTM / LSTMCell, whose
+  forward would compute another function.
+
+``torch.compile``: Dynamo refuses every instance of torch.nn.RNN/GRU/LSTM
+(subclasses included) unless ``torch._dynamo.config.allow_rnn = True``; with that
+flag set, these modules compile with ``fullgraph=True`` (padded input, with or
+without ``lengths=``, and PackedSequence input).  torch offers no supported way
+to lift the refusal for a subclass only: the one check is
+``isinstance(value, (nn.RNN, nn.GRU, nn.LSTM)) and not config.allow_rnn`` in
+Dynamo's ``VariableBuilder.wrap_module`` (torch/_dynamo/variables/builder.py,
+torch 2.14), run when Dynamo first meets the module object, before any of its
+code; see the README's torch.compile paragraph for the smallest user-side step.
+
+``torch.jit.trace`` and ONNX export (``torch.onnx.export``, either exporter) run
+torch.nn's own forward on the same parameters (:func:`_runs_torch_nn_forward`):
+a TorchScript graph or ONNX model then holds torch's ``aten::lstm``/``gru``/
+``rnn_*`` (ONNX ``LSTM``/``GRU``/``RNN``), which any PyTorch or ONNX runtime
+can load without rnnkern, train and run at any sequence length.
+``torch.export.export`` and ``torch.compile`` capture rnnkern's own ops.
+``torch.jit.script`` raises (see ``__prepare_scriptable__``).
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F  # noqa: F401  (tests patch rnnkern.modules.F.dropout)
+
+from .cells import GRUCell, LSTMCell, RNNCell
+from .common import UNSUPPORTED
+from .conversion import convert
+from .layer_norm import LayerNormLSTM, LayerNormLSTMCell
+from .sequence import GRU, LSTM, RNN
+
+__all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
+           "LayerNormLSTMCell", "convert", "UNSUPPORTED"]
+
+# The public classes keep the address rnnkern.modules.<name>: what pickles of
+# whole modules (torch.save(model)) record and load by.
+for _cls in (RNN, GRU, LSTM, RNNCell, GRUCell, LSTMCell, LayerNormLSTM, LayerNormLSTMCell):
+    _cls.__module__ = __name__
+del _cls

@@ -1,0 +1,188 @@
+"""The cells RNNCell, GRUCell and LSTMCell: one fused step
+(:func:`rnnkern.ops.run_step`) per call, zoneout blended after it."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .. import ops
+from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _current,
+                     _dtype_mismatch, _promote, _RnnkernOptions, _runs_torch_nn_forward)
+
+def _check_cell_sizes(input_size, hidden_size) -> None:
+    # torch.nn's cells take sizes of 0 (hidden_size=0 gives empty states) and
+    # fail on other bad sizes from inside their init (TypeError for a float,
+    # RuntimeError for a negative size); the same types, with messages that
+    # name the argument.
+    for arg, value in (("input_size", input_size), ("hidden_size", hidden_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{arg} should be of type int, got: {type(value).__name__}")
+        if value < 0:
+            raise RuntimeError(f"{arg} must be non-negative, got {value}")
+
+
+#: The cells' parameters, in rnnkern.ops.step's order.
+_CELL_WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+class _CellMixin(_RnnkernOptions):
+    """forward() shared by the cells: one fused step (:func:`rnnkern.ops.step`).
+
+    ``zoneout=p`` blends after the step, in Python (exact for one step): in
+    training a fresh Bernoulli(p) mask per call ([B, Z], Z = 2H for the LSTM
+    cells: h's units then c's), ``new = m * previous + (1 - m) * step``; in
+    evaluation ``p * previous + (1 - p) * step`` -- what the sequence modules
+    compute at each step, so a cell sharing their weights reproduces their
+    evaluation outputs one step at a time."""
+
+    @property
+    def cell(self) -> str:
+        if isinstance(self, nn.LSTMCell):
+            return "lstm"
+        if isinstance(self, nn.GRUCell):
+            return "gru" if self.reset_after else "gru_reset_before"
+        if self.nonlinearity not in ("tanh", "relu"):
+            # torch.nn.RNNCell finds out only in forward; nn.RNN's message.
+            raise ValueError(f"Unknown nonlinearity '{self.nonlinearity}'. Select from 'tanh' or 'relu'.")
+        return "rnn_" + self.nonlinearity
+
+    def _hidden_parts(self, hx, input: Tensor) -> tuple:
+        """hx as a tuple of 2-D tensors, its types and ranks checked as torch.nn
+        does (same exception types; torch.nn's messages with the cell's name in
+        front)."""
+        name = type(self).__name__
+        lstm = self.cell in ("lstm", "lstm_ln")
+        if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+            raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
+        parts = tuple(hx) if lstm else (hx,)
+        # torch.nn names a state "hidden" (RNNCell, GRUCell) or "hx[i]" (LSTMCell)
+        # in its rank checks and "hidden<i>" in aten's size checks.
+        ranks = ("hx[0]", "hx[1]") if lstm else ("hidden",)
+        for label, h in zip(ranks, parts):
+            if not isinstance(h, Tensor):
+                raise TypeError(f"{name}: {label} must be a Tensor, got {type(h).__name__}")
+            if h.dim() not in (1, 2):
+                raise ValueError(f"{name}: Expected {label} to be 1D or 2D, got {h.dim()}D instead")
+        for label, h in zip(ranks, parts):
+            if h.dim() != input.dim():
+                # torch.nn fails here later, inside aten, with a size message
+                # (RuntimeError) or an IndexError.
+                raise RuntimeError(f"{name}: Expected {label} to be {input.dim()}D like the input, "
+                                   f"got {h.dim()}D instead")
+        return parts if input.dim() == 2 else tuple(h.unsqueeze(0) for h in parts)
+
+    def forward(self, input: Tensor, hx=None):
+        if _runs_torch_nn_forward():
+            return self._torch_nn_forward(input, hx)
+        cell = self.cell
+        lstm = cell == "lstm" or cell == "lstm_ln"
+        name = type(self).__name__
+        if input.dim() not in (1, 2):
+            raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
+        parts = None if hx is None else self._hidden_parts(hx, input)
+        batched = input.dim() == 2
+        x = input if batched else input.unsqueeze(0)
+        B = x.size(0)
+        # aten's cell checks, in aten's order (input before the states).
+        if x.size(1) != self.input_size:
+            raise RuntimeError(f"{name}: input has inconsistent input_size: got {x.size(1)} "
+                               f"expected {self.input_size}")
+        # Each parameter read once, from _parameters (see _current): this path
+        # is what a per-step loop pays on every call.
+        weights = _current(self, _CELL_WEIGHTS)
+        ln = self._ln() if cell == "lstm_ln" else None
+        autocast = _autocast_dtype(x.device.type, weights[0]) if _any_autocast() else None
+        if autocast is None and x.dtype != weights[0].dtype:
+            raise _dtype_mismatch(name, "input", x.dtype, "weight", weights[0].dtype)
+        if parts is None:
+            zeros = torch.zeros(B, self.hidden_size, dtype=x.dtype, device=x.device)
+            parts = (zeros, zeros) if lstm else (zeros,)
+        for i, h in enumerate(parts):
+            if h.size(0) != B:
+                raise RuntimeError(f"{name}: Input batch size {B} doesn't match hidden{i} batch "
+                                   f"size {h.size(0)}")
+            if h.size(1) != self.hidden_size:
+                raise RuntimeError(f"{name}: hidden{i} has inconsistent hidden_size: got "
+                                   f"{h.size(1)}, expected {self.hidden_size}")
+            if autocast is None and h.dtype != x.dtype:
+                raise _dtype_mismatch(name, f"hx[{i}]" if lstm else "hx", h.dtype, "input", x.dtype)
+        result_dtypes = None
+        if autocast is not None:
+            result_dtypes = self._autocast_result_dtypes(x, parts, autocast)
+            x, parts = x.to(autocast), tuple(h.to(autocast) for h in parts)
+            weights = tuple(_cast(w, autocast) for w in weights)
+            ln = _cast(ln, autocast)
+        backend = ops.resolve_backend(self.backend, x.device)
+        _check_supported(name, backend, cell, x.dtype, step=True)
+        if self.hidden_size == 0:
+            # Nothing to compute, but the empty results keep their autograd
+            # graph as torch.nn's do; the kernels need at least one unit.
+            backend = "reference"
+        h, c = ops.run_step(backend, cell, x, parts[0], parts[1] if lstm else None, *weights, ln)
+        p = self.zoneout
+        if p:
+            h, c = self._zoneout(p, parts, h, c)
+        if result_dtypes is not None:
+            h = h.to(result_dtypes[0])
+            c = c.to(result_dtypes[1]) if lstm else None
+        if not batched:
+            h = h.squeeze(0)
+            c = c.squeeze(0) if lstm else None
+        return (h, c) if lstm else h
+
+    def _zoneout(self, p: float, parts, h: Tensor, c: Optional[Tensor]):
+        """The zoneout blend of one step's (h, c) with the states it started from."""
+        if self.training:
+            H = h.size(1)
+            m = h.new_empty((h.size(0), 2 * H if c is not None else H)).bernoulli_(p)
+            h = m[:, :H] * parts[0] + (1 - m[:, :H]) * h
+            if c is not None:
+                c = m[:, H:] * parts[1] + (1 - m[:, H:]) * c
+            return h, c
+        h = p * parts[0] + (1 - p) * h
+        if c is not None:
+            c = p * parts[1] + (1 - p) * c
+        return h, c
+
+    def _autocast_result_dtypes(self, x: Tensor, parts, dtype: torch.dtype):
+        """The dtypes torch.nn's cells return under autocast: on CUDA the cell ops
+        are autocast whole; on the CPU only their products are, so a float32
+        state promotes GRU's h (h0's dtype) and LSTM's h and c (c0's dtype)."""
+        if x.device.type != "cpu" or self.cell.startswith("rnn"):
+            return (dtype,) * len(parts)
+        state = _promote(dtype, parts[-1].dtype)
+        return (state,) * len(parts)
+
+
+class RNNCell(_CellMixin, nn.RNNCell):
+    """Drop-in for :class:`torch.nn.RNNCell`, plus ``backend=`` and ``zoneout=``."""
+
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 zoneout: float = 0.0, **kwargs):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, *args, **kwargs)
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+
+class GRUCell(_CellMixin, nn.GRUCell):
+    """Drop-in for :class:`torch.nn.GRUCell`, plus ``backend=``, ``reset_after=``
+    and ``zoneout=``."""
+
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 reset_after: bool = True, zoneout: float = 0.0, **kwargs):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, *args, **kwargs)
+        self._init_rnnkern(backend, reset_after, zoneout)
+
+
+class LSTMCell(_CellMixin, nn.LSTMCell):
+    """Drop-in for :class:`torch.nn.LSTMCell`, plus ``backend=`` and ``zoneout=``."""
+
+    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
+                 zoneout: float = 0.0, **kwargs):
+        _check_cell_sizes(input_size, hidden_size)
+        super().__init__(input_size, hidden_size, *args, **kwargs)
+        self._init_rnnkern(backend, zoneout=zoneout)

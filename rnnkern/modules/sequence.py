@@ -1,0 +1,460 @@
+"""The sequence modules RNN, GRU and LSTM: argument handling, packing and the
+layer stack (one :func:`rnnkern.ops.run_recurrence` call per layer and direction
+on the input projection of the whole sequence; one fused step for a one-step
+call)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+from .. import ops
+from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _current,
+                     _dtype_mismatch, _no_torch_nn_twin, _promote, _RnnkernOptions,
+                     _runs_torch_nn_forward)
+
+# ------------------------------------------------------ sequence modules ----
+
+class _Packing(NamedTuple):
+    """Where each row of a packed batch lives in the time-major padded tensor."""
+    time: Tensor   # [N] step of each packed row
+    batch: Tensor  # [N] column of each packed row
+
+
+def _packing_from_batch_sizes(batch_sizes: Tensor, rows: int, device) -> _Packing:
+    """Rows of a PackedSequence (sorted by length) -> positions in [T, B]; sizes
+    come from shapes only, so this traces under torch.compile."""
+    steps = torch.arange(batch_sizes.numel())
+    time = torch.repeat_interleave(steps, batch_sizes, output_size=rows)
+    starts = torch.cumsum(batch_sizes, 0) - batch_sizes
+    batch = torch.arange(rows) - starts[time]
+    return _Packing(time.to(device), batch.to(device))
+
+
+def _packing_of_padded(lengths: Tensor, T: int, device) -> _Packing:
+    """The rows torch.nn sees for a padded batch with ``lengths``:
+    ``pack_padded_sequence(x, lengths, enforce_sorted=False)`` (same sort call,
+    so the same order; zero lengths simply contribute no rows)."""
+    sorted_lengths, sorted_indices = torch.sort(lengths, descending=True)
+    batch_sizes = (sorted_lengths.unsqueeze(0) > torch.arange(T).unsqueeze(1)).sum(1)
+    time, column = _packing_from_batch_sizes(batch_sizes, int(sorted_lengths.sum()), "cpu")
+    return _Packing(time.to(device), sorted_indices[column].to(device))
+
+
+def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.size(0) != B:
+        raise ValueError(f"{name}: expected lengths of shape [{B}] (one per sequence), got {list(lengths.shape)}")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"{name}: expected integer lengths, got {lengths.dtype}")
+    lengths = lengths.to(device="cpu", dtype=torch.int64)
+    # Value checks read the data: eager only (the CPU and CUDA ops check again
+    # inside; under torch.compile they are the only check).
+    if not torch.compiler.is_compiling() and B and (int(lengths.min()) < 0 or int(lengths.max()) > T):
+        raise ValueError(f"{name}: lengths must lie in [0, {T}] (the sequence length), got "
+                         f"{lengths.tolist()}")
+    return lengths
+
+
+class _RecurrentMixin(_RnnkernOptions):
+    """forward() shared by RNN, GRU, LSTM and LayerNormLSTM (the torch.nn base,
+    ``nn.RNNBase`` or one of its subclasses, provides the rest)."""
+
+    #: LayerNormLSTM: the names of each (layer, direction)'s layer-norm
+    #: parameters (ln_ih_weight, ln_hh_weight, ln_cell_weight, ln_cell_bias).
+    _ln_names: Optional[list] = None
+
+    @property
+    def cell(self) -> str:
+        """The rnnkern cell this module runs."""
+        if self.mode == "LSTM":
+            return "lstm"
+        if self.mode == "GRU":
+            return "gru" if self.reset_after else "gru_reset_before"
+        return "rnn_tanh" if self.mode == "RNN_TANH" else "rnn_relu"
+
+    def _layer_weights(self, D: int) -> list:
+        """(w_ih, w_hh, b_ih, b_hh, w_hr) of each (layer, direction): each
+        weight's current attribute (torch.func.functional_call and
+        parametrizations replace them), by the names torch.nn keeps in
+        ``_flat_weights_names``, read once per call (a one-step call feels
+        every lookup).  Order per layer and direction: w_ih, w_hh[, b_ih,
+        b_hh][, w_hr]."""
+        flat = _current(self, self._flat_weights_names)
+        n = len(flat) // (self.num_layers * D)
+        groups = []
+        for i in range(0, len(flat), n):
+            if self.bias:
+                w_ih, w_hh, b_ih, b_hh = flat[i:i + 4]
+                w_hr = flat[i + 4] if n == 5 else None
+            else:
+                w_ih, w_hh = flat[i:i + 2]
+                b_ih = b_hh = None
+                w_hr = flat[i + 2] if n == 3 else None
+            groups.append((w_ih, w_hh, b_ih, b_hh, w_hr))
+        return groups
+
+    def _layer_ln(self) -> list:
+        """LayerNormLSTM: the ``ln`` argument of each (layer, direction)'s op,
+        ``[g_ih (4H), g_hh (4H), g_c (H), beta_c (H)]``, from the parameters'
+        current attributes."""
+        return [torch.cat(_current(self, names)) for names in self._ln_names]
+
+    def _zoneout_width(self) -> int:
+        """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
+        if self.mode != "LSTM":
+            return self.hidden_size
+        return (self.proj_size or self.hidden_size) + self.hidden_size
+
+    # ---- the layer stack
+
+    def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing],
+                    resets: Optional[Tensor] = None):
+        """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
+        or None, resets [T, B] bool (checked) or None -> output [T, B, D*P],
+        (h_n[, c_n]).  ``packing`` (variable lengths only) says which rows
+        torch.nn would see packed: dropout draws its mask over them, in that
+        order, as torch.nn does."""
+        lstm = self.mode == "LSTM"
+        D = 2 if self.bidirectional else 1
+        backend = ops.resolve_backend(self.backend, x.device)
+        name = type(self).__name__
+        weights = self._layer_weights(D)
+        cell = self.cell
+        lns = self._layer_ln() if cell == "lstm_ln" else None
+        packed = lengths is not None
+        result_dtypes = None
+        dtype = _autocast_dtype(x.device.type, weights[0][0]) if _any_autocast() else None
+        if dtype is not None:
+            result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
+            x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
+            weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
+            if lns is not None:
+                lns = [ln.to(dtype) for ln in lns]
+        p = self.zoneout
+        _check_supported(name, backend, cell, x.dtype, proj=self.proj_size > 0, lengths=packed,
+                         resets=resets is not None, zoneout=p > 0)
+        h0 = hx[0]
+        c0 = hx[1] if lstm else None
+        # Per direction, the resets the op sees: a boundary before position t+1
+        # makes the reverse direction's step at t start afresh.
+        step_resets = (resets, None if resets is None or D == 1 else
+                       torch.cat((resets[1:], resets.new_zeros((1, resets.size(1))))))
+        zoneout = None
+        if p:
+            T, B = x.size(0), x.size(1)
+            Z = self._zoneout_width()
+            if not self.training:  # the expectation: one [Z] vector, broadcast
+                zoneout = torch.full((Z,), p, dtype=x.dtype, device=x.device).expand(T, B, Z)
+        # One step (a streaming or token-by-token call): the fused step op, x W_ih^T
+        # inside, instead of an input projection and a recurrence of one step --
+        # one op call instead of two, which is most of such a call's cost.  (A
+        # reset at the only position changes nothing: the step starts from h0.)
+        one_step = x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
+        h_n, c_n = [], []
+        for layer in range(self.num_layers):
+            outputs = []
+            for d in range(D):
+                idx = layer * D + d
+                w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
+                if one_step:
+                    h, c = ops.run_step(backend, cell, x[0], h0[idx], c0[idx] if lstm else None,
+                                        w_ih, w_hh, b_ih, b_hh, None if lns is None else lns[idx])
+                    outputs.append(h.unsqueeze(0))
+                    # h_n apart from the output, as on every other path (an
+                    # in-place edit of one must not show in the other)
+                    h_n.append(h.clone() if self.num_layers * D == 1 else h)
+                    if lstm:
+                        c_n.append(c)
+                    continue
+                if p and self.training:  # a fresh Bernoulli mask per layer and direction
+                    zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
+                out, h, c = ops.run_recurrence(
+                    backend, cell, ops.input_projection(x, w_ih, backend), h0[idx],
+                    c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1,
+                    step_resets[d], zoneout, None if lns is None else lns[idx])
+                outputs.append(out)
+                h_n.append(h)
+                if lstm:
+                    c_n.append(c)
+            x = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
+            if self.dropout > 0 and self.training and layer + 1 < self.num_layers:
+                x = self._dropout(x, packing)
+        stack = torch.stack if len(h_n) > 1 else (lambda hs: hs[0].unsqueeze(0))
+        hidden = (stack(h_n), stack(c_n)) if lstm else (stack(h_n),)
+        if result_dtypes is not None:
+            x = x.to(result_dtypes[0])
+            hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
+        return x, hidden
+
+    def _dropout(self, x: Tensor, packing: Optional[_Packing]) -> Tensor:
+        """Dropout between layers with torch.nn's RNG use: one mask over the
+        layer's output, drawn over the packed rows when lengths vary (torch.nn
+        drops out PackedSequence.data), so a seeded run draws the same masks."""
+        if packing is None:
+            return F.dropout(x, self.dropout, training=True)
+        rows = F.dropout(x[packing.time, packing.batch], self.dropout, training=True)
+        return x.new_zeros(x.shape).index_put((packing.time, packing.batch), rows)
+
+    def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
+        """The dtypes returned under autocast for (output, h_n[, c_n]): rnnkern's
+        rule (README, "torch.autocast"), the same on every CPU.
+
+        On CUDA, torch.nn runs cuDNN wholly in the autocast dtype.  On the CPU,
+        torch.nn's ATen path autocasts only its matrix products, and a float32
+        state mixed into the pointwise math promotes the result: RNN stays in the
+        autocast dtype; GRU follows h0; a packed or projected LSTM's c follows c0
+        and h follows c (or stays in the autocast dtype with a projection, whose
+        product is autocast).  An unpacked LSTM without projection returns the
+        autocast dtype, as torch.nn's oneDNN path does where the CPU supports it
+        (with AVX-512; elsewhere torch.nn's result depends on the input)."""
+        if x.device.type != "cpu" or self.mode in ("RNN_TANH", "RNN_RELU"):
+            return (dtype,) * (1 + len(hx))
+        if self.mode == "GRU":
+            h = _promote(dtype, hx[0].dtype)
+            return h, h
+        if not packed and self.proj_size == 0:
+            return dtype, dtype, dtype
+        c = _promote(dtype, hx[1].dtype)
+        h = dtype if self.proj_size > 0 else c
+        return h, h, c
+
+    # ---- argument handling
+
+    def _state_sizes(self):
+        D = 2 if self.bidirectional else 1
+        P = self.proj_size if self.proj_size > 0 else self.hidden_size
+        return self.num_layers * D, P
+
+    def _zeros_hidden(self, batch: int, like: Tensor):
+        LD, P = self._state_sizes()
+        h = torch.zeros(LD, batch, P, dtype=like.dtype, device=like.device)
+        if self.mode != "LSTM":
+            return (h,)
+        return (h, torch.zeros(LD, batch, self.hidden_size, dtype=like.dtype, device=like.device))
+
+    def _hx_parts(self, hx) -> tuple:
+        """hx as a tuple of tensors, its type checked."""
+        name = type(self).__name__
+        if self.mode == "LSTM":
+            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+                raise TypeError(f"{name}: hx must be a tuple (h_0, c_0) of two tensors, got "
+                                f"{type(hx).__name__}")
+            parts = tuple(hx)
+        else:
+            parts = (hx,)
+        for i, h in enumerate(parts):
+            if not isinstance(h, Tensor):
+                label = f"hx[{i}]" if self.mode == "LSTM" else "hx"
+                raise TypeError(f"{name}: {label} must be a Tensor, got {type(h).__name__}")
+        return parts
+
+    def _check_hidden(self, parts, batch: int, input: Tensor) -> None:
+        """torch.nn's hidden-state checks (same messages), plus the dtype."""
+        LD, P = self._state_sizes()
+        if self.mode == "LSTM":
+            self.check_hidden_size(parts[0], (LD, batch, P), "Expected hidden[0] size {}, got {}")
+            self.check_hidden_size(parts[1], (LD, batch, self.hidden_size),
+                                   "Expected hidden[1] size {}, got {}")
+        else:
+            self.check_hidden_size(parts[0], (LD, batch, P))
+        if not _any_autocast():
+            for i, h in enumerate(parts):
+                if h.dtype != input.dtype:
+                    label = f"hx[{i}]" if self.mode == "LSTM" else "hx"
+                    raise _dtype_mismatch(type(self).__name__, label, h.dtype, "input", input.dtype)
+
+    # ---- forward
+
+    def _check_resets(self, resets, T: int, B: int, batched: bool, device) -> Tensor:
+        """``resets`` as the ops take it: [T, B] bool, time-major, contiguous, on
+        the input's device; errors name the argument and the shape expected
+        ([T, B], [B, T] with batch_first, [T] for unbatched input)."""
+        name = type(self).__name__
+        if not batched:
+            layout, shape = "[T]", [T]
+        elif self.batch_first:
+            layout, shape = "[B, T] (batch_first)", [B, T]
+        else:
+            layout, shape = "[T, B]", [T, B]
+        if not isinstance(resets, Tensor):
+            raise TypeError(f"{name}: expected resets to be a bool Tensor of shape {layout} = "
+                            f"{shape}, got {type(resets).__name__}")
+        if list(resets.shape) != shape:
+            raise ValueError(f"{name}: expected resets of shape {layout} = {shape}, got "
+                             f"{list(resets.shape)}")
+        if resets.dtype != torch.bool:
+            raise TypeError(f"{name}: expected resets of dtype torch.bool, got {resets.dtype}")
+        if resets.device != device:
+            raise ValueError(f"{name}: expected resets on {device} (the input's device), got "
+                             f"{resets.device}")
+        if not batched:
+            return resets.unsqueeze(1)
+        return resets.t().contiguous() if self.batch_first else resets.contiguous()
+
+    def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None,
+                resets: Optional[Tensor] = None):
+        """As torch.nn's forward.  ``lengths`` ([B] integers) marks the valid steps
+        of each sequence of a padded batch: later steps leave the state alone and
+        output zeros, and the reverse direction starts at each sequence's end --
+        what torch.nn computes on ``pack_padded_sequence(input, lengths,
+        enforce_sorted=False)``, without packing.
+
+        ``resets`` (bool; [T, B], [B, T] with batch_first, [T] for unbatched
+        input; for a PackedSequence the padded [T, B] / [B, T] in the original
+        batch order): where ``resets[t, b]``, the step at position t of
+        sequence b starts from hx's row b (zeros without hx), h and c, in every
+        layer; a reverse direction restarts at the step before each boundary,
+        so the episodes on either side of it never see each other."""
+        if _runs_torch_nn_forward():
+            return self._traced_forward(input, hx, lengths, resets)
+        name = type(self).__name__
+        if isinstance(input, PackedSequence):
+            if lengths is not None:
+                raise ValueError(f"{name}: lengths= is for padded input; a PackedSequence carries its own")
+            return self._forward_packed(input, hx, resets)
+
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
+                            f"{type(input).__name__}")
+        if input.dim() not in (2, 3):
+            raise ValueError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+        batched = input.dim() == 3
+        batch_dim = 0 if self.batch_first else 1
+        if not batched:
+            if lengths is not None:
+                raise ValueError(f"{name}: lengths= needs batched (3-D) input")
+            input = input.unsqueeze(batch_dim)
+        B = input.size(batch_dim)
+        if hx is None:
+            hx = self._zeros_hidden(B, input)
+            self.check_input(input, None)
+        else:
+            parts = self._hx_parts(hx)
+            want = 3 if batched else 2
+            if any(h.dim() != want for h in parts):
+                kind = "batched 3-D" if batched else "unbatched 2-D"
+                if self.mode == "LSTM":
+                    got = f"({parts[0].dim()}-D, {parts[1].dim()}-D) tensors"
+                    raise RuntimeError(f"For {kind} input, hx and cx should also be {want}-D but got {got}")
+                raise RuntimeError(f"For {kind} input, hx should also be {want}-D but got "
+                                   f"{parts[0].dim()}-D tensor")
+            if not batched:
+                parts = tuple(h.unsqueeze(1) for h in parts)
+            self.check_input(input, None)
+            self._check_hidden(parts, B, input)
+            hx = parts
+        if self.batch_first:
+            input = input.transpose(0, 1)
+        T = input.size(0)
+        if T == 0:
+            raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
+        if resets is not None:
+            resets = self._check_resets(resets, T, B, batched, input.device)
+        packing = None
+        if lengths is not None:
+            lengths = _check_lengths(lengths, T, B, name)
+            if self.dropout > 0 and self.training and self.num_layers > 1 \
+                    and not torch.compiler.is_compiling():
+                # The packed rows' count is data-dependent: eager only.  Under
+                # torch.compile dropout draws over the padded tensor (its random
+                # stream differs from eager's anyway).
+                packing = _packing_of_padded(lengths, T, input.device)
+        out, hidden = self._run_layers(input, hx, lengths, packing, resets)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        if not batched:
+            out = out.squeeze(batch_dim)
+            hidden = tuple(h.squeeze(1) for h in hidden)
+        return out, (hidden if self.mode == "LSTM" else hidden[0])
+
+    def _traced_forward(self, input, hx, lengths: Optional[Tensor], resets: Optional[Tensor]):
+        """torch.nn's forward, for torch.jit.trace and ONNX export; ``lengths=``
+        becomes the PackedSequence torch.nn computes the same numbers on."""
+        if resets is not None:
+            raise _no_torch_nn_twin(f"{type(self).__name__}.forward(resets=...)", "has no resets")
+        if lengths is None:
+            return self._torch_nn_forward(input, hx)
+        name = type(self).__name__
+        if not isinstance(input, Tensor) or input.dim() != 3:
+            raise ValueError(f"{name}: lengths= needs batched (3-D) input")
+        T = input.size(1 if self.batch_first else 0)
+        lengths = _check_lengths(lengths, T, input.size(0 if self.batch_first else 1), name)
+        packed = pack_padded_sequence(input, lengths, batch_first=self.batch_first,
+                                      enforce_sorted=False)
+        out, hidden = self._torch_nn_forward(packed, hx)
+        out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
+        return out, hidden
+
+    def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor]):
+        """A PackedSequence runs as one padded, length-sorted batch with per-sequence
+        lengths (one kernel call per layer and direction, padding never computed).
+        ``resets`` comes padded in the original batch order and is sorted here."""
+        name = type(self).__name__
+        data, batch_sizes, sorted_indices, unsorted_indices = input
+        self.check_input(data, batch_sizes)
+        T, N = batch_sizes.numel(), data.size(0)
+        if not torch.compiler.is_compiling() and int(batch_sizes.sum()) != N:
+            raise RuntimeError(f"{name}: PackedSequence data has {N} rows but its batch_sizes "
+                               f"sum to {int(batch_sizes.sum())}")
+        # The batch size, from shapes where possible (a data-dependent size
+        # would break a torch.compile graph): the permutation of an unsorted
+        # pack, else hx under compile, else the first batch size.
+        if sorted_indices is not None:
+            B = sorted_indices.numel()
+        elif hx is not None and torch.compiler.is_compiling():
+            B = self._hx_parts(hx)[0].size(1)
+        else:
+            B = int(batch_sizes[0])
+        if hx is None:
+            hx = self._zeros_hidden(B, data)
+        else:
+            parts = self._hx_parts(hx)
+            self._check_hidden(parts, B, data)
+            hx = self.permute_hidden(hx, sorted_indices)
+            hx = tuple(hx) if self.mode == "LSTM" else (hx,)
+        if resets is not None:
+            resets = self._check_resets(resets, T, B, True, data.device)
+            if sorted_indices is not None:
+                resets = resets[:, sorted_indices]
+        packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
+        # Sequence b of the sorted pack has as many steps as batch sizes above b.
+        lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
+        padded = data.new_zeros((T, B, data.size(1))).index_put((packing.time, packing.batch), data)
+        out, hidden = self._run_layers(padded, hx, lengths, packing, resets)
+        out_data = out[packing.time, packing.batch]
+        hidden = hidden if self.mode == "LSTM" else hidden[0]
+        return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
+                self.permute_hidden(hidden, unsorted_indices))
+
+
+class RNN(_RecurrentMixin, nn.RNN):
+    """Drop-in for :class:`torch.nn.RNN` (tanh or ReLU), plus ``backend=`` and
+    ``zoneout=``."""
+
+    def __init__(self, *args, backend: str = "auto", zoneout: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_rnnkern(backend, zoneout=zoneout)
+
+
+class GRU(_RecurrentMixin, nn.GRU):
+    """Drop-in for :class:`torch.nn.GRU`, plus ``backend=``, ``reset_after=`` and
+    ``zoneout=``."""
+
+    def __init__(self, *args, backend: str = "auto", reset_after: bool = True,
+                 zoneout: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_rnnkern(backend, reset_after, zoneout)
+
+
+class LSTM(_RecurrentMixin, nn.LSTM):
+    """Drop-in for :class:`torch.nn.LSTM` (with ``proj_size``), plus ``backend=``
+    and ``zoneout=`` (on h and c)."""
+
+    def __init__(self, *args, backend: str = "auto", zoneout: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_rnnkern(backend, zoneout=zoneout)
