@@ -1,6 +1,6 @@
 // Schemas of the rnnkern ops (the argument checks every backend runs: checks.h).
 //
-// The ops work on one layer in one direction; modules (rnnkern/modules.py)
+// The ops work on one layer in one direction; modules (rnnkern/modules/)
 // stack them.  Conventions (torch.nn's):
 //   xproj     [T, B, G*H]  X_t W_ih^T for every step: the time-independent half
 //                          of [X_t, H_{t-1}] [W_ih; W_hh]^T, one GEMM outside;

@@ -128,7 +128,7 @@ def test_cpu_split_by_rows_matches_reference(threads, cell, proj, n_threads, B, 
                          ids=["one-step-unit-slices", "two-rows", "two-rows-per-thread", "one-row"])
 def test_cpu_weights_read_in_place_match_reference(threads, cell, proj, n_threads, T, B):
     """Calls of one step, or of at most two rows per thread, read the per-step
-    weights where they lie instead of packing them (csrc/cpu/recurrence.cpp,
+    weights where they lie instead of packing them (csrc/cpu/schedule.h,
     kMaxInPlaceRows): the whole weight, each thread's rows, and, for a single
     step large enough to split by units (B chosen so), each thread's gate rows
     of its unit slice (H = 520: slices off the 16-column panels, partial tails)."""
@@ -560,7 +560,7 @@ def test_cpu_options_split_by_rows_match_reference(threads, cell, proj, n_thread
 
 def unit_split_batch(cell, H, P):
     """The smallest batch whose step splits by units on two threads
-    (csrc/cpu/recurrence.cpp, kMinStepMacsPerWorker)."""
+    (csrc/cpu/schedule.h, kMinStepMacsPerWorker)."""
     G = reference.gate_count(cell)
     return (1 << 25) // (G * H * P + (H * P if P != H else 0)) + 1
 

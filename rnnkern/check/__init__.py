@@ -17,7 +17,7 @@ quick speed comparison with torch.nn at one size per cell, and a JSON report a
 user can attach to a bug report.  A backend that fails comes with the backend
 to use instead.
 
-The schema of the JSON report is documented in README.md ("Field self-check").
+The schema of the JSON report is documented in docs/check.md.
 
 The package, one job a module:
 

@@ -156,7 +156,7 @@ def targets() -> tuple[list[Target], dict[str, str]]:
     if reason:
         missing["triton"] = reason
     elif gpu:
-        # float64 runs only under the interpreter (README: "What works today").
+        # float64 runs only under the interpreter (docs/gpu.md, "The Triton backend").
         runnable.append(Target("triton", cuda, dtypes=(torch.float32, torch.bfloat16, torch.float16)))
     else:
         # The interpreter costs ~0.3 ms per block operation: float32 and bfloat16

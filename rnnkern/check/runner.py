@@ -19,7 +19,7 @@ from .problems import Checker, strict_numerics
 from .report import _failure_lines, _jsonable, _table_lines, _verdict_lines, advice, default_json_path
 from .timing import _speed_line, _timed
 
-#: Identifies the layout of the JSON report (README.md documents it).
+#: Identifies the layout of the JSON report (docs/check.md documents it).
 SCHEMA = "rnnkern.check/1"
 
 

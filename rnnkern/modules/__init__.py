@@ -13,8 +13,8 @@ classic GRU of Cho et al., ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``),
 ``zoneout`` on every class, and ``lengths=`` and ``resets=`` on the sequence
 modules' ``forward``.
 
-Beyond torch.nn, the step options and the LayerNorm cell (the README's "Beyond
-torch.nn" section has the rules):
+Beyond torch.nn, the step options and the LayerNorm cell (docs/options.md has the
+rules):
 
 - ``resets=`` ([T, B] bool, time-major like the input): where ``resets[t, b]``,
   the step at position t of sequence b starts from hx's row b (zeros without
@@ -38,7 +38,7 @@ to lift the refusal for a subclass only: the one check is
 ``isinstance(value, (nn.RNN, nn.GRU, nn.LSTM)) and not config.allow_rnn`` in
 Dynamo's ``VariableBuilder.wrap_module`` (torch/_dynamo/variables/builder.py,
 torch 2.14), run when Dynamo first meets the module object, before any of its
-code; see the README's torch.compile paragraph for the smallest user-side step.
+code; see docs/modules.md's torch.compile section for the smallest user-side step.
 
 ``torch.jit.trace`` and ONNX export (``torch.onnx.export``, either exporter) run
 torch.nn's own forward on the same parameters (:func:`_runs_torch_nn_forward`):

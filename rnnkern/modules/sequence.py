@@ -202,7 +202,7 @@ class _RecurrentMixin(_RnnkernOptions):
 
     def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
         """The dtypes returned under autocast for (output, h_n[, c_n]): rnnkern's
-        rule (README, "torch.autocast"), the same on every CPU.
+        rule (docs/modules.md, "torch.autocast"), the same on every CPU.
 
         On CUDA, torch.nn runs cuDNN wholly in the autocast dtype.  On the CPU,
         torch.nn's ATen path autocasts only its matrix products, and a float32

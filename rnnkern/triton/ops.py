@@ -415,7 +415,7 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
     step earlier (t - 1, or t + 1 in reverse), or h0 at each sequence's first
     position and where ``resets`` [T, B] says the step restarts from h0;
     padding positions have d = 0 and output 0, so two GEMMs cover every case
-    (as csrc/cpu/recurrence.cpp)."""
+    (as csrc/cpu/backward.cpp, weight_grad_by_prev_state)."""
     T, B, N = d.shape
     P = output.shape[2]
     if T == 0:
