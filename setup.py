@@ -197,6 +197,7 @@ class BuildExtensionSaysWhat(BuildExtension):
 
 setup(
     packages=find_packages(include=["rnnkern", "rnnkern.*"]),
+    package_data={"rnnkern": ["auto_table.json"]},  # backend="auto"'s measurements
     ext_modules=(emulation_extensions() if os.environ.get("RNNKERN_CUDA_EMULATION_ONLY") == "1"
                  else extensions() + emulation_extensions()),
     cmdclass={"build_ext": BuildExtensionSaysWhat},

@@ -55,7 +55,7 @@ OUT_ROOT = Path(__file__).resolve().parent / "out"
 #: Candidates of the default grid when --backends is not given: torch.nn and rnnkern's
 #: backends (FlashRNN too on a GPU, at the headline size); the Python loops, whose
 #: training phase takes seconds per call at these sizes, run with --full or --quick.
-DEFAULT_CANDIDATES = ("torch", "cpu", "cuda", "triton", "flashrnn")
+DEFAULT_CANDIDATES = ("torch", "auto", "cpu", "cuda", "triton", "flashrnn")
 #: Families that bring the inference engines (PEERS) into the default candidates.
 PEER_FAMILIES = ("peers", "step")
 

@@ -13,12 +13,13 @@ module and cell, and the layer-normalised LSTM (:class:`LayerNormLSTM`,
 Functional ops (one layer, one direction) are in :mod:`rnnkern.ops`, the
 pure-PyTorch ground truth in :mod:`rnnkern.reference`.
 """
-from . import _torch_warnings, ops, reference
+from . import _torch_warnings, auto, ops, reference
+from .auto import explain
 from .modules import (GRU, LSTM, RNN, GRUCell, LayerNormLSTM, LayerNormLSTMCell, LSTMCell, RNNCell,
                       convert)
 
 __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
-           "LayerNormLSTMCell", "convert", "ops", "reference", "check"]
+           "LayerNormLSTMCell", "convert", "explain", "auto", "ops", "reference", "check"]
 __version__ = "0.1.0"
 
 _torch_warnings.install()  # before anything imports torch.utils.cpp_extension (see there)

@@ -12,9 +12,10 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    (log-distance in B, H and T; forward for inference, forward+backward when the
    call builds a graph) runs.
 3. Without a measurement: on a GPU, torch.nn (cuDNN) for what it supports; on a
-   CPU, torch.nn for bfloat16 where the CPU has AVX512_BF16 (oneDNN runs the
-   bf16 dot-product instructions, rnnkern computes bf16 in float32 there), and
-   rnnkern's CPU kernels otherwise (measured faster than oneDNN on the CPU grid).
+   CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
+   the benchmark, except bfloat16 on CPUs with AVX512_BF16, where oneDNN runs
+   the bf16 dot-product instructions: the table's CPU rows are to say so once
+   measured by the current code; until then bf16 there stays on rnnkern).
 
 Explicit backends (``"cpu"``, ``"cuda"``, ``"triton"``, ``"reference"``) always
 run rnnkern's own code.  :func:`rnnkern.explain` names the choice for a module
@@ -96,6 +97,32 @@ def device_class(device: torch.device) -> str:
     return device.type
 
 
+_INDEXES: dict = {}
+
+
+def _index() -> dict:
+    """The table's entries by (device, cell, dtype, phase), built once per table."""
+    doc = table()
+    table_id = (id(doc), len(doc.get("entries", [])))
+    if table_id not in _INDEXES:
+        index: dict = {}
+        for e in doc.get("entries", []):
+            index.setdefault((e["device"], e["cell"], e["dtype"], e["phase"]), []).append(e)
+        _INDEXES.clear()
+        _INDEXES[table_id] = index
+    return _INDEXES[table_id]
+
+
+def no_torch_choice(input) -> bool:
+    """True when ``auto`` cannot choose torch.nn for this input's device: a CPU
+    with no CPU rows in the table (the modules then skip the choice: a one-step
+    call feels every microsecond)."""
+    data = getattr(input, "data", input) if not isinstance(input, torch.Tensor) else input
+    if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+        return False
+    return not any(key[0].startswith("cpu") for key in _index())
+
+
 def _nearest(entries: list, B: int, H: int, T: int) -> dict:
     def distance(e):
         return sum(math.log(max(a, 1) / max(b, 1)) ** 2 for a, b in ((e["B"], B), (e["H"], H), (e["T"], T)))
@@ -115,9 +142,8 @@ def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: in
     key = device_key or device_class(device)
     dtype_name = str(dtype).replace("torch.", "")
     phase = "forward_backward" if training else "forward"
-    entries = [e for e in table().get("entries", [])
-               if e["device"] == key and e["cell"] == cell and e["dtype"] == dtype_name
-               and e["phase"] == phase and rnnkern_backend in e["speedups"]]
+    entries = [e for e in _index().get((key, cell, dtype_name, phase), [])
+               if rnnkern_backend in e["speedups"]]
     if entries:
         e = _nearest(entries, B, H, T)
         ratio = e["speedups"][rnnkern_backend]
@@ -129,7 +155,21 @@ def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: in
     if device.type == "cuda":
         return Choice(TORCH, f"no measurement of rnnkern for {cell} {dtype_name} on {key}: "
                              "torch.nn's cuDNN path")
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_avx512_bf16():
-        return Choice(TORCH, "bfloat16 on a CPU with AVX512_BF16: oneDNN runs the bf16 dot-product "
-                             "instructions, rnnkern computes bf16 in float32")
     return Choice(rnnkern_backend, f"rnnkern's {device.type} kernels (no measurement says otherwise)")
+
+
+def explain(module, input, hx=None, **kwargs) -> Choice:
+    """The implementation ``module(input, hx, **kwargs)`` would run, and why,
+    without running it: for ``backend="auto"`` the choice above; otherwise the
+    backend asked for."""
+    data = input.data if not isinstance(input, torch.Tensor) and hasattr(input, "data") else input
+    backend = getattr(module, "backend", None)
+    if backend is None:
+        raise TypeError(f"explain: expected an rnnkern module, got {type(module).__name__}")
+    from . import ops
+    if backend != "auto":
+        return Choice(ops.resolve_backend(backend, data.device), f"backend={backend!r} was asked for")
+    if not hasattr(module, "_auto_choice"):
+        return Choice(ops.resolve_backend("auto", data.device),
+                      "cells run rnnkern's fused step (the table covers sequence modules)")
+    return module._auto_choice(input, hx, **kwargs)

@@ -62,15 +62,15 @@ def test_the_measured_faster_one_at_the_nearest_size(table):
     assert "no measurement" in choose(cell="gru").reason
 
 
-def test_without_a_measurement(table, monkeypatch):
+def test_without_a_measurement(table):
     cuda = choose(device=torch.device("cuda"), device_key="cuda:sm_90", rnnkern_backend="cuda")
     assert cuda.uses_torch and "cuDNN" in cuda.reason
-    monkeypatch.setattr(auto, "cpu_has_avx512_bf16", lambda: True)
-    bf16 = choose(dtype=torch.bfloat16)
-    assert bf16.uses_torch and "AVX512_BF16" in bf16.reason
-    assert choose(dtype=torch.float32).implementation == "cpu"
-    monkeypatch.setattr(auto, "cpu_has_avx512_bf16", lambda: False)
-    assert choose(dtype=torch.bfloat16).implementation == "cpu"
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert choose(dtype=dtype).implementation == "cpu"
+    # Without CPU rows the modules skip the choice on CPU tensors; never on CUDA ones.
+    assert auto.no_torch_choice(torch.zeros(1))
+    table.append(entry("cpu:256bit", "lstm", "float32", "forward", 16, 128, 256, 0.5))
+    assert not auto.no_torch_choice(torch.zeros(1))
 
 
 def test_the_shipped_table_is_the_committed_gpu_result(tmp_path):

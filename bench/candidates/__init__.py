@@ -16,6 +16,8 @@ torch       torch.nn     torch.nn.LSTM / GRU / RNN: cuDNN on GPU, oneDNN / ATen 
 cpu         rnnkern-cpu  rnnkern's module with backend="cpu" (C++ kernels, csrc/cpu)
 cuda        rnnkern-cuda rnnkern's module with backend="cuda" (CUDA kernels, csrc/cuda)
 triton      rnnkern-triton  rnnkern's module with backend="triton"
+auto        rnnkern-auto rnnkern's module with backend="auto": what a user gets by default,
+                         torch.nn's forward or rnnkern's kernels as rnnkern/auto.py chooses
 reference   loop         the vanilla loop: the input projection as one GEMM, then a Python
                          loop over rnnkern.reference.cell_from_projections (seed formulas)
 compile     loop+compile the same loop with the step torch.compile'd (dynamic shapes).  The
@@ -56,6 +58,7 @@ CANDIDATES = {
     "cuda": Candidate("cuda", "rnnkern-cuda", _rnnkern_unavailable("cuda"), _no_skip, _build_rnnkern("cuda")),
     "triton": Candidate("triton", "rnnkern-triton", _rnnkern_unavailable("triton"), _no_skip,
                         _build_rnnkern("triton")),
+    "auto": Candidate("auto", "rnnkern-auto", _always, _no_skip, _build_rnnkern("auto")),
     "reference": Candidate("reference", "loop", _always, _skip_long_loops, _build_reference),
     "compile": Candidate("compile", "loop+compile", _always, _skip_long_loops, _build_compile),
     "flashrnn": Candidate("flashrnn", "FlashRNN", _flashrnn_unavailable, _flashrnn_skip, _build_flashrnn),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .. import ops
+from .. import auto, ops
 from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _current,
                      _dtype_mismatch, _no_torch_nn_twin, _promote, _RnnkernOptions,
                      _runs_torch_nn_forward)
@@ -104,6 +104,49 @@ class _RecurrentMixin(_RnnkernOptions):
         current attributes."""
         return [torch.cat(_current(self, names)) for names in self._ln_names]
 
+    def _run_dtype_under_autocast(self, device: torch.device, weight: Tensor) -> Optional[torch.dtype]:
+        """The dtype autocast runs this call in (None: autocast is off for it).
+        On CUDA, torch.nn's RNN/GRU/LSTM run cuDNN in float16 whatever the
+        autocast dtype (ATen's autocast wrapper of the cuDNN RNN casts to half;
+        seen on an H100: bfloat16 autocast gives float16 results): so do these,
+        as drop-ins.  The LayerNorm LSTM, which torch.nn has not, uses the
+        autocast dtype."""
+        dtype = _autocast_dtype(device.type, weight)
+        if dtype is not None and device.type == "cuda" and self._has_torch_nn_twin \
+                and torch.backends.cudnn.enabled:
+            return torch.float16
+        return dtype
+
+    def _auto_choice(self, input, hx=None, lengths: Optional[Tensor] = None,
+                     resets: Optional[Tensor] = None) -> auto.Choice:
+        """What ``backend="auto"`` runs for this call, and why (rnnkern/auto.py):
+        torch.nn's forward (the base class's) or rnnkern's kernels."""
+        data = input.data if isinstance(input, PackedSequence) else input
+        device = data.device
+        backend = ops.resolve_backend("auto", device)
+        if torch.compiler.is_compiling():
+            return auto.Choice(backend, "torch.compile captures rnnkern's ops")
+        parts = () if hx is None else (hx if isinstance(hx, (tuple, list)) else (hx,))
+        if ops._transformed(data, *parts):
+            return auto.Choice(backend, "forward-mode AD and torch.func transforms run rnnkern's "
+                                        "reference formulation (torch.nn's modules do not batch)")
+        lacks = (None if self._has_torch_nn_twin else "LayerNorm LSTM") \
+            or ("reset_after=False" if self.cell == "gru_reset_before" else None) \
+            or ("resets=" if resets is not None else None) \
+            or ("lengths=" if lengths is not None else None) \
+            or ("zoneout=" if self.zoneout > 0 else None)
+        weight = getattr(self, self._flat_weights_names[0])
+        dtype = (self._run_dtype_under_autocast(device, weight) if _any_autocast() else None) or data.dtype
+        if isinstance(input, PackedSequence):
+            T, B = input.batch_sizes.numel(), int(input.batch_sizes[0]) if input.batch_sizes.numel() else 0
+        elif data.dim() == 3:
+            T, B = (data.size(1), data.size(0)) if self.batch_first else (data.size(0), data.size(1))
+        else:
+            T, B = data.size(0), 1
+        training = torch.is_grad_enabled() and (data.requires_grad or weight.requires_grad)
+        return auto.choose(cell=self.cell, device=device, dtype=dtype, B=B, H=self.hidden_size, T=T,
+                           training=training, torch_lacks=lacks, rnnkern_backend=backend)
+
     def _zoneout_width(self) -> int:
         """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
         if self.mode != "LSTM":
@@ -128,7 +171,7 @@ class _RecurrentMixin(_RnnkernOptions):
         lns = self._layer_ln() if cell == "lstm_ln" else None
         packed = lengths is not None
         result_dtypes = None
-        dtype = _autocast_dtype(x.device.type, weights[0][0]) if _any_autocast() else None
+        dtype = self._run_dtype_under_autocast(x.device, weights[0][0]) if _any_autocast() else None
         if dtype is not None:
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
@@ -312,6 +355,9 @@ class _RecurrentMixin(_RnnkernOptions):
         so the episodes on either side of it never see each other."""
         if _runs_torch_nn_forward():
             return self._traced_forward(input, hx, lengths, resets)
+        if self.backend == "auto" and self._has_torch_nn_twin and not auto.no_torch_choice(input):
+            if self._auto_choice(input, hx, lengths, resets).uses_torch:
+                return self._torch_nn_forward(input, hx)
         name = type(self).__name__
         if isinstance(input, PackedSequence):
             if lengths is not None:
