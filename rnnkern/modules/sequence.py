@@ -355,7 +355,9 @@ class _RecurrentMixin(_RnnkernOptions):
         so the episodes on either side of it never see each other."""
         if _runs_torch_nn_forward():
             return self._traced_forward(input, hx, lengths, resets)
-        if self.backend == "auto" and self._has_torch_nn_twin and not auto.no_torch_choice(input):
+        # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
+        if self.backend == "auto" and self._has_torch_nn_twin and not torch.compiler.is_compiling() \
+                and not auto.no_torch_choice(input):
             if self._auto_choice(input, hx, lengths, resets).uses_torch:
                 return self._torch_nn_forward(input, hx)
         name = type(self).__name__
