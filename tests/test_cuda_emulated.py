@@ -314,22 +314,29 @@ def test_every_launch_respects_its_kernels_launch_bounds():
 
 def test_tf32_is_honoured_and_close():
     """allow_tf32 reaches cuBLAS (CUBLAS_COMPUTE_32F_FAST_TF32, which the emulated
-    GemmEx rounds to TF32's 10-bit mantissa): the results differ, within TF32
-    accuracy of float64 with it, within float32's without it."""
+    GemmEx rounds to TF32's 10-bit mantissa): within TF32 accuracy of float64 with
+    it, within float32's without it, and with it the error is TF32's, not
+    float32's: a kernel that ignores the flag (float32 products both times)
+    fails the lower bound, one that always rounds fails the float32 bound."""
     args = recurrence_inputs("lstm", 6, 4, 37, dtype=torch.float32, key=("emu-tf32",))
     a64 = {k: None if v is None else v.double() for k, v in args.items()}
     want = run_recurrence("reference", "lstm", a64)[0]
     saved = torch.backends.cuda.matmul.allow_tf32
-    results = {}
+    results, errs = {}, {}
     try:
         for allow in (True, False):
             torch.backends.cuda.matmul.allow_tf32 = allow
             results[allow] = run_recurrence(EMU, "lstm", args)[0]
-            err = ((results[allow].double() - want).norm() / want.norm()).item()
-            assert err < (1e-2 if allow else 1e-5), (allow, err)
+            errs[allow] = ((results[allow].double() - want).norm() / want.norm()).item()
+            assert errs[allow] < (1e-2 if allow else 1e-5), (allow, errs[allow])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     assert not torch.equal(results[True], results[False])
+    # TF32's unit roundoff is 2^-11 (~5e-4), float32's 2^-24 (~6e-8): rounded
+    # products leave a relative error far above float32's, and above 1e-5.
+    assert errs[True] > 1e-5 and errs[True] > 10 * errs[False], errs
+    diff = ((results[True] - results[False]).double().norm() / want.norm()).item()
+    assert diff > 1e-5, f"TF32 on and off differ by {diff:.2e} only: float32 products both times?"
 
 
 @pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
