@@ -6,7 +6,9 @@ import torch
 
 import rnnkern
 from rnnkern import ops
-from conftest import CELLS, assert_close, generator, randn, recurrence_inputs, rnnkern_module, torch_module
+from rnnkern.triton import ops as triton_ops  # noqa: F401  (defines torch.ops.rnnkern_triton)
+from conftest import (CELLS, HAS_GPU, assert_close, generator, randn, recurrence_inputs,
+                      rnnkern_module, step_inputs, to_device, torch_module)
 
 TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
 
@@ -211,3 +213,88 @@ def test_module_rejects_bad_lengths():
         m(x, lengths=torch.tensor([5, 6]))
     with pytest.raises(ValueError, match=r"lengths of shape \[2\]"):
         m(x, lengths=torch.tensor([5]))
+
+
+def test_linear_op_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="weight of shape"):
+        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 3))
+    with pytest.raises(TypeError, match="weight"):
+        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64))
+
+
+# ------------------------------------- the Triton ops' argument checks ----
+# (under Triton's interpreter without a GPU, on CUDA tensors with one)
+
+TRITON_DEVICE = "cuda" if HAS_GPU else "cpu"
+
+
+def triton_recurrence_args(cell="lstm", T=3, B=2, H=4, **overrides):
+    args = to_device(recurrence_inputs(cell, T, B, H, key=("bad",)), TRITON_DEVICE)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides,exc,words", [
+    (dict(h0=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["h0", "[2, 4]", "[3, 4]"]),
+    (dict(c0=torch.randn(2, 5, dtype=torch.float64)), ValueError, ["c0", "[2, 4]"]),
+    (dict(c0=None), ValueError, ["lstm needs c0"]),
+    (dict(w_hh=torch.randn(15, 4, dtype=torch.float64)), ValueError, ["w_hh", "15 rows", "multiple of 4"]),
+    (dict(xproj=torch.randn(3, 2, 12, dtype=torch.float64)), ValueError, ["xproj.size(2) == 16"]),
+    (dict(xproj=torch.randn(2, 16, dtype=torch.float64)), ValueError, ["xproj", "3-D"]),
+    (dict(b_ih=torch.randn(4, dtype=torch.float64)), ValueError, ["b_ih", "[16]"]),
+    (dict(b_hh=torch.randn(16)), TypeError, ["b_hh", "dtype", "float32"]),
+    (dict(w_hr=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["w_hr", "[4, 4]", "[3, 4]"]),
+    (dict(xproj=torch.ones(3, 2, 16, dtype=torch.int32)), TypeError, ["xproj", "floating"]),
+], ids=["h0-shape", "c0-shape", "c0-missing", "w_hh-rows", "xproj-width", "xproj-rank",
+        "b_ih-shape", "b_hh-dtype", "w_hr-shape", "xproj-int"])
+def test_triton_recurrence_rejects_bad_arguments(overrides, exc, words):
+    args = triton_recurrence_args(**{k: None if v is None else v.to(TRITON_DEVICE) for k, v in overrides.items()})
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, True)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("lengths,exc,words", [
+    (torch.tensor([3, 4]), ValueError, ["lengths[1] = 4", "[0, 3]"]),
+    (torch.tensor([3, -1]), ValueError, ["lengths[1] = -1"]),
+    (torch.tensor([3]), ValueError, ["lengths", "[2]"]),
+    (torch.tensor([3, 1], dtype=torch.int32), TypeError, ["lengths", "int64"]),
+], ids=["too-long", "negative", "shape", "dtype"])
+def test_triton_recurrence_rejects_bad_lengths(lengths, exc, words):
+    args = triton_recurrence_args()
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), lengths, False, True)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_triton_recurrence_rejects_unknown_cell():
+    args = triton_recurrence_args()
+    with pytest.raises(ValueError, match="unknown cell 'lstn'"):
+        torch.ops.rnnkern_triton.recurrence("lstn", *args.values(), None, False, True)
+
+
+def test_triton_backward_rejects_bad_workspace():
+    args = triton_recurrence_args()
+    out, h_n, c_n, ws = torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, False)
+    bwd = ("lstm", out, h_n, c_n, args["h0"], args["c0"], args["w_hh"], None, out)
+    with pytest.raises(ValueError, match="train=False"):
+        torch.ops.rnnkern_triton.recurrence_backward(*bwd, ws, None, False)
+    with pytest.raises(ValueError, match=r"workspace of shape \[3, 2, 20\]"):
+        torch.ops.rnnkern_triton.recurrence_backward(*bwd, torch.zeros(3, 2, 19).to(out), None, False)
+    with pytest.raises(TypeError, match="workspace of dtype torch.float64"):
+        torch.ops.rnnkern_triton.recurrence_backward(
+            *bwd, torch.zeros(3, 2, 20, dtype=torch.float32, device=TRITON_DEVICE), None, False)
+
+
+@pytest.mark.parametrize("overrides,exc,words", [
+    (dict(w_ih=torch.randn(18, 4, dtype=torch.float64)), ValueError, ["w_ih", "[18, 5]"]),
+    (dict(h=torch.randn(3, 5, dtype=torch.float64)), ValueError, ["h", "[3, 6]"]),
+    (dict(c=torch.randn(3, 6, dtype=torch.float64)), ValueError, ["c is only defined for lstm"]),
+    (dict(x=torch.randn(3, 5)), TypeError, ["w_ih", "dtype"]),
+], ids=["w_ih-shape", "h-shape", "c-for-gru", "dtype"])
+def test_triton_step_rejects_bad_arguments(overrides, exc, words):
+    args = to_device(step_inputs("gru", 3, 5, 6, key=("bad",)), TRITON_DEVICE)
+    args.update({k: v.to(TRITON_DEVICE) for k, v in overrides.items()})
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.step("gru", *args.values())
+    assert all(w in str(e.value) for w in words), str(e.value)
