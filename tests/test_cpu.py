@@ -11,7 +11,7 @@ import torch
 import rnnkern
 from rnnkern import ops, reference
 from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
-                      outputs_and_grads, randn, run_recurrence,
+                      outputs_and_grads, randn,
                       recurrence_inputs, rnnkern_module, step_inputs, torch_module)
 
 # (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
@@ -19,60 +19,8 @@ CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
 CASE_IDS = [f"{c}-proj{p}" if p else c for c, p in CASES]
 
 
-# ------------------------------------------------------------- gradcheck ----
-
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("T", [1, 7])
-@pytest.mark.parametrize("B", [1, 3])
-def test_recurrence_gradcheck(backend, cell, proj, T, B):
-    """float64 gradcheck w.r.t. xproj, h0, c0 and every weight and bias, with
-    non-zero random states; the checked function returns the outputs and the
-    final states, so gradients flow from both."""
-    H = 6 if proj else 4
-    args = recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True)
-    names = differentiable(args)
-
-    def f(*tensors):
-        out, h_n, c_n = run_recurrence(backend, cell, {**args, **dict(zip(names, tensors))})
-        return (out, h_n) if c_n is None else (out, h_n, c_n)
-
-    assert torch.autograd.gradcheck(f, [args[n] for n in names])
-
-
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_recurrence_gradcheck_lengths(backend, cell, proj, reverse):
-    """Variable lengths (one sequence empty) in both directions."""
-    H = 6 if proj else 4
-    args = recurrence_inputs(cell, 5, 4, H, proj=proj, requires_grad=True, key=("lengths",))
-    lengths = torch.tensor([5, 2, 0, 4])
-    names = differentiable(args)
-
-    def f(*tensors):
-        out, h_n, c_n = run_recurrence(backend, cell, {**args, **dict(zip(names, tensors))},
-                                       lengths, reverse)
-        return (out, h_n) if c_n is None else (out, h_n, c_n)
-
-    assert torch.autograd.gradcheck(f, [args[n] for n in names])
-
-
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("B", [1, 3])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_step_gradcheck(backend, cell, B, bias):
-    args = step_inputs(cell, B, 3, 4, bias=bias, requires_grad=True)
-    names = differentiable(args)
-
-    def f(*tensors):
-        kw = {**args, **dict(zip(names, tensors))}
-        h, c = ops.step(cell, kw["x"], kw["h"], kw["c"], kw["w_ih"], kw["w_hh"], kw["b_ih"],
-                        kw["b_hh"], backend=backend)
-        return h if c is None else (h, c)
-
-    assert torch.autograd.gradcheck(f, [args[n] for n in names])
+# (gradcheck of recurrence and step, opcheck, no workspace without grad, empty
+# sizes: the backend contract, tests/test_backend_contract.py)
 
 
 # ------------------------------------------------- CPU against reference ----
@@ -198,16 +146,6 @@ def test_lean_and_driver_steps_match_reference(threads, cell, B, dtype):
         assert_close(got, want.to(dtype), dtype=dtype)
 
 
-def test_no_workspace_without_grad():
-    """Inference keeps no workspace; training does."""
-    args = recurrence_inputs("lstm", 4, 2, 8)
-    cpu_args = [args[k] for k in ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh", "w_hr")]
-    *_, ws = torch.ops.rnnkern.recurrence("lstm", *cpu_args, None, False, False)
-    assert ws.numel() == 0
-    *_, ws = torch.ops.rnnkern.recurrence("lstm", *cpu_args, None, False, True)
-    assert ws.shape == (4, 2, 5 * 8)
-
-
 # ------------------------------------------------------ torch.nn parity ----
 
 TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
@@ -276,37 +214,6 @@ def test_bfloat16_within_reference_error(cell):
         assert_low_precision(got[name], ref16[name], want[name], what=name)
 
 
-# --------------------------------------------------------------- opcheck ----
-
-@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
-def test_opcheck_recurrence(cell, proj, lengths):
-    args = recurrence_inputs(cell, 4, 3, 6, proj=proj and 4, requires_grad=True, key=("opcheck",))
-    lens = torch.tensor([4, 1, 3]) if lengths else None
-    torch.library.opcheck(torch.ops.rnnkern.recurrence.default,
-                          (cell, *args.values(), lens, lengths, True))
-
-
-@pytest.mark.parametrize("cell", CELLS)
-def test_opcheck_step(cell):
-    args = step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",))
-    torch.library.opcheck(torch.ops.rnnkern.step.default, (cell, *args.values()))
-
-
-def test_opcheck_backward_ops():
-    args = recurrence_inputs("gru", 4, 3, 6, key=("opcheck-bwd",))
-    out, h_n, c_n, ws = torch.ops.rnnkern.recurrence("gru", *args.values(), None, False, True)
-    g = generator("opcheck-bwd")
-    torch.library.opcheck(torch.ops.rnnkern.recurrence_backward.default,
-                          ("gru", randn(g, *out.shape), randn(g, *h_n.shape), None, args["h0"], None,
-                           args["w_hh"], None, out, ws, None, False))
-    s = step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",))
-    h, c, ws = torch.ops.rnnkern.step("lstm", *s.values())
-    torch.library.opcheck(torch.ops.rnnkern.step_backward.default,
-                          ("lstm", randn(g, *h.shape), randn(g, *c.shape), s["x"], s["h"], s["c"],
-                           s["w_ih"], s["w_hh"], h, ws))
-
-
 # ------------------------------------------ input projection (linear op) ----
 
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40), (3001, 203, 7)])
@@ -338,13 +245,6 @@ def test_linear_gradcheck_and_opcheck():
     x, w = randn(g, 9, 4, requires_grad=True), randn(g, 6, 4, requires_grad=True)
     assert torch.autograd.gradcheck(torch.ops.rnnkern.linear, (x, w))
     torch.library.opcheck(torch.ops.rnnkern.linear.default, (x, w))
-
-
-def test_linear_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="weight of shape"):
-        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 3))
-    with pytest.raises(TypeError, match="weight"):
-        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64))
 
 
 def test_pooled_buffers_are_reused_and_released():

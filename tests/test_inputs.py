@@ -1,12 +1,18 @@
-"""Bad input gets a clear error naming the argument; edge cases behave as torch.nn."""
+"""Bad input, in one place: every argument check (modules, cells, the ops of each
+backend) raises the right exception type with a message naming the argument;
+edge cases behave as torch.nn."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import rnnkern
 from rnnkern import ops
-from conftest import CELLS, assert_close, generator, randn, recurrence_inputs, rnnkern_module, torch_module
+from rnnkern.triton import ops as triton_ops  # noqa: F401  (defines torch.ops.rnnkern_triton)
+from conftest import (CELLS, HAS_GPU, assert_close, generator, randn, recurrence_inputs,
+                      rnnkern_module, step_inputs, to_device, torch_module)
 
 TORCH_CELLS = [c for c in CELLS if c != "gru_reset_before"]
 
@@ -211,3 +217,306 @@ def test_module_rejects_bad_lengths():
         m(x, lengths=torch.tensor([5, 6]))
     with pytest.raises(ValueError, match=r"lengths of shape \[2\]"):
         m(x, lengths=torch.tensor([5]))
+
+
+def test_linear_op_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="weight of shape"):
+        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 3))
+    with pytest.raises(TypeError, match="weight"):
+        torch.ops.rnnkern.linear(torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64))
+
+
+# ------------------------------------- the Triton ops' argument checks ----
+# (under Triton's interpreter without a GPU, on CUDA tensors with one)
+
+TRITON_DEVICE = "cuda" if HAS_GPU else "cpu"
+
+
+def triton_recurrence_args(cell="lstm", T=3, B=2, H=4, **overrides):
+    args = to_device(recurrence_inputs(cell, T, B, H, key=("bad",)), TRITON_DEVICE)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides,exc,words", [
+    (dict(h0=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["h0", "[2, 4]", "[3, 4]"]),
+    (dict(c0=torch.randn(2, 5, dtype=torch.float64)), ValueError, ["c0", "[2, 4]"]),
+    (dict(c0=None), ValueError, ["lstm needs c0"]),
+    (dict(w_hh=torch.randn(15, 4, dtype=torch.float64)), ValueError, ["w_hh", "15 rows", "multiple of 4"]),
+    (dict(xproj=torch.randn(3, 2, 12, dtype=torch.float64)), ValueError, ["xproj.size(2) == 16"]),
+    (dict(xproj=torch.randn(2, 16, dtype=torch.float64)), ValueError, ["xproj", "3-D"]),
+    (dict(b_ih=torch.randn(4, dtype=torch.float64)), ValueError, ["b_ih", "[16]"]),
+    (dict(b_hh=torch.randn(16)), TypeError, ["b_hh", "dtype", "float32"]),
+    (dict(w_hr=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["w_hr", "[4, 4]", "[3, 4]"]),
+    (dict(xproj=torch.ones(3, 2, 16, dtype=torch.int32)), TypeError, ["xproj", "floating"]),
+], ids=["h0-shape", "c0-shape", "c0-missing", "w_hh-rows", "xproj-width", "xproj-rank",
+        "b_ih-shape", "b_hh-dtype", "w_hr-shape", "xproj-int"])
+def test_triton_recurrence_rejects_bad_arguments(overrides, exc, words):
+    args = triton_recurrence_args(**{k: None if v is None else v.to(TRITON_DEVICE) for k, v in overrides.items()})
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, True)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("lengths,exc,words", [
+    (torch.tensor([3, 4]), ValueError, ["lengths[1] = 4", "[0, 3]"]),
+    (torch.tensor([3, -1]), ValueError, ["lengths[1] = -1"]),
+    (torch.tensor([3]), ValueError, ["lengths", "[2]"]),
+    (torch.tensor([3, 1], dtype=torch.int32), TypeError, ["lengths", "int64"]),
+], ids=["too-long", "negative", "shape", "dtype"])
+def test_triton_recurrence_rejects_bad_lengths(lengths, exc, words):
+    args = triton_recurrence_args()
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), lengths, False, True)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_triton_recurrence_rejects_unknown_cell():
+    args = triton_recurrence_args()
+    with pytest.raises(ValueError, match="unknown cell 'lstn'"):
+        torch.ops.rnnkern_triton.recurrence("lstn", *args.values(), None, False, True)
+
+
+def test_triton_backward_rejects_bad_workspace():
+    args = triton_recurrence_args()
+    out, h_n, c_n, ws = torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, False)
+    bwd = ("lstm", out, h_n, c_n, args["h0"], args["c0"], args["w_hh"], None, out)
+    with pytest.raises(ValueError, match="train=False"):
+        torch.ops.rnnkern_triton.recurrence_backward(*bwd, ws, None, False)
+    with pytest.raises(ValueError, match=r"workspace of shape \[3, 2, 20\]"):
+        torch.ops.rnnkern_triton.recurrence_backward(*bwd, torch.zeros(3, 2, 19).to(out), None, False)
+    with pytest.raises(TypeError, match="workspace of dtype torch.float64"):
+        torch.ops.rnnkern_triton.recurrence_backward(
+            *bwd, torch.zeros(3, 2, 20, dtype=torch.float32, device=TRITON_DEVICE), None, False)
+
+
+@pytest.mark.parametrize("overrides,exc,words", [
+    (dict(w_ih=torch.randn(18, 4, dtype=torch.float64)), ValueError, ["w_ih", "[18, 5]"]),
+    (dict(h=torch.randn(3, 5, dtype=torch.float64)), ValueError, ["h", "[3, 6]"]),
+    (dict(c=torch.randn(3, 6, dtype=torch.float64)), ValueError, ["c is only defined for lstm"]),
+    (dict(x=torch.randn(3, 5)), TypeError, ["w_ih", "dtype"]),
+], ids=["w_ih-shape", "h-shape", "c-for-gru", "dtype"])
+def test_triton_step_rejects_bad_arguments(overrides, exc, words):
+    args = to_device(step_inputs("gru", 3, 5, 6, key=("bad",)), TRITON_DEVICE)
+    args.update({k: v.to(TRITON_DEVICE) for k, v in overrides.items()})
+    with pytest.raises(exc) as e:
+        torch.ops.rnnkern_triton.step("gru", *args.values())
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# --------------------------------------------- module arguments and input ----
+# (the modules' constructor and forward checks, against torch.nn's)
+
+T, B, I, H = 6, 4, 3, 5
+
+def _raises_like_torch(theirs_call, ours_call, *words):
+    """torch.nn raises; rnnkern raises the same exception type with a message
+    holding `words` (the argument's name and what was expected)."""
+    with pytest.raises(Exception) as want:
+        theirs_call()
+    with pytest.raises(type(want.value)) as got:
+        ours_call()
+    for w in words:
+        assert w in str(got.value), (w, str(got.value))
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(hidden_size=0), ["hidden_size", "greater than zero"]),
+    (dict(input_size=0), ["input_size", "greater than zero"]),
+    (dict(num_layers=0), ["num_layers", "greater than zero"]),
+    (dict(dropout=-0.1), ["dropout", "[0, 1]"]),
+    (dict(dropout=1.5), ["dropout", "[0, 1]"]),
+    (dict(dropout=True), ["dropout", "[0, 1]"]),
+    (dict(bias="yes"), ["bias", "bool"]),
+], ids=["hidden0", "input0", "layers0", "dropout-neg", "dropout-big", "dropout-bool", "bias-str"])
+def test_bad_constructor_arguments(cls, kwargs, words):
+    args = dict(input_size=3, hidden_size=5) | kwargs
+    _raises_like_torch(lambda: getattr(nn, cls)(**args), lambda: getattr(rnnkern, cls)(**args), *words)
+
+
+@pytest.mark.parametrize("proj", [5, 7, -1])
+def test_bad_proj_size(proj):
+    _raises_like_torch(lambda: nn.LSTM(3, 5, proj_size=proj), lambda: rnnkern.LSTM(3, 5, proj_size=proj),
+                       "proj_size")
+
+
+def test_proj_size_only_for_lstm():
+    _raises_like_torch(lambda: nn.GRU(3, 5, proj_size=2), lambda: rnnkern.GRU(3, 5, proj_size=2), "proj_size")
+
+
+def test_unknown_nonlinearity():
+    _raises_like_torch(lambda: nn.RNN(3, 5, nonlinearity="gelu"),
+                       lambda: rnnkern.RNN(3, 5, nonlinearity="gelu"), "gelu", "tanh", "relu")
+    # torch.nn.RNNCell only fails in forward (RuntimeError); rnnkern at construction.
+    with pytest.raises(ValueError, match="nonlinearity 'gelu'. Select from 'tanh' or 'relu'"):
+        rnnkern.RNNCell(3, 5, nonlinearity="gelu")
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("args,words", [
+    ((3, -1), ["hidden_size", "non-negative", "-1"]),
+    ((-2, 5), ["input_size", "non-negative", "-2"]),
+    ((3, 5.0), ["hidden_size", "int"]),
+], ids=["hidden-negative", "input-negative", "hidden-float"])
+def test_bad_cell_sizes(cls, args, words):
+    """torch.nn's cells fail here from inside their init (same exception types);
+    rnnkern's say which argument is wrong.  Sizes of 0 are valid, as in torch.nn
+    (tests/test_torch_contract.py runs hidden_size=0)."""
+    _raises_like_torch(lambda: getattr(nn, cls)(*args), lambda: getattr(rnnkern, cls)(*args), *words)
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell"])
+def test_bad_rnnkern_arguments(cls):
+    with pytest.raises(ValueError) as e:
+        getattr(rnnkern, cls)(3, 5, backend="fortran")
+    assert "fortran" in str(e.value) and all(b in str(e.value) for b in ops.BACKENDS)
+    if cls.startswith("GRU"):
+        for bad in ("yes", 1, None):
+            with pytest.raises(TypeError, match="reset_after should be of type bool"):
+                getattr(rnnkern, cls)(3, 5, reset_after=bad)
+    else:
+        with pytest.raises(TypeError, match="reset_after"):
+            getattr(rnnkern, cls)(3, 5, reset_after=False)  # GRU only
+
+
+def _pair(cls, **kwargs):
+    torch.manual_seed(0)
+    theirs = getattr(nn, cls)(4, 5, **kwargs)
+    ours = getattr(rnnkern, cls)(4, 5, backend="cpu", **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def _hx(cls, *shape, c_shape=None, dtype=torch.float32):
+    h = torch.randn(*shape, dtype=dtype)
+    return (h, torch.randn(*(c_shape or shape), dtype=dtype)) if cls.startswith("LSTM") else h
+
+
+_PACK = pack_padded_sequence(torch.randn(5, 3, 4), torch.tensor([5, 2, 4]), enforce_sorted=False)
+
+
+def _packed_data(data):
+    return PackedSequence(data, _PACK.batch_sizes, _PACK.sorted_indices, _PACK.unsorted_indices)
+
+
+# (name, call(module, cls), words): torch.nn raises an explicit error; so do we.
+LIKE_TORCH = [
+    ("input-4d", lambda m, c: m(torch.randn(3, 2, 4, 1)), ["input", "2D or 3D", "4D"]),
+    ("input-1d", lambda m, c: m(torch.randn(4)), ["input", "2D or 3D", "1D"]),
+    ("input-size", lambda m, c: m(torch.randn(3, 2, 7)), ["input_size", "4", "7"]),
+    ("input-size-unbatched", lambda m, c: m(torch.randn(3, 7)), ["input_size", "4", "7"]),
+    ("input-dtype", lambda m, c: m(torch.randn(3, 2, 4, dtype=torch.float64)), ["dtype", "float64"]),
+    ("seq-len-0", lambda m, c: m(torch.randn(0, 2, 4)), ["sequence length"]),
+    ("hx-batch", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 1, 3, 5)), ["hidden", "(1, 2, 5)", "[1, 3, 5]"]),
+    ("hx-layers", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 2, 2, 5)), ["hidden", "(1, 2, 5)", "[2, 2, 5]"]),
+    ("hx-rank", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 2, 5)), ["hx", "3-D", "2-D"]),
+    ("hx-rank-unbatched", lambda m, c: m(torch.randn(3, 4), _hx(c, 1, 1, 5)), ["hx", "2-D", "3-D"]),
+    ("packed-data-3d", lambda m, c: m(_packed_data(torch.randn(11, 2, 4))), ["input", "2 dimensions", "3"]),
+    ("packed-hx-layers", lambda m, c: m(_PACK, _hx(c, 2, 3, 5)), ["hidden", "(1, 3, 5)", "[2, 3, 5]"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("name,bad,words", LIKE_TORCH, ids=[c[0] for c in LIKE_TORCH])
+def test_bad_input_like_torch(cls, name, bad, words):
+    theirs, ours = _pair(cls)
+    if cls == "LSTM" and name == "packed-hx-layers":
+        # torch.nn.LSTM fails here with "Expected more hidden states in stacked_rnn".
+        with pytest.raises(RuntimeError, match=r"Expected hidden\[0\] size \(1, 3, 5\), got \[2, 3, 5\]"):
+            ours(_PACK, _hx(cls, 2, 3, 5))
+        return
+    _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
+
+
+def test_lstm_cell_state_shape_like_torch():
+    theirs, ours = _pair("LSTM")
+    hx = (torch.randn(1, 2, 5), torch.randn(1, 2, 6))
+    _raises_like_torch(lambda: theirs(torch.randn(3, 2, 4), hx), lambda: ours(torch.randn(3, 2, 4), hx),
+                       "hidden[1]", "(1, 2, 5)", "[1, 2, 6]")
+
+
+# (name, call(module, cls), exception, words): torch.nn fails obscurely or not at all.
+CLEARER_THAN_TORCH = [
+    ("packed-data-size", lambda m, c: m(_packed_data(torch.randn(11, 7))), RuntimeError,
+     ["input_size", "4", "7"]),
+    ("packed-data-rows", lambda m, c: m(_packed_data(torch.randn(10, 4))), RuntimeError,
+     ["PackedSequence data has 10 rows", "11"]),
+    ("packed-hx-batch", lambda m, c: m(_PACK, _hx(c, 1, 2, 5)), RuntimeError, ["hidden", "(1, 3, 5)", "[1, 2, 5]"]),
+    ("hx-dtype", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 1, 2, 5, dtype=torch.float64)), RuntimeError,
+     ["hx", "float64", "float32"]),
+    ("hx-not-tensor", lambda m, c: m(torch.randn(3, 2, 4), [1, 2]), TypeError, ["hx", "Tensor"]),
+    ("input-not-tensor", lambda m, c: m([[1.0] * 4]), TypeError, ["input", "Tensor", "list"]),
+    ("lengths-with-packed", lambda m, c: m(_PACK, lengths=torch.tensor([1, 2, 3])), ValueError,
+     ["lengths", "PackedSequence"]),
+    ("lengths-unbatched", lambda m, c: m(torch.randn(3, 4), lengths=torch.tensor([3])), ValueError,
+     ["lengths", "batched"]),
+    ("lengths-shape", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3])), ValueError,
+     ["lengths", "[2]"]),
+    ("lengths-range", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3, 4])), ValueError,
+     ["lengths", "[0, 3]"]),
+    ("lengths-negative", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3, -1])), ValueError,
+     ["lengths", "[0, 3]"]),
+    ("lengths-float", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3.0, 1.0])), TypeError,
+     ["lengths", "integer"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("name,bad,exc,words", CLEARER_THAN_TORCH, ids=[c[0] for c in CLEARER_THAN_TORCH])
+def test_bad_input_clear_errors(cls, name, bad, exc, words):
+    _, ours = _pair(cls)
+    with pytest.raises(exc) as e:
+        bad(ours, cls)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_lstm_hx_must_be_a_pair():
+    _, ours = _pair("LSTM")
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\)"):
+        ours(torch.randn(3, 2, 4), torch.randn(1, 2, 5))
+
+
+# Cells: (name, call(cell, cls), words); torch.nn raises the same type.
+CELL_LIKE_TORCH = [
+    ("input-3d", lambda m, c: m(torch.randn(2, 3, 4)), ["input", "1D or 2D", "3D"]),
+    ("input-size", lambda m, c: m(torch.randn(3, 7)), ["input_size", "7", "4"]),
+    ("hx-3d", lambda m, c: m(torch.randn(3, 4), _hx(c, 1, 3, 5)), ["1D or 2D", "3D"]),
+    ("hx-batch", lambda m, c: m(torch.randn(3, 4), _hx(c, 2, 5)), ["batch size", "3", "2"]),
+    ("hx-size", lambda m, c: m(torch.randn(3, 4), _hx(c, 3, 6)), ["hidden_size", "6", "5"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("name,bad,words", CELL_LIKE_TORCH, ids=[c[0] for c in CELL_LIKE_TORCH])
+def test_cell_bad_input_like_torch(cls, name, bad, words):
+    theirs, ours = _pair(cls)
+    _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
+
+
+# torch.nn raises RuntimeError here too (or, for hx-rank-batched, an IndexError
+# from inside aten), with messages about matrix products or sizes.
+CELL_CLEARER = [
+    ("hx-rank-unbatched", lambda m, c: m(torch.randn(4), _hx(c, 1, 5)), RuntimeError, ["1D like the input"]),
+    ("hx-rank-batched", lambda m, c: m(torch.randn(3, 4), _hx(c, 5)), RuntimeError, ["2D like the input"]),
+    ("input-dtype", lambda m, c: m(torch.randn(3, 4, dtype=torch.float64)), RuntimeError, ["input", "float64"]),
+    ("hx-dtype", lambda m, c: m(torch.randn(3, 4), _hx(c, 3, 5, dtype=torch.float64)), RuntimeError,
+     ["hx", "float64"]),
+]
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("name,bad,exc,words", CELL_CLEARER, ids=[c[0] for c in CELL_CLEARER])
+def test_cell_bad_input_clear_errors(cls, name, bad, exc, words):
+    _, ours = _pair(cls)
+    with pytest.raises(exc) as e:
+        bad(ours, cls)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_lstm_cell_hx_must_be_a_pair():
+    theirs, ours = _pair("LSTMCell")
+    _raises_like_torch(lambda: theirs(torch.randn(3, 4), torch.randn(3, 5)),
+                       lambda: ours(torch.randn(3, 4), torch.randn(3, 5)), "hx", "tuple")

@@ -1,5 +1,6 @@
 """The drop-in modules against torch.nn: a parity grid over every option, dropout,
-convert(), serialisation and construction, autocast, bad input, backend coverage.
+convert(), serialisation and construction, autocast, backend coverage (bad input:
+tests/test_inputs.py).
 
 The grid compares outputs, final states and every gradient (input, initial
 states, all parameters) in float64.  Its combinations (cell x layers x
@@ -702,16 +703,23 @@ def test_autocast_cpu_bfloat16_cells(name, hx_dtype, x_dtype):
 
 
 def test_autocast_backward_gives_parameter_dtype_gradients():
+    """Under CPU bf16 autocast the parameter gradients are float32 (the
+    parameters' dtype) like torch.nn's, and their error against torch.nn's
+    float32 gradients (no autocast) is at most LOW_PRECISION_FACTOR times the
+    error of torch.nn's own bf16 autocast run (the low-precision criterion of
+    conftest.assert_low_precision): a gradient is a sum over every step of
+    bf16-rounded products, so no fixed relative bound holds across sizes."""
     ours, theirs = _autocast_pair("GRU", {})
     x = randn(generator("autocast-bwd"), T, B, I, dtype=torch.float32)
+    out, h = theirs(x)
+    full = torch.autograd.grad(out.sum() + h.sum(), list(theirs.parameters()))
     for m in (ours, theirs):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out, h = m(x)
         (out.float().sum() + h.float().sum()).backward()
-    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+    for (name, a), b, c in zip(ours.named_parameters(), theirs.parameters(), full):
         assert a.grad.dtype == b.grad.dtype == torch.float32, name
-        rel = (a.grad - b.grad).norm() / b.grad.norm()
-        assert rel < 0.05, (name, rel.item())
+        assert_low_precision(a.grad, b.grad, c, what=name)
 
 
 @pytest.mark.gpu
@@ -721,10 +729,15 @@ def test_autocast_backward_gives_parameter_dtype_gradients():
 def test_autocast_cuda_dtypes(dtype, name, kwargs, form):
     ours, theirs = _autocast_pair(name, kwargs, device="cuda")
     x = torch.randn(T, B, I, device="cuda")
+    full = _autocast_run(theirs, form, x, None, True)  # float32, no autocast
     with torch.autocast("cuda", dtype=dtype):
         want = _autocast_run(theirs, form, x, None, True)
         got = _autocast_run(ours, form, x, None, False)
     assert [t.dtype for t in got] == [t.dtype for t in want]
+    # Values: the error against torch.nn's float32 run at most twice that of
+    # torch.nn's own run under the same autocast (conftest.assert_low_precision).
+    for i, (a, b, c) in enumerate(zip(got, want, full)):
+        assert_low_precision(a, b, c, what=f"result {i}")
 
 
 @pytest.mark.gpu
@@ -735,225 +748,13 @@ def test_autocast_cuda_cells(dtype, name):
     ours = getattr(rnnkern, name)(I, H).cuda()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(B, I, device="cuda")
+    full = torch.utils._pytree.tree_leaves(theirs(x))  # float32, no autocast
     with torch.autocast("cuda", dtype=dtype):
         want = torch.utils._pytree.tree_leaves(theirs(x))
         got = torch.utils._pytree.tree_leaves(ours(x))
     assert [t.dtype for t in got] == [t.dtype for t in want]
-
-
-# -------------------------------------------------------------- bad input ----
-
-def _raises_like_torch(theirs_call, ours_call, *words):
-    """torch.nn raises; rnnkern raises the same exception type with a message
-    holding `words` (the argument's name and what was expected)."""
-    with pytest.raises(Exception) as want:
-        theirs_call()
-    with pytest.raises(type(want.value)) as got:
-        ours_call()
-    for w in words:
-        assert w in str(got.value), (w, str(got.value))
-
-
-@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
-@pytest.mark.parametrize("kwargs,words", [
-    (dict(hidden_size=0), ["hidden_size", "greater than zero"]),
-    (dict(input_size=0), ["input_size", "greater than zero"]),
-    (dict(num_layers=0), ["num_layers", "greater than zero"]),
-    (dict(dropout=-0.1), ["dropout", "[0, 1]"]),
-    (dict(dropout=1.5), ["dropout", "[0, 1]"]),
-    (dict(dropout=True), ["dropout", "[0, 1]"]),
-    (dict(bias="yes"), ["bias", "bool"]),
-], ids=["hidden0", "input0", "layers0", "dropout-neg", "dropout-big", "dropout-bool", "bias-str"])
-def test_bad_constructor_arguments(cls, kwargs, words):
-    args = dict(input_size=3, hidden_size=5) | kwargs
-    _raises_like_torch(lambda: getattr(nn, cls)(**args), lambda: getattr(rnnkern, cls)(**args), *words)
-
-
-@pytest.mark.parametrize("proj", [5, 7, -1])
-def test_bad_proj_size(proj):
-    _raises_like_torch(lambda: nn.LSTM(3, 5, proj_size=proj), lambda: rnnkern.LSTM(3, 5, proj_size=proj),
-                       "proj_size")
-
-
-def test_proj_size_only_for_lstm():
-    _raises_like_torch(lambda: nn.GRU(3, 5, proj_size=2), lambda: rnnkern.GRU(3, 5, proj_size=2), "proj_size")
-
-
-def test_unknown_nonlinearity():
-    _raises_like_torch(lambda: nn.RNN(3, 5, nonlinearity="gelu"),
-                       lambda: rnnkern.RNN(3, 5, nonlinearity="gelu"), "gelu", "tanh", "relu")
-    # torch.nn.RNNCell only fails in forward (RuntimeError); rnnkern at construction.
-    with pytest.raises(ValueError, match="nonlinearity 'gelu'. Select from 'tanh' or 'relu'"):
-        rnnkern.RNNCell(3, 5, nonlinearity="gelu")
-
-
-@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
-@pytest.mark.parametrize("args,words", [
-    ((3, -1), ["hidden_size", "non-negative", "-1"]),
-    ((-2, 5), ["input_size", "non-negative", "-2"]),
-    ((3, 5.0), ["hidden_size", "int"]),
-], ids=["hidden-negative", "input-negative", "hidden-float"])
-def test_bad_cell_sizes(cls, args, words):
-    """torch.nn's cells fail here from inside their init (same exception types);
-    rnnkern's say which argument is wrong.  Sizes of 0 are valid, as in torch.nn
-    (tests/test_torch_contract.py runs hidden_size=0)."""
-    _raises_like_torch(lambda: getattr(nn, cls)(*args), lambda: getattr(rnnkern, cls)(*args), *words)
-
-
-@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell"])
-def test_bad_rnnkern_arguments(cls):
-    with pytest.raises(ValueError) as e:
-        getattr(rnnkern, cls)(3, 5, backend="fortran")
-    assert "fortran" in str(e.value) and all(b in str(e.value) for b in ops.BACKENDS)
-    if cls.startswith("GRU"):
-        for bad in ("yes", 1, None):
-            with pytest.raises(TypeError, match="reset_after should be of type bool"):
-                getattr(rnnkern, cls)(3, 5, reset_after=bad)
-    else:
-        with pytest.raises(TypeError, match="reset_after"):
-            getattr(rnnkern, cls)(3, 5, reset_after=False)  # GRU only
-
-
-def _pair(cls, **kwargs):
-    torch.manual_seed(0)
-    theirs = getattr(nn, cls)(4, 5, **kwargs)
-    ours = getattr(rnnkern, cls)(4, 5, backend="cpu", **kwargs)
-    ours.load_state_dict(theirs.state_dict())
-    return theirs, ours
-
-
-def _hx(cls, *shape, c_shape=None, dtype=torch.float32):
-    h = torch.randn(*shape, dtype=dtype)
-    return (h, torch.randn(*(c_shape or shape), dtype=dtype)) if cls.startswith("LSTM") else h
-
-
-_PACK = pack_padded_sequence(torch.randn(5, 3, 4), torch.tensor([5, 2, 4]), enforce_sorted=False)
-
-
-def _packed_data(data):
-    return PackedSequence(data, _PACK.batch_sizes, _PACK.sorted_indices, _PACK.unsorted_indices)
-
-
-# (name, call(module, cls), words): torch.nn raises an explicit error; so do we.
-LIKE_TORCH = [
-    ("input-4d", lambda m, c: m(torch.randn(3, 2, 4, 1)), ["input", "2D or 3D", "4D"]),
-    ("input-1d", lambda m, c: m(torch.randn(4)), ["input", "2D or 3D", "1D"]),
-    ("input-size", lambda m, c: m(torch.randn(3, 2, 7)), ["input_size", "4", "7"]),
-    ("input-size-unbatched", lambda m, c: m(torch.randn(3, 7)), ["input_size", "4", "7"]),
-    ("input-dtype", lambda m, c: m(torch.randn(3, 2, 4, dtype=torch.float64)), ["dtype", "float64"]),
-    ("seq-len-0", lambda m, c: m(torch.randn(0, 2, 4)), ["sequence length"]),
-    ("hx-batch", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 1, 3, 5)), ["hidden", "(1, 2, 5)", "[1, 3, 5]"]),
-    ("hx-layers", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 2, 2, 5)), ["hidden", "(1, 2, 5)", "[2, 2, 5]"]),
-    ("hx-rank", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 2, 5)), ["hx", "3-D", "2-D"]),
-    ("hx-rank-unbatched", lambda m, c: m(torch.randn(3, 4), _hx(c, 1, 1, 5)), ["hx", "2-D", "3-D"]),
-    ("packed-data-3d", lambda m, c: m(_packed_data(torch.randn(11, 2, 4))), ["input", "2 dimensions", "3"]),
-    ("packed-hx-layers", lambda m, c: m(_PACK, _hx(c, 2, 3, 5)), ["hidden", "(1, 3, 5)", "[2, 3, 5]"]),
-]
-
-
-@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
-@pytest.mark.parametrize("name,bad,words", LIKE_TORCH, ids=[c[0] for c in LIKE_TORCH])
-def test_bad_input_like_torch(cls, name, bad, words):
-    theirs, ours = _pair(cls)
-    if cls == "LSTM" and name == "packed-hx-layers":
-        # torch.nn.LSTM fails here with "Expected more hidden states in stacked_rnn".
-        with pytest.raises(RuntimeError, match=r"Expected hidden\[0\] size \(1, 3, 5\), got \[2, 3, 5\]"):
-            ours(_PACK, _hx(cls, 2, 3, 5))
-        return
-    _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
-
-
-def test_lstm_cell_state_shape_like_torch():
-    theirs, ours = _pair("LSTM")
-    hx = (torch.randn(1, 2, 5), torch.randn(1, 2, 6))
-    _raises_like_torch(lambda: theirs(torch.randn(3, 2, 4), hx), lambda: ours(torch.randn(3, 2, 4), hx),
-                       "hidden[1]", "(1, 2, 5)", "[1, 2, 6]")
-
-
-# (name, call(module, cls), exception, words): torch.nn fails obscurely or not at all.
-CLEARER_THAN_TORCH = [
-    ("packed-data-size", lambda m, c: m(_packed_data(torch.randn(11, 7))), RuntimeError,
-     ["input_size", "4", "7"]),
-    ("packed-data-rows", lambda m, c: m(_packed_data(torch.randn(10, 4))), RuntimeError,
-     ["PackedSequence data has 10 rows", "11"]),
-    ("packed-hx-batch", lambda m, c: m(_PACK, _hx(c, 1, 2, 5)), RuntimeError, ["hidden", "(1, 3, 5)", "[1, 2, 5]"]),
-    ("hx-dtype", lambda m, c: m(torch.randn(3, 2, 4), _hx(c, 1, 2, 5, dtype=torch.float64)), RuntimeError,
-     ["hx", "float64", "float32"]),
-    ("hx-not-tensor", lambda m, c: m(torch.randn(3, 2, 4), [1, 2]), TypeError, ["hx", "Tensor"]),
-    ("input-not-tensor", lambda m, c: m([[1.0] * 4]), TypeError, ["input", "Tensor", "list"]),
-    ("lengths-with-packed", lambda m, c: m(_PACK, lengths=torch.tensor([1, 2, 3])), ValueError,
-     ["lengths", "PackedSequence"]),
-    ("lengths-unbatched", lambda m, c: m(torch.randn(3, 4), lengths=torch.tensor([3])), ValueError,
-     ["lengths", "batched"]),
-    ("lengths-shape", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3])), ValueError,
-     ["lengths", "[2]"]),
-    ("lengths-range", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3, 4])), ValueError,
-     ["lengths", "[0, 3]"]),
-    ("lengths-negative", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3, -1])), ValueError,
-     ["lengths", "[0, 3]"]),
-    ("lengths-float", lambda m, c: m(torch.randn(3, 2, 4), lengths=torch.tensor([3.0, 1.0])), TypeError,
-     ["lengths", "integer"]),
-]
-
-
-@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
-@pytest.mark.parametrize("name,bad,exc,words", CLEARER_THAN_TORCH, ids=[c[0] for c in CLEARER_THAN_TORCH])
-def test_bad_input_clear_errors(cls, name, bad, exc, words):
-    _, ours = _pair(cls)
-    with pytest.raises(exc) as e:
-        bad(ours, cls)
-    for w in words:
-        assert w in str(e.value), (w, str(e.value))
-
-
-def test_lstm_hx_must_be_a_pair():
-    _, ours = _pair("LSTM")
-    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\)"):
-        ours(torch.randn(3, 2, 4), torch.randn(1, 2, 5))
-
-
-# Cells: (name, call(cell, cls), words); torch.nn raises the same type.
-CELL_LIKE_TORCH = [
-    ("input-3d", lambda m, c: m(torch.randn(2, 3, 4)), ["input", "1D or 2D", "3D"]),
-    ("input-size", lambda m, c: m(torch.randn(3, 7)), ["input_size", "7", "4"]),
-    ("hx-3d", lambda m, c: m(torch.randn(3, 4), _hx(c, 1, 3, 5)), ["1D or 2D", "3D"]),
-    ("hx-batch", lambda m, c: m(torch.randn(3, 4), _hx(c, 2, 5)), ["batch size", "3", "2"]),
-    ("hx-size", lambda m, c: m(torch.randn(3, 4), _hx(c, 3, 6)), ["hidden_size", "6", "5"]),
-]
-
-
-@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
-@pytest.mark.parametrize("name,bad,words", CELL_LIKE_TORCH, ids=[c[0] for c in CELL_LIKE_TORCH])
-def test_cell_bad_input_like_torch(cls, name, bad, words):
-    theirs, ours = _pair(cls)
-    _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
-
-
-# torch.nn raises RuntimeError here too (or, for hx-rank-batched, an IndexError
-# from inside aten), with messages about matrix products or sizes.
-CELL_CLEARER = [
-    ("hx-rank-unbatched", lambda m, c: m(torch.randn(4), _hx(c, 1, 5)), RuntimeError, ["1D like the input"]),
-    ("hx-rank-batched", lambda m, c: m(torch.randn(3, 4), _hx(c, 5)), RuntimeError, ["2D like the input"]),
-    ("input-dtype", lambda m, c: m(torch.randn(3, 4, dtype=torch.float64)), RuntimeError, ["input", "float64"]),
-    ("hx-dtype", lambda m, c: m(torch.randn(3, 4), _hx(c, 3, 5, dtype=torch.float64)), RuntimeError,
-     ["hx", "float64"]),
-]
-
-
-@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
-@pytest.mark.parametrize("name,bad,exc,words", CELL_CLEARER, ids=[c[0] for c in CELL_CLEARER])
-def test_cell_bad_input_clear_errors(cls, name, bad, exc, words):
-    _, ours = _pair(cls)
-    with pytest.raises(exc) as e:
-        bad(ours, cls)
-    for w in words:
-        assert w in str(e.value), (w, str(e.value))
-
-
-def test_lstm_cell_hx_must_be_a_pair():
-    theirs, ours = _pair("LSTMCell")
-    _raises_like_torch(lambda: theirs(torch.randn(3, 4), torch.randn(3, 5)),
-                       lambda: ours(torch.randn(3, 4), torch.randn(3, 5)), "hx", "tuple")
+    for i, (a, b, c) in enumerate(zip(got, want, full)):
+        assert_low_precision(a, b, c, what=f"result {i}")
 
 
 # ------------------------------------------------------- backend coverage ----

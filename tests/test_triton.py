@@ -8,6 +8,8 @@ LSTM projection, lengths and reverse.  The interpreter's blocks are 4 wide
 (rnnkern/triton/tuning.py), so H = 6, P = 5 and B = 5 run several tiles with
 masked tails.  The interpreter costs ~0.3 ms per block operation: sizes are
 small and gradcheck runs in fast mode on all inputs at once.
+The backend contract (gradcheck of recurrence and step, opcheck, empty sizes,
+no workspace without grad) runs on both paths in tests/test_backend_contract.py.
 
 The step options (resets, zoneout) and the LayerNorm cell (lstm_ln) run through
 tests/test_options.py's matrix on the automatic path; here they run through it
@@ -75,26 +77,8 @@ def gradcheck_flat(f, tensors):
 
 # ------------------------------------------------------------- gradcheck ----
 
-@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
-def test_recurrence_gradcheck(cell, proj, path):
-    """float64 gradcheck w.r.t. xproj, h0, c0 and every weight and bias, with
-    non-zero random states, gradients flowing from the outputs and the final
-    states, in reverse with lengths (one sequence full, one of one step, one
-    empty): every masking rule of the backward is in play.  The forward
-    direction and no lengths are checked against the reference's gradients."""
-    T, B, H = 3, 3, 6
-    args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
-                                       key=("gradcheck",)), DEVICE)
-    lengths, reverse = torch.tensor([3, 1, 0]), True
-    names = differentiable(args)
-
-    def f(*tensors):
-        out, h_n, c_n = run_recurrence("triton", cell, {**args, **dict(zip(names, tensors))},
-                                       lengths, reverse)
-        return (out, h_n) if c_n is None else (out, h_n, c_n)
-
-    assert gradcheck_flat(f, [args[n] for n in names])
-
+# (gradcheck of recurrence and step, opcheck, no workspace without grad, empty
+# sizes on both paths: the backend contract, tests/test_backend_contract.py)
 
 def test_gradcheck_undefined_grads(path):
     """gradcheck in full form (per input, per output, undefined output grads) once:
@@ -108,22 +92,6 @@ def test_gradcheck_undefined_grads(path):
                               torch.tensor([2, 1]), True)
 
     assert torch.autograd.gradcheck(f, [args[n] for n in names], fast_mode=True)
-
-
-@pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_step_gradcheck(cell, bias):
-    args = to_device(
-        step_inputs(cell, 3, 5, 6, bias=bias, requires_grad=True, key=("gradcheck",)), DEVICE)
-    names = differentiable(args)
-
-    def f(*tensors):
-        kw = {**args, **dict(zip(names, tensors))}
-        h, c = ops.step(cell, kw["x"], kw["h"], kw["c"], kw["w_ih"], kw["w_hh"], kw["b_ih"],
-                        kw["b_hh"], backend="triton")
-        return (h,) if c is None else (h, c)
-
-    assert gradcheck_flat(f, [args[n] for n in names])
 
 
 # ------------------------------------------------------ against reference ----
@@ -213,34 +181,6 @@ def test_step_same_workspace_as_cpp():
         for name, a, b in zip(["h_new", "c_new", "workspace"], got, want):
             assert a.shape == b.shape and a.dtype == b.dtype, f"{cell} {name}"
             assert_close(a.cpu(), b, what=f"{cell} {name}")
-
-
-def test_no_workspace_without_grad(path):
-    """Inference keeps no workspace (an empty [0] tensor); training does."""
-    args = to_device(recurrence_inputs("lstm", 3, 2, 6), DEVICE)
-    call = ("lstm", *args.values(), None, False)
-    *_, ws = torch.ops.rnnkern_triton.recurrence(*call, False)
-    assert ws.shape == (0,)
-    *_, ws = torch.ops.rnnkern_triton.recurrence(*call, True)
-    assert ws.shape == (3, 2, 5 * 6) and ws.dtype == torch.float64
-
-
-@pytest.mark.parametrize("T,B", [(0, 3), (3, 0)], ids=["T0", "B0"])
-def test_empty_sizes(T, B, path):
-    """No steps or no rows: the states pass through, the weight gradients are zeros."""
-    args = to_device(recurrence_inputs("lstm", T, B, 6, requires_grad=True, key=("empty",)), DEVICE)
-    results = []
-    for backend in ("reference", "triton"):
-        out = run_recurrence(backend, "lstm", args)
-        g = generator("empty-cotangent")
-        loss = sum((o * randn(g, *o.shape).to(DEVICE)).sum() for o in out)
-        grads = torch.autograd.grad(loss, [t for t in args.values() if t is not None],
-                                    allow_unused=True,
-                                    materialize_grads=True)
-        results.append(list(out) + list(grads))
-    for i, (got, want) in enumerate(zip(results[1], results[0])):
-        assert got.shape == want.shape, i
-        assert_close(got, want, what=f"result {i}")
 
 
 # ------------------------------------------------------ torch.nn parity ----
@@ -348,42 +288,6 @@ def test_half_within_reference_error(cell, proj, dtype):
 
 
 # ------------------------------------------------- torch.library / compile ----
-
-OPCHECK_CASES = [("loop", c, p) for c, p in CASES] + [("step", "gru_reset_before", 0), ("step", "lstm", 5)]
-
-
-@pytest.mark.parametrize("path,cell,proj", OPCHECK_CASES, indirect=["path"],
-                         ids=[f"{p}-{c}-proj{q}" if q else f"{p}-{c}" for p, c, q in OPCHECK_CASES])
-def test_opcheck_recurrence(path, cell, proj):
-    """Schema, fake implementation, autograd registration, no mutation or
-    aliasing of inputs; on the per-step path for the cells with two launches
-    per step (their host code holds the most buffers)."""
-    args = to_device(recurrence_inputs(cell, 3, 3, 6, proj=proj, requires_grad=True,
-                                       key=("opcheck",)), DEVICE)
-    lengths = torch.tensor([3, 1, 2])
-    torch.library.opcheck(torch.ops.rnnkern_triton.recurrence.default,
-                          (cell, *args.values(), lengths, True, True))
-
-
-@pytest.mark.parametrize("cell", CELLS)
-def test_opcheck_step(cell):
-    args = to_device(step_inputs(cell, 3, 5, 6, requires_grad=True, key=("opcheck",)), DEVICE)
-    torch.library.opcheck(torch.ops.rnnkern_triton.step.default, (cell, *args.values()))
-
-
-def test_opcheck_backward_ops(path):
-    args = to_device(recurrence_inputs("gru", 3, 3, 6, key=("opcheck-bwd",)), DEVICE)
-    out, h_n, _, ws = torch.ops.rnnkern_triton.recurrence("gru", *args.values(), None, False, True)
-    g = generator("opcheck-bwd")
-    torch.library.opcheck(torch.ops.rnnkern_triton.recurrence_backward.default,
-                          ("gru", randn(g, *out.shape).to(DEVICE), randn(g, *h_n.shape).to(DEVICE),
-                           None, args["h0"], None, args["w_hh"], None, out, ws, None, False))
-    s = to_device(step_inputs("lstm", 3, 5, 6, key=("opcheck-bwd",)), DEVICE)
-    h, c, ws = torch.ops.rnnkern_triton.step("lstm", *s.values())
-    torch.library.opcheck(torch.ops.rnnkern_triton.step_backward.default,
-                          ("lstm", randn(g, *h.shape).to(DEVICE), randn(g, *c.shape).to(DEVICE),
-                           s["x"], s["h"], s["c"], s["w_ih"], s["w_hh"], h, ws))
-
 
 def test_torch_compile_fullgraph():
     """A layer and a cell step in one torch.compile(fullgraph=True) graph,
@@ -795,83 +699,13 @@ def test_unknown_path_is_an_error(monkeypatch):
 
 # -------------------------------------------------------------- bad input ----
 
-def recurrence_call(cell="lstm", T=3, B=2, H=4, **overrides):
-    args = to_device(recurrence_inputs(cell, T, B, H, key=("bad",)), DEVICE)
-    args.update(overrides)
-    return args
-
-
-@pytest.mark.parametrize("overrides,exc,words", [
-    (dict(h0=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["h0", "[2, 4]", "[3, 4]"]),
-    (dict(c0=torch.randn(2, 5, dtype=torch.float64)), ValueError, ["c0", "[2, 4]"]),
-    (dict(c0=None), ValueError, ["lstm needs c0"]),
-    (dict(w_hh=torch.randn(15, 4, dtype=torch.float64)), ValueError, ["w_hh", "15 rows", "multiple of 4"]),
-    (dict(xproj=torch.randn(3, 2, 12, dtype=torch.float64)), ValueError, ["xproj.size(2) == 16"]),
-    (dict(xproj=torch.randn(2, 16, dtype=torch.float64)), ValueError, ["xproj", "3-D"]),
-    (dict(b_ih=torch.randn(4, dtype=torch.float64)), ValueError, ["b_ih", "[16]"]),
-    (dict(b_hh=torch.randn(16)), TypeError, ["b_hh", "dtype", "float32"]),
-    (dict(w_hr=torch.randn(3, 4, dtype=torch.float64)), ValueError, ["w_hr", "[4, 4]", "[3, 4]"]),
-    (dict(xproj=torch.ones(3, 2, 16, dtype=torch.int32)), TypeError, ["xproj", "floating"]),
-], ids=["h0-shape", "c0-shape", "c0-missing", "w_hh-rows", "xproj-width", "xproj-rank",
-        "b_ih-shape", "b_hh-dtype", "w_hr-shape", "xproj-int"])
-def test_recurrence_bad_input(overrides, exc, words):
-    args = recurrence_call(**{k: None if v is None else v.to(DEVICE) for k, v in overrides.items()})
-    with pytest.raises(exc) as e:
-        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, True)
-    assert all(w in str(e.value) for w in words), str(e.value)
-
-
-@pytest.mark.parametrize("lengths,exc,words", [
-    (torch.tensor([3, 4]), ValueError, ["lengths[1] = 4", "[0, 3]"]),
-    (torch.tensor([3, -1]), ValueError, ["lengths[1] = -1"]),
-    (torch.tensor([3]), ValueError, ["lengths", "[2]"]),
-    (torch.tensor([3, 1], dtype=torch.int32), TypeError, ["lengths", "int64"]),
-], ids=["too-long", "negative", "shape", "dtype"])
-def test_bad_lengths(lengths, exc, words):
-    args = recurrence_call()
-    with pytest.raises(exc) as e:
-        torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), lengths, False, True)
-    assert all(w in str(e.value) for w in words), str(e.value)
-
-
-def test_unknown_cell():
-    args = recurrence_call()
-    with pytest.raises(ValueError, match="unknown cell 'lstn'"):
-        torch.ops.rnnkern_triton.recurrence("lstn", *args.values(), None, False, True)
-
-
-def test_backward_bad_workspace():
-    args = recurrence_call()
-    out, h_n, c_n, ws = torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, False)
-    bwd = ("lstm", out, h_n, c_n, args["h0"], args["c0"], args["w_hh"], None, out)
-    with pytest.raises(ValueError, match="train=False"):
-        torch.ops.rnnkern_triton.recurrence_backward(*bwd, ws, None, False)
-    with pytest.raises(ValueError, match=r"workspace of shape \[3, 2, 20\]"):
-        torch.ops.rnnkern_triton.recurrence_backward(*bwd, torch.zeros(3, 2, 19).to(out), None, False)
-    with pytest.raises(TypeError, match="workspace of dtype torch.float64"):
-        torch.ops.rnnkern_triton.recurrence_backward(
-            *bwd, torch.zeros(3, 2, 20, dtype=torch.float32, device=DEVICE), None, False)
-
-
-@pytest.mark.parametrize("overrides,exc,words", [
-    (dict(w_ih=torch.randn(18, 4, dtype=torch.float64)), ValueError, ["w_ih", "[18, 5]"]),
-    (dict(h=torch.randn(3, 5, dtype=torch.float64)), ValueError, ["h", "[3, 6]"]),
-    (dict(c=torch.randn(3, 6, dtype=torch.float64)), ValueError, ["c is only defined for lstm"]),
-    (dict(x=torch.randn(3, 5)), TypeError, ["w_ih", "dtype"]),
-], ids=["w_ih-shape", "h-shape", "c-for-gru", "dtype"])
-def test_step_bad_input(overrides, exc, words):
-    args = to_device(step_inputs("gru", 3, 5, 6, key=("bad",)), DEVICE)
-    args.update({k: v.to(DEVICE) for k, v in overrides.items()})
-    with pytest.raises(exc) as e:
-        torch.ops.rnnkern_triton.step("gru", *args.values())
-    assert all(w in str(e.value) for w in words), str(e.value)
-
+# (the Triton ops' argument checks: tests/test_inputs.py, with the other bad input)
 
 @pytest.mark.skipif(HAS_GPU, reason="CPU tensors are the interpreter's; a GPU run uses CUDA tensors")
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     """Kernels compiled for a GPU cannot take CPU tensors: a clear error, no launch."""
     monkeypatch.setattr(triton_ops, "INTERPRET", False)
-    args = recurrence_call()
+    args = to_device(recurrence_inputs("lstm", 3, 2, 4, key=("bad",)), DEVICE)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         torch.ops.rnnkern_triton.recurrence("lstm", *args.values(), None, False, True)
 
