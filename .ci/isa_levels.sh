@@ -24,6 +24,6 @@ for level in "${levels[@]}"; do
     # `import rnnkern` finds it first (python -m puts the working directory ahead
     # of the editable install).
     (cd rnnkern && find . -name '*.py' -exec install -D -m 644 {} "../$out/rnnkern/{}" \;)
-    echo "== ISA level $level: tests/test_cpu.py"
-    (cd "$out" && RNNKERN_EXPECT_CPU_ISA=$level python -m pytest "$OLDPWD/tests/test_cpu.py" -q -p no:cacheprovider)
+    echo "== ISA level $level: tests/test_cpu.py and the cpu cases of tests/test_backend_contract.py"
+    (cd "$out" && RNNKERN_EXPECT_CPU_ISA=$level python -m pytest "$OLDPWD/tests/test_cpu.py" "$OLDPWD/tests/test_backend_contract.py" -k "not test_backend_contract or cpu" -q -p no:cacheprovider)
 done
