@@ -34,7 +34,7 @@ PEERS = ("onnxruntime", "openvino")
 #: Each inference engine runs where its package is installed (requirements-dev.txt
 #: installs both); where it is not, the run must list it as not run, with the reason.
 PEER_INSTALLED = {p: importlib.util.find_spec(p) is not None for p in PEERS}
-CPU_CANDIDATES = ("torch", "cpu", "reference", "compile") + tuple(p for p in PEERS if PEER_INSTALLED[p])
+CPU_CANDIDATES = ("torch", "cpu", "auto", "reference", "compile") + tuple(p for p in PEERS if PEER_INSTALLED[p])
 TIMED_FIGURES = ("median_ms", "min_ms", "speedup_vs_torch", "us_per_step", "tflops", "gbps", "pct_peak_flops",
                  "pct_peak_bw")
 

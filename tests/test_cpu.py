@@ -82,7 +82,7 @@ def test_cpu_weights_read_in_place_match_reference(threads, cell, proj, n_thread
     of its unit slice (H = 520: slices off the 16-column panels, partial tails)."""
     threads(n_threads)
     H = 520 if B is None else 37
-    G = ops.gate_count(cell)
+    G = reference.gate_count(cell)
     P = H // 2 + 1 if proj else H
     if B is None:  # the smallest batch whose step splits by units on 2 threads
         B = (1 << 25) // (G * H * P) + 1
