@@ -118,7 +118,9 @@ def no_torch_choice(input) -> bool:
     with no CPU rows in the table (the modules then skip the choice: a one-step
     call feels every microsecond)."""
     data = getattr(input, "data", input) if not isinstance(input, torch.Tensor) else input
-    if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+    if not isinstance(data, torch.Tensor):
+        return True  # not an input at all: the module's own checks name the argument
+    if data.device.type != "cpu":
         return False
     return not any(key[0].startswith("cpu") for key in _index())
 
