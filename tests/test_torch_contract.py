@@ -221,20 +221,24 @@ def test_gradgradcheck(cls, backend):
         assert torch.autograd.gradgradcheck(f, inputs, fast_mode=True), f"{cls.__name__} sample {i}"
 
 
-def error_inputs(cls):
+def error_inputs(cls, dtype):
     info = INFOS[cls]
-    return list(info.module_error_inputs_func(info, device="cpu", dtype=torch.float32,
+    return list(info.module_error_inputs_func(info, device="cpu", dtype=dtype,
                                               requires_grad=False, training=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cls", list(TWINS), ids=CLASS_IDS)
-def test_error_inputs(cls, backend):
+def test_error_inputs(cls, backend, dtype):
     """PyTorch's test_errors: each error input raises the same exception type
     as torch.nn, with a message matching torch.nn's (the error input's regex);
     torch.nn is run too, so a torch release that changes its own errors shows
-    here rather than passing unnoticed."""
-    cases = error_inputs(cls)
+    here rather than passing unnoticed.  PyTorch runs it for each dtype of the
+    ModuleInfo: the inputs come in that dtype, the module is built in the
+    default float32, so float64 inputs also meet a dtype mismatch, and the
+    size errors must come first, as torch.nn's do."""
+    cases = error_inputs(cls, dtype)
     assert cases
     for error_input in cases:
         module_input = error_input.module_error_input
