@@ -436,6 +436,30 @@ def test_resets_unbatched_equal_batch_of_one(backend, cell):
     compare(got, [want[0].squeeze(1)] + [h.squeeze(1) for h in want[1:]], ["output", "h_n", "c_n"])
 
 
+@pytest.mark.parametrize("layout", ["time-major", "batch_first", "unbatched"])
+def test_reset_masks_as_rl_libraries_keep_them(layout):
+    """bool, uint8 and floating 0/1 masks (sb3-contrib keeps episode starts as
+    float), each with a trailing 1 too (torchrl's is_init is [B, T, 1]), give
+    the results of the bool mask (reference backend: the conversion happens
+    before any backend)."""
+    m = make_module("gru", "reference", batch_first=layout == "batch_first")
+    g = generator("mask-formats", layout)
+    mask = torch.rand(T, B, generator=g) < 0.4
+    mask[0, 0] = mask[3, 1] = True
+    x = randn(g, T, B, I)
+    if layout == "batch_first":
+        x, mask = x.transpose(0, 1).contiguous(), mask.t().contiguous()
+    elif layout == "unbatched":
+        x, mask = x[:, 1], mask[:, 1]
+    want = flat(m(x, resets=mask))
+    assert not torch.equal(want[0], flat(m(x))[0])  # the mask matters here
+    for dtype in (torch.bool, torch.uint8, torch.float32, torch.float64):
+        for trailing in (False, True):
+            r = mask.to(dtype)
+            r = r.unsqueeze(-1) if trailing else r
+            compare(flat(m(x, resets=r)), want, ["output", "h_n"], f"{dtype} trailing={trailing}")
+
+
 def test_no_resets_and_all_false_resets_agree():
     """An all-False mask changes nothing (reference backend; the others are
     held to the reference by tests/test_options.py)."""
@@ -1140,14 +1164,21 @@ def test_torch_export_captures_the_options(backend, cell):
 
 @pytest.mark.parametrize("case,bad,exc,words", [
     ("padded-list", lambda m, x: m(x, resets=[[True] * B] * T), TypeError, ["resets", "[T, B] = [7, 3]"]),
-    ("padded-float", lambda m, x: m(x, resets=torch.zeros(T, B)), TypeError, ["resets", "torch.bool"]),
+    ("padded-int64", lambda m, x: m(x, resets=torch.zeros(T, B, dtype=torch.int64)), TypeError,
+     ["resets", "torch.bool", "torch.uint8", "floating", "torch.int64"]),
+    ("padded-float-not-0-1", lambda m, x: m(x, resets=torch.full((T, B), 0.5)), ValueError,
+     ["resets", "only 0 and 1", "0.5"]),
+    ("padded-uint8-2", lambda m, x: m(x, resets=torch.full((T, B), 2, dtype=torch.uint8)), ValueError,
+     ["resets", "only 0 and 1", "2"]),
+    ("padded-trailing-2", lambda m, x: m(x, resets=torch.zeros(T, B, 2, dtype=torch.bool)), ValueError,
+     ["resets", "[T, B] = [7, 3]", "[7, 3, 1]", "[7, 3, 2]"]),
     ("padded-shape", lambda m, x: m(x, resets=torch.zeros(B, T, dtype=torch.bool)), ValueError,
      ["resets", "[T, B] = [7, 3]", "[3, 7]"]),
     ("padded-1d", lambda m, x: m(x, resets=torch.zeros(T, dtype=torch.bool)), ValueError,
      ["resets", "[T, B] = [7, 3]"]),
     ("device", lambda m, x: m(x, resets=torch.zeros(T, B, dtype=torch.bool, device="meta")), ValueError,
      ["resets", "cpu", "meta"]),
-    ("unbatched", lambda m, x: m(x[:, 0], resets=torch.zeros(T, 1, dtype=torch.bool)), ValueError,
+    ("unbatched", lambda m, x: m(x[:, 0], resets=torch.zeros(T, 2, dtype=torch.bool)), ValueError,
      ["resets", "[T] = [7]"]),
     ("packed", lambda m, x: m(pack_padded_sequence(x, [7, 5, 2]), resets=torch.zeros(5, B, dtype=torch.bool)),
      ValueError, ["resets", "[T, B] = [7, 3]", "[5, 3]"]),
@@ -1166,7 +1197,7 @@ def test_bad_resets_are_named_before_any_kernel(case, bad, exc, words, monkeypat
 
 def test_bad_resets_batch_first_names_its_layout():
     m = make_module("gru", "reference", batch_first=True)
-    with pytest.raises(ValueError, match=r"resets of shape \[B, T\] \(batch_first\) = \[3, 7\], got \[7, 3\]"):
+    with pytest.raises(ValueError, match=r"resets of shape \[B, T\] \(batch_first\) = \[3, 7\] \(or \[3, 7, 1\]\), got \[7, 3\]"):
         m(randn(generator("bf"), B, T, I), resets=torch.zeros(T, B, dtype=torch.bool))
 
 

@@ -16,7 +16,8 @@ modules' ``forward``.
 Beyond torch.nn, the step options and the LayerNorm cell (docs/options.md has the
 rules):
 
-- ``resets=`` ([T, B] bool, time-major like the input): where ``resets[t, b]``,
+- ``resets=`` ([T, B] mask laid out like the input; bool, uint8 or floating 0/1,
+  with or without a trailing 1; docs/options.md): where ``resets[t, b]``,
   the step at position t of sequence b starts from hx's row b (zeros without
   hx) in every layer, as if an episode began there.  A reverse direction gets
   the mask shifted by one position (``rev[t] = resets[t + 1]``): the episodes on

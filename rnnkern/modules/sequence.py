@@ -315,8 +315,11 @@ class _RecurrentMixin(_RnnkernOptions):
 
     def _check_resets(self, resets, T: int, B: int, batched: bool, device) -> Tensor:
         """``resets`` as the ops take it: [T, B] bool, time-major, contiguous, on
-        the input's device; errors name the argument and the shape expected
-        ([T, B], [B, T] with batch_first, [T] for unbatched input)."""
+        the input's device.  Accepted as RL libraries keep their episode starts:
+        bool, uint8 or floating 0/1 (sb3-contrib's ``episode_starts`` are float),
+        laid out [T, B], [B, T] with batch_first, [T] for unbatched input, each
+        also with a trailing 1 (torchrl's ``is_init`` is [B, T, 1]).  Errors name
+        the argument and what was expected."""
         name = type(self).__name__
         if not batched:
             layout, shape = "[T]", [T]
@@ -325,16 +328,28 @@ class _RecurrentMixin(_RnnkernOptions):
         else:
             layout, shape = "[T, B]", [T, B]
         if not isinstance(resets, Tensor):
-            raise TypeError(f"{name}: expected resets to be a bool Tensor of shape {layout} = "
-                            f"{shape}, got {type(resets).__name__}")
-        if list(resets.shape) != shape:
-            raise ValueError(f"{name}: expected resets of shape {layout} = {shape}, got "
-                             f"{list(resets.shape)}")
-        if resets.dtype != torch.bool:
-            raise TypeError(f"{name}: expected resets of dtype torch.bool, got {resets.dtype}")
+            raise TypeError(f"{name}: expected resets to be a Tensor of shape {layout} = "
+                            f"{shape} (or with a trailing 1), got {type(resets).__name__}")
+        if list(resets.shape) not in (shape, shape + [1]):
+            raise ValueError(f"{name}: expected resets of shape {layout} = {shape} (or "
+                             f"{shape + [1]}), got {list(resets.shape)}")
+        if not (resets.dtype in (torch.bool, torch.uint8) or resets.dtype.is_floating_point):
+            raise TypeError(f"{name}: expected resets of dtype torch.bool, torch.uint8 or a "
+                            f"floating dtype holding 0 and 1, got {resets.dtype}")
         if resets.device != device:
             raise ValueError(f"{name}: expected resets on {device} (the input's device), got "
                              f"{resets.device}")
+        if list(resets.shape) != shape:
+            resets = resets.squeeze(-1)
+        if resets.dtype != torch.bool:
+            # A value other than 0 and 1 is not a mask (a probability, a count):
+            # refused rather than read as "nonzero".  The check reads the data,
+            # so eager only (as the lengths check).
+            if not torch.compiler.is_compiling() and bool(((resets != 0) & (resets != 1)).any()):
+                bad = resets[(resets != 0) & (resets != 1)][0].item()
+                raise ValueError(f"{name}: resets must hold only 0 and 1 (a {resets.dtype} mask), "
+                                 f"got {bad}")
+            resets = resets != 0
         if not batched:
             return resets.unsqueeze(1)
         return resets.t().contiguous() if self.batch_first else resets.contiguous()
