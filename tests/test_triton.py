@@ -720,7 +720,8 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 def test_gpu_matches_torch_nn(cell, H, dtype, monkeypatch):
     """On a GPU, against torch.nn (cuDNN): float32 to the float32 tolerance (TF32
     off on both sides), half types within twice cuDNN's own error against a
-    float64 run.  The sizes cover both paths (auto choice)."""
+    float64 run of the same (rounded) parameters and inputs.  The sizes cover
+    both paths (auto choice)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     T, B, I = 33, 17, 40
@@ -735,6 +736,17 @@ def test_gpu_matches_torch_nn(cell, H, dtype, monkeypatch):
     h0 = randn(g, L, B, H, scale=0.5).cuda()
     hx64 = (h0, randn(g, L, B, H, scale=0.5).cuda()) if cell == "lstm" else h0
     cot = [randn(g, T, B, H).cuda(), randn(g, L, B, H).cuda()] + ([randn(g, L, B, H).cuda()] if cell == "lstm" else [])
+    if dtype != torch.float32:
+        # The truth is the function both half-precision modules hold: their
+        # rounded parameters and inputs, in float64 (as test_cuda.py's half-type
+        # tests define it).  Against the unrounded float64 weights, the weights'
+        # rounding alone, in exact arithmetic, moves the H=512 ReLU's grad h0 by
+        # 0.97 (Frobenius): more than either implementation's arithmetic, so the
+        # comparison measured which one the rounding happened to favour.
+        ref64.load_state_dict({k: v.to(dtype).double() for k, v in ref64.state_dict().items()})
+        rounded = lambda t: t.to(dtype).double()  # noqa: E731
+        x, cot = rounded(x), [rounded(c) for c in cot]
+        hx64 = tuple(map(rounded, hx64)) if cell == "lstm" else rounded(hx64)
 
     def run(module, dt):
         xx = x.detach().to(dt).requires_grad_()
