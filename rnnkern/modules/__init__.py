@@ -54,12 +54,12 @@ import torch.nn.functional as F  # noqa: F401  (tests patch rnnkern.modules.F.dr
 
 from .cells import GRUCell, LSTMCell, RNNCell
 from .common import UNSUPPORTED
-from .conversion import convert
+from .conversion import ConversionEntry, conversion_report, convert
 from .layer_norm import LayerNormLSTM, LayerNormLSTMCell
 from .sequence import GRU, LSTM, RNN
 
 __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
-           "LayerNormLSTMCell", "convert", "UNSUPPORTED"]
+           "LayerNormLSTMCell", "convert", "conversion_report", "ConversionEntry", "UNSUPPORTED"]
 
 # The public classes keep the address rnnkern.modules.<name>: what pickles of
 # whole modules (torch.save(model)) record and load by.

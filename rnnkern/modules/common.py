@@ -155,9 +155,12 @@ class _RnnkernOptions:
     ``reset_after`` (GRU) and ``zoneout``, checked and shown in the repr.
     Subclasses say which rnnkern cell they run (``cell``)."""
 
-    backend: str
-    #: The zoneout probability (a plain attribute, so state_dict stays torch.nn's;
-    #: the class default serves modules pickled before it existed).
+    #: The options are plain attributes, so state_dict stays torch.nn's.  The
+    #: class defaults serve modules whose pickle lacks them: pickled before an
+    #: option existed, or a torch.nn module's pickle loaded under rnnkern.patch().
+    backend: str = "auto"
+    reset_after: bool = True
+    #: The zoneout probability.
     zoneout: float = 0.0
     #: False for the classes torch.nn has no module for (LayerNormLSTM and its cell).
     _has_torch_nn_twin = True
