@@ -16,10 +16,11 @@ pure-PyTorch ground truth in :mod:`rnnkern.reference`.
 from . import _torch_warnings, auto, ops, reference
 from .auto import explain
 from .modules import (GRU, LSTM, RNN, GRUCell, LayerNormLSTM, LayerNormLSTMCell, LSTMCell, RNNCell,
-                      conversion_report, convert)
+                      conversion_report, convert, is_patched, patch, unpatch)
 
 __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
-           "LayerNormLSTMCell", "convert", "conversion_report", "explain", "auto", "ops", "reference", "check"]
+           "LayerNormLSTMCell", "convert", "conversion_report", "patch", "unpatch",
+           "is_patched", "explain", "auto", "ops", "reference", "check"]
 __version__ = "0.1.0"
 
 _torch_warnings.install()  # before anything imports torch.utils.cpp_extension (see there)

@@ -56,10 +56,12 @@ from .cells import GRUCell, LSTMCell, RNNCell
 from .common import UNSUPPORTED
 from .conversion import ConversionEntry, conversion_report, convert
 from .layer_norm import LayerNormLSTM, LayerNormLSTMCell
+from .patching import PatchHandle, is_patched, patch, unpatch
 from .sequence import GRU, LSTM, RNN
 
 __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
-           "LayerNormLSTMCell", "convert", "conversion_report", "ConversionEntry", "UNSUPPORTED"]
+           "LayerNormLSTMCell", "convert", "conversion_report", "ConversionEntry", "patch", "unpatch", "is_patched", "PatchHandle",
+           "UNSUPPORTED"]
 
 # The public classes keep the address rnnkern.modules.<name>: what pickles of
 # whole modules (torch.save(model)) record and load by.
