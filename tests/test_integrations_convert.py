@@ -253,3 +253,21 @@ def test_state_dict_round_trips_between_converted_and_plain_subclasses():
     x, lengths = data("state_dict")
     for a, b in zip(ours(x, lengths), theirs(x, lengths)):
         assert_close(a, b)
+
+
+def test_torch_jit_script_of_a_converted_subclass_compiles_its_torch_nn_form():
+    """Scripting compiles the class the module had before convert() (here the
+    user's cell subclass, whose forward is torch.nn's), on the same parameters."""
+    cell = rnnkern.convert(PlainLSTMCell(3, 4).double(), backend="cpu")
+    converted = type(cell)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script's deprecation notice
+        scripted = torch.jit.script(cell)
+    assert all(p is getattr(cell, n) for n, p in scripted.named_parameters())
+    g = generator("script-subclass")
+    x, hx = randn(g, 2, 3), (randn(g, 2, 4), randn(g, 2, 4))
+    got = scripted(x, hx)
+    want = cell(x, hx)
+    assert type(cell) is converted  # the eager call ran the converted class again
+    for a, b in zip(got, want):
+        assert_close(a, b)

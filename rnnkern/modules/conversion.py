@@ -137,7 +137,9 @@ def _rebuild(cls: type) -> nn.Module:
 def _recurrent_modules(model: nn.Module):
     """(name, module, status) of every recurrent module in ``model``."""
     for name, module in model.named_modules():
-        if isinstance(module, _RnnkernOptions):
+        # (a module torch.jit.script left under its torch.nn class until its next
+        # call, see common._scripting_class, is rnnkern's)
+        if isinstance(module, _RnnkernOptions) or hasattr(type(module), "_rnnkern_class"):
             yield name, module, "rnnkern"
         elif _torch_nn_base(type(module)) is not None:
             why = _why_not(module)
@@ -174,6 +176,7 @@ def convert(model: nn.Module, backend: str = "auto") -> nn.Module:
     _check_backend(backend)
     for name, module, status in list(_recurrent_modules(model)):
         if status == "rnnkern":
+            module.__class__ = getattr(type(module), "_rnnkern_class", type(module))
             continue
         if status != "convertible":
             warnings.warn(f"rnnkern.convert: left {name or '(the model itself)'!r} "
