@@ -4,6 +4,8 @@ replacements for torch.nn.RNN / GRU / LSTM and their cells.
     import rnnkern
     lstm = rnnkern.LSTM(256, 512, num_layers=2, batch_first=True)   # like torch.nn.LSTM
     model = rnnkern.convert(model)   # swap every torch.nn RNN/GRU/LSTM in a model
+    with rnnkern.patch():            # torch.nn.LSTM(...) & co. build rnnkern's inside
+        model = some_library.build()
     rnnkern.check()                  # the field self-check (python -m rnnkern.check)
 
 Beyond torch.nn: ``resets=`` on forward (episode boundaries), ``zoneout=`` on every
