@@ -3,7 +3,9 @@
 - ``torch.jit.trace`` records torch.nn's forward on the same parameters
   (aten::lstm & co.): the trace passes its own check, generalises over sequence
   lengths, and trains even when it was taken under no_grad, as torch.nn's does.
-- ``torch.jit.script`` raises one clear error naming what to use instead.
+- ``torch.jit.script`` compiles torch.nn's forward on the same Parameter
+  objects (the eager model keeps rnnkern's); options torch.nn lacks raise,
+  naming the option.
 - ``torch.export.export`` captures rnnkern's own ops; the exported program
   computes the eager numbers and trains.
 - ONNX export (both of torch's exporters) gives the operators torch.nn's own
@@ -160,17 +162,87 @@ def test_trace_of_classic_gru_says_what_to_use(cls):
         quiet_trace(m, x)
 
 
-@pytest.mark.parametrize("make", [lambda: rnnkern.LSTM(3, 4), lambda: rnnkern.GRUCell(3, 4),
-                                  lambda: Model(rnnkern.GRU(3, 4), 3, 4)],
-                         ids=["LSTM", "GRUCell", "inside-a-model"])
-def test_jit_script_raises_one_clear_error(make):
+def quiet_script(m):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script's deprecation notice
+        return torch.jit.script(m)
+
+
+def count_op_calls(monkeypatch):
+    """Counts rnnkern's recurrence and step ops as the modules call them."""
+    calls = []
+    for op in ("run_recurrence", "run_step"):
+        def counted(*args, _op=getattr(rnnkern.ops, op), **kwargs):
+            calls.append(_op)
+            return _op(*args, **kwargs)
+        monkeypatch.setattr(rnnkern.ops, op, counted)
+    return calls
+
+
+@pytest.mark.parametrize("name,make,shape,aten_op", MODULES, ids=IDS)
+def test_jit_script_compiles_torch_nn_on_the_same_parameters(monkeypatch, name, make, shape, aten_op):
+    m = model(make, name)
+    ours = type(m.rnn)
+    params = dict(m.named_parameters())
+    rnn = m.rnn
+    scripted = quiet_script(m)
+    assert m.rnn is rnn  # the eager model keeps its module object
+    nodes = {n.kind() for n in scripted.inlined_graph.nodes()}
+    assert aten_op in nodes and not any("rnnkern" in k for k in nodes), nodes
+    # The scripted module trains the eager model's Parameter objects themselves.
+    assert all(p is params[n] for n, p in scripted.named_parameters()) and len(params) == len(
+        dict(scripted.named_parameters()))
+    calls = count_op_calls(monkeypatch)
+    g = generator("script", name)
+    for s in (shape, longer(shape, m.rnn)):
+        x = randn(g, *s, requires_grad=True)
+        calls.clear()
+        got = grads(scripted, x, (name, s))
+        assert calls == []  # the scripted module runs no rnnkern op
+        want = grads(m, x, (name, s))
+        assert calls and type(m.rnn) is ours  # the eager model runs rnnkern again
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert_close(a, b, what=f"{name} shape {s} result {k}")
+        theirs = grads(torch_nn_twin(m), x, (name, s))
+        assert_close(got[0], theirs[0], what=f"{name} against torch.nn")
+
+
+def test_jit_script_keeps_the_eager_model_and_saves_without_rnnkern(tmp_path):
+    import subprocess
+    import sys
+    m = model(MODULES[0][1], "script-save")
+    rnn = m.rnn
+    scripted = quiet_script(m)
+    assert m.rnn is rnn and isinstance(rnn, nn.LSTM)  # the same object, in its place
+    assert rnnkern.conversion_report(m)[0].status == "rnnkern"
+    assert rnnkern.convert(m) is m and type(m.rnn) is rnnkern.LSTM  # gives the class back at once
+    assert quiet_script(m).rnn.weight_hh_l0 is rnn.weight_hh_l0  # scripting again
+    x = randn(generator("script-save"), 2, 5, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.save's deprecation notice
+        torch.jit.save(scripted, str(tmp_path / "m.pt"))
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(m(x).detach(), tmp_path / "want.pt")
+    # A process that never imports rnnkern loads and runs it.
+    code = (f"import sys, torch; m = torch.jit.load({str(tmp_path / 'm.pt')!r}); "
+            f"x = torch.load({str(tmp_path / 'x.pt')!r}); want = torch.load({str(tmp_path / 'want.pt')!r}); "
+            "assert torch.allclose(m(x), want, rtol=1e-12, atol=1e-12), (m(x) - want).abs().max(); "
+            "assert not any(k.startswith('rnnkern') for k in sys.modules); print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("make,option", [
+    (lambda: rnnkern.LSTM(3, 4, zoneout=0.25), r"LSTM\(zoneout=0\.25\).*has no zoneout"),
+    (lambda: rnnkern.GRUCell(3, 4, reset_after=False), r"GRUCell\(reset_after=False\).*reset-after GRU"),
+    (lambda: Model(rnnkern.GRU(3, 4, zoneout=0.5), 3, 4), r"GRU\(zoneout=0\.5\)"),
+], ids=["LSTM-zoneout", "GRUCell-classic", "inside-a-model"])
+def test_jit_script_of_options_without_a_torch_nn_form_names_them(make, option):
     m = make()
     before = [type(s) for s in m.modules()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        with pytest.raises(RuntimeError, match=r"torch\.jit\.script cannot compile rnnkern\.\w+.*"
-                                               r"torch\.jit\.trace.*torch\.export\.export.*torch\.compile"):
-            torch.jit.script(m)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script cannot compile rnnkern\." + option
+                                           + r".*torch\.export\.export or torch\.compile"):
+        quiet_script(m)
     assert [type(s) for s in m.modules()] == before  # the eager model is left as it was
 
 

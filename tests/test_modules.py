@@ -391,7 +391,11 @@ def test_dropout_masks_match_torch_nn_cpu(form, cell, proj, p):
 # ---------------------------------------------------------------- convert ----
 
 class MyLSTM(nn.LSTM):
-    """A user subclass: may override forward, so convert() leaves it alone."""
+    """A user subclass whose forward never reaches torch.nn's: convert() leaves it
+    alone, with a warning (subclasses that do reach it: tests/test_integrations_convert.py)."""
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight_ih_l0.t()), None
 
 
 class Inner(nn.Module):
@@ -437,7 +441,8 @@ def test_convert_replaces_shares_and_computes_the_same():
     params = {name: p for name, p in model.named_parameters()}
     keys = list(model.state_dict())
 
-    assert rnnkern.convert(model, backend="cpu") is model
+    with pytest.warns(UserWarning, match=r"left 'custom' \(.*MyLSTM\) as it is"):
+        assert rnnkern.convert(model, backend="cpu") is model
 
     for name, m in model.named_modules():
         want = TORCH_TO_OURS.get(types[name], types[name])
@@ -451,7 +456,8 @@ def test_convert_replaces_shares_and_computes_the_same():
         assert_close(a, b)
 
     # Idempotent: a second conversion changes nothing.
-    assert rnnkern.convert(model) is model
+    with pytest.warns(UserWarning, match="MyLSTM.forward does not call super"):
+        assert rnnkern.convert(model) is model
     assert all(type(m) is TORCH_TO_OURS.get(types[n], types[n]) for n, m in model.named_modules())
     assert model.blocks[0].backend == "cpu"
     assert all(p is params[name] for name, p in model.named_parameters())

@@ -46,8 +46,18 @@ torch.nn's own forward on the same parameters (:func:`_runs_torch_nn_forward`):
 a TorchScript graph or ONNX model then holds torch's ``aten::lstm``/``gru``/
 ``rnn_*`` (ONNX ``LSTM``/``GRU``/``RNN``), which any PyTorch or ONNX runtime
 can load without rnnkern, train and run at any sequence length.
+``torch.jit.script`` compiles torch.nn's forward on the same Parameter objects
+too (``_RnnkernOptions.__prepare_scriptable__``); the eager model keeps its
+module objects, which run rnnkern again from their next call.
 ``torch.export.export`` and ``torch.compile`` capture rnnkern's own ops.
-``torch.jit.script`` raises (see ``__prepare_scriptable__``).
+
+Inside other libraries (docs/modules.md, "Inside other libraries"):
+:func:`convert` also converts subclasses whose forward reaches torch.nn's
+through ``super().forward`` (pytorch-forecasting's LSTM/GRU), under a generated
+class that puts rnnkern's class between theirs and torch.nn's, and warns about
+the others; :func:`conversion_report` lists what it did or would do.
+:func:`patch` makes torch.nn's recurrent classes construct and unpickle as
+rnnkern's while active (for libraries that build their modules inside).
 """
 from __future__ import annotations
 
@@ -55,12 +65,14 @@ import torch.nn.functional as F  # noqa: F401  (tests patch rnnkern.modules.F.dr
 
 from .cells import GRUCell, LSTMCell, RNNCell
 from .common import UNSUPPORTED
-from .conversion import convert
+from .conversion import ConversionEntry, conversion_report, convert
 from .layer_norm import LayerNormLSTM, LayerNormLSTMCell
+from .patching import PatchHandle, is_patched, patch, unpatch
 from .sequence import GRU, LSTM, RNN
 
 __all__ = ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTM",
-           "LayerNormLSTMCell", "convert", "UNSUPPORTED"]
+           "LayerNormLSTMCell", "convert", "conversion_report", "ConversionEntry", "patch", "unpatch", "is_patched", "PatchHandle",
+           "UNSUPPORTED"]
 
 # The public classes keep the address rnnkern.modules.<name>: what pickles of
 # whole modules (torch.save(model)) record and load by.

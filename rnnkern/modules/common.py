@@ -155,9 +155,12 @@ class _RnnkernOptions:
     ``reset_after`` (GRU) and ``zoneout``, checked and shown in the repr.
     Subclasses say which rnnkern cell they run (``cell``)."""
 
-    backend: str
-    #: The zoneout probability (a plain attribute, so state_dict stays torch.nn's;
-    #: the class default serves modules pickled before it existed).
+    #: The options are plain attributes, so state_dict stays torch.nn's.  The
+    #: class defaults serve modules whose pickle lacks them: pickled before an
+    #: option existed, or a torch.nn module's pickle loaded under rnnkern.patch().
+    backend: str = "auto"
+    reset_after: bool = True
+    #: The zoneout probability.
     zoneout: float = 0.0
     #: False for the classes torch.nn has no module for (LayerNormLSTM and its cell).
     _has_torch_nn_twin = True
@@ -181,31 +184,81 @@ class _RnnkernOptions:
             s += f", backend={self.backend!r}"
         return s
 
-    def _torch_nn_forward(self, *args):
-        """The torch.nn base class's forward (see :func:`_runs_torch_nn_forward`)."""
+    def _without_torch_nn_form(self) -> Optional[tuple]:
+        """None when torch.nn's forward computes this module's function on its
+        parameters; otherwise (the module as the error names it, what torch.nn
+        lacks).  One place for trace, ONNX export and torch.jit.script."""
         name = type(self).__name__
         if not self._has_torch_nn_twin:
-            raise _no_torch_nn_twin(name, "has no layer-normalised LSTM")
+            return name, "has no layer-normalised LSTM"
         if not self.reset_after:
-            raise _no_torch_nn_twin(f"{name}(reset_after=False)", "has only the reset-after GRU")
+            return f"{name}(reset_after=False)", "has only the reset-after GRU"
         if self.zoneout:
-            raise _no_torch_nn_twin(f"{name}(zoneout={self.zoneout})", "has no zoneout")
+            return f"{name}(zoneout={self.zoneout})", "has no zoneout"
+        return None
+
+    def _torch_nn_forward(self, *args):
+        """The torch.nn base class's forward (see :func:`_runs_torch_nn_forward`)."""
+        lacking = self._without_torch_nn_form()
+        if lacking is not None:
+            raise _no_torch_nn_twin(*lacking)
         return super(_RnnkernOptions, self).forward(*args)
 
+    def _class_before_rnnkern(self) -> type:
+        """The class this module had without rnnkern: torch.nn's (the base after
+        the rnnkern mixins), or the user's subclass that convert() converted."""
+        cls = type(self)
+        converted_from = getattr(cls, "_rnnkern_converted_from", None)
+        return converted_from or cls.__mro__[cls.__mro__.index(_RnnkernOptions) + 1]
+
     def __prepare_scriptable__(self):
-        # torch.jit.script calls this on every module before compiling it.
-        # Scripting would compile rnnkern's forward, which dispatches to its
-        # kernels in Python; substituting torch.nn's module here would swap it
-        # into the user's eager model too (torch.jit.script writes the result
-        # back into the parent's submodules).  So: one clear error.
-        if not self._has_torch_nn_twin:
+        # torch.jit.script calls this on every module before compiling it, and
+        # writes what it returns back into the parent's _modules -- the user's
+        # own model (torch 2.14, torch/jit/_script.py,
+        # call_prepare_scriptable_func_impl) -- so returning another module
+        # would swap it into the eager model.  Instead this module stays in its
+        # place and its class becomes, until its next eager call, the class it
+        # had without rnnkern (see _scripting_class): TorchScript compiles
+        # torch.nn's forward on these same Parameter objects, and the scripted
+        # module holds aten::lstm & co., loadable without rnnkern, as trace does.
+        lacking = self._without_torch_nn_form()
+        if lacking is not None:
+            subject, lacks = lacking
             raise RuntimeError(
-                f"torch.jit.script cannot compile rnnkern.{type(self).__name__}: its forward "
-                f"dispatches to rnnkern's kernels in Python, and torch.nn has no module to "
-                f"trace in its place. Use torch.export.export or torch.compile.")
-        base = type(self).__mro__[type(self).__mro__.index(_RnnkernOptions) + 1].__name__
-        raise RuntimeError(
-            f"torch.jit.script cannot compile rnnkern.{type(self).__name__}: its forward "
-            f"dispatches to rnnkern's kernels in Python. Use torch.jit.trace (records "
-            f"torch.nn.{base}'s forward on the same parameters), torch.export.export or "
-            f"torch.compile; or script a torch.nn.{base} that holds these parameters.")
+                f"torch.jit.script cannot compile rnnkern.{subject}: torch.jit.script compiles "
+                f"torch.nn's forward on the same parameters, and torch.nn {lacks}. "
+                f"Use torch.export.export or torch.compile (they capture rnnkern's own ops).")
+        self.__class__ = _scripting_class(self._class_before_rnnkern(), type(self))
+        return self
+
+
+_scripting_classes: dict = {}
+
+
+def _scripting_class(before: type, ours: type) -> type:
+    """The class a module scripts under: a subclass of ``before`` (torch.nn's
+    class, or the user's subclass convert() converted) under its very name,
+    qualname and module.  TorchScript then treats it as ``before`` itself: it
+    finds torch.nn's forward overloads by the class's name and checks them
+    against the class's source lines (found through module and qualname), and
+    names the compiled type ``__torch__.torch.nn.modules.rnn.LSTM``.
+
+    Its ``__call__`` (TorchScript never calls it) gives the module its rnnkern
+    class ``ours`` back and runs it: the eager model's next call runs rnnkern
+    again.  ``convert()``, pickling and deepcopy give it back too."""
+    key = (before, ours)
+    cls = _scripting_classes.get(key)
+    if cls is None:
+        def __call__(self, *args, **kwargs):
+            self.__class__ = ours
+            return self(*args, **kwargs)
+
+        def __reduce_ex__(self, protocol):
+            self.__class__ = ours
+            return self.__reduce_ex__(protocol)
+
+        cls = type(before)(before.__name__, (before,), {
+            "__module__": before.__module__, "__qualname__": before.__qualname__,
+            "__call__": __call__, "__reduce_ex__": __reduce_ex__, "_rnnkern_class": ours})
+        _scripting_classes[key] = cls
+    return cls

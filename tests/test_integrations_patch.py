@@ -1,0 +1,136 @@
+"""rnnkern.patch(): while active, torch.nn's recurrent classes construct (and
+unpickle) as rnnkern's modules; after it, torch.nn is as before."""
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn import LSTM as LSTM_IMPORTED_BEFORE  # a name bound before any patch
+
+import rnnkern
+from conftest import assert_close, generator, randn
+
+BUILDS = [  # (torch.nn class, its rnnkern twin, constructor arguments, input shape)
+    (nn.RNN, rnnkern.RNN, (3, 5), dict(num_layers=2, nonlinearity="relu"), (6, 2, 3)),
+    (nn.GRU, rnnkern.GRU, (3, 5), dict(bidirectional=True, batch_first=True), (2, 6, 3)),
+    (nn.LSTM, rnnkern.LSTM, (3, 5), dict(num_layers=2, proj_size=2), (6, 2, 3)),
+    (nn.RNNCell, rnnkern.RNNCell, (3, 5), {}, (2, 3)),
+    (nn.GRUCell, rnnkern.GRUCell, (3, 5), {}, (2, 3)),
+    (nn.LSTMCell, rnnkern.LSTMCell, (3, 5), {}, (2, 3)),
+]
+IDS = [b[0].__name__ for b in BUILDS]
+
+
+@pytest.fixture(autouse=True)
+def no_patch_left_behind():
+    assert not rnnkern.is_patched()
+    yield
+    leaked = rnnkern.is_patched()
+    rnnkern.unpatch()
+    assert not leaked, "a test left rnnkern.patch() active"
+
+
+def flat(result):
+    return torch.utils._pytree.tree_leaves(result)
+
+
+@pytest.mark.parametrize("theirs_cls,ours_cls,args,kwargs,shape", BUILDS, ids=IDS)
+def test_construction_inside_patch_gives_rnnkern_with_torch_nn_numbers(theirs_cls, ours_cls, args,
+                                                                         kwargs, shape):
+    before = theirs_cls(*args, **kwargs).double()  # built before patching
+    with rnnkern.patch():
+        m = theirs_cls(*args, **kwargs).double()
+        assert type(m) is ours_cls and m.backend == "auto"
+        assert isinstance(m, theirs_cls) and isinstance(before, theirs_cls)
+        assert type(before) is theirs_cls  # modules built before stay as they are
+        assert type(ours_cls(*args, **kwargs)) is ours_cls  # rnnkern's own classes build normally
+    after = theirs_cls(*args, **kwargs)
+    assert type(after) is theirs_cls
+    m.load_state_dict(before.state_dict())
+    x = randn(generator("patch", theirs_cls.__name__), *shape)
+    for a, b in zip(flat(m(x)), flat(before(x))):
+        assert_close(a, b)
+
+
+def test_every_spelling_is_caught_and_the_exit_restores():
+    with rnnkern.patch():
+        assert type(nn.LSTM(2, 3)) is rnnkern.LSTM
+        assert type(torch.nn.modules.rnn.LSTM(2, 3)) is rnnkern.LSTM
+        assert type(LSTM_IMPORTED_BEFORE(2, 3)) is rnnkern.LSTM  # the name is the class itself
+    for spelling in (nn.LSTM, torch.nn.modules.rnn.LSTM, LSTM_IMPORTED_BEFORE):
+        assert type(spelling(2, 3)) is nn.LSTM
+
+
+def test_subclasses_are_not_redirected():
+    class Sub(nn.GRU):
+        pass
+    with rnnkern.patch():
+        assert type(Sub(2, 3)) is Sub
+
+
+def build_like_a_library(input_size):
+    """A library's builder (darts' RNN models build nn.GRU inside fit())."""
+    return nn.Sequential(nn.Linear(input_size, 4), nn.GRU(4, 6, batch_first=True))
+
+
+def test_a_library_builder_inside_the_block_gets_rnnkern():
+    with rnnkern.patch():
+        model = build_like_a_library(3)
+    assert type(model[1]) is rnnkern.GRU and type(model[0]) is nn.Linear
+    assert type(build_like_a_library(3)[1]) is nn.GRU
+
+
+def test_whole_model_loaded_inside_patch_is_rnnkern():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 5, num_layers=2)).double()
+    x = randn(generator("patch-load"), 6, 2, 3)
+    want = model(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with rnnkern.patch():
+        loaded = torch.load(buffer, weights_only=False)
+        copied = pickle.loads(pickle.dumps(model))
+    for m in (loaded, copied):
+        assert type(m[1]) is rnnkern.LSTM and m[1].backend == "auto" and m[1].zoneout == 0.0
+        assert m[1].reset_after  # the class defaults stand in for options the pickle lacks
+        for a, b in zip(flat(m(x)), flat(want)):
+            assert_close(a, b)
+    buffer.seek(0)
+    assert type(torch.load(buffer, weights_only=False)[1]) is nn.LSTM
+
+
+def test_an_exception_inside_the_block_restores():
+    with pytest.raises(ZeroDivisionError):
+        with rnnkern.patch():
+            assert type(nn.RNN(2, 3)) is rnnkern.RNN
+            1 / 0
+    assert not rnnkern.is_patched() and type(nn.RNN(2, 3)) is nn.RNN
+
+
+def test_nesting_handles_and_unpatch():
+    with rnnkern.patch():
+        with rnnkern.patch():
+            assert type(nn.GRUCell(2, 3)) is rnnkern.GRUCell
+        assert type(nn.GRUCell(2, 3)) is rnnkern.GRUCell  # the outer patch still holds
+    assert type(nn.GRUCell(2, 3)) is nn.GRUCell
+
+    first, second = rnnkern.patch(), rnnkern.patch()
+    first.undo()
+    first.undo()  # undoing twice ends it once
+    assert type(nn.LSTMCell(2, 3)) is rnnkern.LSTMCell
+    second.undo()
+    assert type(nn.LSTMCell(2, 3)) is nn.LSTMCell
+
+    stale = rnnkern.patch()
+    rnnkern.patch()
+    rnnkern.unpatch()  # ends both
+    assert not rnnkern.is_patched() and type(nn.LSTM(2, 3)) is nn.LSTM
+    fresh = rnnkern.patch()
+    stale.undo()  # from before unpatch(): must not end the fresh patch
+    assert type(nn.LSTM(2, 3)) is rnnkern.LSTM
+    fresh.undo()
+    assert type(nn.LSTM(2, 3)) is nn.LSTM
