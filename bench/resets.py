@@ -7,10 +7,11 @@ torch.nn user writes without it.
 
 torch.nn has no per-step reset, so a recurrent policy trained on chunks where
 episodes end mid-chunk splits the time axis at every step where some row starts
-a new episode, puts those rows' initial state back (``torch.where``) and runs
-each piece: with 5% of 32 rows restarting per step, most pieces are one or two
-steps long.  rnnkern runs the chunk in one call with ``resets=`` fused into its
-kernels.  Both run forward + backward (the gradients of the input, the initial
+a new episode, zeros those rows' state (``torch.where``, as RL libraries mask
+it) and runs each piece: with 5% of 32 rows restarting per step, most pieces
+are one or two steps long.  rnnkern runs the chunk with ``resets=`` fused into
+its kernels: the chunk carries a state in (h0), so two kernel calls (from h0 up
+to each row's first restart, and from zeros; docs/options.md).  Both run forward + backward (the gradients of the input, the initial
 state and every weight) on the same weights and inputs; before any timing they
 must agree in float64 (outputs and every gradient, to 1e-10).  Timed as the
 main suite times (bench/timing.py): interleaved rounds, medians.
@@ -40,18 +41,19 @@ TOLERANCE = 1e-10  # float64 agreement, outputs and every gradient
 
 def torch_pieces(m: torch.nn.Module, x, h0, c0, resets):
     """torch.nn over the pieces between the steps where some row restarts; the
-    rows restarting at a piece's first step start it from their h0 (and c0)."""
+    rows restarting at a piece's first step start it from zeros (rnnkern's reset
+    rule, position 0 included), the chunk from the carried h0 (and c0)."""
     T = x.size(0)
     bounds = [0] + [t for t in range(1, T) if bool(resets[t].any())] + [T]
     h, c = h0, c0
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         r = resets[a].view(1, -1, 1)
-        h = torch.where(r, h0, h)
+        h = torch.where(r, 0.0, h)
         if c is None:
             out, h = m(x[a:b], h)
         else:
-            c = torch.where(r, c0, c)
+            c = torch.where(r, 0.0, c)
             out, (h, c) = m(x[a:b], (h, c))
         outs.append(out)
     return torch.cat(outs), h, c, len(bounds) - 1

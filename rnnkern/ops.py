@@ -169,6 +169,72 @@ def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optio
     return output, h_n, (c_n if has_cell_state(cell) else None)
 
 
+def run_recurrence_with_reset_state(backend: str, cell: str, xproj: Tensor, h0: Tensor,
+                                    c0: Optional[Tensor], w_hh: Tensor, b_ih: Optional[Tensor],
+                                    b_hh: Optional[Tensor], w_hr: Optional[Tensor],
+                                    lengths: Optional[Tensor], reverse: bool, resets: Tensor,
+                                    zoneout: Optional[Tensor], ln: Optional[Tensor],
+                                    reset_h: Tensor, reset_c: Optional[Tensor]):
+    """:func:`run_recurrence` under the modules' reset rule: where ``resets[t, b]``
+    the step at position t starts from the reset state (``reset_h``, ``reset_c``,
+    [B, P] / [B, H]), position 0 included; hx (``h0``, ``c0``) enters each row's
+    first step unless that step is a reset.  resets [T, B] bool in the op's
+    processing sense (a reverse direction's mask already shifted), positions
+    past a row's length ignored.
+
+    The kernels' own rule restarts a reset step from h0 (one state for both
+    roles), so this composes two calls of it, each differentiated by its own
+    backward: B starts from the reset state and restarts from it, which is
+    right from each row's first reset on (in processing order); A runs from hx
+    without resets, which is right before it.  The results are picked per
+    position.  One call suffices where no row has a reset (A), or where every
+    row restarts at its first step (B); where the two states are the same
+    (no hx and no reset state: zeros), call :func:`run_recurrence` instead;
+    in eager mode a forward A stops after the last row's first reset.  The cost
+    is then at most two calls; a kernel-side reset state is the way to one."""
+    has_c = c0 is not None
+    T, B = resets.shape
+    dev = resets.device
+    pos = torch.arange(T, device=dev).unsqueeze(1)  # [T, 1]
+    n = None if lengths is None else lengths.to(dev)
+    live = resets if n is None else resets & (pos < n.unsqueeze(0))
+    if reverse:  # processing runs from each row's end: A is right after its last reset
+        last = torch.where(live, pos, -1).amax(0)  # [B]
+        before = pos > last.unsqueeze(0)
+        first_step = pos == ((T if n is None else n) - 1)
+    else:
+        first = torch.where(live, pos, T).amin(0)
+        before = pos < first.unsqueeze(0)
+        first_step = pos == 0
+    restarted = live.any(0)  # [B]: the row's final state is B's
+    T_a, lengths_a = T, lengths
+    if not torch.compiler.is_compiling():  # (data-dependent choices: eager only)
+        if not bool(restarted.any()):
+            return run_recurrence(backend, cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
+                                  reverse, None, zoneout, ln)
+        fresh = (live & first_step).any(0) | (False if n is None else n == 0)
+        if bool(fresh.all()):
+            return run_recurrence(backend, cell, xproj, reset_h, reset_c, w_hh, b_ih, b_hh, w_hr,
+                                  lengths, reverse, resets, zoneout, ln)
+        if not reverse:  # A's rows end at their first reset: later steps would be thrown away
+            stop = first.to(device="cpu", dtype=torch.int64)
+            T_a = int(stop.max())
+            lengths_a = stop if lengths is None else torch.minimum(lengths, stop)
+    out_b, hn_b, cn_b = run_recurrence(backend, cell, xproj, reset_h, reset_c, w_hh, b_ih, b_hh,
+                                       w_hr, lengths, reverse, resets, zoneout, ln)
+    out_a, hn_a, cn_a = run_recurrence(
+        backend, cell, xproj[:T_a], h0, c0, w_hh, b_ih, b_hh, w_hr, lengths_a, reverse, None,
+        None if zoneout is None else zoneout[:T_a], ln)
+    pick_a = before[:T_a].unsqueeze(2)
+    output = torch.where(pick_a, out_a, out_b[:T_a])
+    if T_a < T:
+        output = torch.cat((output, out_b[T_a:]))
+    keep_b = restarted.unsqueeze(1)
+    h_n = torch.where(keep_b, hn_b, hn_a)
+    c_n = torch.where(keep_b, cn_b, cn_a) if has_c else None
+    return output, h_n, c_n
+
+
 def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
     """``x W_ih^T`` over all steps at once: x [T, B, I] -> [T, B, G*H] (no bias; the
     recurrence adds b_ih)."""

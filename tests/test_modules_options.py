@@ -227,26 +227,38 @@ def twin_run(m, x, lengths, hx):
     return [out, *(hidden if isinstance(hidden, tuple) else (hidden,))]
 
 
-def run_episodes_separately(m, x, resets, lengths, hx, p=0.0):
-    """What ``m(x, hx, lengths=lengths, resets=resets)`` must compute, from the
-    episodes alone: each sequence b is cut before every position t (0 < t <
-    lengths[b]) where resets[t, b], every piece runs from hx's row b in one
+def run_episodes_separately(m, x, resets, lengths, hx, p=0.0, reset_state=None):
+    """What ``m(x, hx, lengths=lengths, resets=resets, reset_state=reset_state)``
+    must compute, from the episodes alone: each sequence b is cut before every
+    position t (0 < t < lengths[b]) where resets[t, b], every piece runs in one
     batch through :func:`twin_run` (with an evaluation zoneout ``p``: through
-    :func:`loop_module`), and the pieces' outputs are put back in place.  The
-    final state of a forward direction is its last piece's; of a reverse
-    direction its first piece's (the reverse pass ends at position 0).
+    :func:`loop_module`), and the pieces' outputs are put back in place.  A
+    forward direction runs a piece from hx's row b if it is the sequence's
+    first and no reset is at position 0, else from the reset state's row b
+    (zeros without ``reset_state``); a reverse direction runs the sequence's last
+    piece from hx, the others from the reset state.  The final state of a
+    forward direction is its last piece's; of a reverse direction its first
+    piece's (the reverse pass ends at position 0).
     x [T, B, I] time-major, resets [T, B], lengths [B] (>= 1)."""
     Tx, Bx = x.shape[:2]
     pieces = []  # (row, start, end)
     for b in range(Bx):
         cuts = [0] + [t for t in range(1, int(lengths[b])) if resets[t, b]] + [int(lengths[b])]
         pieces += [(b, s, e) for s, e in zip(cuts[:-1], cuts[1:])]
+    D = 2 if m.bidirectional else 1
+    if reset_state is None:
+        reset_state = tuple(torch.zeros_like(h) for h in hx)
+
+    def start_state(part, k, b, s, e):
+        from_hx = (e == int(lengths[b])) if k % D == 1 else (s == 0 and not bool(resets[0, b]))
+        return (hx if from_hx else reset_state)[part][k, b]
+
+    piece_hx = tuple(torch.stack([torch.stack([start_state(i, k, b, s, e) for b, s, e in pieces])
+                                  for k in range(hx[i].shape[0])]) for i in range(len(hx)))
     Tp = max(e - s for _, s, e in pieces)
     xp = torch.stack([torch.cat([x[s:e, b], x.new_zeros(Tp - (e - s), x.shape[2])])
                       for b, s, e in pieces], 1)
-    rows = torch.tensor([b for b, _, _ in pieces])
     piece_lengths = [e - s for _, s, e in pieces]
-    piece_hx = tuple(h[:, rows] for h in hx)
     result = loop_module(m, xp, piece_hx, piece_lengths, p=p) if p else \
         twin_run(m, xp, piece_lengths, piece_hx)
     out_p, states = result[0], result[1:]
@@ -256,7 +268,6 @@ def run_episodes_separately(m, x, resets, lengths, hx, p=0.0):
         for b in range(Bx)], 1)
     first = [min(k for k, piece in enumerate(pieces) if piece[0] == b) for b in range(Bx)]
     last = [max(k for k, piece in enumerate(pieces) if piece[0] == b) for b in range(Bx)]
-    D = 2 if m.bidirectional else 1
     finals = [torch.stack([torch.stack([s[k, (first if k % D == 1 else last)[b]] for b in range(Bx)])
                            for k in range(s.shape[0])]) for s in states]
     return [out, *finals]
@@ -276,8 +287,8 @@ RESET_IDS = [f"{c}-{f}-{'bf' if bf else 'tf'}-{b}" for b, c, f, bf in RESET_CASE
 
 def reset_inputs(key, batch_first, lengths=(T, 3, T - 2)):
     """x (layout of batch_first, leaf), resets (same layout) and lengths: a few
-    resets inside each sequence, one at position 0 (a no-op) and one past a
-    sequence's end (ignored)."""
+    resets inside each sequence, one at position 0 (the reset state replaces hx
+    there) and one past a sequence's end (ignored)."""
     g = generator("resets", *key)
     x = randn(g, T, B, I)
     resets = torch.rand(T, B, generator=g) < 0.3
@@ -371,8 +382,9 @@ def test_reset_patterns_within_1e_12_of_torch_nn_on_the_episodes(backend, patter
 def test_reset_rule_in_both_directions_by_hand(backend, with_hx):
     """A ReLU RNN that sums its inputs (w_ih = w_hh = 1, no bias, H = 1),
     bidirectional, x = 1..5, a reset at position 2 (and, in row 1 of length 3,
-    one at 4, past its end).  Forward: step 2 starts from h0.  Reverse: step 1
-    starts from h0 (the boundary lies between positions 1 and 2)."""
+    one at 4, past its end).  Forward: step 0 starts from hx, step 2 from the
+    reset state (zeros).  Reverse: each row's last step starts from hx, step 1
+    from zeros (the boundary lies between positions 1 and 2)."""
     m = rnnkern.RNN(1, 1, nonlinearity="relu", bias=False, bidirectional=True, backend=backend,
                     dtype=torch.float64)
     with torch.no_grad():
@@ -389,8 +401,8 @@ def test_reset_rule_in_both_directions_by_hand(backend, with_hx):
         return
     out, h_n = call()
     if with_hx:
-        fwd = [[11, 13, 13, 17, 22], [21, 23, 23, 0, 0]]
-        rev = [[103, 102, 112, 109, 105], [203, 202, 203, 0, 0]]
+        fwd = [[11, 13, 3, 7, 12], [21, 23, 3, 0, 0]]
+        rev = [[3, 2, 112, 109, 105], [3, 2, 203, 0, 0]]
     else:
         fwd = [[1, 3, 3, 7, 12], [1, 3, 3, 0, 0]]
         rev = [[3, 2, 12, 9, 5], [3, 2, 3, 0, 0]]

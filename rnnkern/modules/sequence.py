@@ -156,12 +156,15 @@ class _RecurrentMixin(_RnnkernOptions):
     # ---- the layer stack
 
     def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing],
-                    resets: Optional[Tensor] = None):
+                    resets: Optional[Tensor] = None, reset_state=None,
+                    reset_is_hx: bool = False):
         """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
-        or None, resets [T, B] bool (checked) or None -> output [T, B, D*P],
-        (h_n[, c_n]).  ``packing`` (variable lengths only) says which rows
-        torch.nn would see packed: dropout draws its mask over them, in that
-        order, as torch.nn does."""
+        or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
+        or None (zeros; ``reset_is_hx``: hx is those zeros, so the kernels' own
+        rule, restarting from h0, is the modules') -> output [T, B, D*P],
+        (h_n[, c_n]).  ``packing``
+        (variable lengths only) says which rows torch.nn would see packed:
+        dropout draws its mask over them, in that order, as torch.nn does."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
         backend = ops.resolve_backend(self.backend, x.device)
@@ -175,6 +178,8 @@ class _RecurrentMixin(_RnnkernOptions):
         if dtype is not None:
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
+            if reset_state is not None:
+                reset_state = tuple(h.to(dtype) for h in reset_state)
             weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
             if lns is not None:
                 lns = [ln.to(dtype) for ln in lns]
@@ -183,10 +188,23 @@ class _RecurrentMixin(_RnnkernOptions):
                          resets=resets is not None, zoneout=p > 0)
         h0 = hx[0]
         c0 = hx[1] if lstm else None
+        # The state a reset step starts from: reset_state, else zeros -- which,
+        # without hx, are h0's very tensors (one kernel call: see
+        # ops.run_recurrence_with_reset_state).
+        if reset_state is None and resets is not None and not reset_is_hx:
+            reset_state = tuple(torch.zeros_like(h) for h in hx)
+        r0 = None if reset_state is None else reset_state[0]
+        rc0 = reset_state[1] if lstm and reset_state is not None else None
         # Per direction, the resets the op sees: a boundary before position t+1
-        # makes the reverse direction's step at t start afresh.
-        step_resets = (resets, None if resets is None or D == 1 else
-                       torch.cat((resets[1:], resets.new_zeros((1, resets.size(1))))))
+        # makes the reverse direction's step at t start afresh (not at a row's
+        # last position: the boundary there lies past its end).
+        step_resets = (resets, None)
+        if resets is not None and D == 2:
+            rev = torch.cat((resets[1:], resets.new_zeros((1, resets.size(1)))))
+            if lengths is not None:
+                nxt = torch.arange(1, rev.size(0) + 1, device=rev.device).unsqueeze(1)
+                rev = rev & (nxt < lengths.to(rev.device).unsqueeze(0))
+            step_resets = (resets, rev)
         zoneout = None
         if p:
             T, B = x.size(0), x.size(1)
@@ -196,7 +214,7 @@ class _RecurrentMixin(_RnnkernOptions):
         # One step (a streaming or token-by-token call): the fused step op, x W_ih^T
         # inside, instead of an input projection and a recurrence of one step --
         # one op call instead of two, which is most of such a call's cost.  (A
-        # reset at the only position changes nothing: the step starts from h0.)
+        # reset there makes the forward direction start from the reset state.)
         one_step = x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
         h_n, c_n = [], []
         for layer in range(self.num_layers):
@@ -205,7 +223,12 @@ class _RecurrentMixin(_RnnkernOptions):
                 idx = layer * D + d
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
                 if one_step:
-                    h, c = ops.run_step(backend, cell, x[0], h0[idx], c0[idx] if lstm else None,
+                    h_in, c_in = h0[idx], c0[idx] if lstm else None
+                    if resets is not None and d == 0 and not reset_is_hx:
+                        restart = resets[0].unsqueeze(1)
+                        h_in = torch.where(restart, r0[idx], h_in)
+                        c_in = torch.where(restart, rc0[idx], c_in) if lstm else None
+                    h, c = ops.run_step(backend, cell, x[0], h_in, c_in,
                                         w_ih, w_hh, b_ih, b_hh, None if lns is None else lns[idx])
                     outputs.append(h.unsqueeze(0))
                     # h_n apart from the output, as on every other path (an
@@ -216,10 +239,17 @@ class _RecurrentMixin(_RnnkernOptions):
                     continue
                 if p and self.training:  # a fresh Bernoulli mask per layer and direction
                     zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
-                out, h, c = ops.run_recurrence(
-                    backend, cell, ops.input_projection(x, w_ih, backend), h0[idx],
-                    c0[idx] if lstm else None, w_hh, b_ih, b_hh, w_hr, lengths, d == 1,
-                    step_resets[d], zoneout, None if lns is None else lns[idx])
+                xproj = ops.input_projection(x, w_ih, backend)
+                ln = None if lns is None else lns[idx]
+                if step_resets[d] is None or reset_is_hx:
+                    out, h, c = ops.run_recurrence(
+                        backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
+                        b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln)
+                else:
+                    out, h, c = ops.run_recurrence_with_reset_state(
+                        backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
+                        b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, r0[idx],
+                        rc0[idx] if lstm else None)
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:
@@ -311,6 +341,32 @@ class _RecurrentMixin(_RnnkernOptions):
                     label = f"hx[{i}]" if self.mode == "LSTM" else "hx"
                     raise _dtype_mismatch(type(self).__name__, label, h.dtype, "input", input.dtype)
 
+    def _reset_parts(self, reset_state, B: int, batched: bool, input: Tensor) -> tuple:
+        """``reset_state`` as (h[, c]) of shape [L*D, B, *], checked as hx is (the
+        same form: a tensor, or (h, c) for the LSTMs), errors naming it."""
+        name = type(self).__name__
+        LD, P = self._state_sizes()
+        lstm = self.mode == "LSTM"
+        if lstm and (not isinstance(reset_state, (tuple, list)) or len(reset_state) != 2):
+            raise TypeError(f"{name}: reset_state must be a tuple (h, c) of two tensors, like hx; "
+                            f"got {type(reset_state).__name__}")
+        parts = tuple(reset_state) if lstm else (reset_state,)
+        widths = (P, self.hidden_size) if lstm else (P,)
+        for i, (h, width) in enumerate(zip(parts, widths)):
+            label = f"reset_state[{i}]" if lstm else "reset_state"
+            if not isinstance(h, Tensor):
+                raise TypeError(f"{name}: {label} must be a Tensor, got {type(h).__name__}")
+            want = [LD, B, width] if batched else [LD, width]
+            if list(h.shape) != want:
+                raise ValueError(f"{name}: expected {label} of shape {want} (hx's), got "
+                                 f"{list(h.shape)}")
+            if h.device != input.device:
+                raise ValueError(f"{name}: expected {label} on {input.device} (the input's "
+                                 f"device), got {h.device}")
+            if not _any_autocast() and h.dtype != input.dtype:
+                raise _dtype_mismatch(name, label, h.dtype, "input", input.dtype)
+        return parts if batched else tuple(h.unsqueeze(1) for h in parts)
+
     # ---- forward
 
     def _check_resets(self, resets, T: int, B: int, batched: bool, device) -> Tensor:
@@ -355,21 +411,31 @@ class _RecurrentMixin(_RnnkernOptions):
         return resets.t().contiguous() if self.batch_first else resets.contiguous()
 
     def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None,
-                resets: Optional[Tensor] = None):
+                resets: Optional[Tensor] = None, reset_state=None):
         """As torch.nn's forward.  ``lengths`` ([B] integers) marks the valid steps
         of each sequence of a padded batch: later steps leave the state alone and
         output zeros, and the reverse direction starts at each sequence's end --
         what torch.nn computes on ``pack_padded_sequence(input, lengths,
         enforce_sorted=False)``, without packing.
 
-        ``resets`` (bool; [T, B], [B, T] with batch_first, [T] for unbatched
-        input; for a PackedSequence the padded [T, B] / [B, T] in the original
-        batch order): where ``resets[t, b]``, the step at position t of
-        sequence b starts from hx's row b (zeros without hx), h and c, in every
-        layer; a reverse direction restarts at the step before each boundary,
-        so the episodes on either side of it never see each other."""
+        ``resets`` (a bool, uint8 or 0/1 float mask; [T, B], [B, T] with
+        batch_first, [T] for unbatched input, each with or without a trailing 1;
+        for a PackedSequence the padded [T, B] / [B, T] in the original batch
+        order): where ``resets[t, b]``, the state entering the step at position t
+        of sequence b is the reset state's row b -- ``reset_state`` (the form of
+        hx; it may require grad: a learned initial state), zeros without it --
+        h and c, in every layer, at every position including 0 (where it
+        replaces hx), as RL libraries mask their state with ``(1 - start)``.  hx
+        stays the state entering position 0.  A reverse direction restarts at
+        the step before each boundary, so the episodes on either side of it
+        never see each other."""
         if _runs_torch_nn_forward():
+            if reset_state is not None:
+                raise _no_torch_nn_twin(f"{type(self).__name__}.forward(reset_state=...)",
+                                        "has no resets")
             return self._traced_forward(input, hx, lengths, resets)
+        if resets is None:
+            reset_state = None  # (nothing restarts: it would change nothing)
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
         if self.backend == "auto" and self._has_torch_nn_twin and not torch.compiler.is_compiling() \
                 and not auto.no_torch_choice(input):
@@ -379,7 +445,7 @@ class _RecurrentMixin(_RnnkernOptions):
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError(f"{name}: lengths= is for padded input; a PackedSequence carries its own")
-            return self._forward_packed(input, hx, resets)
+            return self._forward_packed(input, hx, resets, reset_state)
 
         if not isinstance(input, Tensor):
             raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
@@ -393,6 +459,9 @@ class _RecurrentMixin(_RnnkernOptions):
                 raise ValueError(f"{name}: lengths= needs batched (3-D) input")
             input = input.unsqueeze(batch_dim)
         B = input.size(batch_dim)
+        if reset_state is not None:
+            reset_state = self._reset_parts(reset_state, B, batched, input)
+        hx_zeros = hx is None
         if hx is None:
             hx = self._zeros_hidden(B, input)
             self.check_input(input, None)
@@ -427,7 +496,8 @@ class _RecurrentMixin(_RnnkernOptions):
                 # torch.compile dropout draws over the padded tensor (its random
                 # stream differs from eager's anyway).
                 packing = _packing_of_padded(lengths, T, input.device)
-        out, hidden = self._run_layers(input, hx, lengths, packing, resets)
+        out, hidden = self._run_layers(input, hx, lengths, packing, resets, reset_state,
+                                       reset_is_hx=hx_zeros and reset_state is None)
         if self.batch_first:
             out = out.transpose(0, 1)
         if not batched:
@@ -453,7 +523,7 @@ class _RecurrentMixin(_RnnkernOptions):
         out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
         return out, hidden
 
-    def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor]):
+    def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor], reset_state):
         """A PackedSequence runs as one padded, length-sorted batch with per-sequence
         lengths (one kernel call per layer and direction, padding never computed).
         ``resets`` comes padded in the original batch order and is sorted here."""
@@ -473,6 +543,12 @@ class _RecurrentMixin(_RnnkernOptions):
             B = self._hx_parts(hx)[0].size(1)
         else:
             B = int(batch_sizes[0])
+        if reset_state is not None:
+            reset_state = self._reset_parts(reset_state, B, True, data)
+            reset_state = self.permute_hidden(
+                reset_state if self.mode == "LSTM" else reset_state[0], sorted_indices)
+            reset_state = tuple(reset_state) if self.mode == "LSTM" else (reset_state,)
+        hx_zeros = hx is None
         if hx is None:
             hx = self._zeros_hidden(B, data)
         else:
@@ -488,7 +564,8 @@ class _RecurrentMixin(_RnnkernOptions):
         # Sequence b of the sorted pack has as many steps as batch sizes above b.
         lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
         padded = data.new_zeros((T, B, data.size(1))).index_put((packing.time, packing.batch), data)
-        out, hidden = self._run_layers(padded, hx, lengths, packing, resets)
+        out, hidden = self._run_layers(padded, hx, lengths, packing, resets, reset_state,
+                                       reset_is_hx=hx_zeros and reset_state is None)
         out_data = out[packing.time, packing.batch]
         hidden = hidden if self.mode == "LSTM" else hidden[0]
         return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
