@@ -10,7 +10,8 @@ numbers, unedited.
 
 The truths are computed independently of the modules' code path:
 - resets: the episodes run separately -- each sequence split at its reset
-  points, every piece run from hx's row by torch.nn's own module (through
+  points, every piece run from hx's row or the reset state's (the reset rule)
+  by torch.nn's own module (through
   ``torch.func.functional_call`` on the same parameters, so gradients meet) or,
   for LayerNormLSTM, by the layer-norm LSTM loop written here;
 - zoneout in evaluation: a per-step loop over ``reference.cell_from_projections``

@@ -18,8 +18,9 @@ rules):
 
 - ``resets=`` ([T, B] mask laid out like the input; bool, uint8 or floating 0/1,
   with or without a trailing 1; docs/options.md): where ``resets[t, b]``,
-  the step at position t of sequence b starts from hx's row b (zeros without
-  hx) in every layer, as if an episode began there.  A reverse direction gets
+  the state entering the step at position t of sequence b is the reset
+  state's row b (``reset_state=``, hx's form, or zeros), in every layer and at
+  position 0 too, as if an episode began there; hx enters position 0 otherwise.  A reverse direction gets
   the mask shifted by one position (``rev[t] = resets[t + 1]``): the episodes on
   the two sides of a boundary never see each other, in either direction.
 - ``zoneout=p``: per unit and step, the state keeps its previous value with

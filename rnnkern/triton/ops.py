@@ -413,7 +413,8 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
     """sum over steps and rows of d[t, b]^T h_{t-1}[t, b]: d [T, B, N], output
     [T, B, P], h0 [B, P] -> [N, P].  h_{t-1} of position t is the output one
     step earlier (t - 1, or t + 1 in reverse), or h0 at each sequence's first
-    position and where ``resets`` [T, B] says the step restarts from h0;
+    position and where ``resets`` [T, B] says the step restarts from h0 (the
+    kernels' rule; the modules' reset state: ops.run_recurrence_with_reset_state);
     padding positions have d = 0 and output 0, so two GEMMs cover every case
     (as csrc/cpu/backward.cpp, weight_grad_by_prev_state)."""
     T, B, N = d.shape
