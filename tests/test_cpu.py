@@ -120,9 +120,9 @@ def test_step_matches_reference(cell, bias):
 @pytest.mark.parametrize("B", [1, 2, 3, 5, 6, 8, 13, 17, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_lean_and_driver_steps_match_reference(threads, cell, B, dtype):
-    """The single step's two CPU paths: the lean one (every step on one
-    thread, small ones on more) and the recurrence driver (rows split between
-    threads, the reset-before GRU), values and every gradient against the
+    """The single step's two CPU paths: the lean one (every cell without
+    options, its rows split between threads) and the recurrence driver (the
+    reset-before GRU), values and every gradient against the
     float64 reference.  Both products with W read in place: dot products up to 5 rows,
     W's rows broadcast from 6 (one to four vectors of rows, and past four in
     chunks: 33 and 70 rows), over 4 x 37 gate rows (whole register blocks, then
@@ -605,3 +605,53 @@ def test_lstm_ln_step_matches_reference(threads, n_threads, B, I, H):
         results.append([h, c, *torch.autograd.grad(loss, list(args.values()))])
     for name, got, want in zip(["h", "c", *args], results[1], results[0]):
         assert_close(got, want, what=name)
+
+
+# ------------------------------------------------ bits across thread counts ----
+
+def _results_at(threads, make, run):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run(make())
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("name,kwargs", [("RNNCell", {}), ("RNNCell", {"nonlinearity": "relu"}),
+                                         ("GRUCell", {}), ("GRUCell", {"reset_after": False}),
+                                         ("LSTMCell", {}), ("LSTM", {}), ("GRU", {"num_layers": 2}),
+                                         ("RNN", {"bidirectional": True})],
+                         ids=["rnn_tanh", "rnn_relu", "gru", "gru_reset_before", "lstm",
+                              "LSTM-seq", "GRU-seq-2layers", "RNN-seq-bidir"])
+@pytest.mark.parametrize("B,H", [(1, 128), (8, 512), (32, 256), (64, 128), (5, 512)])
+def test_same_bits_at_1_2_and_3_threads(name, kwargs, B, H):
+    """Outputs and every gradient are bitwise the same at 1, 2 and 3 threads
+    (torch.nn's cells are): the CPU kernels split work between threads without
+    changing any sum's order, and which path a call takes does not depend on
+    the thread count.  The one-step sizes cover both products of W read in
+    place (dot products under 6 rows, W's rows broadcast from 6) and splits of
+    the rows that cross that line (B = 8 in blocks of 4)."""
+    cell = name.endswith("Cell")
+    T = 3
+
+    def make():
+        torch.manual_seed(H + B)
+        m = getattr(rnnkern, name)(H, H, backend="cpu", **kwargs)
+        g = generator("bits", name, B, H)
+        x = randn(g, *((B, H) if cell else (T, B, H)), dtype=torch.float32, requires_grad=True)
+        return m, x
+
+    def run(made):
+        m, x = made
+        out = m(x)
+        outs = [o for o in torch.utils._pytree.tree_leaves(out)]
+        g = generator("bits-cotangent", name, B, H)
+        loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in outs)
+        return outs + list(torch.autograd.grad(loss, [x, *m.parameters()]))
+
+    want = _results_at(1, make, run)
+    for threads in (2, 3):
+        got = _results_at(threads, make, run)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"{name} B={B} H={H}: result {i} differs at {threads} threads"

@@ -457,12 +457,18 @@ RNNKERN_ALWAYS_INLINE void multiply_nt(int64_t M, const T* A, int64_t lda, const
 // broadcast one's holds until M fills a vector; an LSTM step at H = 256, Zen
 // 5: even at 6 rows, 121 us at 7 by dot products against 90 us at 8
 // broadcast).
+// batch_rows: the rows of the whole batch when A is a block of them (a split
+// between threads), which picks the method: each element then sums in the
+// order it would for the whole batch (both methods give every element its
+// own fixed order, whatever the rows beside it), so any split gives the
+// same bits.
 constexpr int64_t kMinBroadcastRows = 6;
 template <typename T>
 RNNKERN_ALWAYS_INLINE void multiply_nt_rows(int64_t M, const T* A, int64_t lda, const T* W,
                                             int64_t ldw, int64_t N, int64_t K, T* C,
-                                            int64_t ldc) {
-  if (M < kMinBroadcastRows) return multiply_nt(M, A, lda, W, ldw, N, K, C, ldc, false);
+                                            int64_t ldc, int64_t batch_rows = -1) {
+  if ((batch_rows < 0 ? M : batch_rows) < kMinBroadcastRows)
+    return multiply_nt(M, A, lda, W, ldw, N, K, C, ldc, false);
 #if defined(RNNKERN_CPU_WIDE_VECTORS)
   if (wide_vectors()) return multiply_nt_rows_wide<T>(M, A, lda, W, ldw, N, K, C, ldc);
 #endif

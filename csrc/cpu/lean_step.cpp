@@ -1,6 +1,10 @@
-// The CPU backend's lean single step (see lean_step.h): single-threaded,
-// scratch per thread, the same row kernels (rows.h) and cells.h formulas as
-// the recurrence drivers.
+// The CPU backend's lean single step (see lean_step.h): scratch per thread,
+// the same row kernels (rows.h) and cells.h formulas as the recurrence
+// drivers.  It is taken whatever the thread count, and with more than one
+// thread its rows are split between workers: every element of a product is
+// one lane's dot product in a fixed order (gemm.h), so any split of the rows
+// gives the same bits as one thread (torch.nn's cells are bitwise across
+// thread counts; the choice of this path by thread count made rnnkern's not).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
 #include "lean_step.h"
 
@@ -14,6 +18,7 @@
 #include "buffers.h"
 #include "gemm.h"
 #include "linear.h"
+#include "parallel.h"
 #include "products.h"
 #include "rows.h"
 #include "schedule.h"
@@ -37,24 +42,33 @@ A* lean_scratch_c(size_t n) {
   return buf.data();
 }
 
+// The workers a step's B rows go to: each takes at least kMinRowsPerThread
+// rows and kMinLeanMacsPerWorker multiply-adds (some 50 us of one core:
+// meeting the other threads costs more than a smaller share saves).
+constexpr int64_t kMinLeanMacsPerWorker = int64_t(1) << 20;
+int64_t lean_workers(int64_t B, int64_t macs_per_row) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t by_macs = B * macs_per_row / kMinLeanMacsPerWorker;
+  return std::max<int64_t>(1, std::min({threads, B / kMinRowsPerThread, by_macs}));
+}
+
+// f(b0, b1) over consecutive blocks of rows, one per worker.
+template <typename F>
+void for_row_blocks(int64_t B, int64_t macs_per_row, const F& f) {
+  const int64_t workers = lean_workers(B, macs_per_row);
+  for_each_worker(workers, [&](int64_t t) { f(B * t / workers, B * (t + 1) / workers); });
+}
+
 template <typename A>
-RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const A* h, const A* c,
-                                          const A* w_ih, const A* w_hh, const A* b_ih,
-                                          const A* b_hh, A* h_new, A* c_new, A* ws) {
-  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
-  A* xp = lean_scratch<A>(2 * B * GH + 3 * GH);
-  A* hp = xp + B * GH;
-  A* bx = hp + B * GH;  // b_ih, b_hh (zeros when absent) and their sum
-  A* bh = bx + GH;
-  A* bsum = bh + GH;
-  for (int64_t j = 0; j < GH; ++j) {
-    bx[j] = b_ih ? b_ih[j] : A(0);
-    bh[j] = b_hh ? b_hh[j] : A(0);
-    bsum[j] = bx[j] + bh[j];
-  }
-  gemm::multiply_nt_rows(B, x, I, w_ih, I, GH, I, xp, GH);  // x W_ih^T
-  gemm::multiply_nt_rows(B, h, H, w_hh, H, GH, H, hp, GH);  // h W_hh^T
-  for (int64_t b = 0; b < B; ++b) {
+RNNKERN_CPU_CLONES void lean_rows_forward(const StepSizes& s, int64_t b0, int64_t b1, const A* x,
+                                          const A* h, const A* c, const A* w_ih, const A* w_hh,
+                                          const A* bx, const A* bh, const A* bsum, A* xp, A* hp,
+                                          A* h_new, A* c_new, A* ws) {
+  const int64_t I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
+  const int64_t m = b1 - b0;
+  gemm::multiply_nt_rows(m, x + b0 * I, I, w_ih, I, GH, I, xp + b0 * GH, GH, s.B);  // x W_ih^T
+  gemm::multiply_nt_rows(m, h + b0 * H, H, w_hh, H, GH, H, hp + b0 * GH, GH, s.B);  // h W_hh^T
+  for (int64_t b = b0; b < b1; ++b) {
     const A* xr = xp + b * GH;
     const A* hr = hp + b * GH;
     A* w = ws + b * W;
@@ -73,34 +87,41 @@ RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const 
         gru_forward_row<A, true, false>(H, H, H, xr, hr, bx, bh, h + b * H, h_new + b * H, w,
                                         nullptr);
         break;
-      default: TORCH_INTERNAL_ASSERT(false, "lean_step_forward: ", cell_name(s.cell));
+      default: TORCH_INTERNAL_ASSERT(false, "lean_rows_forward: ", cell_name(s.cell));
     }
   }
 }
 
-// Outputs given as null are not wanted (step_backward's `needs`): their
-// products are skipped.  d_h always receives the carry; need_dh adds the
-// product through W_hh.
 template <typename A>
-RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, const A* grad_c,
-                                           const A* x, const A* h, const A* c, const A* w_ih,
-                                           const A* w_hh, const A* h_new, const A* ws, A* d_x,
-                                           A* d_h, A* d_c, A* d_w_ih, A* d_w_hh, A* d_b_ih,
-                                           A* d_b_hh, bool need_dh) {
-  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
-  const bool gru = s.cell == Cell::Gru;
-  // dx: gradients of x W_ih^T (+ b_ih); da: of h W_hh^T (+ b_hh) -- the same
-  // numbers but for the GRU candidate (dx_n against dhn).
-  A* dx = lean_scratch<A>((gru ? 2 : 1) * B * GH + H + B * H);
-  A* da = gru ? dx + B * GH : dx;
-  A* zero = da + B * GH;  // the step's output gradient: it enters as grad_h only
-  A* dhn = zero + H;      // (GRU: the candidate's hidden part, also da's last block)
-  std::fill(zero, zero + H, A(0));
-  std::copy(grad_h, grad_h + B * H, d_h);  // the carry; the rows leave the direct part
-  // (the LSTM's dc carry lives in d_c, or in scratch when it is not wanted)
-  A* dc = c == nullptr ? nullptr : d_c != nullptr ? d_c : lean_scratch_c<A>(B * H);
-  if (c != nullptr) std::copy(grad_c, grad_c + B * H, dc);
-  for (int64_t b = 0; b < B; ++b) {
+RNNKERN_CPU_CLONES void lean_step_forward(const StepSizes& s, const A* x, const A* h, const A* c,
+                                          const A* w_ih, const A* w_hh, const A* b_ih,
+                                          const A* b_hh, A* h_new, A* c_new, A* ws) {
+  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H;
+  A* xp = lean_scratch<A>(2 * B * GH + 3 * GH);
+  A* hp = xp + B * GH;
+  A* bx = hp + B * GH;  // b_ih, b_hh (zeros when absent) and their sum
+  A* bh = bx + GH;
+  A* bsum = bh + GH;
+  for (int64_t j = 0; j < GH; ++j) {
+    bx[j] = b_ih ? b_ih[j] : A(0);
+    bh[j] = b_hh ? b_hh[j] : A(0);
+    bsum[j] = bx[j] + bh[j];
+  }
+  for_row_blocks(B, GH * (I + H), [&](int64_t b0, int64_t b1) {
+    lean_rows_forward<A>(s, b0, b1, x, h, c, w_ih, w_hh, bx, bh, bsum, xp, hp, h_new, c_new, ws);
+  });
+}
+
+// Rows b0..b1 of the step's backward: the row kernels (the carries dh, dc and
+// the gate gradients dx, da), then dh += da W_hh and d_x = dx W_ih for them.
+template <typename A>
+RNNKERN_CPU_CLONES void lean_rows_backward(const StepSizes& s, int64_t b0, int64_t b1,
+                                           const A* h, const A* c, const A* w_ih,
+                                           const A* w_hh, const A* h_new, const A* ws,
+                                           const A* zero, A* dx, A* da, A* dhn, A* dc, A* d_x,
+                                           A* d_h, bool need_dh) {
+  const int64_t I = s.I, H = s.H, GH = s.G * H, W = workspace_size(s.cell, H);
+  for (int64_t b = b0; b < b1; ++b) {
     const A* w = ws + b * W;
     A* dh = d_h + b * H;
     switch (s.cell) {
@@ -118,16 +139,46 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
         gru_backward_row<A, false>(H, H, dh, zero, w, h + b * H, dx + b * GH, da + b * GH,
                                    dhn + b * H, nullptr);
         break;
-      default: TORCH_INTERNAL_ASSERT(false, "lean_step_backward: ", cell_name(s.cell));
+      default: TORCH_INTERNAL_ASSERT(false, "lean_rows_backward: ", cell_name(s.cell));
     }
   }
-  // The products: dh += da W_hh, dx = dx W_ih, dW_hh = da^T h, dW_ih = dx^T x.
+  const int64_t m = b1 - b0;
   if (need_dh)
-    gemm::multiply(B, da, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_hh, GH, H, H),
-                   d_h, H, true);
+    gemm::multiply(m, da + b0 * GH, gemm::StridesA{GH, 1},
+                   gemm::PackedB<A>::view_rows(w_hh, GH, H, H), d_h + b0 * H, H, true);
   if (d_x != nullptr)
-    gemm::multiply(B, dx, gemm::StridesA{GH, 1}, gemm::PackedB<A>::view_rows(w_ih, GH, I, I),
-                   d_x, I, false);
+    gemm::multiply(m, dx + b0 * GH, gemm::StridesA{GH, 1},
+                   gemm::PackedB<A>::view_rows(w_ih, GH, I, I), d_x + b0 * I, I, false);
+}
+
+// Outputs given as null are not wanted (step_backward's `needs`): their
+// products are skipped.  d_h always receives the carry; need_dh adds the
+// product through W_hh.
+template <typename A>
+RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, const A* grad_c,
+                                           const A* x, const A* h, const A* c, const A* w_ih,
+                                           const A* w_hh, const A* h_new, const A* ws, A* d_x,
+                                           A* d_h, A* d_c, A* d_w_ih, A* d_w_hh, A* d_b_ih,
+                                           A* d_b_hh, bool need_dh) {
+  const int64_t B = s.B, I = s.I, H = s.H, GH = s.G * H;
+  const bool gru = s.cell == Cell::Gru;
+  // dx: gradients of x W_ih^T (+ b_ih); da: of h W_hh^T (+ b_hh) -- the same
+  // numbers but for the GRU candidate (dx_n against dhn).
+  A* dx = lean_scratch<A>((gru ? 2 : 1) * B * GH + H + B * H);
+  A* da = gru ? dx + B * GH : dx;
+  A* zero = da + B * GH;  // the step's output gradient: it enters as grad_h only
+  A* dhn = zero + H;      // (GRU: the candidate's hidden part, also da's last block)
+  std::fill(zero, zero + H, A(0));
+  std::copy(grad_h, grad_h + B * H, d_h);  // the carry; the rows leave the direct part
+  // (the LSTM's dc carry lives in d_c, or in scratch when it is not wanted)
+  A* dc = c == nullptr ? nullptr : d_c != nullptr ? d_c : lean_scratch_c<A>(B * H);
+  if (c != nullptr) std::copy(grad_c, grad_c + B * H, dc);
+  for_row_blocks(B, GH * (I + H), [&](int64_t b0, int64_t b1) {
+    lean_rows_backward<A>(s, b0, b1, h, c, w_ih, w_hh, h_new, ws, zero, dx, da, dhn, dc, d_x, d_h,
+                          need_dh);
+  });
+  // The weight gradients dW_hh = da^T h, dW_ih = dx^T x: sums over the rows in
+  // their order (blocked_gemm splits the weights' rows between threads).
   if (d_w_hh != nullptr) blocked_gemm<A>(GH, H, B, da, 1, GH, h, H, 1, d_w_hh, H, false);
   if (d_w_ih != nullptr) blocked_gemm<A>(GH, I, B, dx, 1, GH, x, I, 1, d_w_ih, I, false);
   for (int64_t j = 0; j < GH && (d_b_ih != nullptr || d_b_hh != nullptr); ++j) {
@@ -143,22 +194,19 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
 
 }  // namespace
 
-// Whether step(cell ...) takes the lean path: a cell without options, inputs
-// already contiguous in the accumulate type, and a step the driver would run
-// on one thread anyway: one thread (whatever the size: the driver's T = 1
-// input projection packs W_ih, which made an LSTM step at B=32 H=256 take
-// 324 us against the lean path's 168 at B=31), or fewer rows than a split by
-// rows takes and far below a split by units.  Its scratch is kept per thread,
-// so a step with more than kMaxLeanGateValues gate pre-activations (B x G x H;
-// 16 MiB of float32 scratch) goes to the driver, whose buffers are pooled.
+// Whether step(cell ...) takes the lean path: a cell without options and
+// inputs already contiguous in the accumulate type, whatever the thread count
+// (the choice must not depend on it: the two paths sum in different orders;
+// and the driver's T = 1 input projection packs W_ih, which made an LSTM step
+// at B=32 H=256 take 324 us against the lean path's 168 at B=31, one thread).
+// Its scratch is kept per thread, so a step with more than kMaxLeanGateValues
+// gate pre-activations (B x G x H; 16 MiB of float32 scratch) goes to the
+// driver, whose buffers are pooled.
 constexpr int64_t kMaxLeanGateValues = int64_t(1) << 21;
 bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
                std::initializer_list<const OptTensor*> opts) {
   if (s.cell == Cell::GruResetBefore || s.cell == Cell::LstmLn) return false;
   if (s.B * s.G * s.H > kMaxLeanGateValues) return false;
-  if (at::get_num_threads() > 1 &&
-      (s.B >= 2 * kMinRowsPerThread || s.B * s.G * s.H * (s.I + s.H) >= kMinStepMacsPerWorker))
-    return false;
   for (const Tensor* t : ts) {
     const auto st = t->scalar_type();
     if ((st != at::kFloat && st != at::kDouble) || !t->is_contiguous()) return false;
