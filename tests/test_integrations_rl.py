@@ -1,0 +1,153 @@
+"""rnnkern.integrations.sb3 and .torchrl against the libraries' own code paths,
+and bench.rl's quick mode.  sb3-contrib, gymnasium and torchrl are in
+requirements-dev.txt (CI installs them); without them the module is skipped."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sb3_contrib", reason="sb3-contrib is not installed (requirements-dev.txt)")
+pytest.importorskip("gymnasium", reason="gymnasium is not installed (requirements-dev.txt)")
+
+import gymnasium as gym  # noqa: E402
+from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy  # noqa: E402
+
+import rnnkern  # noqa: E402
+from rnnkern.integrations import sb3 as rk_sb3  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {"separate": dict(shared_lstm=False, enable_critic_lstm=True),
+            "shared": dict(shared_lstm=True, enable_critic_lstm=False),
+            "critic_without_lstm": dict(shared_lstm=False, enable_critic_lstm=False)}
+
+
+def _policies(variant: str, layers: int = 1, dtype=torch.float64):
+    torch.manual_seed(0)
+    obs = gym.spaces.Box(-1.0, 1.0, (5,))
+    theirs = RecurrentActorCriticPolicy(obs, gym.spaces.Discrete(3), lambda _: 3e-4,
+                                        lstm_hidden_size=8, n_lstm_layers=layers,
+                                        **VARIANTS[variant]).to(dtype)
+    ours = rk_sb3.accelerate(copy.deepcopy(theirs))
+    return theirs, ours
+
+
+def _sequence_case(n_seq: int, T: int, F: int, H: int, layers: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(n_seq * T, F, generator=g, dtype=torch.float64)
+    starts = (torch.rand(n_seq * T, generator=g) < 0.25).double()
+    starts[0] = 1.0       # a start at position 0 of the first sequence...
+    starts[T] = 0.0       # ...and a carried state entering the second
+    states = tuple(torch.randn(layers, n_seq, H, generator=g, dtype=torch.float64)
+                   for _ in range(2))
+    cot = torch.randn(n_seq * T, H, generator=g, dtype=torch.float64)
+    return features, states, starts, cot
+
+
+def _run(policy, lstm_name, features, states, starts, cot):
+    features = features.clone().requires_grad_()
+    states = tuple(s.clone().requires_grad_() for s in states)
+    lstm = getattr(policy, lstm_name)
+    out, (h, c) = policy._process_sequence(features, states, starts, lstm)
+    loss = (out * cot).sum() + (h * h).sum() + c.sum()
+    params = list(lstm.parameters())
+    grads = torch.autograd.grad(loss, [features, *states, *params])
+    return [out, h, c, *grads]
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("T", [1, 7])
+def test_sb3_process_sequence_matches_sb3_in_float64(variant, T, layers):
+    theirs, ours = _policies(variant, layers)
+    assert ours.lstm_actor.__class__ is rnnkern.LSTM
+    assert (ours.lstm_critic is None) == (variant != "separate")
+    assert "_process_sequence" not in vars(theirs)  # sb3-contrib's class is untouched
+    names = ["lstm_actor"] + (["lstm_critic"] if variant == "separate" else [])
+    for seed, name in enumerate(names):
+        case = _sequence_case(n_seq=4, T=T, F=theirs.features_dim, H=8, layers=layers, seed=seed)
+        want = _run(theirs, name, *case)
+        got = _run(ours, name, *case)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_sb3_evaluate_actions_matches_sb3(variant):
+    """The whole policy's training-time pass (actor and critic paths) and the
+    gradient of every parameter.  float32: sb3's preprocessing casts the
+    observations to float32, so this runs as training does; the tolerance is
+    float32 reordering (a few ulps of values of order 1, summed over 18 rows)."""
+    theirs, ours = _policies(variant, dtype=torch.float32)
+    features, states, starts, _ = _sequence_case(3, 6, 5, 8, 1, seed=3)
+    features, states, starts = features.float(), tuple(s.float() for s in states), starts.float()
+    from sb3_contrib.common.recurrent.type_aliases import RNNStates
+    actions = torch.randint(0, 3, (18,))
+    results = []
+    for policy in (theirs, ours):
+        st = RNNStates(tuple(s.clone() for s in states), tuple(s.clone() + 1 for s in states))
+        values, log_prob, entropy = policy.evaluate_actions(features.clone(), actions, st, starts)
+        loss = (values.squeeze(-1) * torch.linspace(-1, 1, 18)).sum() \
+            + log_prob.sum() + entropy.sum()
+        results.append([values, log_prob, entropy,
+                        *torch.autograd.grad(loss, list(policy.parameters()), allow_unused=True)])
+    for a, b in zip(*results):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_sb3_accelerate_twice_and_rejects_other_models():
+    theirs, ours = _policies("separate")
+    assert rk_sb3.accelerate(ours) is ours
+    with pytest.raises(TypeError, match="RecurrentPPO"):
+        rk_sb3.accelerate(torch.nn.Linear(2, 2))
+
+
+def _learn(accelerated: bool):
+    from sb3_contrib import RecurrentPPO
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1,
+                         seed=0, device="cpu")
+    if accelerated:
+        rk_sb3.accelerate(model)
+    model.learn(256)
+    return model
+
+
+def test_sb3_recurrent_ppo_learns_the_same():
+    """Same seed, same environment steps and updates: the accelerated model's
+    parameters after learn(256) equal the unaccelerated one's up to float32
+    reordering.  Both compute the same function in float32, only summed in
+    another order (rnnkern's fused kernels against torch.nn's per-step calls):
+    each step differs by a few ulps (~1e-7 relative); four PPO updates with
+    Adam (lr 3e-4) move parameters by ~1e-3, so float32 noise in the
+    gradients shows up at most ~1e-6 absolute in the parameters.  The
+    tolerance (1e-5 absolute + 1e-4 relative) is well above that and far below
+    one update's step: a wrong reset would move parameters by ~1e-4 or more
+    (and change the sampled actions)."""
+    plain, fast = _learn(False), _learn(True)
+    assert isinstance(fast.policy.lstm_actor, rnnkern.LSTM)
+    assert not isinstance(plain.policy.lstm_actor, rnnkern.LSTM)
+    assert fast.num_timesteps == plain.num_timesteps == 256
+    want, got = plain.policy.state_dict(), fast.policy.state_dict()
+    assert want.keys() == got.keys()
+    moved = max((want[k] - v).abs().max().item() for k, v in
+                _learn_initial_state().items())
+    assert moved > 1e-4  # learning changed the parameters (else the check below is empty)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _learn_initial_state():
+    from sb3_contrib import RecurrentPPO
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1,
+                         seed=0, device="cpu")
+    return model.policy.state_dict()
