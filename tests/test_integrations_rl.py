@@ -151,3 +151,129 @@ def _learn_initial_state():
     model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1,
                          seed=0, device="cpu")
     return model.policy.state_dict()
+
+
+# ----------------------------------------------------------------- torchrl ----
+
+def _torchrl():
+    pytest.importorskip("torchrl", reason="torchrl is not installed (requirements-dev.txt)")
+    from tensordict import TensorDict
+    from torchrl.modules import GRUModule, LSTMModule
+
+    from rnnkern.integrations import torchrl as rk_trl
+    return TensorDict, LSTMModule, GRUModule, rk_trl
+
+
+def _torchrl_case(kind: str, seed: int, states: str = "primer", grad_states: bool = False):
+    """A [4, 9] recurrent-mode batch: is_init at random places, at the first
+    step of row 0 and mid-row in row 1; stored states as a collector leaves
+    them ("primer": random at step 0, zeros at every later is_init, random
+    elsewhere -- torchrl reads only the trajectory starts), "absent", or
+    "nonzero" at the mid-row is_init too."""
+    TensorDict, LSTMModule, GRUModule, rk_trl = _torchrl()
+    B, T, F, H = 4, 9, 3, 6
+    torch.manual_seed(seed)
+    cls = LSTMModule if kind == "lstm" else GRUModule
+    theirs = cls(input_size=F, hidden_size=H, in_key="obs", out_key="feat",
+                 default_recurrent_mode=True).double()
+    ours = rk_trl.accelerate(copy.deepcopy(theirs))
+    g = torch.Generator().manual_seed(seed)
+    is_init = torch.rand(B, T, 1, generator=g) < 0.2
+    is_init[0, 0] = is_init[1, 4] = True
+    is_init[2, 0] = False
+    x = torch.randn(B, T, F, generator=g, dtype=torch.float64)
+    data = {"obs": x, "is_init": is_init}
+    n_states = 2 if kind == "lstm" else 1
+    if states != "absent":
+        for key in theirs.in_keys[1:1 + n_states]:
+            s = torch.randn(B, T, 1, H, generator=g, dtype=torch.float64)
+            if states == "primer":
+                s[:, 1:][is_init[:, 1:, 0]] = 0.0
+            data[key] = s
+    cots = {key: torch.randn(B, T, *([1] if key != "feat" else []), H, generator=g,
+                             dtype=torch.float64) for key in theirs.out_keys}
+    return TensorDict(data, [B, T]), theirs, ours, cots, grad_states
+
+
+def _torchrl_run(module, td, cots, grad_states):
+    td = td.clone()
+    leaves = {"obs": td["obs"].requires_grad_()}
+    if grad_states:
+        for key in module.in_keys[1:-1]:
+            if key in td.keys():
+                leaves[key] = td[key].requires_grad_()
+    out = module(td)
+    loss = sum((out[k] * c).sum() for k, c in cots.items())
+    params = list(module.parameters())
+    grads = torch.autograd.grad(loss, [*leaves.values(), *params])
+    return out, list(grads)
+
+
+@pytest.mark.parametrize("states", ["primer", "absent", "nonzero"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_torchrl_recurrent_mode_matches_torchrl_in_float64(kind, states):
+    td, theirs, ours, cots, grad_states = _torchrl_case(kind, seed=1, states=states)
+    want, want_grads = _torchrl_run(theirs, td, cots, grad_states)
+    got, got_grads = _torchrl_run(ours, td, cots, grad_states)
+    assert sorted(got.keys(True, True), key=str) == sorted(want.keys(True, True), key=str)
+    assert ours.in_keys == theirs.in_keys and ours.out_keys == theirs.out_keys
+    for key in want.keys(True, True):
+        assert got[key].shape == want[key].shape and got[key].dtype == want[key].dtype, key
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=str(key))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_torchrl_fast_path_is_one_call_without_split_and_pad(kind, monkeypatch):
+    """The cases above that the fast path serves never reach torchrl's forward."""
+    td, theirs, ours, cots, _ = _torchrl_case(kind, seed=2)
+    want, want_grads = _torchrl_run(theirs, td, cots, False)
+    _, LSTMModule, GRUModule, _ = _torchrl()
+
+    def refuse(self, tensordict):
+        raise AssertionError("torchrl's own recurrent path ran")
+    monkeypatch.setattr(LSTMModule if kind == "lstm" else GRUModule, "forward", refuse)
+    got, got_grads = _torchrl_run(ours, td, cots, False)
+    torch.testing.assert_close(got["feat"], want["feat"], rtol=0, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_torchrl_stored_states_with_grad(kind):
+    """Gradients of the stored states: torchrl differentiates the state stored
+    at every trajectory start, so with mid-row resets the module falls back to
+    torchrl's path (the same numbers); without them, the fast path's gradient
+    of step 0's state is torchrl's."""
+    td, theirs, ours, cots, _ = _torchrl_case(kind, seed=3)
+    for case in (td, td.clone().set("is_init", torch.zeros_like(td["is_init"]))):
+        want, want_grads = _torchrl_run(theirs, case, cots, True)
+        got, got_grads = _torchrl_run(ours, case, cots, True)
+        for key in want.keys(True, True):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=str(key))
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_torchrl_sequential_mode_and_accelerate_errors():
+    TensorDict, LSTMModule, GRUModule, rk_trl = _torchrl()
+    from torchrl.modules import set_recurrent_mode
+    torch.manual_seed(0)
+    theirs = LSTMModule(input_size=3, hidden_size=4, in_key="obs", out_key="feat").double()
+    ours = rk_trl.accelerate(copy.deepcopy(theirs))
+    assert isinstance(ours, LSTMModule) and isinstance(ours.lstm, rnnkern.LSTM)
+    assert rk_trl.accelerate(ours) is ours
+    td = TensorDict({"obs": torch.randn(5, 3, dtype=torch.float64),
+                     "is_init": torch.tensor([[True], [False], [True], [False], [False]]),
+                     "recurrent_state_h": torch.randn(5, 1, 4, dtype=torch.float64),
+                     "recurrent_state_c": torch.randn(5, 1, 4, dtype=torch.float64)}, [5])
+    with set_recurrent_mode(False):
+        want, got = theirs(td.clone()), ours(td.clone())
+    for key in want.keys(True, True):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match="no torchrl"):
+        rk_trl.accelerate(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="python_based"):
+        rk_trl.accelerate(LSTMModule(input_size=3, hidden_size=4, in_key="obs", out_key="feat",
+                                     python_based=True))
