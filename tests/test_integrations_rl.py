@@ -277,3 +277,49 @@ def test_torchrl_sequential_mode_and_accelerate_errors():
     with pytest.raises(TypeError, match="python_based"):
         rk_trl.accelerate(LSTMModule(input_size=3, hidden_size=4, in_key="obs", out_key="feat",
                                      python_based=True))
+
+
+# ------------------------------------------------------------- bench.rl ----
+
+def test_rl_bench_quick_checks_agreement_then_times(tmp_path):
+    """`python -m bench.rl --quick`: float64 agreement of every pair first, then
+    interleaved times; the JSON's keys and figures."""
+    _torchrl()
+    out = tmp_path / "rl.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.rl", "--quick", "--threads", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(c) fused" in proc.stdout and f"results: {out}" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"meta", "sb3_sequence", "sb3_learn", "torchrl"}
+    meta = doc["meta"]
+    assert meta["quick"] and meta["threads"] == 1 and "isa" in meta and meta["cpu"]
+    assert {"load_average_at_start", "load_average_at_end", "git", "versions"} <= set(meta)
+    names = ["sb3 loop, torch.nn", "sb3 loop, rnnkern", "rnnkern fused"]
+    [seq] = doc["sb3_sequence"]
+    assert (seq["n_envs"], seq["hidden"], seq["T"]) == (2, 8, 8) and seq["episode_starts"] >= 1
+    assert set(seq["float64_max_difference"]) == set(names[1:])
+    assert all(0 <= d <= 1e-10 for d in seq["float64_max_difference"].values())
+    assert list(seq["median_ms"]) == names and all(v > 0 for v in seq["median_ms"].values())
+    [trl] = doc["torchrl"]
+    assert 0 <= trl["float64_max_difference"] <= 1e-10 and trl["trajectories"] > trl["B"]
+    assert all(v > 0 for v in trl["median_ms"].values()) and trl["speedup"] > 0
+    learn = doc["sb3_learn"]
+    assert learn["total_timesteps"] == 32 and learn["speedup"] > 0
+    # float32 reordering only (see test_sb3_recurrent_ppo_learns_the_same)
+    assert learn["final_parameters_max_relative_difference_float32"] < 1e-3
+
+
+def test_rl_bench_refuses_to_time_a_wrong_answer(monkeypatch):
+    _torchrl()
+    from bench import rl
+
+    from rnnkern.integrations import sb3 as rk
+    right = rk.fused_process_sequence
+
+    def off_by_a_millionth(*args):
+        out, states = right(*args)
+        return out * (1 + 1e-6), states
+    monkeypatch.setattr(rk, "fused_process_sequence", off_by_a_millionth)
+    with pytest.raises(SystemExit, match="differ by"):
+        rl.measure_sb3(2, 8, 6, 4, 0.3, rounds=1, budget_s=1.0)
