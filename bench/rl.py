@@ -258,7 +258,7 @@ def main(argv=None) -> None:
           f"{100 * fraction:g}% episode starts", flush=True)
     doc = {"meta": meta, "sb3_sequence": [], "sb3_learn": None, "torchrl": []}
 
-    print(f"\n(a)-(c) sb3-contrib _process_sequence, ms (speedup over (a)); float64 agreement")
+    print("\n(a)-(c) sb3-contrib _process_sequence, ms (speedup over (a)); float64 agreement")
     print(f"{'n_envs':>6} {'hidden':>6} | {'(a) torch.nn loop':>18} {'(b) rnnkern loop':>18} "
           f"{'(c) fused':>18} | agreement", flush=True)
     for n_envs, H in grid:
@@ -269,7 +269,7 @@ def main(argv=None) -> None:
               f"{ms[SEQ[2]]:>10.3g} ({sp[SEQ[2]]:4.2f}x) | "
               f"{max(r['float64_max_difference'].values()):.1e}", flush=True)
 
-    print(f"\n(e) torchrl LSTMModule recurrent mode, ms; float64 agreement")
+    print("\n(e) torchrl LSTMModule recurrent mode, ms; float64 agreement")
     print(f"{'B':>6} {'hidden':>6} | {'split-and-pad':>14} {'rnnkern':>10} {'speedup':>8} | agreement")
     for B, H in grid:
         r = measure_torchrl(B, H, T, F, fraction, rounds, budget)

@@ -33,8 +33,6 @@ Sequential mode (rollouts) runs torchrl's code on the converted module.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 from tensordict.nn import dispatch
@@ -66,6 +64,8 @@ def _fast_path_applies(rnn, is_init: Tensor, states) -> bool:
     present = [s for s in states if s is not None]
     if not present:
         return True
+    if len(present) != len(states):
+        return False  # h without c (or c without h): torchrl's own error
     mid = is_init[:, 1:]
     if not bool(mid.any()):
         return True
@@ -127,9 +127,8 @@ def _recurrent_forward(module, tensordict, rnn, lstm: bool):
         return None
     B, T = value.shape[:2]
     H = rnn.hidden_size
+    # The state entering step 0: stored there (layer 0 of 1), else zeros.
     first = [s[:, 0, 0] if s is not None else value.new_zeros(B, H) for s in states]
-    if all(s is None for s in states):
-        first = [value.new_zeros(B, H) for _ in states]
     resets = is_init.clone()
     resets[:, 0] = False  # torchrl's step 0 starts from the stored state, is_init or not
     hx = tuple(f.unsqueeze(0) for f in first)
@@ -139,11 +138,12 @@ def _recurrent_forward(module, tensordict, rnn, lstm: bool):
         h_last, c_last = hn[0][0], hn[1][0]
     else:
         h_last = hn[0]
+    # The state after each step, wherever a trajectory ends: a one-layer
+    # recurrence's h is its output; each row's last step takes the kernel's own
+    # final state (the same number).  Without mid-row ends only that one is kept.
     mid_ends = bool(is_init[:, 1:].any())
-    h_steps = out if mid_ends else torch.cat((out.new_zeros(B, T - 1, H), h_last.unsqueeze(1)), 1)
-    if mid_ends:  # the row's last step from the kernel's own final state (the same number)
-        h_steps = torch.cat((h_steps[:, :-1], h_last.unsqueeze(1)), 1)
-    next_states = [h_steps]
+    before_last = out[:, :-1] if mid_ends else out.new_zeros(B, T - 1, H)
+    next_states = [torch.cat((before_last, h_last.unsqueeze(1)), 1)]
     if lstm:
         if mid_ends:
             c_steps = _lstm_cell_states(rnn, value, out, first[0], first[1], is_init)
