@@ -15,7 +15,9 @@ step t, position 0 included, is zeros), so the loop becomes one fused call.
 Only the given policy instance changes: its LSTMs are converted in place
 (:func:`rnnkern.convert`: the same module objects and parameters, so the
 optimizer built before still updates them) and ``_process_sequence`` is
-replaced on the instance; sb3-contrib's class is left alone.
+replaced on the instance; sb3-contrib's class is left alone.  ``model.save()``
+writes what it writes without rnnkern; ``RecurrentPPO.load()`` builds an
+unaccelerated model: accelerate it again.
 """
 from __future__ import annotations
 
