@@ -19,6 +19,8 @@ Studies and tools beside it:
 
     resets.py            ``python -m bench.resets``: ``resets=`` against the torch.nn loop
                          that splits a chunk at every episode boundary
+    rl.py                ``python -m bench.rl``: sb3-contrib's RecurrentPPO and torchrl's
+                         LSTMModule against rnnkern.integrations (docs/rl.md)
     threads.py           ``python -m bench.threads``: one CPU thread against two, quiet and
                          beside a busy neighbour
     sanitizer_cases.py   a small case of every CUDA kernel, for compute-sanitizer
