@@ -380,13 +380,25 @@ def test_tf32_is_honoured_and_close():
     """Both settings of allow_tf32 run (CUBLAS_COMPUTE_32F_FAST_TF32 or not):
     within TF32 accuracy of float64 with it, within float32's without it, and
     with it the error is TF32's (unit roundoff 2^-11), not float32's (2^-24):
-    a kernel that ignores the flag fails the lower bound."""
-    args = to_device(recurrence_inputs("lstm", 20, 8, 257, dtype=torch.float32, key=("tf32",)), DEV)
+    a kernel that ignores the flag fails the lower bound.
+
+    FAST_TF32 allows tensor cores, it does not require them: at small products
+    cuBLAS may pick float32 kernels (an H100 run at B=8, H=257: the same bits
+    either way).  So the sizes are ones where the tensor cores pay (the step's
+    product 256 x 4096 x 1024), and torch's own matmul of that product under
+    the same flag shows the TF32 error, the premise, checked first."""
+    T, B, H = 3, 256, 1024
+    args = to_device(recurrence_inputs("lstm", T, B, H, dtype=torch.float32, key=("tf32",)), DEV)
     a64 = {k: None if v is None else v.double() for k, v in args.items()}
     want = run_recurrence("reference", "lstm", a64)[0]
     saved = torch.backends.cuda.matmul.allow_tf32
+    h, w = args["h0"], args["w_hh"]
+    exact = h.double() @ w.double().t()
     results, errs = {}, {}
     try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        premise = ((h @ w.t()).double() - exact).norm() / exact.norm()
+        assert premise > 1e-5, f"torch's own matmul shows no TF32 error ({premise:.1e}) at this size"
         for allow in (True, False):
             torch.backends.cuda.matmul.allow_tf32 = allow
             results[allow] = run_recurrence("cuda", "lstm", args)[0]

@@ -728,6 +728,27 @@ def test_autocast_backward_gives_parameter_dtype_gradients():
         assert_low_precision(a.grad, b.grad, c, what=name)
 
 
+@pytest.mark.parametrize("name,kwargs", AUTOCAST_MODULES, ids=AUTOCAST_IDS)
+@pytest.mark.parametrize("form", ["padded", "packed"])
+def test_autocast_run_dtype_other_than_autocast_dtype(monkeypatch, name, kwargs, form):
+    """On CUDA the modules run in float16 under bfloat16 autocast, as cuDNN's RNN
+    does: every product then runs in the run dtype, not autocast's (an H100 run
+    found the input projection autocast to bfloat16 meeting float16 weights).
+    The same split here on the CPU: bfloat16 autocast, a float16 run; results in
+    float16 whose values match the float16 run without autocast."""
+    ours, _ = _autocast_pair(name, kwargs)
+    monkeypatch.setattr(type(ours), "_run_dtype_under_autocast", lambda self, device, weight: torch.float16)
+    monkeypatch.setattr(type(ours), "_autocast_result_dtypes",
+                        lambda self, x, hx, dtype, packed: (dtype,) * (1 + len(hx)))
+    x = randn(generator("autocast-split", name, form), T, B, I, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _autocast_run(ours, form, x, None, False)
+    assert [t.dtype for t in got] == [torch.float16] * len(got)
+    want = _autocast_run(ours.half(), form, x.half(), None, False)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"result {i}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name,kwargs", AUTOCAST_MODULES, ids=AUTOCAST_IDS)

@@ -165,6 +165,24 @@ class _RecurrentMixin(_RnnkernOptions):
         (h_n[, c_n]).  ``packing``
         (variable lengths only) says which rows torch.nn would see packed:
         dropout draws its mask over them, in that order, as torch.nn does."""
+        dtype = None
+        if _any_autocast():
+            weight = getattr(self, self._flat_weights_names[0])
+            dtype = self._run_dtype_under_autocast(x.device, weight)
+        if dtype is not None:
+            # Every tensor below is cast to dtype explicitly, and autocast is off
+            # while they run: it would recast the input projection (a linear) to
+            # its own dtype, which differs from dtype on CUDA (bfloat16 autocast,
+            # float16 run) and would then meet float16 weights in the kernels.
+            with torch.autocast(x.device.type, enabled=False):
+                return self._run_layers_cast(dtype, x, hx, lengths, packing, resets, reset_state,
+                                             reset_is_hx)
+        return self._run_layers_cast(None, x, hx, lengths, packing, resets, reset_state, reset_is_hx)
+
+    def _run_layers_cast(self, dtype: Optional[torch.dtype], x: Tensor, hx,
+                         lengths: Optional[Tensor], packing: Optional[_Packing],
+                         resets: Optional[Tensor], reset_state, reset_is_hx: bool):
+        """:meth:`_run_layers` in ``dtype`` (None: the tensors' own), autocast off."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
         backend = ops.resolve_backend(self.backend, x.device)
@@ -174,7 +192,6 @@ class _RecurrentMixin(_RnnkernOptions):
         lns = self._layer_ln() if cell == "lstm_ln" else None
         packed = lengths is not None
         result_dtypes = None
-        dtype = self._run_dtype_under_autocast(x.device, weights[0][0]) if _any_autocast() else None
         if dtype is not None:
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
