@@ -7,7 +7,7 @@ torch.nn in the same process), the entry keeps rnnkern's speed ratios
 replaced by those of the files given for it; other devices' entries stay.  So
 one GPU run updates the GPU's rows:
 
-    python -m bench.auto_table bench/results/gpu-h100-2026-11-26/bench-full-cuda/bench_gpu_cuda.json
+    python -m bench.auto_table bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from rnnkern import auto
 from conftest import generator, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_RESULT = "bench/results/gpu-h100-2026-11-26/bench-full-cuda/bench_gpu_cuda.json"
+GPU_RESULT = "bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json"
 CPU = torch.device("cpu")
 
 
