@@ -13,9 +13,11 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    call builds a graph) runs.
 3. Without a measurement: on a GPU, torch.nn (cuDNN) for what it supports; on a
    CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
-   the benchmark, except bfloat16 on CPUs with AVX512_BF16, where oneDNN runs
-   the bf16 dot-product instructions: the table's CPU rows are to say so once
-   measured by the current code; until then bf16 there stays on rnnkern).
+   the benchmark), except bfloat16 on CPUs with AVX512_BF16: there oneDNN runs
+   the bf16 dot-product instructions, which rnnkern's kernels do not use yet
+   (they compute bf16 in float32, at float32's speed; a Zen 4 ran them at about
+   half of oneDNN's bf16 speed), so torch.nn runs until the table's rows for
+   that CPU class say otherwise.
 
 Explicit backends (``"cpu"``, ``"cuda"``, ``"triton"``, ``"reference"``) always
 run rnnkern's own code.  :func:`rnnkern.explain` names the choice for a module
@@ -86,14 +88,19 @@ def cpu_class(vector_bits: int, bf16: bool) -> str:
     return f"cpu:{vector_bits}bit{'+bf16' if bf16 else ''}"
 
 
+@functools.lru_cache(maxsize=None)
+def _this_cpu_class() -> str:
+    from . import _C
+    return cpu_class(_C.cpu_vector_bits(), cpu_has_avx512_bf16())
+
+
 def device_class(device: torch.device) -> str:
     """The key of a device in the table: ``cuda:sm_90``, ``cpu:512bit+bf16``, ..."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:sm_{major}{minor}"
     if device.type == "cpu":
-        from . import _C
-        return cpu_class(_C.cpu_vector_bits(), cpu_has_avx512_bf16())
+        return _this_cpu_class()
     return device.type
 
 
@@ -113,16 +120,34 @@ def _index() -> dict:
     return _INDEXES[table_id]
 
 
+_TORCH_FASTER_SOMEWHERE: dict = {}
+
+
+def _torch_faster_somewhere(key: str) -> bool:
+    """Whether any of the table's rows for device class ``key`` measured
+    torch.nn faster than rnnkern (cached per table)."""
+    doc = table()
+    cache_key = (id(doc), len(doc.get("entries", [])), key)
+    if cache_key not in _TORCH_FASTER_SOMEWHERE:
+        _TORCH_FASTER_SOMEWHERE[cache_key] = any(
+            e["device"] == key and min(e["speedups"].values()) < 1.0 for e in doc.get("entries", []))
+    return _TORCH_FASTER_SOMEWHERE[cache_key]
+
+
 def no_torch_choice(input) -> bool:
-    """True when ``auto`` cannot choose torch.nn for this input's device: a CPU
-    with no CPU rows in the table (the modules then skip the choice: a one-step
-    call feels every microsecond)."""
+    """True when ``auto`` cannot choose torch.nn for this input: a CPU whose
+    table rows (if any) all measured rnnkern faster, and no bfloat16 on a CPU
+    with the bf16 dot products (rule 3).  The modules then skip the choice: a
+    one-step call feels every microsecond (the choice costs ~25 us)."""
     data = getattr(input, "data", input) if not isinstance(input, torch.Tensor) else input
     if not isinstance(data, torch.Tensor):
         return True  # not an input at all: the module's own checks name the argument
     if data.device.type != "cpu":
         return False
-    return not any(key[0].startswith("cpu") for key in _index())
+    key = device_class(data.device)
+    if key.endswith("+bf16") and (data.dtype == torch.bfloat16 or torch.is_autocast_enabled("cpu")):
+        return False
+    return not _torch_faster_somewhere(key)
 
 
 def _nearest(entries: list, B: int, H: int, T: int) -> dict:
@@ -157,6 +182,10 @@ def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: in
     if device.type == "cuda":
         return Choice(TORCH, f"no measurement of rnnkern for {cell} {dtype_name} on {key}: "
                              "torch.nn's cuDNN path")
+    if device.type == "cpu" and dtype == torch.bfloat16 and key.endswith("+bf16"):
+        return Choice(TORCH, f"no measurement of rnnkern for {cell} bfloat16 on {key}: oneDNN runs "
+                             "this CPU's bf16 dot-product instructions, rnnkern's kernels compute bf16 "
+                             "in float32")
     return Choice(rnnkern_backend, f"rnnkern's {device.type} kernels (no measurement says otherwise)")
 
 

@@ -17,6 +17,7 @@ from conftest import generator, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_RESULT = "bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json"
+CPU_RESULT = "bench/results/cpu-zen3-2026-11-27-default/bench.json"  # AMD Zen 3, AVX2
 CPU = torch.device("cpu")
 
 
@@ -67,26 +68,53 @@ def test_without_a_measurement(table):
     assert cuda.uses_torch and "cuDNN" in cuda.reason
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         assert choose(dtype=dtype).implementation == "cpu"
-    # Without CPU rows the modules skip the choice on CPU tensors; never on CUDA ones.
+    # bfloat16 on a CPU with the bf16 dot products: torch.nn (oneDNN uses them, rnnkern not yet);
+    # the other dtypes there, and bfloat16 once a row measures rnnkern faster, rnnkern.
+    for key in ("cpu:512bit+bf16", "cpu:256bit+bf16"):
+        bf16 = choose(dtype=torch.bfloat16, device_key=key)
+        assert bf16.uses_torch and "bf16 dot-product" in bf16.reason
+        assert choose(dtype=torch.float32, device_key=key).implementation == "cpu"
+    table.append(entry("cpu:512bit+bf16", "lstm", "bfloat16", "forward", 16, 128, 256, 1.3))
+    assert choose(dtype=torch.bfloat16, device_key="cpu:512bit+bf16").implementation == "cpu"
+
+
+@pytest.mark.parametrize("key", ["cpu:256bit", "cpu:512bit+bf16"])
+def test_when_the_modules_skip_the_choice(table, monkeypatch, key):
+    """The modules skip the choice (~25 us a call) on CPU tensors where it can only
+    say rnnkern: no row of this CPU class measured torch.nn faster, and no bfloat16
+    (input or CPU autocast) on a CPU with the bf16 dot products.  Never on CUDA."""
+    monkeypatch.setattr(auto, "_this_cpu_class", lambda: key)
+    bf16_cpu = key.endswith("+bf16")
     assert auto.no_torch_choice(torch.zeros(1))
-    table.append(entry("cpu:256bit", "lstm", "float32", "forward", 16, 128, 256, 0.5))
+    assert auto.no_torch_choice(torch.zeros(1, dtype=torch.bfloat16)) != bf16_cpu
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert auto.no_torch_choice(torch.zeros(1)) != bf16_cpu
+    table.append(entry(key, "gru", "float32", "forward", 16, 128, 256, 1.5))  # rnnkern faster
+    assert auto.no_torch_choice(torch.zeros(1))
+    table.append(entry("cpu:other", "lstm", "float32", "forward", 16, 128, 256, 0.5))  # another CPU
+    assert auto.no_torch_choice(torch.zeros(1))
+    table.append(entry(key, "lstm", "float32", "forward", 16, 128, 256, 0.5))  # torch.nn faster
     assert not auto.no_torch_choice(torch.zeros(1))
+    if torch.cuda.is_available():
+        assert not auto.no_torch_choice(torch.zeros(1, device="cuda"))
 
 
-def test_the_shipped_table_is_the_committed_gpu_result(tmp_path):
+def test_the_shipped_table_is_the_committed_results(tmp_path):
     """The package's table is what bench.auto_table writes from the committed
-    GPU benchmark: one GPU run updates it, nothing is typed in by hand."""
+    benchmarks (the H100's and a Zen 3's): one run updates its device's rows,
+    nothing is typed in by hand."""
     out = tmp_path / "table.json"
-    done = subprocess.run([sys.executable, "-m", "bench.auto_table", GPU_RESULT, "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "bench.auto_table", GPU_RESULT, CPU_RESULT, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
     with open(auto.TABLE_PATH) as f:
         shipped = json.load(f)
     with open(out) as f:
-        assert json.load(f)["entries"] == [e for e in shipped["entries"] if e["device"] == "cuda:sm_90"]
+        assert json.load(f)["entries"] == shipped["entries"]
+    assert {e["device"] for e in shipped["entries"]} == {"cuda:sm_90", "cpu:256bit"}
     # What it says for the measured H100 cases (median of 10 CUDA-event timings).
     by_case = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]["cuda"]
-               for e in shipped["entries"]}
+               for e in shipped["entries"] if e["device"] == "cuda:sm_90"}
     assert by_case[("lstm", "float16", "forward", 16, 1024, 768)] < 0.3  # cuDNN's persistent kernel
     assert by_case[("lstm", "bfloat16", "forward", 16, 1024, 768)] > 1.0
 
