@@ -5,13 +5,13 @@ starts, the state entering that step is the reset state -- zeros, or a learned
 sb3-contrib's RecurrentPPO (``_process_sequence``), cleanrl's LSTM PPO and
 torchrl's primer all step their recurrent module one position at a time and
 multiply the state by ``(1 - episode_start)`` before each step.  Here that loop
-is the truth (each step computed from the cell formulas, tests/test_modules_options.py's
+is the truth (each step computed from the cell formulas, tests/options_truth.py's
 loop_module): outputs, final states and the gradients of the input, hx, the
 reset state and every parameter agree in float64 on every backend, for a chunk
 that starts mid-episode with a carried random hx and has episode starts at
 random positions, position 0 in some rows.  The bidirectional, variable-length
 and packed forms are held to the episodes run separately
-(test_modules_options.run_episodes_separately, which takes the reset state too).
+(options_truth.run_episodes_separately, which takes the reset state too).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 import rnnkern
 from rnnkern import ops
 from conftest import assert_close, generator, randn
-from test_modules_options import (BACKENDS, compare, flat, hx_arg, loop_module, make_module,
+from options_truth import (BACKENDS, compare, flat, hx_arg, loop_module, make_module,
                                   raises_unsupported, run_episodes_separately, state_leaves,
                                   used, values_and_grads)
 

@@ -160,28 +160,35 @@ def _recurrent_forward(module, tensordict, rnn, lstm: bool):
     return tensordict
 
 
-class AcceleratedLSTMModule(LSTMModule):
+class _OneCallRecurrentMode:
+    """forward in recurrent mode as one rnnkern call where it applies (module
+    docstring), torchrl's own forward otherwise.  ``_rnnkern_rnn``: the
+    attribute holding the torch.nn module; ``_rnnkern_lstm``: whether it
+    carries a cell state (names torchrl's classes do not use)."""
+
+    _rnnkern_rnn: str
+    _rnnkern_lstm: bool
+
+    @dispatch
+    def forward(self, tensordict):
+        if self.recurrent_mode:
+            done = _recurrent_forward(self, tensordict, getattr(self, self._rnnkern_rnn),
+                                      lstm=self._rnnkern_lstm)
+            if done is not None:
+                return done
+        return super().forward(tensordict)
+
+
+class AcceleratedLSTMModule(_OneCallRecurrentMode, LSTMModule):
     """An LSTMModule whose recurrent mode is one rnnkern call (module docstring)."""
 
-    @dispatch
-    def forward(self, tensordict):
-        if self.recurrent_mode:
-            done = _recurrent_forward(self, tensordict, self.lstm, lstm=True)
-            if done is not None:
-                return done
-        return LSTMModule.forward(self, tensordict)
+    _rnnkern_rnn, _rnnkern_lstm = "lstm", True
 
 
-class AcceleratedGRUModule(GRUModule):
+class AcceleratedGRUModule(_OneCallRecurrentMode, GRUModule):
     """A GRUModule whose recurrent mode is one rnnkern call (module docstring)."""
 
-    @dispatch
-    def forward(self, tensordict):
-        if self.recurrent_mode:
-            done = _recurrent_forward(self, tensordict, self.gru, lstm=False)
-            if done is not None:
-                return done
-        return GRUModule.forward(self, tensordict)
+    _rnnkern_rnn, _rnnkern_lstm = "gru", False
 
 
 _ACCELERATED = {LSTMModule: AcceleratedLSTMModule, GRUModule: AcceleratedGRUModule}
