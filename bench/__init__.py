@@ -19,6 +19,8 @@ Studies and tools beside it:
 
     resets.py            ``python -m bench.resets``: ``resets=`` against the torch.nn loop
                          that splits a chunk at every episode boundary
+    packed.py            ``python -m bench.packed``: a packed batch of skewed lengths
+                         against torch.nn and against a dense batch of the same steps
     rl.py                ``python -m bench.rl``: sb3-contrib's RecurrentPPO and torchrl's
                          LSTMModule against rnnkern.integrations (docs/rl.md)
     threads.py           ``python -m bench.threads``: one CPU thread against two, quiet and

@@ -564,3 +564,35 @@ def test_resets_bench_refuses_to_time_a_wrong_answer(monkeypatch):
     monkeypatch.setattr(resets, "rnnkern_resets", off_by_a_millionth)
     with pytest.raises(SystemExit, match="differ by"):
         resets.measure("gru", 6, 3, 8, 0.3, rounds=1, seed=0)
+
+
+def test_packed_bench_checks_agreement_then_times(tmp_path):
+    """`python -m bench.packed --quick`: a packed batch of skewed lengths, rnnkern
+    against torch.nn (float64 agreement first) and against its own dense batch of
+    the same number of steps."""
+    out = tmp_path / "packed.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.packed", "--quick", "--cells", "lstm", "gru",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [r["cell"] for r in doc["results"]] == ["lstm", "gru"]
+    for r in doc["results"]:
+        assert r["float64_max_difference"] <= 1e-10
+        assert r["T"] <= r["steps"] < r["grid"] and r["dense_B"] * r["T"] <= 2 * r["steps"]
+        assert all(positive(v) for v in r["ms"].values()) and len(r["ms"]) == 4
+        assert positive(r["speedup_vs_torch"]) and positive(r["packed_over_dense"])
+    assert "isa" in doc["meta"] and doc["meta"]["threads"] >= 1
+
+
+def test_packed_bench_refuses_to_time_a_wrong_answer(monkeypatch):
+    from bench import packed
+
+    right = packed.forward_backward
+
+    def off_by_a_millionth(m, inputs):
+        results = right(m, inputs)
+        return [results[0] * (1 + 1e-6) if isinstance(m, rnnkern.LSTM) else results[0], *results[1:]]
+
+    monkeypatch.setattr(packed, "forward_backward", off_by_a_millionth)
+    with pytest.raises(SystemExit, match="differ by"):
+        packed.measure("lstm", 6, 4, 3, 8, 2.0, rounds=1, seed=0)

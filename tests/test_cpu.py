@@ -484,6 +484,42 @@ def test_cpu_options_split_by_units_match_reference(threads, cell, proj, T, vari
     assert_options_match_reference(cell, args, opts, key=(cell, T, variant))
 
 
+#: A few long sequences and many short ones, longest first (a packed batch's
+#: order): 34 real positions of a 12 x 11 grid.
+SKEWED_LENGTHS = [12, 7, 4, 3, 2, 2, 1, 1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+@pytest.mark.parametrize("variant", ["lengths", "lengths-reverse", "resets-zoneout-lengths",
+                                     "resets-eval-lengths-reverse"])
+def test_mostly_padding_batches_match_reference_at_every_thread_count(threads, cell, proj, order, variant):
+    """A grid mostly padding: each step's products skip the finished rows past
+    the last running one (all of them when the rows are sorted longest first),
+    and the weight gradients run over the real positions alone, gathered
+    (csrc/cpu: Positions::live_rows, gathers_real_positions).  Against the
+    reference in float64 with every gradient, and the same bits at 1, 2 and 3
+    threads (each thread's block of rows skips its own finished rows)."""
+    T, B, H = 12, len(SKEWED_LENGTHS), 16
+    args, opts = option_inputs(cell, proj and 9, T, B, H, variant, key=("skewed", order))
+    lengths = torch.tensor(SKEWED_LENGTHS)
+    if order == "shuffled":
+        lengths = lengths[torch.randperm(B, generator=generator("skewed-order", cell, variant))]
+    opts["lengths"] = lengths
+    assert int(lengths.sum()) * 5 < T * B * 4  # the gathered weight gradients
+    key = (cell, order, variant)
+    results = {}
+    for n_threads in (1, 2, 3):
+        threads(n_threads)
+        results[n_threads] = option_results("cpu", cell, args, opts, key=key)
+    want = option_results("reference", cell, args, opts, key=key)
+    assert set(results[1]) == set(want)
+    for name in want:
+        assert_close(results[1][name], want[name], what=name)
+        for n_threads in (2, 3):
+            assert torch.equal(results[n_threads][name], results[1][name]), (name, n_threads)
+
+
 @pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
 @pytest.mark.parametrize("n_threads,T,B", [(1, 5, 2), (2, 6, 5), (2, 4, 1)],
                          ids=["two-rows", "two-rows-per-thread", "one-row"])

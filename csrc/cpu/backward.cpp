@@ -10,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "buffers.h"
@@ -33,6 +34,47 @@ namespace {
 // d: [T, B, N] with unit stride along N (it may be a column slice),
 // out: [T, B, P] and h0: [B, P] contiguous, dw: [N, P] with rows contiguous;
 // resets: [T, B] or null.
+// With lengths the [T, B] grid may be mostly padding (a packed batch of a few
+// long and many short sequences): then the weight gradients' GEMMs run over
+// the real positions alone, gathered into contiguous rows first (a copy of
+// one row of each operand per position, where the GEMM multiplies each by a
+// whole matrix).  Below four fifths of the grid real, say.
+bool gathers_real_positions(const Positions& pos, int64_t T, int64_t B) {
+  if (!pos.lengths || T * B == 0) return false;
+  int64_t real = 0;
+  for (int64_t b = 0; b < B; ++b) real += pos.length(b);
+  return real * 5 < T * B * 4;
+}
+
+// C[N, P] (+)= sum over pairs (i, j) of d_i^T x_j: rows i of d (stride ld_d)
+// and j of x (stride ld_x), gathered into contiguous blocks, one GEMM.
+template <typename A>
+void gathered_weight_gemm(int64_t N, int64_t P, const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                          const A* d, int64_t ld_d, const A* x, int64_t ld_x, A* c, int64_t ldc,
+                          bool accumulate, const at::TensorOptions& opt) {
+  const int64_t R = static_cast<int64_t>(pairs.size());
+  if (R == 0) {
+    if (!accumulate)
+      for (int64_t m = 0; m < N; ++m) zero_row(c + m * ldc, P);
+    return;
+  }
+  Tensor dg = at::empty({R, N}, opt), xg = at::empty({R, P}, opt);
+  for (int64_t i = 0; i < R; ++i) {
+    copy_row(ptr<A>(dg) + i * N, d + pairs[i].first * ld_d, N);
+    copy_row(ptr<A>(xg) + i * P, x + pairs[i].second * ld_x, P);
+  }
+  blocked_gemm<A>(N, P, R, cptr<A>(dg), 1, N, cptr<A>(xg), P, 1, c, ldc, accumulate);
+}
+
+// The real positions p * B + b of the grid, time-major.
+std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, int64_t T, int64_t B) {
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  for (int64_t p = 0; p < T; ++p)
+    for (int64_t b = 0; b < B; ++b)
+      if (p < pos.length(b)) rows.emplace_back(p * B + b, p * B + b);
+  return rows;
+}
+
 template <typename A>
 void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, const Tensor& h0,
                                const Positions& pos, const bool* resets) {
@@ -43,9 +85,22 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
     dw.zero_();
     return;
   }
-  const A* d_later = cptr<A>(d) + (pos.reverse ? 0 : B * ld);
-  const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
-  blocked_gemm<A>(N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0), false);
+  if (gathers_real_positions(pos, T, B)) {
+    // (d at p, output at the row's earlier position) for every real p but a row's first.
+    std::vector<std::pair<int64_t, int64_t>> pairs;
+    for (int64_t p = 0; p < T; ++p)
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t earlier = pos.reverse ? p + 1 : p - 1;
+        if (p < pos.length(b) && earlier >= 0 && earlier < pos.length(b))
+          pairs.emplace_back(p * B + b, earlier * B + b);
+      }
+    gathered_weight_gemm<A>(N, P, pairs, cptr<A>(d), ld, cptr<A>(out), P, c, dw.stride(0), false,
+                            d.options());
+  } else {
+    const A* d_later = cptr<A>(d) + (pos.reverse ? 0 : B * ld);
+    const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
+    blocked_gemm<A>(N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0), false);
+  }
   // Each sequence's gradient at its first step, against h0.
   Tensor d_first = at::zeros({B, N}, d.options());
   A* df = ptr<A>(d_first);
@@ -74,6 +129,26 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
     for (int64_t k = 0; k < P; ++k) x[k] = h[b * P + k] - earlier[k];
   }
   blocked_gemm<A>(N, P, R, cptr<A>(d_r), 1, N, cptr<A>(x_r), P, 1, c, dw.stride(0), true);
+}
+
+// sum[j] = sum over the real positions (p, b), time-major, of d[(p B + b) ld + j],
+// j < N: the bias gradients.  In double, so that sums over long sequences stay
+// accurate; the columns split between threads, each summed whole by one, so
+// the result does not depend on the thread count.  One more pass over d_xproj
+// (from memory at large sizes): about 1% of a backward's time.
+template <typename A>
+void column_sums(const A* d, int64_t ld, int64_t T, int64_t B, const Positions& pos, double* sum,
+                 int64_t N) {
+  const int64_t workers = std::clamp<int64_t>(N / 64, 1, at::get_num_threads());
+  for_each_worker(workers, [&](size_t t) {
+    const int64_t j0 = N * int64_t(t) / workers, j1 = N * (int64_t(t) + 1) / workers;
+    for (int64_t p = 0; p < T; ++p)
+      for (int64_t b = 0; b < B; ++b)
+        if (p < pos.length(b)) {
+          const A* row = d + (p * B + b) * ld;
+          for (int64_t j = j0; j < j1; ++j) sum[j] += static_cast<double>(row[j]);
+        }
+  });
 }
 
 // acc += src; src = 0.
@@ -148,19 +223,15 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     if (z.has_proj) dh_full.push_back(at::empty({r.nb, sl.n}, opt));
   }
   if (lstm) d_c0.copy_(a.grad_c_n);
-  // Per worker: sums of the gate gradients of its rows and units (gate k of
-  // unit j at k*n + j) and, for GRU, of dhn after them.
-  std::vector<std::vector<double>> bias_sum;
-  for (size_t t = 0; t < unit_workers && !ln_cell; ++t)
-    bias_sum.emplace_back(static_cast<size_t>((G + (gru ? 1 : 0)) * split.unit_work(t).sl.n), 0.0);
   // lstm_ln, per worker of the rows' phase (all split by rows, one split by
-  // units): the parameters' sums (lstm_ln_backward_row's acc), scratch, and
-  // split by units the row's carry gathered from the slices.
+  // units): scratch, and split by units the row's carry gathered from the
+  // slices.
   const size_t ln_row_workers = split.by_rows ? split.rows.size() : 1;
-  std::vector<std::vector<double>> ln_sum;
+  // The parameters' sums per batch row (added up in row order at the end: no
+  // sum's order depends on the split between threads).
+  std::vector<double> ln_sum(ln_cell ? static_cast<size_t>(B * 14 * H) : 0, 0.0);
   std::vector<Tensor> ln_scratch, ln_dh;
   for (size_t t = 0; ln_cell && t < ln_row_workers; ++t) {
-    ln_sum.emplace_back(static_cast<size_t>(14 * H), 0.0);
     ln_scratch.push_back(at::empty({H}, opt));
     if (!split.by_rows) ln_dh.push_back(at::empty({H}, opt));
   }
@@ -217,23 +288,13 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     return s + 1 < T && opts.restart(a.pos.at(b, s + 1), b);
   };
   // dh += (gate gradients of step s + 1) W_hh[:, slice], carry worker t.
+  // Rows past the last one still running at step s + 1 have no gate gradient
+  // there (zeros): the product skips them (Positions::live_rows).
   auto add_gemm_part = [&](size_t t, int64_t s) {
     const auto [r, ci, c] = carry_work(t);
     if (s + 1 < T)
-      step_gemm<A>(r.nb, da_of(s + 1) + r.b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh[t]), true);
-  };
-
-  // Adds worker t's gate gradients of step s (complete) to its bias sums.
-  auto add_bias_part = [&](size_t t, int64_t s) {
-    const auto [r, u, sl] = split.unit_work(t);
-    double* sum = bias_sum[t].data();
-    for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
-      const int64_t p = a.pos.at(b, s);
-      if (p < 0) continue;
-      const int64_t row = p * B + b;
-      for (int64_t k = 0; k < G; ++k) add_row_to_sum<A>(sl.n, dx + row * GH + k * H + sl.j0, sum + k * sl.n);
-      if (gru) add_row_to_sum<A>(sl.n, ptr<A>(dhn_all) + row * H + sl.j0, sum + G * sl.n);
-    }
+      step_gemm<A>(a.pos.live_rows(r.b0, r.nb, s + 1), da_of(s + 1) + r.b0 * da_width, da_width,
+                   w_dh_cols[ci], ptr<A>(dh[t]), true);
   };
 
   // With a projection, phase 0 per output slice: the total gradient of the
@@ -269,7 +330,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     const int64_t j0 = sl.j0, n = sl.n;
     A* da_s = da_of(s);
     if (z.has_proj) {
-      step_gemm<A>(r.nb, ptr<A>(dh_tot) + r.b0 * P, P, w_r_cols[u], ptr<A>(dh_full[t]), false);
+      step_gemm<A>(a.pos.live_rows(r.b0, r.nb, s), ptr<A>(dh_tot) + r.b0 * P, P, w_r_cols[u],
+                   ptr<A>(dh_full[t]), false);
     } else {
       add_gemm_part(t, s);
     }
@@ -350,7 +412,6 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       if (!gru && !reset_before && !da_in_dx)
         for (int64_t k = 0; k < G; ++k) copy_row(dxr + k * H, dar + k * H, n);
     }
-    if (!reset_before) add_bias_part(t, s);
   };
 
   // Reset-before GRU, phase 2: drh = dn W_hn (all units of dn), then the reset gate.
@@ -358,7 +419,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     const auto [r, u, sl] = split.unit_work(t);
     const int64_t j0 = sl.j0, n = sl.n;
     A* da_s = da_of(s);
-    step_gemm<A>(r.nb, ptr<A>(dn) + r.b0 * H, H, w_n_cols[u], ptr<A>(drh[t]), false);
+    step_gemm<A>(a.pos.live_rows(r.b0, r.nb, s), ptr<A>(dn) + r.b0 * H, H, w_n_cols[u],
+                 ptr<A>(drh[t]), false);
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) continue;
@@ -367,7 +429,6 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
                                    wsp + row * W + j0, h_prev_of(b, s) + j0, dx + row * GH + j0,
                                    da_s + b * da_width + j0, ptr<A>(rh_all) + row * H + j0);
     }
-    add_bias_part(t, s);
   };
 
   // lstm_ln: the carry's GEMM part per unit slice, then the rows' backward
@@ -402,7 +463,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         lstm_ln_backward_row<A, decltype(kZone)::value>(
             H, d, gout + row * H, dc + b * H, wsp + row * W, c_prev, lnp, zone ? m : nullptr,
             zone ? m + opts.zc : nullptr, dchat, dx + row * GH, da_s + b * GH,
-            ln_sum[t].data());
+            ln_sum.data() + b * 14 * H);
       });
       if (!da_in_dhp) copy_row(ptr<A>(dhp_all) + row * GH, da_s + b * GH, GH);
       if (!split.by_rows)
@@ -422,7 +483,9 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // The GEMM part of dh_0, then the carry into d_h0.
   for_each_worker(carry_workers, [&](size_t t) {
     const auto [r, ci, c] = carry_work(t);
-    if (T > 0) step_gemm<A>(r.nb, da_of(0) + r.b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh[t]), true);
+    if (T > 0)
+      step_gemm<A>(a.pos.live_rows(r.b0, r.nb, 0), da_of(0) + r.b0 * da_width, da_width, w_dh_cols[ci],
+                   ptr<A>(dh[t]), true);
     d_h0.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).copy_(dh[t]);
   });
   if (resets) {
@@ -435,25 +498,24 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // pre-activation gradients, and the sums after them are d_ln.
   if (ln_cell) {
     std::vector<double> sum(static_cast<size_t>(14 * H), 0.0);
-    for (const auto& s : ln_sum)
-      for (size_t i = 0; i < sum.size(); ++i) sum[i] += s[i];
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < 14 * H; ++i) sum[i] += ln_sum[b * 14 * H + i];
     A* dbi = ptr<A>(d_b_ih);
     A* dbh = ptr<A>(d_b_hh);
     A* dl = ptr<A>(d_ln);
     for (int64_t i = 0; i < GH; ++i) dbi[i] = dbh[i] = static_cast<A>(sum[i]);
     for (int64_t i = 0; i < 10 * H; ++i) dl[i] = static_cast<A>(sum[GH + i]);
   } else {
-    std::vector<double> sum_ih(static_cast<size_t>(G * H), 0.0), sum_hh(sum_ih.size(), 0.0);
-    for (size_t t = 0; t < unit_workers; ++t) {
-      const int64_t j0 = split.unit_work(t).sl.j0, n = split.unit_work(t).sl.n;
-      const double* sum = bias_sum[t].data();
-      for (int64_t k = 0; k < G; ++k) {
-        const int64_t hk = gru && k == 2 ? G : k;  // where the hidden part's sum is
-        for (int64_t j = 0; j < n; ++j) {
-          sum_ih[k * H + j0 + j] += sum[k * n + j];
-          sum_hh[k * H + j0 + j] += sum[hk * n + j];
-        }
-      }
+    // The sums of the gate gradients (and of dhn, the reset-after GRU
+    // candidate's hidden part) over every real position, each column in one
+    // fixed order (time-major), the columns split between threads: no sum's
+    // order depends on the thread count.
+    std::vector<double> sum_ih(static_cast<size_t>(G * H), 0.0), sum_hh;
+    column_sums<A>(dx, GH, T, B, a.pos, sum_ih.data(), GH);
+    sum_hh = sum_ih;
+    if (gru) {
+      std::fill(sum_hh.begin() + 2 * H, sum_hh.end(), 0.0);
+      column_sums<A>(ptr<A>(dhn_all), H, T, B, a.pos, sum_hh.data() + 2 * H, H);
     }
     A* dbi = ptr<A>(d_b_ih);
     A* dbh = ptr<A>(d_b_hh);
@@ -475,16 +537,24 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos, opts.resets);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
-      blocked_gemm<A>(H, H, T * B, ptr<A>(dx3) + 2 * H, 1, GH, ptr<A>(rh_all), H, 1, ptr<A>(dw_n),
-                      H, false);
+      if (gathers_real_positions(a.pos, T, B))
+        gathered_weight_gemm<A>(H, H, real_positions(a.pos, T, B), cptr<A>(dx3) + 2 * H, GH,
+                                cptr<A>(rh_all), H, ptr<A>(dw_n), H, false, opt);
+      else
+        blocked_gemm<A>(H, H, T * B, ptr<A>(dx3) + 2 * H, 1, GH, ptr<A>(rh_all), H, 1, ptr<A>(dw_n),
+                        H, false);
     }
   } else {
     weight_grad_by_prev_state<A>(d_w_hh, ln_cell ? dhp_all : dx3, a.output, a.h0, a.pos,
                                  opts.resets);
   }
   if (z.has_proj) {
-    blocked_gemm<A>(P, H, T * B, ptr<A>(dh_tot_all), 1, P, ptr<A>(h_full_all), H, 1,
-                    ptr<A>(d_w_hr), H, false);
+    if (gathers_real_positions(a.pos, T, B))
+      gathered_weight_gemm<A>(P, H, real_positions(a.pos, T, B), cptr<A>(dh_tot_all), P,
+                              cptr<A>(h_full_all), H, ptr<A>(d_w_hr), H, false, opt);
+    else
+      blocked_gemm<A>(P, H, T * B, ptr<A>(dh_tot_all), 1, P, ptr<A>(h_full_all), H, 1,
+                      ptr<A>(d_w_hr), H, false);
   }
 }
 

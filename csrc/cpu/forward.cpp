@@ -104,6 +104,11 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   };
   auto c_prev_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[s & 1]) : nullptr; };
   auto c_next_of = [&](int64_t s) { return lstm ? ptr<A>(c_buf[(s + 1) & 1]) : nullptr; };
+  // The rows of a worker's block its step-s products cover (Positions::
+  // live_rows): the finished rows past the last running one are skipped.
+  // Not with the weights in place (T == 1): there the product's method
+  // depends on its number of rows, and a single step has nothing to skip.
+  auto live = [&](const Rows& r, int64_t s) { return in_place ? r.nb : a.pos.live_rows(r.b0, r.nb, s); };
   // Whether row b (at time position p) restarts from h0, c0 at step s (at
   // step 0 every row starts from them anyway).
   auto restarts = [&](int64_t p, int64_t b, int64_t s) { return s > 0 && opts.restart(p, b); };
@@ -130,11 +135,12 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
             __builtin_prefetch(row + k * H * int64_t(sizeof(A)) + off);
       }
     }
-    step_gemm<A>(r.nb, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    const int64_t nl = live(r, s);
+    step_gemm<A>(nl, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
     A* hp = ptr<A>(hproj[t]);
     const int64_t ldh = n;
     const int64_t hrow = hproj[t].size(1);
-    if (resets && s == 0) copy_row(ptr<A>(hproj0[t]), hp, r.nb * hrow);  // h0 W_hh^T
+    if (resets && s == 0) copy_row(ptr<A>(hproj0[t]), hp, nl * hrow);  // h0 W_hh^T
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
@@ -209,7 +215,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     const int64_t j0 = sl.j0, n = sl.n;
     const A* h_prev = h_prev_of(s);
     A* h_next = h_next_of(s);
-    step_gemm<A>(r.nb, ptr<A>(rh) + r.b0 * H, H, w_n_slice[u], ptr<A>(hn[t]), false);
+    step_gemm<A>(live(r, s), ptr<A>(rh) + r.b0 * H, H, w_n_slice[u], ptr<A>(hn[t]), false);
     const A* rz = ptr<A>(hproj[t]);  // r, z of the slice, from phase 1
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
@@ -236,7 +242,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     const auto [r, oi, o] = split.out_work(t);
     const A* h_prev = h_prev_of(s);
     A* h_next = h_next_of(s);
-    step_gemm<A>(r.nb, ptr<A>(h_full) + r.b0 * H, H, w_r_slice[oi], ptr<A>(hq[t]), false);
+    step_gemm<A>(live(r, s), ptr<A>(h_full) + r.b0 * H, H, w_r_slice[oi], ptr<A>(hq[t]), false);
     const A* q = ptr<A>(hq[t]);
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
@@ -267,10 +273,11 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // would add a reduction phase, and a meeting, per layer norm.
   auto ln_product = [&](size_t t, int64_t s) {
     const auto [r, u, sl] = split.unit_work(t);
-    step_gemm<A>(r.nb, h_prev_of(s) + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    const int64_t nl = live(r, s);
+    step_gemm<A>(nl, h_prev_of(s) + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
     if (split.by_rows) return;
     const A* hp = ptr<A>(hproj[t]);  // [B, G*n]: gate k of unit j0 + j at k*n + j
-    for (int64_t b = 0; b < B; ++b)
+    for (int64_t b = 0; b < nl; ++b)
       for (int64_t k = 0; k < G; ++k)
         copy_row(ptr<A>(hfull) + b * GH + k * H + sl.j0, hp + (b * G + k) * sl.n, sl.n);
   };

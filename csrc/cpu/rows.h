@@ -25,6 +25,17 @@ struct Positions {
     const int64_t n = length(b);
     return s < n ? (reverse ? n - 1 - s : s) : -1;
   }
+  // Of rows [b0, b0 + nb), how many from b0 on a step's products must cover:
+  // up to the last row still running at step s (in either direction a row
+  // runs while s < its length).  A finished row keeps its state without a
+  // product, so a batch whose lengths fall along its rows -- a packed batch,
+  // sorted longest first -- costs its real steps, not rows x longest.
+  int64_t live_rows(int64_t b0, int64_t nb, int64_t s) const {
+    if (!lengths) return nb;
+    int64_t k = nb;
+    while (k > 0 && lengths[b0 + k - 1] <= s) --k;
+    return k;
+  }
 };
 
 template <typename A>
@@ -386,16 +397,6 @@ RNNKERN_CPU_CLONES void gru_rb_backward_reset_row(int64_t n, A* __restrict dh_io
     rh[j] = r * h_prev[j];
   }
 }
-
-// The bias gradients are sums over all steps and rows of the gate
-// gradients; each slice adds its rows while they are still in cache (a pass
-// over d_xproj afterwards would read it from memory once more).  Double
-// accumulators keep sums over long sequences accurate.
-template <typename A>
-RNNKERN_CPU_CLONES void add_row_to_sum(int64_t n, const A* __restrict src, double* __restrict sum) {
-  for (int64_t j = 0; j < n; ++j) sum[j] += static_cast<double>(src[j]);
-}
-
 
 // LSTM with a projection and zoneout, the total gradient of the projected h_t
 // (carry d_io plus gout): (1 - m) d into the projection (dt), m d carried on

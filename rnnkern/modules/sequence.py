@@ -35,6 +35,21 @@ def _packing_from_batch_sizes(batch_sizes: Tensor, rows: int, device) -> _Packin
     return _Packing(time.to(device), batch.to(device))
 
 
+def _rows_to_grid(rows: Tensor, packing: _Packing, T: int, B: int, padding_read: bool = True) -> Tensor:
+    """Packed rows [N, F] -> the time-major grid [T, B, F], zeros at the padding
+    (left unwritten where ``padding_read`` is False: a mostly-padding grid's
+    zero fill, its pages touched for the first time, costs more than its steps).
+    In place into the fresh tensor (an out-of-place index_put would copy the
+    whole grid once more), except under torch.func transforms, whose batched
+    rows cannot be written into a plain tensor."""
+    transformed = ops._transformed(rows)
+    shape = (T, B, rows.size(-1))
+    grid = rows.new_zeros(shape) if padding_read or transformed else rows.new_empty(shape)
+    if transformed:
+        return grid.index_put((packing.time, packing.batch), rows)
+    return grid.index_put_((packing.time, packing.batch), rows)
+
+
 def _packing_of_padded(lengths: Tensor, T: int, device) -> _Packing:
     """The rows torch.nn sees for a padded batch with ``lengths``:
     ``pack_padded_sequence(x, lengths, enforce_sorted=False)`` (same sort call,
@@ -256,7 +271,7 @@ class _RecurrentMixin(_RnnkernOptions):
                     continue
                 if p and self.training:  # a fresh Bernoulli mask per layer and direction
                     zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
-                xproj = ops.input_projection(x, w_ih, backend)
+                xproj = self._input_projection(x, w_ih, backend, packing)
                 ln = None if lns is None else lns[idx]
                 if step_resets[d] is None or reset_is_hx:
                     out, h, c = ops.run_recurrence(
@@ -281,6 +296,21 @@ class _RecurrentMixin(_RnnkernOptions):
             hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
         return x, hidden
 
+    @staticmethod
+    def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing]) -> Tensor:
+        """``x W_ih^T`` for every position of the [T, B] grid the kernels read: with
+        variable lengths and more than a fifth of the grid padding (a packed batch
+        of a few long and many short sequences), over the real rows alone, scattered
+        into a zero grid, so that the projection and its gradients cost the real
+        steps, as the kernels' steps do (they skip finished rows)."""
+        T, B = x.size(0), x.size(1)
+        # (Not under torch.compile: the real rows' count is data-dependent there.)
+        if packing is None or torch.compiler.is_compiling() or packing.time.numel() * 5 >= T * B * 4:
+            return ops.input_projection(x, w_ih, backend)
+        rows = ops.input_projection(x[packing.time, packing.batch].unsqueeze(0), w_ih, backend)[0]
+        # The CPU kernels never read xproj at the padding.
+        return _rows_to_grid(rows, packing, T, B, padding_read=backend != "cpu")
+
     def _dropout(self, x: Tensor, packing: Optional[_Packing]) -> Tensor:
         """Dropout between layers with torch.nn's RNG use: one mask over the
         layer's output, drawn over the packed rows when lengths vary (torch.nn
@@ -288,7 +318,7 @@ class _RecurrentMixin(_RnnkernOptions):
         if packing is None:
             return F.dropout(x, self.dropout, training=True)
         rows = F.dropout(x[packing.time, packing.batch], self.dropout, training=True)
-        return x.new_zeros(x.shape).index_put((packing.time, packing.batch), rows)
+        return _rows_to_grid(rows, packing, x.size(0), x.size(1))
 
     def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
         """The dtypes returned under autocast for (output, h_n[, c_n]): rnnkern's
@@ -507,11 +537,13 @@ class _RecurrentMixin(_RnnkernOptions):
         packing = None
         if lengths is not None:
             lengths = _check_lengths(lengths, T, B, name)
-            if self.dropout > 0 and self.training and self.num_layers > 1 \
-                    and not torch.compiler.is_compiling():
-                # The packed rows' count is data-dependent: eager only.  Under
-                # torch.compile dropout draws over the padded tensor (its random
-                # stream differs from eager's anyway).
+            dropout = self.dropout > 0 and self.training and self.num_layers > 1
+            if not torch.compiler.is_compiling() and (dropout or int(lengths.sum()) * 5 < T * B * 4):
+                # Where the real rows lie: dropout draws over them as torch.nn
+                # does, and a grid mostly padding projects them alone (see
+                # _input_projection).  Their count is data-dependent: eager
+                # only; under torch.compile dropout draws over the padded tensor
+                # (its random stream differs from eager's anyway).
                 packing = _packing_of_padded(lengths, T, input.device)
         out, hidden = self._run_layers(input, hx, lengths, packing, resets, reset_state,
                                        reset_is_hx=hx_zeros and reset_state is None)
@@ -580,7 +612,7 @@ class _RecurrentMixin(_RnnkernOptions):
         packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
         # Sequence b of the sorted pack has as many steps as batch sizes above b.
         lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
-        padded = data.new_zeros((T, B, data.size(1))).index_put((packing.time, packing.batch), data)
+        padded = _rows_to_grid(data, packing, T, B)
         out, hidden = self._run_layers(padded, hx, lengths, packing, resets, reset_state,
                                        reset_is_hx=hx_zeros and reset_state is None)
         out_data = out[packing.time, packing.batch]
