@@ -661,7 +661,8 @@ def _results_at(threads, make, run):
                          ids=["rnn_tanh", "rnn_relu", "gru", "gru_reset_before", "lstm",
                               "LSTM-seq", "GRU-seq-2layers", "RNN-seq-bidir"])
 @pytest.mark.parametrize("B,H", [(1, 128), (8, 512), (32, 256), (64, 128), (5, 512)])
-def test_same_bits_at_1_2_and_3_threads(name, kwargs, B, H):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_same_bits_at_1_2_and_3_threads(name, kwargs, B, H, dtype):
     """Outputs and every gradient are bitwise the same at 1, 2 and 3 threads
     (torch.nn's cells are): the CPU kernels split work between threads without
     changing any sum's order, and which path a call takes does not depend on
@@ -673,9 +674,9 @@ def test_same_bits_at_1_2_and_3_threads(name, kwargs, B, H):
 
     def make():
         torch.manual_seed(H + B)
-        m = getattr(rnnkern, name)(H, H, backend="cpu", **kwargs)
+        m = getattr(rnnkern, name)(H, H, backend="cpu", dtype=dtype, **kwargs)
         g = generator("bits", name, B, H)
-        x = randn(g, *((B, H) if cell else (T, B, H)), dtype=torch.float32, requires_grad=True)
+        x = randn(g, *((B, H) if cell else (T, B, H)), dtype=dtype, requires_grad=True)
         return m, x
 
     def run(made):
