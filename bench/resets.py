@@ -30,7 +30,7 @@ import torch
 
 import rnnkern
 
-from rnnkern.check.probe import cpu_isa, cpu_model, git_commit, load_average
+from rnnkern.check.probe import cpu_identity, cpu_isa, cpu_model, git_commit, load_average
 
 from . import timing
 
@@ -150,7 +150,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python -m bench.resets"] + (argv if argv is not None else sys.argv[1:])),
-            "git": git_commit(), "cpu": cpu_model(), "isa": cpu_isa(), "cores": os.cpu_count(),
+            "git": git_commit(), "cpu": cpu_model(), "cpu_id": cpu_identity(),
+            "isa": cpu_isa(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
             "versions": {"python": platform.python_version(), "torch": torch.__version__}}
     print(f"bench.resets on {meta['cpu']}, {meta['threads']} thread(s), load average "

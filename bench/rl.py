@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 import rnnkern
-from rnnkern.check.probe import cpu_isa, cpu_model, git_commit, load_average
+from rnnkern.check.probe import cpu_identity, cpu_isa, cpu_model, git_commit, load_average
 
 from . import timing
 
@@ -248,7 +248,8 @@ def main(argv=None) -> None:
     import torchrl
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python -m bench.rl"] + (argv if argv is not None else sys.argv[1:])),
-            "git": git_commit(), "cpu": cpu_model(), "isa": cpu_isa(), "cores": os.cpu_count(),
+            "git": git_commit(), "cpu": cpu_model(), "cpu_id": cpu_identity(),
+            "isa": cpu_isa(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
             "quick": args.quick, "tolerance_float64": TOLERANCE,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
