@@ -248,6 +248,10 @@ class _RecurrentMixin(_RnnkernOptions):
         # one op call instead of two, which is most of such a call's cost.  (A
         # reset there makes the forward direction start from the reset state.)
         one_step = x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
+        # The CPU kernels never read xproj at the padding; the reference
+        # formulation, which forward-mode AD and torch.func transforms run, does.
+        padding_read = backend != "cpu" or ops._transformed(
+            x, *hx, *(reset_state or ()), *(w for ws in weights for w in ws), *(lns or ()))
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             outputs = []
@@ -271,7 +275,7 @@ class _RecurrentMixin(_RnnkernOptions):
                     continue
                 if p and self.training:  # a fresh Bernoulli mask per layer and direction
                     zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
-                xproj = self._input_projection(x, w_ih, backend, packing)
+                xproj = self._input_projection(x, w_ih, backend, packing, padding_read)
                 ln = None if lns is None else lns[idx]
                 if step_resets[d] is None or reset_is_hx:
                     out, h, c = ops.run_recurrence(
@@ -297,19 +301,20 @@ class _RecurrentMixin(_RnnkernOptions):
         return x, hidden
 
     @staticmethod
-    def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing]) -> Tensor:
+    def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing],
+                          padding_read: bool = True) -> Tensor:
         """``x W_ih^T`` for every position of the [T, B] grid the kernels read: with
         variable lengths and more than a fifth of the grid padding (a packed batch
         of a few long and many short sequences), over the real rows alone, scattered
         into a zero grid, so that the projection and its gradients cost the real
-        steps, as the kernels' steps do (they skip finished rows)."""
+        steps, as the kernels' steps do (they skip finished rows).  The padding
+        is left unwritten unless ``padding_read``."""
         T, B = x.size(0), x.size(1)
         # (Not under torch.compile: the real rows' count is data-dependent there.)
         if packing is None or torch.compiler.is_compiling() or packing.time.numel() * 5 >= T * B * 4:
             return ops.input_projection(x, w_ih, backend)
         rows = ops.input_projection(x[packing.time, packing.batch].unsqueeze(0), w_ih, backend)[0]
-        # The CPU kernels never read xproj at the padding.
-        return _rows_to_grid(rows, packing, T, B, padding_read=backend != "cpu")
+        return _rows_to_grid(rows, packing, T, B, padding_read)
 
     def _dropout(self, x: Tensor, packing: Optional[_Packing]) -> Tensor:
         """Dropout between layers with torch.nn's RNG use: one mask over the
