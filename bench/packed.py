@@ -21,11 +21,6 @@ rounds, medians.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import sys
 from pathlib import Path
 
 import torch
@@ -33,9 +28,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import rnnkern
 
-from rnnkern.check.probe import cpu_identity, cpu_isa, cpu_model, git_commit, load_average
-
-from . import timing
+from . import report, timing
 
 MODULES = {"lstm": (torch.nn.LSTM, rnnkern.LSTM), "gru": (torch.nn.GRU, rnnkern.GRU),
            "rnn_tanh": (torch.nn.RNN, rnnkern.RNN)}
@@ -151,12 +144,7 @@ def main(argv=None) -> None:
         args.T, args.B, args.I, args.H, args.mean, args.rounds = 12, 9, 4, 8, 3.0, 3
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python -m bench.packed"] + (argv if argv is not None else sys.argv[1:])),
-            "git": git_commit(), "cpu": cpu_model(), "cpu_id": cpu_identity(),
-            "isa": cpu_isa(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__}}
+    meta = report.study_meta("bench.packed", argv)
     print(f"bench.packed on {meta['cpu']}, {meta['threads']} thread(s), load average "
           f"{meta['load_average_at_start']}: forward + backward, float32", flush=True)
     results = []
@@ -167,12 +155,7 @@ def main(argv=None) -> None:
               f"torch.nn {r['ms']['torch.nn packed']:.3g} ms, rnnkern {r['ms']['rnnkern packed']:.3g} ms: "
               f"{r['speedup_vs_torch']:.2f}x; packed / dense of the same steps "
               f"{r['packed_over_dense']:.2f} (float64 agreement {r['float64_max_difference']:.1e})", flush=True)
-    meta["load_average_at_end"] = load_average()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-        print(f"results: {args.json}")
-
+    report.write_study(args.json, {"meta": meta, "results": results})
 
 if __name__ == "__main__":
     main()

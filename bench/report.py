@@ -1,9 +1,18 @@
 """What a run shows: the terminal tables, the markdown summary, the JSON and the plots."""
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
+import platform
+import sys
 from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from rnnkern.check.probe import cpu_identity, cpu_isa, cpu_model, git_commit, load_average
 
 from .candidates import BASELINE
 
@@ -385,3 +394,27 @@ def plots(doc, outdir) -> list[str]:
         plt.close(fig)
         written.append(str(path))
     return written
+
+
+# ------------------------------------------------- the studies beside the suite ----
+
+def study_meta(prog: str, argv: Optional[Sequence[str]]) -> dict:
+    """The record a study (``python -m bench.resets``, ``bench.packed``, ``bench.rl``)
+    writes with its results: when, the command, the commit, the CPU (model name,
+    vendor / family / model / stepping, ISA), cores, threads, load and versions."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([f"python -m {prog}"] + list(argv if argv is not None else sys.argv[1:])),
+            "git": git_commit(), "cpu": cpu_model(), "cpu_id": cpu_identity(), "isa": cpu_isa(),
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "load_average_at_start": load_average(),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__}}
+
+
+def write_study(path: Optional[Path], doc: dict) -> None:
+    """The study's JSON (``{"meta": ..., ...}``), the load at its end added; nothing
+    without a path."""
+    doc["meta"]["load_average_at_end"] = load_average()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"results: {path}")

@@ -19,20 +19,13 @@ main suite times (bench/timing.py): interleaved rounds, medians.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import sys
 from pathlib import Path
 
 import torch
 
 import rnnkern
 
-from rnnkern.check.probe import cpu_identity, cpu_isa, cpu_model, git_commit, load_average
-
-from . import timing
+from . import report, timing
 
 MODULES = {"lstm": (torch.nn.LSTM, rnnkern.LSTM), "gru": (torch.nn.GRU, rnnkern.GRU),
            "rnn_tanh": (torch.nn.RNN, rnnkern.RNN)}
@@ -148,12 +141,7 @@ def main(argv=None) -> None:
         p.error(f"--fraction must be in [0, 1], got {args.fraction}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python -m bench.resets"] + (argv if argv is not None else sys.argv[1:])),
-            "git": git_commit(), "cpu": cpu_model(), "cpu_id": cpu_identity(),
-            "isa": cpu_isa(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__}}
+    meta = report.study_meta("bench.resets", argv)
     print(f"bench.resets on {meta['cpu']}, {meta['threads']} thread(s), load average "
           f"{meta['load_average_at_start']}: forward + backward, float32", flush=True)
     results = []
@@ -164,12 +152,7 @@ def main(argv=None) -> None:
               f"({100 * args.fraction:g}%): torch.nn over {r['torch_pieces']} pieces "
               f"{r['torch_pieces_ms']:.3g} ms; rnnkern resets= {r['rnnkern_ms']:.3g} ms: "
               f"{r['speedup']:.2f}x (float64 agreement {r['float64_max_difference']:.1e})", flush=True)
-    meta["load_average_at_end"] = load_average()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-        print(f"results: {args.json}")
-
+    report.write_study(args.json, {"meta": meta, "results": results})
 
 if __name__ == "__main__":
     main()

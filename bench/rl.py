@@ -31,20 +31,16 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
-import os
-import platform
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 import rnnkern
-from rnnkern.check.probe import cpu_identity, cpu_isa, cpu_model, git_commit, load_average
+from rnnkern.check.probe import cpu_model
 
-from . import timing
+from . import report, timing
 
 TOLERANCE = 1e-10  # float64 agreement: outputs, states and every gradient
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -246,14 +242,9 @@ def main(argv=None) -> None:
     out = args.out or default_out()
     import sb3_contrib
     import torchrl
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python -m bench.rl"] + (argv if argv is not None else sys.argv[1:])),
-            "git": git_commit(), "cpu": cpu_model(), "cpu_id": cpu_identity(),
-            "isa": cpu_isa(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
-            "quick": args.quick, "tolerance_float64": TOLERANCE,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "sb3_contrib": sb3_contrib.__version__, "torchrl": torchrl.__version__}}
+    meta = report.study_meta("bench.rl", argv)
+    meta.update(quick=args.quick, tolerance_float64=TOLERANCE)
+    meta["versions"].update(sb3_contrib=sb3_contrib.__version__, torchrl=torchrl.__version__)
     print(f"bench.rl on {meta['cpu']}, {meta['threads']} thread(s), load average "
           f"{meta['load_average_at_start']}: forward + backward, float32, T={T}, "
           f"{100 * fraction:g}% episode starts", flush=True)
@@ -286,10 +277,8 @@ def main(argv=None) -> None:
           f"accelerated {sec[1]:.3g} s: {r['speedup']:.2f}x (final parameters within "
           f"{r['final_parameters_max_relative_difference_float32']:.1e} relative)", flush=True)
 
-    meta["load_average_at_end"] = load_average()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"\nresults: {out}")
+    print()
+    report.write_study(out, doc)
 
 
 if __name__ == "__main__":
