@@ -17,15 +17,19 @@
 #   bench        python -m bench --device cuda $BENCH_ARGS (CUDA         25   150
 #                against cuDNN at the headline sizes, bf16, fp16)
 #   racecheck    compute-sanitizer racecheck, float32 and bfloat16         9    90
-#   tests_other  pytest -m gpu on the other test files (Triton...)       95   120
+#   tests_other  pytest -m gpu on the other test files (Triton...)      129   240
 #   initcheck    compute-sanitizer initcheck, float32                      5   120
 #   summary      summary.json, logs.tar.gz                               ~1   (15 kept)
 #
 # Budget: GPU_CHECK_BUDGET=540 s of a 600 s device call (60 s for starting the
 # command and returning the files).  Measured: 70+5+49+9+25+9+95+5 = 267 s
 # (273 s wall), so every stage fits with ~265 s to spare for a slower build or
-# tests; the caps add up to 1190 s, so a stage that hangs costs at most its cap
+# tests; the caps add up to 1310 s, so a stage that hangs costs at most its cap
 # and the later ones get what is left (a stage with under 10 s left is skipped).
+# The second run (2026-11-27, 300 s wall) found tests_other at 183 tests: with 4
+# workers 159 ran in its former 120 s cap (Triton compiles every kernel from a
+# cold cache), the 24 others took 130 s on 12 workers.  So tests_other now gets
+# 240 s and, on a machine of 16 cores or more, 8 workers.
 # Each stage is stopped with SIGINT at its limit (pytest then still writes its
 # junit XML; SIGKILL 20 s later) and writes its results as it goes.
 #
@@ -68,7 +72,8 @@
 #
 # Knobs: STAGES (default build,env,tests,sanitizer,bench), PYTHON (default
 # python3), MAX_JOBS (default: all cores), GPU_CHECK_BUDGET, XDIST_WORKERS
-# (default 4; 0 runs the tests in one process), BENCH_ARGS (see above),
+# (default 8 on 16 cores or more, else 4; 0 runs the tests in one process),
+# BENCH_ARGS (see above),
 # REHEARSE_TRITON_K (the rehearsal's -k expression for tests/test_triton.py),
 # REHEARSE_SANITIZER_DTYPES (the dtypes of the rehearsal's emulated sanitizer
 # cases, default float32,bfloat16; empty: none).
@@ -246,7 +251,7 @@ if wants tests; then
   read -r has_xdist has_timeout < <("$PY" -c "import importlib.util as u
 print(*(int(u.find_spec(m) is not None) for m in ('xdist', 'pytest_timeout')))" 2>/dev/null || echo 0 0)
   XDIST=()
-  workers=${XDIST_WORKERS:-4}
+  workers=${XDIST_WORKERS:-$(( $(nproc) >= 16 ? 8 : 4 ))}
   if ((workers > 0 && has_xdist)); then XDIST=(-n "$workers"); fi
   TIMEOUT=()
   if ((has_timeout)); then TIMEOUT=(--timeout=240); fi
@@ -392,7 +397,7 @@ if wants tests; then
       -k "${REHEARSE_TRITON_K:-test_step_matches_reference or test_cells_match_torch_nn_float32 or (test_recurrence_matches_reference_float64 and loop-plain)}" \
       --junitxml="$OUT/junit_other.xml"
   else
-    run_stage tests_other 120 "${PYTEST[@]}" -m gpu tests --ignore=tests/test_cuda.py --junitxml="$OUT/junit_other.xml"
+    run_stage tests_other 240 "${PYTEST[@]}" -m gpu tests --ignore=tests/test_cuda.py --junitxml="$OUT/junit_other.xml"
   fi
 fi
 
