@@ -35,17 +35,15 @@ def _packing_from_batch_sizes(batch_sizes: Tensor, rows: int, device) -> _Packin
     return _Packing(time.to(device), batch.to(device))
 
 
-def _rows_to_grid(rows: Tensor, packing: _Packing, T: int, B: int, padding_read: bool = True) -> Tensor:
+def _rows_to_grid(rows: Tensor, packing: _Packing, T: int, B: int) -> Tensor:
     """Packed rows [N, F] -> the time-major grid [T, B, F], zeros at the padding
-    (left unwritten where ``padding_read`` is False: a mostly-padding grid's
-    zero fill, its pages touched for the first time, costs more than its steps).
-    In place into the fresh tensor (an out-of-place index_put would copy the
-    whole grid once more), except under torch.func transforms, whose batched
-    rows cannot be written into a plain tensor."""
-    transformed = ops._transformed(rows)
-    shape = (T, B, rows.size(-1))
-    grid = rows.new_zeros(shape) if padding_read or transformed else rows.new_empty(shape)
-    if transformed:
+    (which the kernels skip but the reference recomputation behind second
+    derivatives reads).  In place into the fresh zeros (an out-of-place
+    index_put would copy the whole grid once more: for a mostly-padding grid
+    its largest cost), except under torch.func transforms, whose batched rows
+    cannot be written into a plain tensor."""
+    grid = rows.new_zeros((T, B, rows.size(-1)))
+    if ops._transformed(rows):
         return grid.index_put((packing.time, packing.batch), rows)
     return grid.index_put_((packing.time, packing.batch), rows)
 
@@ -248,10 +246,6 @@ class _RecurrentMixin(_RnnkernOptions):
         # one op call instead of two, which is most of such a call's cost.  (A
         # reset there makes the forward direction start from the reset state.)
         one_step = x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
-        # The CPU kernels never read xproj at the padding; the reference
-        # formulation, which forward-mode AD and torch.func transforms run, does.
-        padding_read = backend != "cpu" or ops._transformed(
-            x, *hx, *(reset_state or ()), *(w for ws in weights for w in ws), *(lns or ()))
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             outputs = []
@@ -275,7 +269,7 @@ class _RecurrentMixin(_RnnkernOptions):
                     continue
                 if p and self.training:  # a fresh Bernoulli mask per layer and direction
                     zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
-                xproj = self._input_projection(x, w_ih, backend, packing, padding_read)
+                xproj = self._input_projection(x, w_ih, backend, packing)
                 ln = None if lns is None else lns[idx]
                 if step_resets[d] is None or reset_is_hx:
                     out, h, c = ops.run_recurrence(
@@ -301,20 +295,18 @@ class _RecurrentMixin(_RnnkernOptions):
         return x, hidden
 
     @staticmethod
-    def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing],
-                          padding_read: bool = True) -> Tensor:
+    def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing]) -> Tensor:
         """``x W_ih^T`` for every position of the [T, B] grid the kernels read: with
         variable lengths and more than a fifth of the grid padding (a packed batch
         of a few long and many short sequences), over the real rows alone, scattered
         into a zero grid, so that the projection and its gradients cost the real
-        steps, as the kernels' steps do (they skip finished rows).  The padding
-        is left unwritten unless ``padding_read``."""
+        steps, as the kernels' steps do (they skip finished rows)."""
         T, B = x.size(0), x.size(1)
         # (Not under torch.compile: the real rows' count is data-dependent there.)
         if packing is None or torch.compiler.is_compiling() or packing.time.numel() * 5 >= T * B * 4:
             return ops.input_projection(x, w_ih, backend)
         rows = ops.input_projection(x[packing.time, packing.batch].unsqueeze(0), w_ih, backend)[0]
-        return _rows_to_grid(rows, packing, T, B, padding_read)
+        return _rows_to_grid(rows, packing, T, B)
 
     def _dropout(self, x: Tensor, packing: Optional[_Packing]) -> Tensor:
         """Dropout between layers with torch.nn's RNG use: one mask over the
