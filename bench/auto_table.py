@@ -5,9 +5,14 @@ For each case of each file (one cell, dtype, size and phase, timed against
 torch.nn in the same process), the entry keeps rnnkern's speed ratios
 (torch.nn time / rnnkern time, per rnnkern backend).  A device's entries are
 replaced by those of the files given for it; other devices' entries stay.  So
-one GPU run updates the GPU's rows:
+one GPU run updates the GPU's rows.  Files measuring the same case merge: the
+later file's ratios replace the earlier's backend by backend, so a Triton run
+adds its column to a CUDA grid:
 
-    python -m bench.auto_table bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json
+    python -m bench.auto_table bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json \
+        bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json \
+        bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json \
+        bench/results/cpu-zen3-2026-11-27-default/bench.json
 """
 from __future__ import annotations
 
@@ -57,12 +62,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=auto.TABLE_PATH, help="the table to update (default: the package's)")
     a = p.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    new, devices = [], set()
+    merged, devices = {}, set()
     for path in a.results:
         key, entries = entries_of(path, root)
         devices.add(key)
-        new += entries
+        for e in entries:
+            case = tuple(e[k] for k in ("device", "cell", "dtype", "phase", "B", "T", "H"))
+            if case in merged:  # a later file's ratios replace an earlier one's, backend by backend
+                was = merged[case]
+                e = {**e, "speedups": {**was["speedups"], **e["speedups"]},
+                     "source": was["source"] if was["source"] == e["source"]
+                     else f"{was['source']}; {e['source']}"}
+            merged[case] = e
         print(f"{path}: {len(entries)} entries for {key}")
+    new = list(merged.values())
     old = auto._load(a.out)["entries"] if os.path.exists(a.out) else []
     kept = [e for e in old if e["device"] not in devices]
     doc = {"about": "rnnkern/auto.py: what backend='auto' runs; written by python -m bench.auto_table",

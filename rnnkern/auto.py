@@ -10,7 +10,11 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    by ``python -m bench.auto_table``) has measurements for this device, cell and
    dtype, the faster of the two at the measured size nearest to the call's
    (log-distance in B, H and T; forward for inference, forward+backward when the
-   call builds a graph) runs.
+   call builds a graph) runs.  On a GPU, Triton's kernels are a third candidate,
+   trusted only where the call would run the same Triton kernel as the
+   measurement (the whole-sequence kernel that keeps W_hh on chip, or the
+   per-step path: their speeds differ five- to fifty-fold, :func:`triton_path`)
+   at a size within a factor of 4 in B and H of it.
 3. Without a measurement: on a GPU, torch.nn (cuDNN) for what it supports; on a
    CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
    the benchmark), except bfloat16 on CPUs with AVX512_BF16: there oneDNN runs
@@ -156,28 +160,62 @@ def _nearest(entries: list, B: int, H: int, T: int) -> dict:
     return min(entries, key=distance)
 
 
+#: How far (a factor in B and in H) a Triton measurement is trusted from its size.
+TRITON_REACH = 4.0
+
+
+def triton_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool) -> str:
+    """The Triton kernel a plain call of these sizes runs: ``"loop"`` (the
+    whole-sequence kernel, W_hh on chip) or ``"step"`` (one launch per step),
+    as rnnkern/triton/ops.py's ``choose_path`` decides by default."""
+    from .triton.sequence import fits_on_chip
+    return "loop" if fits_on_chip(cell, H, P, dtype, proj) else "step"
+
+
+def _triton_usable() -> bool:
+    try:
+        from .triton import ops as _  # noqa: F401  (triton importable, its ops defined)
+    except ImportError:
+        return False
+    return True
+
+
 def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
            training: bool, torch_lacks: Optional[str], rnnkern_backend: str,
-           device_key: Optional[str] = None) -> Choice:
+           device_key: Optional[str] = None, proj_size: int = 0) -> Choice:
     """The implementation for one call of a sequence module.
 
     ``torch_lacks``: the option of the call torch.nn cannot run (None: it can);
     ``rnnkern_backend``: rnnkern's backend for this device (``resolve_backend``);
-    ``device_key``: the table's key for the device (default :func:`device_class`)."""
+    ``device_key``: the table's key for the device (default :func:`device_class`);
+    ``proj_size``: the LSTM's projection (0: none), for Triton's kernel choice."""
     if torch_lacks is not None:
         return Choice(rnnkern_backend, f"torch.nn has no {torch_lacks}")
     key = device_key or device_class(device)
     dtype_name = str(dtype).replace("torch.", "")
     phase = "forward_backward" if training else "forward"
-    entries = [e for e in _index().get((key, cell, dtype_name, phase), [])
-               if rnnkern_backend in e["speedups"]]
-    if entries:
-        e = _nearest(entries, B, H, T)
-        ratio = e["speedups"][rnnkern_backend]
+    rows = _index().get((key, cell, dtype_name, phase), [])
+    found = []  # (ratio, backend, entry)
+    if rnnkern_backend != "triton":
+        entries = [e for e in rows if rnnkern_backend in e["speedups"]]
+        if entries:
+            e = _nearest(entries, B, H, T)
+            found.append((e["speedups"][rnnkern_backend], rnnkern_backend, e))
+    if device.type == "cuda" and any("triton" in e["speedups"] for e in rows) and _triton_usable():
+        path = triton_path(cell, H, proj_size or H, dtype, proj_size > 0)
+        entries = [e for e in rows if "triton" in e["speedups"]
+                   and triton_path(cell, e["H"], e["H"], dtype, False) == path
+                   and max(e["B"], B) <= TRITON_REACH * max(min(e["B"], B), 1)
+                   and max(e["H"], H) <= TRITON_REACH * max(min(e["H"], H), 1)]
+        if entries:
+            e = _nearest(entries, B, H, T)
+            found.append((e["speedups"]["triton"], "triton", e))
+    if found:
+        ratio, backend, e = max(found, key=lambda f: f[0])
         where = (f"{cell} {dtype_name} {phase.replace('_', '+')} at B={e['B']} T={e['T']} H={e['H']} "
                  f"on {key} ({e['source']})")
         if ratio >= 1.0:
-            return Choice(rnnkern_backend, f"measured {ratio:.2f}x torch.nn's speed: {where}")
+            return Choice(backend, f"measured {ratio:.2f}x torch.nn's speed: {where}")
         return Choice(TORCH, f"rnnkern measured {ratio:.2f}x torch.nn's speed: {where}")
     if device.type == "cuda":
         return Choice(TORCH, f"no measurement of rnnkern for {cell} {dtype_name} on {key}: "

@@ -16,7 +16,9 @@ from rnnkern import auto
 from conftest import generator, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_RESULT = "bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json"
+GPU_RESULTS = ("bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json",
+               "bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json",
+               "bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json")
 CPU_RESULT = "bench/results/cpu-zen3-2026-11-27-default/bench.json"  # AMD Zen 3, AVX2
 CPU = torch.device("cpu")
 
@@ -104,7 +106,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     benchmarks (the H100's and a Zen 3's): one run updates its device's rows,
     nothing is typed in by hand."""
     out = tmp_path / "table.json"
-    done = subprocess.run([sys.executable, "-m", "bench.auto_table", GPU_RESULT, CPU_RESULT, "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "bench.auto_table", *GPU_RESULTS, CPU_RESULT, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
     with open(auto.TABLE_PATH) as f:
@@ -117,6 +119,89 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
                for e in shipped["entries"] if e["device"] == "cuda:sm_90"}
     assert by_case[("lstm", "float16", "forward", 16, 1024, 768)] < 0.3  # cuDNN's persistent kernel
     assert by_case[("lstm", "bfloat16", "forward", 16, 1024, 768)] > 1.0
+    # The Triton runs merged in: their column, and their CUDA ratios replacing the grid's.
+    triton = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]
+              for e in shipped["entries"] if "triton" in e["speedups"]}
+    assert len(triton) == 36  # 12 + 28 cases, 4 of them in both runs
+    loop = triton[("rnn_tanh", "bfloat16", "forward_backward", 1, 1024, 256)]
+    assert loop["triton"] > 5 and loop["cuda"] < 2  # the whole-sequence kernel against cuDNN
+    assert max(r["triton"] for r in triton.values() if r is not loop) < 5
+
+
+def gpu_entry(cell, dtype, phase, B, T, H, **ratios):
+    return {"device": "cuda:sm_90", "cell": cell, "dtype": dtype, "phase": phase, "B": B, "T": T,
+            "H": H, "speedups": ratios, "source": "test"}
+
+
+def choose_gpu(**kw):
+    args = dict(cell="rnn_tanh", device=torch.device("cuda"), dtype=torch.bfloat16, B=1, H=256,
+                T=1024, training=False, rnnkern_backend="cuda", device_key="cuda:sm_90")
+    args.update(kw)
+    return choose(**args)
+
+
+def test_triton_on_a_gpu_only_where_its_measured_kernel_runs(table):
+    """Triton's whole-sequence kernel (W_hh on chip) and its per-step path differ
+    five- to fifty-fold: a Triton ratio counts only for calls that run the same
+    Triton kernel as its measurement, within a factor of 4 in B and H."""
+    table += [gpu_entry("rnn_tanh", "bfloat16", "forward", 1, 1024, 256, cuda=0.69, triton=4.74),
+              gpu_entry("rnn_tanh", "bfloat16", "forward", 64, 1024, 1024, cuda=1.05, triton=0.2)]
+    assert auto.triton_path("rnn_tanh", 256, 256, torch.bfloat16, False) == "loop"
+    assert auto.triton_path("rnn_tanh", 512, 512, torch.bfloat16, False) == "step"
+    assert auto.triton_path("lstm", 256, 256, torch.bfloat16, False) == "step"
+    assert auto.triton_path("lstm", 128, 64, torch.bfloat16, True) == "loop"
+    at = choose_gpu()
+    assert at.implementation == "triton" and "4.74x" in at.reason, at
+    near = choose_gpu(B=4, H=128, T=64)  # the same kernel, within reach
+    assert near.implementation == "triton", near
+    # Not the measured kernel: the whole-sequence measurement does not speak for H=512
+    # (per-step path, no Triton row within reach): CUDA's nearest row (cuDNN faster) decides.
+    wide = choose_gpu(H=512)
+    assert wide.uses_torch and "0.69x" in wide.reason, wide
+    # The per-step path's own row (0.2x) within reach loses to CUDA's 1.05x.
+    big = choose_gpu(B=32, H=1024)
+    assert big.implementation == "cuda" and "1.05x" in big.reason, big
+    # The same kernel but beyond reach (B 16x the measured): not Triton; CUDA's nearest row decides.
+    far = choose_gpu(B=16)
+    assert far.implementation == "cuda" and "B=64 T=1024 H=1024" in far.reason, far
+    # No Triton rows for this dtype, phase or cell: never Triton.
+    assert choose_gpu(dtype=torch.float16).uses_torch
+    assert choose_gpu(training=True).uses_torch
+    assert choose_gpu(cell="gru").uses_torch
+    # CPU tensors never take a Triton row.
+    table.append(gpu_entry("rnn_tanh", "bfloat16", "forward", 1, 1024, 256, triton=4.74) | {"device": "cpu:256bit"})
+    assert choose(cell="rnn_tanh", dtype=torch.bfloat16, B=1, H=256).implementation == "cpu"
+    # A build without the CUDA kernels (rnnkern's GPU backend is Triton): the same rule.
+    assert choose_gpu(rnnkern_backend="triton").implementation == "triton"
+    assert choose_gpu(rnnkern_backend="triton", H=512).uses_torch
+    assert choose_gpu(rnnkern_backend="triton", B=16).uses_torch
+
+
+def test_modules_run_the_backend_auto_chose(monkeypatch):
+    """When auto chooses one of rnnkern's backends (on a GPU: cuda or Triton), the
+    module runs that one -- plain and packed input alike (Triton's
+    interpreter stands in for the GPU here)."""
+    from rnnkern import ops
+    torch.manual_seed(0)
+    ours = rnnkern.GRU(5, 7, num_layers=2).double()
+    twin = rnnkern.GRU(5, 7, num_layers=2, backend="triton").double()
+    twin.load_state_dict(ours.state_dict())
+    ran = []
+    family = ops._op_family
+    monkeypatch.setattr(ops, "_op_family", lambda backend: ran.append(backend) or family(backend))
+    monkeypatch.setattr(auto, "no_torch_choice", lambda input: False)
+    monkeypatch.setattr(auto, "choose", lambda **kw: auto.Choice("triton", "test"))
+    g = generator("auto", "modules_run_the_backend_auto_chose")
+    x = randn(g, 6, 3, 5)
+    lengths = torch.tensor([6, 2, 4])
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+    for args, kw in (((x,), {}), ((packed,), {})):
+        ran.clear()
+        got, want = ours(*args, **kw), twin(*args, **kw)
+        assert ran and set(ran) == {"triton"}, ran
+        got_out = got[0].data if isinstance(got[0], nn.utils.rnn.PackedSequence) else got[0]
+        want_out = want[0].data if isinstance(want[0], nn.utils.rnn.PackedSequence) else want[0]
+        assert torch.equal(got_out, want_out) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("cls,kw", [(nn.LSTM, {}), (nn.GRU, {}), (nn.RNN, {"nonlinearity": "relu"})])

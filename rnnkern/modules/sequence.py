@@ -158,7 +158,8 @@ class _RecurrentMixin(_RnnkernOptions):
             T, B = data.size(0), 1
         training = torch.is_grad_enabled() and (data.requires_grad or weight.requires_grad)
         return auto.choose(cell=self.cell, device=device, dtype=dtype, B=B, H=self.hidden_size, T=T,
-                           training=training, torch_lacks=lacks, rnnkern_backend=backend)
+                           training=training, torch_lacks=lacks, rnnkern_backend=backend,
+                           proj_size=self.proj_size)
 
     def _zoneout_width(self) -> int:
         """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
@@ -170,14 +171,15 @@ class _RecurrentMixin(_RnnkernOptions):
 
     def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing],
                     resets: Optional[Tensor] = None, reset_state=None,
-                    reset_is_hx: bool = False):
+                    reset_is_hx: bool = False, backend: Optional[str] = None):
         """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
         or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
         or None (zeros; ``reset_is_hx``: hx is those zeros, so the kernels' own
         rule, restarting from h0, is the modules') -> output [T, B, D*P],
         (h_n[, c_n]).  ``packing``
         (variable lengths only) says which rows torch.nn would see packed:
-        dropout draws its mask over them, in that order, as torch.nn does."""
+        dropout draws its mask over them, in that order, as torch.nn does.
+        ``backend``: the backend to run (default the module's; ``auto``'s choice)."""
         dtype = None
         if _any_autocast():
             weight = getattr(self, self._flat_weights_names[0])
@@ -189,16 +191,18 @@ class _RecurrentMixin(_RnnkernOptions):
             # float16 run) and would then meet float16 weights in the kernels.
             with torch.autocast(x.device.type, enabled=False):
                 return self._run_layers_cast(dtype, x, hx, lengths, packing, resets, reset_state,
-                                             reset_is_hx)
-        return self._run_layers_cast(None, x, hx, lengths, packing, resets, reset_state, reset_is_hx)
+                                             reset_is_hx, backend)
+        return self._run_layers_cast(None, x, hx, lengths, packing, resets, reset_state, reset_is_hx,
+                                     backend)
 
     def _run_layers_cast(self, dtype: Optional[torch.dtype], x: Tensor, hx,
                          lengths: Optional[Tensor], packing: Optional[_Packing],
-                         resets: Optional[Tensor], reset_state, reset_is_hx: bool):
+                         resets: Optional[Tensor], reset_state, reset_is_hx: bool,
+                         backend: Optional[str] = None):
         """:meth:`_run_layers` in ``dtype`` (None: the tensors' own), autocast off."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
-        backend = ops.resolve_backend(self.backend, x.device)
+        backend = ops.resolve_backend(backend or self.backend, x.device)
         name = type(self).__name__
         weights = self._layer_weights(D)
         cell = self.cell
@@ -481,15 +485,18 @@ class _RecurrentMixin(_RnnkernOptions):
         if resets is None:
             reset_state = None  # (nothing restarts: it would change nothing)
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
+        backend = self.backend  # auto's choice of rnnkern backend replaces it below (on a GPU: cuda or triton)
         if self.backend == "auto" and self._has_torch_nn_twin and not torch.compiler.is_compiling() \
                 and not auto.no_torch_choice(input):
-            if self._auto_choice(input, hx, lengths, resets).uses_torch:
+            choice = self._auto_choice(input, hx, lengths, resets)
+            if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
+            backend = choice.implementation
         name = type(self).__name__
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError(f"{name}: lengths= is for padded input; a PackedSequence carries its own")
-            return self._forward_packed(input, hx, resets, reset_state)
+            return self._forward_packed(input, hx, resets, reset_state, backend)
 
         if not isinstance(input, Tensor):
             raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
@@ -543,7 +550,7 @@ class _RecurrentMixin(_RnnkernOptions):
                 # (its random stream differs from eager's anyway).
                 packing = _packing_of_padded(lengths, T, input.device)
         out, hidden = self._run_layers(input, hx, lengths, packing, resets, reset_state,
-                                       reset_is_hx=hx_zeros and reset_state is None)
+                                       reset_is_hx=hx_zeros and reset_state is None, backend=backend)
         if self.batch_first:
             out = out.transpose(0, 1)
         if not batched:
@@ -569,7 +576,8 @@ class _RecurrentMixin(_RnnkernOptions):
         out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
         return out, hidden
 
-    def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor], reset_state):
+    def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor], reset_state,
+                        backend: Optional[str] = None):
         """A PackedSequence runs as one padded, length-sorted batch with per-sequence
         lengths (one kernel call per layer and direction, padding never computed).
         ``resets`` comes padded in the original batch order and is sorted here."""
@@ -611,7 +619,7 @@ class _RecurrentMixin(_RnnkernOptions):
         lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
         padded = _rows_to_grid(data, packing, T, B)
         out, hidden = self._run_layers(padded, hx, lengths, packing, resets, reset_state,
-                                       reset_is_hx=hx_zeros and reset_state is None)
+                                       reset_is_hx=hx_zeros and reset_state is None, backend=backend)
         out_data = out[packing.time, packing.batch]
         hidden = hidden if self.mode == "LSTM" else hidden[0]
         return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
