@@ -123,6 +123,40 @@ def test_bidirectional_lengths_packed_with_a_learned_reset_state(backend):
         compare(got, want, labels_of(m, hx, True), f"{backend} {form}")
 
 
+@pytest.mark.parametrize("zoneout", [0.0, 0.3], ids=["plain", "zoneout"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_of_every_kind_in_one_batch(backend, zoneout):
+    """Each call of the two-call composition takes only the rows it serves
+    (ops._reset_state_by_rows): a row that never restarts, one restarting at its
+    first step and later, early, late, only past its length, twice in a row;
+    with lengths, two layers, a learned reset state, and evaluation-mode zoneout
+    (its mask broadcast along the rows)."""
+    cell = "gru" if backend == "triton" else "lstm"
+    key = ("rows-of-every-kind", cell, zoneout)
+    Tk, Bk = 9, 6
+    m = make_module(cell, backend, num_layers=2, zoneout=zoneout).eval()
+    g = generator(*key)
+    x = randn(g, Tk, Bk, I, requires_grad=True)
+    hx = state_leaves(m, Bk, key)
+    reset_state = tuple(randn(g, *h.shape, scale=0.5, requires_grad=True) for h in hx)
+    starts = torch.zeros(Tk, Bk, dtype=torch.bool)
+    for t, b in [(0, 1), (5, 1), (1, 2), (6, 3), (7, 4), (2, 5), (3, 5)]:
+        starts[t, b] = True
+    lengths = [Tk, 8, Tk, 7, 5, Tk]  # row 4's start lies past its length
+
+    def ours():
+        return flat(m(x, hx_arg(hx), lengths=torch.tensor(lengths), resets=starts,
+                      reset_state=hx_arg(reset_state)))
+
+    if raises_unsupported(backend, used(cell, "resets", *(["zoneout"] if zoneout else [])), ours):
+        return
+    leaves = [x, *hx, *reset_state, *m.parameters()]
+    got = values_and_grads(ours(), leaves, key)
+    want = values_and_grads(run_episodes_separately(m, x, starts, lengths, hx, p=zoneout,
+                                                    reset_state=reset_state), leaves, key)
+    compare(got, want, labels_of(m, hx, True), f"{backend} {cell}")
+
+
 def test_gradients_follow_the_rule():
     """hx gets its gradient only from position 0 without a reset there, the
     reset state from every step that restarted from it: with a start at
