@@ -38,7 +38,8 @@ from typing import Optional
 
 import torch
 
-#: The table shipped with the package; RNNKERN_AUTO_TABLE names another file.
+#: The table shipped with the package; RNNKERN_AUTO_TABLE names another file
+#: (read once, when auto first decides: a one-step call feels each microsecond).
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "auto_table.json")
 
 TORCH = "torch.nn"
@@ -70,7 +71,12 @@ def _load(path: str) -> dict:
 
 def table() -> dict:
     """The measurements ``auto`` decides by (see the module docstring)."""
-    return _load(os.environ.get("RNNKERN_AUTO_TABLE", TABLE_PATH))
+    return _load(_table_path())
+
+
+@functools.lru_cache(maxsize=None)
+def _table_path() -> str:
+    return os.environ.get("RNNKERN_AUTO_TABLE", TABLE_PATH)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,9 +152,9 @@ def no_torch_choice(input) -> bool:
     data = getattr(input, "data", input) if not isinstance(input, torch.Tensor) else input
     if not isinstance(data, torch.Tensor):
         return True  # not an input at all: the module's own checks name the argument
-    if data.device.type != "cpu":
+    if not data.is_cpu:
         return False
-    key = device_class(data.device)
+    key = _this_cpu_class()
     if key.endswith("+bf16") and (data.dtype == torch.bfloat16 or torch.is_autocast_enabled("cpu")):
         return False
     return not _torch_faster_somewhere(key)
