@@ -19,7 +19,7 @@ root=$PWD
 preload_stdcxx=$(gcc -print-file-name=libstdc++.so)  # ASan/TSan intercept __cxa_throw: load it first
 
 run_mode() {
-    local mode=$1 runtime=$2 select=$3
+    local mode=$1 runtime=$2 select=$3 workers=$4  # pytest-xdist workers (each its own report file)
     local out=$root/build/emu-$mode
     rm -rf "$out" "$out-obj" && mkdir -p "$out"
     cp -r rnnkern "$out/" && rm -f "$out"/rnnkern/_C_cuda_emu*.so
@@ -33,7 +33,7 @@ run_mode() {
         ASAN_OPTIONS="detect_leaks=0:log_path=$out/report" \
         UBSAN_OPTIONS="print_stacktrace=1:log_path=$out/report" \
         TSAN_OPTIONS="log_path=$out/report" \
-        python -m pytest "$root/tests/test_cuda_emulated.py" -q -p no:cacheprovider -k "$select") || status=$?
+        python -m pytest "$root/tests/test_cuda_emulated.py" -q -n "$workers" -p no:cacheprovider -k "$select") || status=$?
     # Every sanitizer report ends with a SUMMARY line (ASan's one-time notice
     # about swapcontext, which the fiber annotations address, is not a report).
     if compgen -G "$out/report*" >/dev/null && grep -q "SUMMARY:" "$out"/report*; then
@@ -43,5 +43,5 @@ run_mode() {
     echo "== $mode: zero reports"
 }
 
-run_mode asan libasan.so ""
-run_mode tsan libtsan.so "step or row_kernels"
+run_mode asan libasan.so "" auto
+run_mode tsan libtsan.so "step or row_kernels" 0

@@ -25,7 +25,7 @@ git ls-files -z | (cd "$ROOT" && xargs -0 cp --parents -t "$TREE")
 
 if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV"; fi
 "$VENV/bin/python" -m pip install -q torch==2.11.0 triton==3.6.0 "numpy<2.4" "setuptools<82" \
-  ninja pybind11 pytest hypothesis
+  ninja pybind11 pytest pytest-xdist hypothesis
 "$VENV/bin/python" -c "import importlib.util as u, torch, triton, numpy; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, \
 'expecttest', u.find_spec('expecttest') is not None)"
@@ -35,7 +35,7 @@ cd "$TREE"
 RNNKERN_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" setup.py -q build_ext --inplace
 echo "== torch 2.11: built at $((SECONDS - start)) s"
 
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_compile.py tests/test_torch_contract.py \
+"$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider tests/test_compile.py tests/test_torch_contract.py \
   tests/test_backend_contract.py -k "not test_backend_contract or triton or cpu"
 echo "== torch 2.11: tests done at $((SECONDS - start)) s"
 
