@@ -12,7 +12,12 @@ adds its column to a CUDA grid:
     python -m bench.auto_table bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json \
         bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json \
         bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json \
-        bench/results/cpu-zen3-2026-11-27-default/bench.json
+        bench/results/cpu-zen3-2026-11-27-default/bench.json \
+        bench/results/cpu-zen3-2026-11-27-auto-t1/bench.json \
+        bench/results/cpu-zen3-2026-11-27-peers-step-t1/bench.json
+
+CPU rows keep the run's thread count: the second and third files are one-thread
+runs of the same CPU, the first a two-thread run.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ def entries_of(path: str, root: str) -> tuple[str, list]:
     with open(path) as f:
         doc = json.load(f)
     key = device_key(doc["meta"])
+    # A CPU row keeps its thread count (auto compares rows at the call's); a GPU's is moot.
+    threads = doc["meta"]["device"].get("threads") if doc["meta"]["device"]["type"] == "cpu" else None
     source = os.path.relpath(path, root)
     out = []
     for r in doc["results"]:
@@ -51,7 +58,7 @@ def entries_of(path: str, root: str) -> tuple[str, list]:
                     and e.get("speedup_vs_torch") is not None}
         if speedups:
             out.append({"device": key, "cell": r["cell"], "dtype": r["dtype"], "phase": r["phase"],
-                        "B": r["B"], "T": r["T"], "H": r["H"],
+                        "B": r["B"], "T": r["T"], "H": r["H"], "threads": threads,
                         "speedups": {k: round(v, 3) for k, v in speedups.items()}, "source": source})
     return key, out
 
@@ -67,7 +74,7 @@ def main(argv=None) -> int:
         key, entries = entries_of(path, root)
         devices.add(key)
         for e in entries:
-            case = tuple(e[k] for k in ("device", "cell", "dtype", "phase", "B", "T", "H"))
+            case = tuple(e[k] for k in ("device", "cell", "dtype", "phase", "B", "T", "H", "threads"))
             if case in merged:  # a later file's ratios replace an earlier one's, backend by backend
                 was = merged[case]
                 e = {**e, "speedups": {**was["speedups"], **e["speedups"]},
@@ -80,7 +87,7 @@ def main(argv=None) -> int:
     kept = [e for e in old if e["device"] not in devices]
     doc = {"about": "rnnkern/auto.py: what backend='auto' runs; written by python -m bench.auto_table",
            "entries": sorted(kept + new, key=lambda e: (e["device"], e["cell"], e["dtype"], e["phase"],
-                                                       e["B"], e["T"], e["H"]))}
+                                                       e["B"], e["T"], e["H"], e.get("threads") or 0))}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

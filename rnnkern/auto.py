@@ -8,9 +8,11 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    ``zoneout=``, ``lengths=``, the LayerNorm LSTM) runs rnnkern's kernels.
 2. Where the shipped table (``auto_table.json``, written from benchmark results
    by ``python -m bench.auto_table``) has measurements for this device, cell and
-   dtype, the faster of the two at the measured size nearest to the call's
+   dtype, the faster of the two (rnnkern where it measured at least
+   :data:`LEVEL`, 0.97x: level counts as rnnkern's) at the measured size nearest to the call's
    (log-distance in B, H and T; forward for inference, forward+backward when the
-   call builds a graph) runs.  On a GPU, Triton's kernels are a third candidate,
+   call builds a graph) runs; on a CPU, from the rows measured at the thread
+   count nearest to the call's (torch.get_num_threads()).  On a GPU, Triton's kernels are a third candidate,
    trusted only where the call would run the same Triton kernel as the
    measurement (the whole-sequence kernel that keeps W_hh on chip, or the
    per-step path: their speeds differ five- to fifty-fold, :func:`triton_path`)
@@ -43,6 +45,12 @@ import torch
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "auto_table.json")
 
 TORCH = "torch.nn"
+
+#: A measured ratio (torch.nn's time / rnnkern's) at or above this is level or
+#: better, and rnnkern runs: the benchmark's VMs spread by ~10% from run to run,
+#: and a table with no row below it lets the modules skip the choice (~10 us a
+#: call, which a one-step call would feel more than a 3% difference).
+LEVEL = 0.97
 
 
 @dataclass(frozen=True)
@@ -114,41 +122,73 @@ def device_class(device: torch.device) -> str:
     return device.type
 
 
+# What is derived from the table (its index, answers) is kept per table: the
+# caches below are emptied when table() gives another document or its entries
+# change in number.  The document itself is held, so that its id cannot be
+# reused by another one while the caches stand.
+_CACHED_FOR: list = [None, -1]
 _INDEXES: dict = {}
+_TORCH_FASTER_SOMEWHERE: dict = {}
+_CHOICES: dict = {}
+
+
+def _current_table() -> dict:
+    doc = table()
+    n = len(doc.get("entries", []))
+    if _CACHED_FOR[0] is not doc or _CACHED_FOR[1] != n:
+        for cache in (_INDEXES, _TORCH_FASTER_SOMEWHERE, _CHOICES):
+            cache.clear()
+        _CACHED_FOR[:] = [doc, n]
+    return doc
 
 
 def _index() -> dict:
     """The table's entries by (device, cell, dtype, phase), built once per table."""
-    doc = table()
-    table_id = (id(doc), len(doc.get("entries", [])))
-    if table_id not in _INDEXES:
-        index: dict = {}
+    doc = _current_table()
+    if not _INDEXES:
         for e in doc.get("entries", []):
-            index.setdefault((e["device"], e["cell"], e["dtype"], e["phase"]), []).append(e)
-        _INDEXES.clear()
-        _INDEXES[table_id] = index
-    return _INDEXES[table_id]
+            _INDEXES.setdefault((e["device"], e["cell"], e["dtype"], e["phase"]), []).append(e)
+    return _INDEXES
 
 
-_TORCH_FASTER_SOMEWHERE: dict = {}
+def _nearest_threads(rows: list, threads: int) -> Optional[int]:
+    """Of the thread counts the rows were measured at, the nearest to ``threads``
+    (log-distance; a tie goes to the larger); None when no row names one."""
+    counts = {e["threads"] for e in rows if e.get("threads")}
+    if not counts:
+        return None
+    return min(counts, key=lambda n: (abs(math.log(n / max(threads, 1))), -n))
 
 
-def _torch_faster_somewhere(key: str) -> bool:
-    """Whether any of the table's rows for device class ``key`` measured
-    torch.nn faster than rnnkern (cached per table)."""
-    doc = table()
-    cache_key = (id(doc), len(doc.get("entries", [])), key)
+def _at_threads(rows: list, threads: int) -> list:
+    """The rows measured at the thread count nearest to ``threads`` (and those
+    that name none): oneDNN and rnnkern scale differently with threads, so a
+    2-thread row does not speak for a 1-thread call where a 1-thread row exists."""
+    n = _nearest_threads(rows, threads)
+    return rows if n is None else [e for e in rows if e.get("threads") in (n, None)]
+
+
+def _torch_faster_somewhere(key: str, threads: int = 0, cell: Optional[str] = None) -> bool:
+    """Whether any of the table's rows for device class ``key`` (and ``cell``,
+    if given), at the thread count nearest to ``threads`` (default torch's),
+    measured torch.nn faster than rnnkern, below :data:`LEVEL` (cached per table)."""
+    doc = _current_table()
+    threads = threads or torch.get_num_threads()
+    cache_key = (key, threads, cell)
     if cache_key not in _TORCH_FASTER_SOMEWHERE:
-        _TORCH_FASTER_SOMEWHERE[cache_key] = any(
-            e["device"] == key and min(e["speedups"].values()) < 1.0 for e in doc.get("entries", []))
+        rows = _at_threads([e for e in doc.get("entries", []) if e["device"] == key
+                            and cell in (None, e["cell"])], threads)
+        _TORCH_FASTER_SOMEWHERE[cache_key] = any(min(e["speedups"].values()) < LEVEL for e in rows)
     return _TORCH_FASTER_SOMEWHERE[cache_key]
 
 
-def no_torch_choice(input) -> bool:
-    """True when ``auto`` cannot choose torch.nn for this input: a CPU whose
-    table rows (if any) all measured rnnkern faster, and no bfloat16 on a CPU
-    with the bf16 dot products (rule 3).  The modules then skip the choice: a
-    one-step call feels every microsecond (the choice costs ~25 us)."""
+def no_torch_choice(input, cell: Optional[str] = None) -> bool:
+    """True when ``auto`` cannot choose torch.nn for this input (of a module of
+    ``cell``, if given): a CPU whose table rows (if any; of that cell) at the
+    thread count nearest to torch's all measured rnnkern level or faster, and no
+    bfloat16 on a CPU with the bf16 dot products (rule 3).  The modules then
+    skip the choice: a one-step call feels every microsecond (the choice costs
+    ~8 us, this test ~1 us)."""
     data = getattr(input, "data", input) if not isinstance(input, torch.Tensor) else input
     if not isinstance(data, torch.Tensor):
         return True  # not an input at all: the module's own checks name the argument
@@ -157,7 +197,7 @@ def no_torch_choice(input) -> bool:
     key = _this_cpu_class()
     if key.endswith("+bf16") and (data.dtype == torch.bfloat16 or torch.is_autocast_enabled("cpu")):
         return False
-    return not _torch_faster_somewhere(key)
+    return not _torch_faster_somewhere(key, 0, cell)
 
 
 def _nearest(entries: list, B: int, H: int, T: int) -> dict:
@@ -188,19 +228,38 @@ def _triton_usable() -> bool:
 
 def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
            training: bool, torch_lacks: Optional[str], rnnkern_backend: str,
-           device_key: Optional[str] = None, proj_size: int = 0) -> Choice:
+           device_key: Optional[str] = None, proj_size: int = 0,
+           threads: Optional[int] = None) -> Choice:
     """The implementation for one call of a sequence module.
 
     ``torch_lacks``: the option of the call torch.nn cannot run (None: it can);
     ``rnnkern_backend``: rnnkern's backend for this device (``resolve_backend``);
     ``device_key``: the table's key for the device (default :func:`device_class`);
-    ``proj_size``: the LSTM's projection (0: none), for Triton's kernel choice."""
+    ``proj_size``: the LSTM's projection (0: none), for Triton's kernel choice;
+    ``threads``: the call's thread count (default torch's), for the CPU rows.
+    Answers are remembered per table and arguments (the modules ask on every call)."""
     if torch_lacks is not None:
         return Choice(rnnkern_backend, f"torch.nn has no {torch_lacks}")
     key = device_key or device_class(device)
+    threads = threads or torch.get_num_threads()
+    _current_table()
+    memo = (cell, device.type, dtype, B, H, T, training, rnnkern_backend, key, proj_size, threads)
+    choice = _CHOICES.get(memo)
+    if choice is None:
+        if len(_CHOICES) > 4096:
+            _CHOICES.clear()
+        choice = _CHOICES[memo] = _choose(cell, device, dtype, B, H, T, training, rnnkern_backend,
+                                          key, proj_size, threads)
+    return choice
+
+
+def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
+            training: bool, rnnkern_backend: str, key: str, proj_size: int, threads: int) -> Choice:
     dtype_name = str(dtype).replace("torch.", "")
     phase = "forward_backward" if training else "forward"
     rows = _index().get((key, cell, dtype_name, phase), [])
+    if device.type == "cpu":
+        rows = _at_threads(rows, threads)
     found = []  # (ratio, backend, entry)
     if rnnkern_backend != "triton":
         entries = [e for e in rows if rnnkern_backend in e["speedups"]]
@@ -218,9 +277,10 @@ def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: in
             found.append((e["speedups"]["triton"], "triton", e))
     if found:
         ratio, backend, e = max(found, key=lambda f: f[0])
-        where = (f"{cell} {dtype_name} {phase.replace('_', '+')} at B={e['B']} T={e['T']} H={e['H']} "
-                 f"on {key} ({e['source']})")
-        if ratio >= 1.0:
+        at_threads = f", {e['threads']} thread{'s' if e['threads'] > 1 else ''}" if e.get("threads") else ""
+        where = (f"{cell} {dtype_name} {phase.replace('_', '+')} at B={e['B']} T={e['T']} H={e['H']}"
+                 f"{at_threads} on {key} ({e['source']})")
+        if ratio >= LEVEL:
             return Choice(backend, f"measured {ratio:.2f}x torch.nn's speed: {where}")
         return Choice(TORCH, f"rnnkern measured {ratio:.2f}x torch.nn's speed: {where}")
     if device.type == "cuda":

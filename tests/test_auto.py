@@ -19,13 +19,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_RESULTS = ("bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json",
                "bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json",
                "bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json")
-CPU_RESULT = "bench/results/cpu-zen3-2026-11-27-default/bench.json"  # AMD Zen 3, AVX2
+CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Zen 3, AVX2, 2 threads
+               "bench/results/cpu-zen3-2026-11-27-auto-t1/bench.json",  # the same CPU, 1 thread
+               "bench/results/cpu-zen3-2026-11-27-peers-step-t1/bench.json")  # 1 thread
 CPU = torch.device("cpu")
 
 
-def entry(device, cell, dtype, phase, B, T, H, ratio, backend="cpu"):
+def entry(device, cell, dtype, phase, B, T, H, ratio, backend="cpu", threads=None):
     return {"device": device, "cell": cell, "dtype": dtype, "phase": phase, "B": B, "T": T, "H": H,
-            "speedups": {backend: ratio}, "source": "test"}
+            "threads": threads, "speedups": {backend: ratio}, "source": "test"}
 
 
 @pytest.fixture
@@ -63,6 +65,38 @@ def test_the_measured_faster_one_at_the_nearest_size(table):
     assert choose(device_key="cpu:512bit").implementation == "cpu"
     assert "no measurement" in choose(dtype=torch.float64).reason
     assert "no measurement" in choose(cell="gru").reason
+
+
+def test_level_counts_as_rnnkern(table):
+    """A ratio within 3% below 1.0 is level on these VMs: rnnkern runs (its path
+    needs no choice); below that, torch.nn."""
+    table += [entry("cpu:256bit", "lstm", "float32", "forward", 16, 128, 256, 0.975),
+              entry("cpu:256bit", "gru", "float32", "forward", 16, 128, 256, 0.965)]
+    assert choose().implementation == "cpu"
+    assert choose(cell="gru").uses_torch
+
+
+def test_cpu_rows_at_the_nearest_thread_count(table, monkeypatch):
+    """oneDNN and rnnkern scale differently with threads: a CPU call decides by
+    the rows measured at the thread count nearest to its own, and the modules
+    skip the choice only where no such row of their cell measured torch.nn faster."""
+    table += [entry("cpu:256bit", "lstm", "float32", "forward_backward", 64, 64, 128, 0.88, threads=1),
+              entry("cpu:256bit", "lstm", "float32", "forward_backward", 64, 64, 128, 1.25, threads=2)]
+    one = choose(training=True, B=64, T=64, H=128, threads=1)
+    assert one.uses_torch and "0.88x" in one.reason and "1 thread " in one.reason, one
+    for threads in (2, 3, 16):  # 3 and 16: nearer to 2 than to 1
+        many = choose(training=True, B=64, T=64, H=128, threads=threads)
+        assert many.implementation == "cpu" and "1.25x" in many.reason and "2 threads" in many.reason
+    monkeypatch.setattr(auto, "_this_cpu_class", lambda: "cpu:256bit")
+    x = torch.zeros(1)
+    for threads, lstm_skips in ((1, False), (2, True)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        assert auto.no_torch_choice(x, "lstm") == lstm_skips
+        assert auto.no_torch_choice(x, "gru")  # no GRU row measured torch.nn faster
+        assert auto.no_torch_choice(x) == lstm_skips
+    # Rows that name no thread count speak for every count.
+    table.append(entry("cpu:256bit", "gru", "float32", "forward", 16, 128, 256, 0.5))
+    assert choose(cell="gru", threads=1).uses_torch and choose(cell="gru", threads=2).uses_torch
 
 
 def test_without_a_measurement(table):
@@ -106,7 +140,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     benchmarks (the H100's and a Zen 3's): one run updates its device's rows,
     nothing is typed in by hand."""
     out = tmp_path / "table.json"
-    done = subprocess.run([sys.executable, "-m", "bench.auto_table", *GPU_RESULTS, CPU_RESULT, "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "bench.auto_table", *GPU_RESULTS, *CPU_RESULTS, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
     with open(auto.TABLE_PATH) as f:
@@ -189,7 +223,7 @@ def test_modules_run_the_backend_auto_chose(monkeypatch):
     ran = []
     family = ops._op_family
     monkeypatch.setattr(ops, "_op_family", lambda backend: ran.append(backend) or family(backend))
-    monkeypatch.setattr(auto, "no_torch_choice", lambda input: False)
+    monkeypatch.setattr(auto, "no_torch_choice", lambda input, cell=None: False)
     monkeypatch.setattr(auto, "choose", lambda **kw: auto.Choice("triton", "test"))
     g = generator("auto", "modules_run_the_backend_auto_chose")
     x = randn(g, 6, 3, 5)

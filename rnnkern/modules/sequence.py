@@ -487,7 +487,7 @@ class _RecurrentMixin(_RnnkernOptions):
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
         backend = self.backend  # auto's choice of rnnkern backend replaces it below (on a GPU: cuda or triton)
         if self.backend == "auto" and self._has_torch_nn_twin and not torch.compiler.is_compiling() \
-                and not auto.no_torch_choice(input):
+                and not auto.no_torch_choice(input, self.cell):
             choice = self._auto_choice(input, hx, lengths, resets)
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
