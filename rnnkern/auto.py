@@ -146,8 +146,10 @@ def _index() -> dict:
     """The table's entries by (device, cell, dtype, phase), built once per table."""
     doc = _current_table()
     if not _INDEXES:
+        index: dict = {}
         for e in doc.get("entries", []):
-            _INDEXES.setdefault((e["device"], e["cell"], e["dtype"], e["phase"]), []).append(e)
+            index.setdefault((e["device"], e["cell"], e["dtype"], e["phase"]), []).append(e)
+        _INDEXES.update(index)  # whole (one C call): another thread never sees a part of it
     return _INDEXES
 
 
