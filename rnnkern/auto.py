@@ -221,9 +221,10 @@ def triton_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool) -> st
 
 
 def _triton_usable() -> bool:
+    from . import ops
     try:
-        from .triton import ops as _  # noqa: F401  (triton importable, its ops defined)
-    except ImportError:
+        ops._triton_ops()  # the one place that imports Triton's op family
+    except RuntimeError:  # (raised there when the triton package is missing)
         return False
     return True
 
