@@ -9,7 +9,7 @@ one GPU run updates the GPU's rows.  Files measuring the same case merge: the
 later file's ratios replace the earlier's backend by backend, so a Triton run
 adds its column to a CUDA grid:
 
-    python -m bench.auto_table bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json \
+    python -m bench.auto_table bench/results/gpu-h100-2026-11-27-session4/bench-cuda-grid/bench_gpu.json \
         bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json \
         bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json \
         bench/results/cpu-zen3-2026-11-27-default/bench.json \

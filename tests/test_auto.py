@@ -16,7 +16,7 @@ from rnnkern import auto
 from conftest import generator, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_RESULTS = ("bench/results/gpu-h100-2026-11-27/bench-cuda-grid/bench_cuda_grid.json",
+GPU_RESULTS = ("bench/results/gpu-h100-2026-11-27-session4/bench-cuda-grid/bench_gpu.json",
                "bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json",
                "bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json")
 CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Zen 3, AVX2, 2 threads
