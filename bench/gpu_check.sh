@@ -76,7 +76,9 @@
 # BENCH_ARGS (see above), BENCH_CAP (the bench stage's cap, default 150 s: the
 # budget alone does not lift it -- the third H100 session's second call stopped
 # at 150 s with 6 of 12 cases),
-# REHEARSE_TRITON_K (the rehearsal's -k expression for tests/test_triton.py),
+# REHEARSE_CUDA_K and REHEARSE_TRITON_K (the rehearsal's -k expressions for
+# tests/test_cuda_emulated.py and tests/test_triton.py: CI's test run has run them
+# whole; the rehearsal checks that the stages' commands work),
 # REHEARSE_SANITIZER_DTYPES (the dtypes of the rehearsal's emulated sanitizer
 # cases, default float32,bfloat16; empty: none).
 set -u
@@ -263,6 +265,7 @@ print(*(int(u.find_spec(m) is not None) for m in ('xdist', 'pytest_timeout')))" 
     # The CUDA kernels' code on the emulated device (its tests are not marked gpu).
     if has_emulation; then
       RNNKERN_REQUIRE_CUDA_EMULATION=1 run_stage tests_cuda 200 "${PYTEST[@]}" tests/test_cuda_emulated.py \
+        -k "${REHEARSE_CUDA_K:-test_backend_is_listed or test_ops_match_cpu_backend or test_step_ops_match_cpu_backend}" \
         --junitxml="$OUT/junit_cuda.xml"
     else
       record tests_cuda "no emulated device (rnnkern._C_cuda_emu not built: RNNKERN_CUDA_EMULATION=1)"

@@ -45,7 +45,18 @@ def positive(v) -> bool:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One `python -m bench --quick` on the CPU, as CI and a user run it."""
+    """One `python -m bench --quick` on the CPU, as CI and a user run it.  CI runs it
+    first, as the README's main job, and names its folder in RNNKERN_QUICK_BENCH_RUN
+    (quick.json, quick.md, plots/, stdout.txt): the tests then read that run, which must
+    be of this commit, instead of a second one."""
+    done = os.environ.get("RNNKERN_QUICK_BENCH_RUN")
+    if done:
+        from rnnkern.check.probe import git_commit
+        out = Path(done)
+        meta = json.loads((out / "quick.json").read_text())["meta"]
+        assert meta["git"] == git_commit(), f"{out}: a run of {meta['git']}, not of this tree ({git_commit()})"
+        assert meta["command"].startswith("python -m bench --quick") and "--device cpu" in meta["command"]
+        return out, (out / "stdout.txt").read_text()
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, "-m", "bench", "--quick", "--device", "cpu", "--no-progress",
            "--json", str(out / "quick.json"), "--markdown", str(out / "quick.md"),

@@ -217,6 +217,13 @@ def check_pip_install(argv: List[str]) -> None:
 def check_pytest(argv: List[str]) -> None:
     """Running the suite from inside the suite would recurse: collect it instead."""
     args = [a for a in argv[3:] if a not in ("-q", "--quiet")]  # -qq lists counts per file
+    collect(tuple(args))
+
+
+@functools.lru_cache(maxsize=None)
+def collect(args: tuple) -> None:
+    """Collecting the whole suite takes most of a minute: once per arguments and process
+    (the README's `./run test` and `python -m pytest tests` both collect `tests`)."""
     done = run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert re.search(r"^\d+ tests? collected", done.stdout, re.M), done.stdout[-2000:]

@@ -212,6 +212,19 @@ def test_a_table_of_figures_names_its_json(page, line, marker, header, rows):
             path = (page.parent / f).resolve()
             assert path.is_file() and path.is_relative_to(ROOT / "bench" / "results"), \
                 f"{page.relative_to(ROOT)}:{line}: {f} is no committed result file"
+            assert not made_from_uncommitted_code(path), \
+                f"{page.relative_to(ROOT)}:{line}: {f} was measured from a tree with uncommitted " \
+                f"changes (its git field ends in -dirty): publish a run of committed code"
+
+
+def made_from_uncommitted_code(path: Path) -> bool:
+    return str(json.loads(path.read_text())["meta"].get("git") or "").endswith("-dirty")
+
+
+def test_a_run_from_a_dirty_tree_is_told_apart():
+    results = ROOT / "bench" / "results"
+    assert made_from_uncommitted_code(results / "gpu-h100-2026-11-27" / "bench-cuda-grid" / "bench_cuda_grid.json")
+    assert not made_from_uncommitted_code(results / "gpu-h100-2026-11-27-session4" / "bench-cuda-grid" / "bench_gpu.json")
 
 
 @pytest.mark.parametrize("page, line, marker, header, rows", MARKED,
