@@ -162,7 +162,7 @@ def emulation_extensions():
                          "brings them in its nvidia-* wheels; or set CUDA_HOME)")
     sanitize = EMULATION_SANITIZERS[mode]
     kernels = ["csrc/cuda_emu/runtime.cpp", "csrc/cuda_emu/kernels_sm90.cpp",
-               "csrc/cuda_emu/kernels_sm70.cpp"]
+               "csrc/cuda_emu/kernels_sm70.cpp", "csrc/cuda_emu/kernels_cooperative.cpp"]
     # -O1 -g under the sanitizers: reports with lines, a build in minutes.
     opt = ["-O1", "-g"] if sanitize else ["-O2", "-g0"]
     return [CppExtension("rnnkern._C_cuda_emu", kernels + ["csrc/cuda_emu/bindings.cpp", "csrc/checks.cpp"],

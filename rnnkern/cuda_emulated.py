@@ -32,3 +32,9 @@ set_schedule = _C_cuda_emu.set_schedule
 set_arch = _C_cuda_emu.set_arch
 arch = _C_cuda_emu.arch
 launches = _C_cuda_emu.launches
+# Cooperative grids (every block at once, grid.sync()): the device model behind the
+# occupancy query and the cooperative launch's co-residency check, and the test kernel.
+set_device_model = _C_cuda_emu.set_device_model
+multiprocessors = _C_cuda_emu.multiprocessors
+grid_exchange = _C_cuda_emu.grid_exchange
+grid_exchange_blocks = _C_cuda_emu.grid_exchange_blocks

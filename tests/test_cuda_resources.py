@@ -268,3 +268,41 @@ def test_checker_catches_each_violation():
                  "step_kernel<double, Lstm> [sm_90]: 3 STL, 3 LDL, 16 B stack+local",
                  f"sm_90: 1 of {len(expected['step_kernel'])} step_kernel kernels missing: ['step_kernel<__nv_bfloat16, Gru>']"):
         assert want in text, f"not reported: {want!r}\nreported:\n{text}"
+
+
+def test_cooperative_test_kernel_builds_for_sm90(tmp_path):
+    """The emulated device's cooperative test kernel (csrc/cuda_emu/grid_exchange.cuh, in
+    the sources' CUDA dialect) compiles with nvcc for sm_90, so the dialect the emulator
+    runs is one the compiler takes: no static shared memory (SHARED is sm_90's 1 KiB
+    reservation alone: a cooperative kernel keeps its arrays in dynamic shared memory),
+    no spills, the grid barrier in the SASS, and no non-coherent (LDG.E.CONSTANT) loads,
+    which could return another block's value from before the barrier."""
+    nvcc = os.path.join(_toolkit(), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        if os.environ.get("RNNKERN_REQUIRE_CUDA_BUILD") == "1":
+            pytest.fail("RNNKERN_REQUIRE_CUDA_BUILD=1 but there is no nvcc")
+        pytest.skip("no nvcc: the CUDA sources cannot be compiled here")
+    try:
+        import nvidia
+        includes = [d for base in nvidia.__path__ for d in sorted(Path(base).glob("*/include"))
+                    if (d / "cublas_v2.h").exists()]
+    except ImportError:
+        includes = []
+    source = tmp_path / "grid_exchange.cu"
+    source.write_text('#include "grid_exchange.cuh"\n')
+    cubin = tmp_path / "grid_exchange.cubin"
+    done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-O3", "-std=c++17",
+                           "-I", str(SOURCES.parent / "cuda_emu"),
+                           *[a for d in includes for a in ("-isystem", str(d))],
+                           "-o", str(cubin), str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in resource_table(str(cubin)) if r["family"] == "grid_exchange_kernel"]
+    assert len(rows) == 1, rows  # one kernel, built for -arch=sm_90 (a cubin names no arch)
+    r = rows[0]
+    assert r["SHARED"] <= 1024 and r["STL"] == r["LDL"] == r["STACK"] == r["LOCAL"] == 0, r
+    assert r["REG"] * 1024 <= REGISTER_FILE, r  # the tests launch up to 1024 threads a block
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    assert re.search(r"\bATOM\.E\.ADD\S*\.GPU\b", sass) and "MEMBAR" in sass, \
+        "no grid barrier (a GPU-scope atomic arrival and a memory barrier) in the SASS"
+    assert not re.search(r"\bLDG\.\S*CONSTANT\b", sass), "non-coherent loads in a kernel that exchanges"

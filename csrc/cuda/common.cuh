@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -121,6 +122,52 @@ __host__ __device__ __forceinline__ int64_t position(const int64_t* lengths, int
 // defines it first, to run the kernel on the CPU.
 #ifndef RNNKERN_LAUNCH
 #define RNNKERN_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
+// A cooperative launch, for kernels that meet at cooperative_groups::this_grid().sync():
+// RNNKERN_LAUNCH_COOPERATIVE(grid, block, smem, stream, kernel)(args...) returns the
+// launch's error (cudaErrorCooperativeLaunchTooLarge when the blocks cannot all be
+// resident at once: size the grid from cudaOccupancyMaxActiveBlocksPerMultiprocessor).
+// The emulated device defines it first and runs every block of the grid at once.
+#ifndef RNNKERN_LAUNCH_COOPERATIVE
+template <typename... P>
+struct CooperativeLaunch {
+  void (*kernel)(P...);
+  dim3 grid, block;
+  size_t smem;
+  cudaStream_t stream;
+  template <typename... A>
+  cudaError_t operator()(A&&... args) const {
+    // The parameters converted to the kernel's types first: the runtime copies each
+    // from its address with the size the kernel declares.
+    std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
+    return std::apply(
+        [this](auto&... p) {
+          void* addresses[] = {static_cast<void*>(&p)..., nullptr};
+          return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, block,
+                                             addresses, smem, stream);
+        },
+        params);
+  }
+};
+template <typename... P>
+CooperativeLaunch<P...> cooperative_launcher(void (*kernel)(P...), dim3 grid, dim3 block,
+                                             size_t smem, cudaStream_t stream) {
+  return CooperativeLaunch<P...>{kernel, grid, block, smem, stream};
+}
+#define RNNKERN_LAUNCH_COOPERATIVE(grid, block, smem, stream, ...) \
+  ::rnnkern::cuda::cooperative_launcher(&__VA_ARGS__, grid, block, smem, stream)
+#endif
+
+// A kernel's dynamic shared memory as an array of T: RNNKERN_DYNAMIC_SHARED(float, w);
+// its size is the launch's smem argument (beyond 48 KiB only after cudaFuncSetAttribute's
+// cudaFuncAttributeMaxDynamicSharedMemorySize).  A cooperatively launched kernel keeps all
+// its shared memory here: the emulated device runs that grid's blocks at once and gives
+// each block its own dynamic buffer, where a static __shared__ array would be one for all.
+#ifndef RNNKERN_DYNAMIC_SHARED
+#define RNNKERN_DYNAMIC_SHARED(T, name)                              \
+  extern __shared__ __align__(16) unsigned char name##_dynamic_bytes_[]; \
+  T* const name = reinterpret_cast<T*>(name##_dynamic_bytes_)
 #endif
 
 constexpr int kPointwiseThreads = 256;

@@ -19,6 +19,11 @@ namespace rnnkern::cuda_emu {
 template <typename S>
 void step_forward_sm70(const void* params, const void* context);  // kernels_sm70.cpp
 
+// kernels_cooperative.cpp: the cooperative-grid test kernel (grid_exchange.cuh).
+int grid_exchange_run(const float* w, float* x0, float* x1, int blocks, int threads, int per_block,
+                      int shift, int steps, int fault, bool cooperative, bool opt_in);
+int grid_exchange_blocks(int threads, int per_block);
+
 namespace {
 
 int g_arch = 900;  // the architecture whose step kernel runs (900 or 700)
@@ -69,6 +74,25 @@ void set_arch(int64_t arch) {
   g_arch = static_cast<int>(arch);
 }
 
+// Runs grid_exchange_kernel on x0 (float32, blocks * per_block values) with weights w
+// for `steps` steps; returns the launch's CUDA error code and the final values.
+std::tuple<int64_t, at::Tensor> grid_exchange(const at::Tensor& w, const at::Tensor& x0,
+                                              int64_t blocks, int64_t threads, int64_t shift,
+                                              int64_t steps, int64_t fault, bool cooperative,
+                                              bool opt_in) {
+  TORCH_CHECK_VALUE(w.dtype() == at::kFloat && x0.dtype() == at::kFloat && w.dim() == 1 &&
+                        w.sizes() == x0.sizes() && blocks > 0 && w.numel() % blocks == 0,
+                    "grid_exchange: w and x0 float32 vectors of one size, a multiple of blocks");
+  TORCH_CHECK_VALUE(fault >= 0 && fault <= 3 && steps >= 0 && shift >= 0, "grid_exchange: bad fault, "
+                    "steps or shift");
+  at::Tensor a = x0.contiguous().clone(), b = EmulatedDevice::empty(x0.sizes(), x0.options());
+  const at::Tensor wc = w.contiguous();
+  const int code = grid_exchange_run(wc.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(),
+                                     int(blocks), int(threads), int(w.numel() / blocks), int(shift),
+                                     int(steps), int(fault), cooperative, opt_in);
+  return {code, steps % 2 == 0 ? a : b};
+}
+
 }  // namespace
 }  // namespace rnnkern::cuda_emu
 
@@ -89,4 +113,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "Architecture of the step kernel: 900 (WMMA for half types) or 700 (FMA)");
   module.def("arch", [] { return rnnkern::cuda_emu::g_arch; });
   module.def("launches", &rnnkern::emu::launches, "Kernels launched on the emulator so far");
+  module.def("set_device_model", &rnnkern::emu::set_device_model,
+             "Multiprocessors and registers per thread of the occupancy model (132, 64 by default)",
+             pybind11::arg("multiprocessors"), pybind11::arg("registers_per_thread") = 64);
+  module.def("multiprocessors", &rnnkern::emu::multiprocessors);
+  module.def("grid_exchange", &rnnkern::cuda_emu::grid_exchange,
+             "The cooperative-grid test kernel: (CUDA error code, final values)",
+             pybind11::arg("w"), pybind11::arg("x0"), pybind11::arg("blocks"),
+             pybind11::arg("threads"), pybind11::arg("shift"), pybind11::arg("steps"),
+             pybind11::arg("fault") = 0, pybind11::arg("cooperative") = true,
+             pybind11::arg("opt_in") = true);
+  module.def("grid_exchange_blocks", &rnnkern::cuda_emu::grid_exchange_blocks,
+             "Blocks of the test kernel the device model holds at once",
+             pybind11::arg("threads"), pybind11::arg("per_block"));
 }

@@ -86,8 +86,46 @@ Launch<P...> launcher(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, 
   return Launch<P...>{kernel, LaunchSite{grid, block, smem, file, line}};
 }
 
-// Type-erased core of run_grid (runtime.cpp).
+// Type-erased core of run_grid (runtime.cpp); cooperative: every block of the grid
+// at once (returns the launch's error instead of running what cannot be co-resident).
 void run_grid_erased(const LaunchSite& site, void (*call)(void*), void* body);
+cudaError_t run_cooperative_grid_erased(const LaunchSite& site, const void* kernel,
+                                        void (*call)(void*), void* body);
+
+// A cooperative launch: RNNKERN_LAUNCH_COOPERATIVE(grid, block, smem, stream, kernel)(args...)
+template <typename... P>
+struct CooperativeLaunch {
+  void (*kernel)(P...);
+  LaunchSite site;
+  template <typename... A>
+  cudaError_t operator()(A&&... args) const {
+    const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
+    auto* k = kernel;
+    auto body = [k, &params] { std::apply(k, params); };
+    using Body = decltype(body);
+    return run_cooperative_grid_erased(
+        site, reinterpret_cast<const void*>(kernel), [](void* b) { (*static_cast<Body*>(b))(); },
+        &body);
+  }
+};
+template <typename... P>
+CooperativeLaunch<P...> cooperative_launcher(void (*kernel)(P...), dim3 grid, dim3 block,
+                                             size_t smem, cudaStream_t, const char* file, int line) {
+  return CooperativeLaunch<P...>{kernel, LaunchSite{grid, block, smem, file, line}};
+}
+
+// The running block's dynamic shared memory (its own buffer, the launch's smem bytes,
+// 0xFF-filled as fresh shared memory holds garbage).
+void* dynamic_shared();
+
+// cooperative_groups::this_grid().sync(): every thread of the grid meets here.
+void grid_sync(const char* file, int line);
+bool in_cooperative_launch();
+
+// The device model behind the occupancy query and the cooperative launch's check.
+int multiprocessors();
+int max_active_blocks(const void* kernel, int block_threads, size_t dynamic_smem);
+cudaError_t func_set_attribute(const void* kernel, cudaFuncAttribute attr, int value);
 
 template <typename F>
 void run_grid(const LaunchSite& site, F&& body) {
@@ -113,6 +151,9 @@ void run_grid(const LaunchSite& site, F&& body) {
 // The one launch syntax of the sources (common.cuh defines the nvcc form).
 #define RNNKERN_LAUNCH(grid, block, smem, stream, ...) \
   ::rnnkern::emu::launcher(&__VA_ARGS__, grid, block, smem, stream, __FILE__, __LINE__)
+#define RNNKERN_LAUNCH_COOPERATIVE(grid, block, smem, stream, ...) \
+  ::rnnkern::emu::cooperative_launcher(&__VA_ARGS__, grid, block, smem, stream, __FILE__, __LINE__)
+#define RNNKERN_DYNAMIC_SHARED(T, name) T* const name = static_cast<T*>(::rnnkern::emu::dynamic_shared())
 
 // ---- the runtime and cuBLAS calls of the sources, renamed to the emulator's
 
@@ -128,7 +169,25 @@ cublasStatus_t rnnkern_emu_cublasGemmEx(cublasHandle_t handle, cublasOperation_t
                                         const void* beta, void* C, cudaDataType Ctype, int ldc,
                                         cublasComputeType_t computeType, cublasGemmAlgo_t algo);
 const char* rnnkern_emu_cublasGetStatusString(cublasStatus_t status);
+cudaError_t rnnkern_emu_cudaGetDevice(int* device);
+cudaError_t rnnkern_emu_cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 }
+template <typename T>
+cudaError_t rnnkern_emu_cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attr, int value) {
+  return ::rnnkern::emu::func_set_attribute(reinterpret_cast<const void*>(kernel), attr, value);
+}
+template <typename T>
+cudaError_t rnnkern_emu_cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, T* kernel,
+                                                                      int block_threads,
+                                                                      size_t dynamic_smem) {
+  *blocks = ::rnnkern::emu::max_active_blocks(reinterpret_cast<const void*>(kernel), block_threads,
+                                              dynamic_smem);
+  return cudaSuccess;
+}
+#define cudaGetDevice rnnkern_emu_cudaGetDevice
+#define cudaDeviceGetAttribute rnnkern_emu_cudaDeviceGetAttribute
+#define cudaFuncSetAttribute rnnkern_emu_cudaFuncSetAttribute
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor rnnkern_emu_cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define cudaGetLastError rnnkern_emu_cudaGetLastError
 #define cudaGetErrorString rnnkern_emu_cudaGetErrorString
 #define cudaMemset2DAsync rnnkern_emu_cudaMemset2DAsync

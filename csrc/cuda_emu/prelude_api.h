@@ -13,4 +13,10 @@ void set_order(Order order, unsigned seed);
 // Kernels launched on the emulator so far (tests check that work ran there).
 int64_t launches();
 
+// The device model of the occupancy query and the cooperative launch's check:
+// multiprocessors (132, an H100's) and the registers each thread of a kernel
+// takes (64; the sm_90 build's real figures are in tests/test_cuda_resources.py).
+void set_device_model(int multiprocessors, int registers_per_thread);
+int multiprocessors();
+
 }  // namespace rnnkern::emu

@@ -1,6 +1,19 @@
 // The emulated CUDA device's runtime (see prelude.h): launches, fibers and
 // barriers, WMMA's lane, and the CUDA runtime / cuBLAS calls of the sources.
 //
+// A launch runs its blocks one after another; a cooperative launch
+// (RNNKERN_LAUNCH_COOPERATIVE) runs all of them at once, each thread a fiber,
+// so that cooperative_groups::this_grid().sync() can hold every thread of the
+// grid: after each round the scheduler releases a block whose threads all wait
+// at the same __syncthreads(), and the grid barrier once every thread of every
+// block waits there.  A thread that exits while others wait for it, or threads
+// waiting at different barriers, is an error (on hardware: a hang or undefined
+// behaviour).  Each block of a launch has its own dynamic shared memory.  The
+// cooperative launch is refused, as cudaLaunchCooperativeKernel refuses it,
+// when the grid exceeds what the device model holds at once: multiprocessors()
+// x max_active_blocks() of sm_90's per-SM limits (threads, blocks, shared
+// memory, and the register file at registers_per_thread()).
+//
 // Under the sanitizers this file is compiled without instrumentation; it tells
 // them about fiber switches (ASan: __sanitizer_{start,finish}_switch_fiber;
 // TSan: one TSan fiber per CUDA thread, created once and reused) and about the
@@ -63,7 +76,7 @@ constexpr size_t kStackBytes = size_t(512) << 10;  // sanitizers' frames are lar
 constexpr size_t kStackBytes = size_t(128) << 10;
 #endif
 
-enum class State { Ready, AtBarrier, Done };
+enum class State { Ready, AtBarrier, AtGridBarrier, Done };
 
 struct Fiber {
   ucontext_t context;
@@ -76,6 +89,16 @@ struct Fiber {
   const char* barrier_file = nullptr;
   int barrier_line = 0;
   int64_t barriers_passed = 0;
+  int64_t grid_barriers_passed = 0;
+  int block = 0;  // index into Scheduler::blocks
+};
+
+// A block of the running launch: its dynamic shared memory and its TSan
+// barrier addresses (fresh per block: blocks are not ordered by barriers).
+struct Block {
+  uint3 idx;
+  std::unique_ptr<unsigned char[]> dynamic_smem;
+  std::unique_ptr<char[]> barrier_phase;
 };
 
 struct Scheduler {
@@ -101,8 +124,20 @@ struct Scheduler {
   // does next, as a stream synchronisation gives), and the current block's
   // two barrier phases (fresh memory per block: blocks are not ordered).
   char launch_start, launch_end;
-  char* barrier_phase = nullptr;
+  std::vector<Block> blocks;  // the blocks running now
+  bool cooperative = false;
+  char grid_phase[2];
+  // The device model (sm_90) and the kernels' opted-in dynamic shared memory.
+  int multiprocessors = 132;
+  int registers_per_thread = 64;
+  std::vector<std::pair<const void*, int>> max_dynamic_smem;
 };
+
+constexpr int kMaxThreadsPerSM = 2048, kMaxBlocksPerSM = 32, kRegistersPerSM = 65536;
+constexpr size_t kSharedPerSM = 228 * 1024, kSharedReservedPerBlock = 1024;
+constexpr size_t kDefaultDynamicSmem = 48 * 1024, kMaxDynamicSmem = 227 * 1024;
+// Fibers a cooperative launch may use at once (each has its own stack).
+constexpr uint64_t kMaxCooperativeThreads = 16384;
 
 RNNKERN_EMU_OWN Scheduler& sched() {
   static Scheduler s;
@@ -172,12 +207,38 @@ std::string dim_str(const dim3& d) {
   return "(" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + ")";
 }
 
-// ---- one block
+// ---- blocks running together (one, or a cooperative grid's all)
 
-RNNKERN_EMU_OWN void run_block(Scheduler& s, const LaunchSite& site, const uint3& block_idx, int threads) {
-  if (static_cast<int>(s.fibers.size()) < threads) {
+[[noreturn]] void divergent(const LaunchSite& site, const std::string& what) {
+  throw std::runtime_error("emulated CUDA: divergent barrier in the launch at " +
+                           where(site.file, site.line) + ": " + what);
+}
+
+std::string thread_str(const Fiber& f) {
+  return "thread " + std::to_string(f.coords.linear_tid) + " of block " +
+         dim_str(dim3(f.coords.block_idx));
+}
+
+std::string barrier_str(const Fiber& f) {
+  return std::string(f.state == State::AtGridBarrier ? "grid.sync() " : "__syncthreads() ") +
+         where(f.barrier_file, f.barrier_line) + " (#" +
+         std::to_string(f.state == State::AtGridBarrier ? f.grid_barriers_passed
+                                                        : f.barriers_passed) +
+         ")";
+}
+
+bool same_barrier(const Fiber& a, const Fiber& b) {
+  return a.state == b.state && a.barrier_file == b.barrier_file &&
+         a.barrier_line == b.barrier_line && a.barriers_passed == b.barriers_passed &&
+         a.grid_barriers_passed == b.grid_barriers_passed;
+}
+
+RNNKERN_EMU_OWN void run_blocks(Scheduler& s, const LaunchSite& site, uint64_t first_block,
+                                int nblocks, int threads) {
+  const int total = nblocks * threads;
+  if (static_cast<int>(s.fibers.size()) < total) {
     const size_t old = s.fibers.size();
-    s.fibers.resize(threads);
+    s.fibers.resize(total);
     for (size_t i = old; i < s.fibers.size(); ++i) {
       s.fibers[i].stack.reset(new char[kStackBytes]);
 #ifdef RNNKERN_EMU_TSAN
@@ -185,70 +246,98 @@ RNNKERN_EMU_OWN void run_block(Scheduler& s, const LaunchSite& site, const uint3
 #endif
     }
   }
-  const dim3 bd = site.block;
-  for (int t = 0; t < threads; ++t) {
-    Fiber& f = s.fibers[t];
+  const dim3 bd = site.block, gd = site.grid;
+  s.blocks.clear();
+  s.blocks.resize(nblocks);
+  for (int b = 0; b < nblocks; ++b) {
+    const uint64_t lin = first_block + b;
+    Block& blk = s.blocks[b];
+    blk.idx = make_uint3(unsigned(lin % gd.x), unsigned((lin / gd.x) % gd.y),
+                         unsigned(lin / (uint64_t(gd.x) * gd.y)));
+    blk.dynamic_smem.reset(new unsigned char[site.dynamic_smem]);
+    std::memset(blk.dynamic_smem.get(), 0xFF, site.dynamic_smem);
+    blk.barrier_phase.reset(new char[2]);
+  }
+  for (int i = 0; i < total; ++i) {
+    const int b = i / threads, t = i % threads;
+    Fiber& f = s.fibers[i];
     f.coords.thread_idx = make_uint3(t % bd.x, (t / bd.x) % bd.y, t / (bd.x * bd.y));
-    f.coords.block_idx = block_idx;
+    f.coords.block_idx = s.blocks[b].idx;
     f.coords.block_dim = bd;
-    f.coords.grid_dim = site.grid;
+    f.coords.grid_dim = gd;
     f.coords.linear_tid = t;
+    f.block = b;
     f.state = State::Ready;
     f.barriers_passed = 0;
+    f.grid_barriers_passed = 0;
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = f.stack.get();
     f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = nullptr;
     makecontext(&f.context, fiber_entry, 0);
   }
-  std::vector<int> order(threads);
-  std::unique_ptr<char[]> phases(new char[2]);
-  s.barrier_phase = phases.get();
+  std::vector<int> order(total);
+  std::vector<char> resume(total, 1);
 #ifdef RNNKERN_EMU_TSAN
-  __tsan_release(&s.launch_start);  // per block: after the scheduler set up its threads
+  __tsan_release(&s.launch_start);  // after the scheduler set up the threads
 #endif
   for (;;) {
-    for (int t = 0; t < threads; ++t) order[t] = t;
+    for (int i = 0; i < total; ++i) order[i] = i;
     if (s.order == Order::Reverse) std::reverse(order.begin(), order.end());
     if (s.order == Order::Shuffle) std::shuffle(order.begin(), order.end(), s.rng);
-    int live = 0;
-    for (int t : order) {
-      Fiber& f = s.fibers[t];
-      if (f.state == State::Done) continue;
+    for (int i : order) {
+      Fiber& f = s.fibers[i];
+      if (f.state == State::Done || !resume[i]) continue;
       f.state = State::Ready;
       switch_to_fiber(s, f);
       if (s.error) std::rethrow_exception(std::exchange(s.error, nullptr));
-      if (f.state != State::Done) ++live;
     }
-    if (live == 0) return;
-    // Every live thread must wait at the same barrier, and none may have left.
-    const Fiber* first = nullptr;
-    for (int t = 0; t < threads; ++t) {
-      const Fiber& f = s.fibers[t];
-      if (f.state == State::Done) {
-        const Fiber* waiting = nullptr;
-        for (int u = 0; u < threads && !waiting; ++u)
-          if (s.fibers[u].state == State::AtBarrier) waiting = &s.fibers[u];
-        throw std::runtime_error(
-            "emulated CUDA: divergent barrier in the launch at " + where(site.file, site.line) +
-            ": thread " + std::to_string(t) + " of block " + dim_str(dim3(block_idx)) +
-            " exited while thread " + std::to_string(waiting->coords.linear_tid) +
-            " waits at __syncthreads() " + where(waiting->barrier_file, waiting->barrier_line));
+    // Every live thread waits at a barrier now.  A block's barrier opens when all
+    // its threads wait at the same __syncthreads(); the grid's when every thread of
+    // the grid waits at the same grid.sync().
+    int live = 0;
+    bool block_released = false;
+    const Fiber* at_grid = nullptr;
+    const Fiber* exited = nullptr;
+    for (int b = 0; b < nblocks; ++b) {
+      const Fiber* first = nullptr;
+      const Fiber* done = nullptr;
+      for (int t = 0; t < threads; ++t) {
+        const Fiber& f = s.fibers[b * threads + t];
+        if (f.state == State::Done) {
+          if (!done) done = &f;
+          continue;
+        }
+        ++live;
+        if (!first) first = &f;
+        else if (!same_barrier(*first, f))
+          divergent(site, thread_str(*first) + " waits at " + barrier_str(*first) + " and " +
+                              thread_str(f) + " at " + barrier_str(f));
       }
       if (!first) {
-        first = &f;
-      } else if (f.barrier_file != first->barrier_file || f.barrier_line != first->barrier_line ||
-                 f.barriers_passed != first->barriers_passed) {
-        throw std::runtime_error(
-            "emulated CUDA: divergent barrier in the launch at " + where(site.file, site.line) +
-            ": in block " + dim_str(dim3(block_idx)) + " thread " +
-            std::to_string(first->coords.linear_tid) + " waits at " +
-            where(first->barrier_file, first->barrier_line) + " (barrier #" +
-            std::to_string(first->barriers_passed) + ") and thread " +
-            std::to_string(f.coords.linear_tid) + " at " + where(f.barrier_file, f.barrier_line) +
-            " (barrier #" + std::to_string(f.barriers_passed) + ")");
+        if (!exited) exited = done;
+        continue;
+      }
+      if (done)
+        divergent(site, thread_str(*done) + " exited while " + thread_str(*first) +
+                            " waits at " + barrier_str(*first));
+      const bool at_block_barrier = first->state == State::AtBarrier;
+      for (int t = 0; t < threads; ++t) resume[b * threads + t] = at_block_barrier;
+      block_released |= at_block_barrier;
+      if (!at_block_barrier) {
+        if (!at_grid) at_grid = first;
+        else if (!same_barrier(*at_grid, *first))
+          divergent(site, thread_str(*at_grid) + " waits at " + barrier_str(*at_grid) + " and " +
+                              thread_str(*first) + " at " + barrier_str(*first));
       }
     }
+    if (live == 0) return;
+    if (block_released) continue;  // the grid barrier waits for those blocks
+    if (exited)
+      divergent(site, thread_str(*exited) + " exited while " + thread_str(*at_grid) +
+                          " waits at " + barrier_str(*at_grid) + ": every thread of the grid " +
+                          "must reach it (on hardware the grid hangs)");
+    std::fill(resume.begin(), resume.end(), 1);
   }
 }
 
@@ -267,13 +356,85 @@ RNNKERN_EMU_OWN void syncthreads(const char* file, int line) {
   f.barrier_file = file;
   f.barrier_line = line;
 #ifdef RNNKERN_EMU_TSAN
-  __tsan_release(s.barrier_phase + (f.barriers_passed & 1));
+  __tsan_release(s.blocks[f.block].barrier_phase.get() + (f.barriers_passed & 1));
 #endif
   switch_to_scheduler(s, f, false);
 #ifdef RNNKERN_EMU_TSAN
-  __tsan_acquire(s.barrier_phase + (f.barriers_passed & 1));
+  __tsan_acquire(s.blocks[f.block].barrier_phase.get() + (f.barriers_passed & 1));
 #endif
   ++f.barriers_passed;
+}
+
+RNNKERN_EMU_OWN void grid_sync(const char* file, int line) {
+  Scheduler& s = sched();
+  if (s.running == nullptr) throw std::logic_error("emulated CUDA: grid.sync() outside a kernel");
+  Fiber& f = *s.running;
+  if (!s.cooperative)
+    throw std::runtime_error("emulated CUDA: grid.sync() at " + where(file, line) +
+                             " in a launch that is not cooperative (" + thread_str(f) +
+                             "): launch it with RNNKERN_LAUNCH_COOPERATIVE");
+  f.state = State::AtGridBarrier;
+  f.barrier_file = file;
+  f.barrier_line = line;
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_release(s.grid_phase + (f.grid_barriers_passed & 1));
+#endif
+  switch_to_scheduler(s, f, false);
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_acquire(s.grid_phase + (f.grid_barriers_passed & 1));
+#endif
+  ++f.grid_barriers_passed;
+}
+
+RNNKERN_EMU_OWN bool in_cooperative_launch() {
+  Scheduler& s = sched();
+  return s.running != nullptr && s.cooperative;
+}
+
+RNNKERN_EMU_OWN void* dynamic_shared() {
+  Scheduler& s = sched();
+  if (s.running == nullptr) throw std::logic_error("emulated CUDA: shared memory outside a kernel");
+  return s.blocks[s.running->block].dynamic_smem.get();
+}
+
+RNNKERN_EMU_OWN int multiprocessors() { return sched().multiprocessors; }
+
+RNNKERN_EMU_OWN void set_device_model(int sms, int registers_per_thread) {
+  if (sms < 1 || registers_per_thread < 1 || registers_per_thread > 255)
+    throw std::invalid_argument("emulated CUDA: 1 or more multiprocessors, 1 to 255 registers");
+  sched().multiprocessors = sms;
+  sched().registers_per_thread = registers_per_thread;
+}
+
+RNNKERN_EMU_OWN size_t dynamic_smem_limit(const void* kernel) {
+  for (const auto& [k, bytes] : sched().max_dynamic_smem)
+    if (k == kernel) return size_t(bytes);
+  return kDefaultDynamicSmem;
+}
+
+RNNKERN_EMU_OWN cudaError_t func_set_attribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  Scheduler& s = sched();
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      size_t(value) > kMaxDynamicSmem)
+    return s.last_error = cudaErrorInvalidValue;
+  for (auto& [k, bytes] : s.max_dynamic_smem)
+    if (k == kernel) return bytes = value, cudaSuccess;
+  s.max_dynamic_smem.emplace_back(kernel, value);
+  return cudaSuccess;
+}
+
+// sm_90's per-SM limits: threads, blocks, shared memory (1 KiB reserved per block),
+// and the register file, allocated per warp in units of 256 registers.
+RNNKERN_EMU_OWN int max_active_blocks(const void* kernel, int block_threads, size_t dynamic_smem) {
+  Scheduler& s = sched();
+  if (block_threads < 1 || block_threads > 1024 || dynamic_smem > dynamic_smem_limit(kernel))
+    return 0;
+  const int warps = (block_threads + 31) / 32;
+  const int by_threads = kMaxThreadsPerSM / (warps * 32);
+  const int by_smem = int(kSharedPerSM / (dynamic_smem + kSharedReservedPerBlock));
+  const int warp_registers = (s.registers_per_thread * 32 + 255) / 256 * 256;
+  const int by_registers = kRegistersPerSM / (warps * warp_registers);
+  return std::min({kMaxBlocksPerSM, by_threads, by_smem, by_registers});
 }
 
 RNNKERN_EMU_OWN void set_order(Order order, unsigned seed) {
@@ -297,7 +458,7 @@ RNNKERN_EMU_OWN void run_grid_erased(const LaunchSite& site, void (*call)(void*)
   // The hardware's launch limits (sm_90): a launch outside them fails with
   // cudaErrorInvalidConfiguration and runs nothing.
   if (threads == 0 || threads > 1024 || b.z > 64 || g.x == 0 || g.y == 0 || g.z == 0 ||
-      g.x > 2147483647u || g.y > 65535 || g.z > 65535 || site.dynamic_smem > 48 * 1024) {
+      g.x > 2147483647u || g.y > 65535 || g.z > 65535 || site.dynamic_smem > kDefaultDynamicSmem) {
     s.last_error = cudaErrorInvalidConfiguration;
     return;
   }
@@ -307,12 +468,54 @@ RNNKERN_EMU_OWN void run_grid_erased(const LaunchSite& site, void (*call)(void*)
 #endif
   s.call = call;
   s.body = body;
-  for (unsigned z = 0; z < g.z; ++z)
-    for (unsigned y = 0; y < g.y; ++y)
-      for (unsigned x = 0; x < g.x; ++x) run_block(s, site, make_uint3(x, y, z), int(threads));
+  s.cooperative = false;
+  const uint64_t blocks = uint64_t(g.x) * g.y * g.z;
+  for (uint64_t lin = 0; lin < blocks; ++lin) run_blocks(s, site, lin, 1, int(threads));
+  s.blocks.clear();
 #ifdef RNNKERN_EMU_TSAN
   __tsan_acquire(&s.launch_end);
 #endif
+}
+
+RNNKERN_EMU_OWN cudaError_t run_cooperative_grid_erased(const LaunchSite& site, const void* kernel,
+                                                        void (*call)(void*), void* body) {
+  Scheduler& s = sched();
+  if (s.running != nullptr) throw std::logic_error("emulated CUDA: a launch from inside a kernel");
+  const dim3 g = site.grid, b = site.block;
+  const uint64_t threads = uint64_t(b.x) * b.y * b.z, blocks = uint64_t(g.x) * g.y * g.z;
+  // cudaLaunchCooperativeKernel's checks: the launch limits, the kernel's dynamic
+  // shared memory limit, then co-residency of the whole grid.
+  if (threads == 0 || threads > 1024 || b.z > 64 || blocks == 0 || g.y > 65535 || g.z > 65535)
+    return s.last_error = cudaErrorInvalidConfiguration;
+  if (site.dynamic_smem > dynamic_smem_limit(kernel)) return s.last_error = cudaErrorInvalidValue;
+  if (blocks > uint64_t(max_active_blocks(kernel, int(threads), site.dynamic_smem)) * s.multiprocessors)
+    return s.last_error = cudaErrorCooperativeLaunchTooLarge;
+  if (blocks * threads > kMaxCooperativeThreads)
+    throw std::runtime_error("emulated CUDA: a cooperative launch of " + std::to_string(blocks) +
+                             " x " + std::to_string(threads) + " threads at " +
+                             where(site.file, site.line) + ": the emulator runs at most " +
+                             std::to_string(kMaxCooperativeThreads) +
+                             " at once (set_device_model: fewer multiprocessors)");
+  ++s.launches;
+#ifdef RNNKERN_EMU_TSAN
+  if (s.tsan == nullptr) s.tsan = __tsan_get_current_fiber();
+#endif
+  s.call = call;
+  s.body = body;
+  s.cooperative = true;
+  try {
+    run_blocks(s, site, 0, int(blocks), int(threads));
+  } catch (...) {
+    s.cooperative = false;
+    s.blocks.clear();
+    throw;
+  }
+  s.cooperative = false;
+  s.blocks.clear();
+#ifdef RNNKERN_EMU_TSAN
+  __tsan_acquire(&s.launch_end);
+#endif
+  return cudaSuccess;
 }
 
 }  // namespace rnnkern::emu
@@ -327,11 +530,33 @@ extern "C" RNNKERN_EMU_OWN cudaError_t rnnkern_emu_cudaGetLastError(void) {
   return std::exchange(rnnkern::emu::sched().last_error, cudaSuccess);
 }
 
+extern "C" RNNKERN_EMU_OWN cudaError_t rnnkern_emu_cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+extern "C" RNNKERN_EMU_OWN cudaError_t rnnkern_emu_cudaDeviceGetAttribute(int* value,
+                                                                         cudaDeviceAttr attr,
+                                                                         int device) {
+  if (device != 0) return rnnkern::emu::sched().last_error = cudaErrorInvalidDevice;
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = rnnkern::emu::multiprocessors(); return cudaSuccess;
+    case cudaDevAttrCooperativeLaunch: *value = 1; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = RNNKERN_EMU_ARCH / 100; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = RNNKERN_EMU_ARCH / 10 % 10; return cudaSuccess;
+    default: return rnnkern::emu::sched().last_error = cudaErrorInvalidValue;
+  }
+}
+
 extern "C" const char* rnnkern_emu_cudaGetErrorString(cudaError_t error) {
   switch (error) {
     case cudaSuccess: return "no error (emulated)";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument (emulated)";
     case cudaErrorInvalidValue: return "invalid argument (emulated)";
+    case cudaErrorInvalidDevice: return "invalid device ordinal (emulated)";
+    case cudaErrorCooperativeLaunchTooLarge:
+      return "too many blocks in cooperative launch (emulated)";
     default: return "unknown error (emulated)";
   }
 }
