@@ -28,6 +28,9 @@ Studies and tools beside it:
     sanitizer_cases.py   a small case of every CUDA kernel, for compute-sanitizer
     gpu_check.sh         everything a session with a lent GPU runs: build, GPU tests,
                          sanitizers, the GPU benchmark
+    cooperative_check.cu the emulated device's cooperative-grid model (occupancy, the
+                         too-large refusal, the grid barrier) checked on a real GPU;
+                         cooperative_check.sh builds and runs it
     test_cpu_benchmarks.py  the CPU comparison through pytest-benchmark
     results/             committed result files
 

@@ -1,8 +1,5 @@
-// The emulated device's cooperative-grid model checked on a real GPU (run it on
-// a lent GPU; docs/gpu.md says how):
-//
-//   nvcc -arch=sm_90 -O3 -std=c++17 -I csrc/cuda_emu -isystem <cuBLAS headers> \
-//        -o cooperative_check bench/cooperative_check.cu -lcuda && ./cooperative_check
+// The emulated device's cooperative-grid model checked on a real GPU, on a lent
+// GPU: bash bench/cooperative_check.sh OUT.json (it compiles this file with nvcc).
 //
 // It runs the test kernel of tests/test_cuda_emulated_cooperative.py
 // (csrc/cuda_emu/grid_exchange.cuh) on the GPU through the same launch helper

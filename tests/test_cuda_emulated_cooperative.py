@@ -142,3 +142,14 @@ def test_cooperative_grid_larger_than_the_emulator_runs_is_a_clear_error():
     w, x0 = inputs(17 * 1, seed=19)
     with pytest.raises(RuntimeError, match="emulator runs at most 16384"):
         cuda_emulated.grid_exchange(w, x0, 17, 1024, 1, 1)
+
+
+def test_an_earlier_launch_error_is_not_reported_as_the_next_ops():
+    """A refused cooperative launch leaves its error pending, as the CUDA runtime does; the
+    next rnnkern op clears what it did not cause before its own launches, so it runs and
+    reports only its own errors."""
+    from conftest import recurrence_inputs, run_recurrence
+    cuda_emulated.set_device_model(1, 255)
+    w, x0 = inputs(2 * 8, seed=23)
+    assert cuda_emulated.grid_exchange(w, x0, 2, 256, 1, 1)[0] == TOO_LARGE
+    run_recurrence("cuda_emulated", "lstm", recurrence_inputs("lstm", 3, 2, 5))

@@ -39,6 +39,12 @@ namespace rnnkern::cuda {
 // After every launch: a bad configuration is reported here, not at the next sync.
 #define RNNKERN_LAUNCH_CHECK() RNNKERN_CUDA_CHECK(cudaGetLastError())
 
+// At each entry point, before the first launch: an error an earlier runtime call left
+// pending (another library's, unread by its caller) would otherwise be reported by this
+// op's first launch check as rnnkern's.  A sticky error (a faulted context) is not
+// cleared by this and still fails the next call.
+inline void clear_earlier_error() { (void)cudaGetLastError(); }
+
 // ------------------------------------------------------------- types ----
 
 template <typename S>

@@ -26,6 +26,7 @@ __global__ void upload_lengths_kernel(const LengthsChunk chunk) {
 }  // namespace
 
 void upload_lengths(const int64_t* host, int64_t B, int64_t* device, cudaStream_t stream) {
+  clear_earlier_error();
   for (int64_t b0 = 0; b0 < B; b0 += kChunk) {
     LengthsChunk chunk;
     chunk.dst = device + b0;

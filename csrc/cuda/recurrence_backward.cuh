@@ -93,6 +93,7 @@ void launch_lstm_ln_backward(const BackwardStep<S>& st, cudaStream_t stream) {
 
 template <typename S>
 void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) {
+  clear_earlier_error();
   using A = acc_t<S>;
   const int64_t T = p.T, B = p.B, H = p.H, P = p.P;
   if (T == 0 || B == 0) return;

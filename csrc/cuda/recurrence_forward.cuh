@@ -98,6 +98,7 @@ void launch_lstm_ln_forward(const ForwardStep<S>& st, acc_t<S>* hproj, cudaStrea
 
 template <typename S>
 void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
+  clear_earlier_error();
   using A = acc_t<S>;
   const int64_t T = p.T, B = p.B, H = p.H, P = p.P;
   if (T == 0 || B == 0) return;

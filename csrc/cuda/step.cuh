@@ -301,6 +301,7 @@ void launch_step(const StepArgs<S>& a, cudaStream_t stream) {
 
 template <typename S>
 void step_forward(const StepParams& p, const Context& ctx) {
+  clear_earlier_error();
   if (p.B == 0) return;
   StepArgs<S> a{};
   a.B = p.B, a.I = p.I, a.H = p.H;

@@ -53,6 +53,8 @@ void __tsan_destroy_fiber(void* fiber);
 void __tsan_switch_to_fiber(void* fiber, unsigned flags);
 void __tsan_acquire(void* addr);
 void __tsan_release(void* addr);
+void AnnotateIgnoreReadsBegin(const char* file, int line);
+void AnnotateIgnoreReadsEnd(const char* file, int line);
 }
 #endif
 
@@ -190,6 +192,9 @@ RNNKERN_EMU_OWN void fiber_entry() {
     s.call(s.body);
   } catch (...) {
     if (!s.error) s.error = std::current_exception();
+#ifdef RNNKERN_EMU_TSAN
+    __tsan_release(&s.error);  // the exception, to the scheduler that rethrows it
+#endif
   }
 #ifdef RNNKERN_EMU_TSAN
   __tsan_release(&s.launch_end);
@@ -208,6 +213,22 @@ std::string dim_str(const dim3& d) {
 }
 
 // ---- blocks running together (one, or a cooperative grid's all)
+
+// Whether the thread that just yielded failed.  TSan: the scheduler's checks of
+// the slot, made after every switch while no thread has failed, are not ordered
+// before a failing thread's write -- ignored, as the switches tell TSan nothing;
+// a failure is then acquired from the thread's release, exception object and all.
+bool has_error(Scheduler& s) {
+#ifdef RNNKERN_EMU_TSAN
+  AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+  const bool failed = static_cast<bool>(s.error);
+  AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+  if (failed) __tsan_acquire(&s.error);
+  return failed;
+#else
+  return static_cast<bool>(s.error);
+#endif
+}
 
 [[noreturn]] void divergent(const LaunchSite& site, const std::string& what) {
   throw std::runtime_error("emulated CUDA: divergent barrier in the launch at " +
@@ -280,6 +301,18 @@ RNNKERN_EMU_OWN void run_blocks(Scheduler& s, const LaunchSite& site, uint64_t f
   std::vector<char> resume(total, 1);
 #ifdef RNNKERN_EMU_TSAN
   __tsan_release(&s.launch_start);  // after the scheduler set up the threads
+  // However the blocks end (all threads done, or an error out of a fiber while
+  // others wait at barriers), what their threads wrote happens before what the
+  // host does next -- freeing the blocks' shared memory first: every finished
+  // thread released launch_end, every waiting one its barrier's address.
+  struct AcquireAtEnd {
+    Scheduler& s;
+    RNNKERN_EMU_OWN ~AcquireAtEnd() {
+      __tsan_acquire(&s.launch_end);
+      for (Block& b : s.blocks) __tsan_acquire(b.barrier_phase.get()), __tsan_acquire(b.barrier_phase.get() + 1);
+      __tsan_acquire(s.grid_phase), __tsan_acquire(s.grid_phase + 1);
+    }
+  } acquire_at_end{s};
 #endif
   for (;;) {
     for (int i = 0; i < total; ++i) order[i] = i;
@@ -290,7 +323,7 @@ RNNKERN_EMU_OWN void run_blocks(Scheduler& s, const LaunchSite& site, uint64_t f
       if (f.state == State::Done || !resume[i]) continue;
       f.state = State::Ready;
       switch_to_fiber(s, f);
-      if (s.error) std::rethrow_exception(std::exchange(s.error, nullptr));
+      if (has_error(s)) std::rethrow_exception(std::exchange(s.error, nullptr));
     }
     // Every live thread waits at a barrier now.  A block's barrier opens when all
     // its threads wait at the same __syncthreads(); the grid's when every thread of
@@ -472,9 +505,6 @@ RNNKERN_EMU_OWN void run_grid_erased(const LaunchSite& site, void (*call)(void*)
   const uint64_t blocks = uint64_t(g.x) * g.y * g.z;
   for (uint64_t lin = 0; lin < blocks; ++lin) run_blocks(s, site, lin, 1, int(threads));
   s.blocks.clear();
-#ifdef RNNKERN_EMU_TSAN
-  __tsan_acquire(&s.launch_end);
-#endif
 }
 
 RNNKERN_EMU_OWN cudaError_t run_cooperative_grid_erased(const LaunchSite& site, const void* kernel,
@@ -512,9 +542,6 @@ RNNKERN_EMU_OWN cudaError_t run_cooperative_grid_erased(const LaunchSite& site, 
   }
   s.cooperative = false;
   s.blocks.clear();
-#ifdef RNNKERN_EMU_TSAN
-  __tsan_acquire(&s.launch_end);
-#endif
   return cudaSuccess;
 }
 
