@@ -163,3 +163,14 @@ def rnnkern_module(cell, input_size, hidden_size, **kwargs):
     if cell in ("gru", "gru_reset_before"):
         return rnnkern.GRU(input_size, hidden_size, reset_after=cell == "gru", **kwargs)
     return rnnkern.RNN(input_size, hidden_size, nonlinearity=cell[4:], **kwargs)
+
+def require_cuda_emulation() -> None:
+    """At a module's top: skip it without the emulated CUDA device, with the reason
+    (an error instead under RNNKERN_REQUIRE_CUDA_EMULATION=1, as in CI)."""
+    from rnnkern import ops
+    if not ops.WITH_CUDA_EMULATION:
+        if os.environ.get("RNNKERN_REQUIRE_CUDA_EMULATION") == "1":
+            raise RuntimeError("RNNKERN_REQUIRE_CUDA_EMULATION=1 but rnnkern was built without the "
+                               "emulated CUDA device: rebuild with RNNKERN_CUDA_EMULATION=1")
+        pytest.skip("rnnkern was built without the emulated CUDA device (RNNKERN_CUDA_EMULATION=1)",
+                    allow_module_level=True)

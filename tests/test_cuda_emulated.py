@@ -20,7 +20,6 @@ without it fails here; elsewhere the module is skipped with the reason.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -28,14 +27,9 @@ import torch
 from rnnkern import ops
 from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
                       outputs_and_grads, randn, recurrence_inputs, rnnkern_module, run_recurrence,
-                      step_inputs, torch_module)
+                      require_cuda_emulation, step_inputs, torch_module)
 
-if not ops.WITH_CUDA_EMULATION:
-    if os.environ.get("RNNKERN_REQUIRE_CUDA_EMULATION") == "1":
-        raise RuntimeError("RNNKERN_REQUIRE_CUDA_EMULATION=1 but rnnkern was built without the "
-                           "emulated CUDA device: rebuild with RNNKERN_CUDA_EMULATION=1")
-    pytest.skip("rnnkern was built without the emulated CUDA device (RNNKERN_CUDA_EMULATION=1)",
-                allow_module_level=True)
+require_cuda_emulation()
 
 from rnnkern import cuda_emulated  # noqa: E402
 

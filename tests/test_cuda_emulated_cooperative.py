@@ -14,20 +14,13 @@ report: the grid barrier's happens-before is what orders the exchange.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from rnnkern import ops
-from conftest import generator
+from conftest import generator, require_cuda_emulation
 
-if not ops.WITH_CUDA_EMULATION:
-    if os.environ.get("RNNKERN_REQUIRE_CUDA_EMULATION") == "1":
-        raise RuntimeError("RNNKERN_REQUIRE_CUDA_EMULATION=1 but rnnkern was built without the "
-                           "emulated CUDA device: rebuild with RNNKERN_CUDA_EMULATION=1")
-    pytest.skip("rnnkern was built without the emulated CUDA device (RNNKERN_CUDA_EMULATION=1)",
-                allow_module_level=True)
+require_cuda_emulation()
 
 from rnnkern import cuda_emulated  # noqa: E402
 
