@@ -3,7 +3,7 @@ of the CUDA sources, rebuilds the emulated extension there and runs the
 emulated tests, which must fail on every mutant (and pass on the real code).
 
 Usage (repository root, in the venv, after the in-place build):
-    python .ci/cuda_emu_mutations.py [--keep DIR]
+    python .ci/cuda_emu_mutations.py [--keep DIR] [--only SUBSTRING]
 Prints one line per mutant with the first failure the tests report.
 """
 from __future__ import annotations
@@ -42,6 +42,17 @@ MUTANTS = [
      "        dh0_reset[b * P + k] += d;\n        return d;"),
     ("LSTM's c blended with the mask of h", "csrc/cuda/pointwise_forward.cuh",
      "st.mask(p, b, P + j), c_prev, r.c)", "st.mask(p, b, j), c_prev, r.c)"),
+    # the persistent kernels (one cooperative grid, a grid barrier per step)
+    ("persistent forward: grid barrier removed", "csrc/cuda/persistent.cuh",
+     "    if (s + 1 < T) cooperative_groups::this_grid().sync();", ""),
+    ("persistent backward: grid barrier removed", "csrc/cuda/persistent.cuh",
+     "    cooperative_groups::this_grid().sync();\n  }\n  carry(da_even);",
+     "  }\n  carry(da_even);"),
+    ("persistent backward: da read from the buffer of the step being written", "csrc/cuda/persistent.cuh",
+     "carry((s + 1) % 2 == 0 ? da_even : da_other);", "carry(s % 2 == 0 ? da_even : da_other);"),
+    ("persistent forward: h staged from the slot being written", "csrc/cuda/persistent.cuh",
+     "persistent_stage(sh.x, st.h_prev, b0, nb, P);",
+     "persistent_stage(sh.x, slots ? st.h_next : st.h_prev, b0, nb, P);"),
 ]
 
 SOURCES = ["csrc", "rnnkern", "tests", "setup.py", "pyproject.toml"]
@@ -67,7 +78,7 @@ def run_tests(repo: str, mode: str = "1") -> tuple[int, str]:
         env.update(LD_PRELOAD=f"{gcc_file('libasan.so')} {gcc_file('libstdc++.so')}",
                    ASAN_OPTIONS=f"detect_leaks=0:log_path={report}")
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_cuda_emulated.py",
-                           "tests/test_backend_contract.py", "-k", "not test_backend_contract or cuda_emulated",
+                           "tests/test_cuda_emulated_persistent.py", "tests/test_backend_contract.py", "-k", "not test_backend_contract or cuda_emulated",
                            "-x", "-q", "-p", "no:cacheprovider"], cwd=repo, env=env, capture_output=True, text=True)
     for f in sorted(os.listdir(repo)):
         if f.startswith("sanitizer-report"):
@@ -83,6 +94,7 @@ def run_tests(repo: str, mode: str = "1") -> tuple[int, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="work in this directory and keep it")
+    parser.add_argument("--only", default="", help="only the mutants whose name contains this")
     args = parser.parse_args()
     work = args.keep or tempfile.mkdtemp(prefix="rnnkern-mutants-")
     repo = os.path.join(work, "repo")
@@ -99,6 +111,8 @@ def main() -> int:
     print(f"real code: {'passes' if code == 0 else 'FAILS: ' + what}", flush=True)
     missed = code != 0
     for name, path, old, new, *sanitizer in MUTANTS:
+        if args.only not in name:
+            continue
         mode = sanitizer[0] if sanitizer else "1"
         full = os.path.join(repo, path)
         text = open(full).read()

@@ -4,12 +4,14 @@
 #   asan  every emulated test, AddressSanitizer + UBSan (out-of-bounds reads and
 #         writes, use after free, undefined behaviour), fiber switches annotated;
 #   tsan  the kernels with barriers -- the step kernel (shared memory, WMMA),
-#         the LSTM-LN row kernels (block reductions) and the cooperative grid's
+#         the LSTM-LN row kernels (block reductions), the cooperative grid's
 #         test kernel (blocks exchanging values across grid.sync(); its planted
-#         faults, which race by design, are left out) -- in every thread-resume
-#         order, ThreadSanitizer with one TSan fiber per CUDA thread and the
-#         barriers as release/acquire (csrc/cuda_emu/runtime.cpp);
-# The mutation check (python .ci/cuda_emu_mutations.py, 5 minutes: eight planted
+#         faults, which race by design, are left out) and the persistent
+#         recurrence kernels (tests/test_cuda_emulated_persistent.py but its
+#         gradchecks: the same launches as its value tests, 40 s more) -- in
+#         every thread-resume order, ThreadSanitizer with one TSan fiber per
+#         CUDA thread and the barriers as release/acquire (csrc/cuda_emu/runtime.cpp);
+# The mutation check (python .ci/cuda_emu_mutations.py, 10 minutes: twelve planted
 # bugs, each caught) runs on demand, not in CI, to keep CI under 25 minutes.
 # Zero sanitizer reports is the bar.  Each sanitized build is the emulated
 # extension alone, beside a copy of the package in build/emu-<mode>.
@@ -28,14 +30,15 @@ run_mode() {
     RNNKERN_CUDA_EMULATION=$mode RNNKERN_CUDA_EMULATION_ONLY=1 MAX_JOBS=${MAX_JOBS:-2} \
         python setup.py -q build_ext --build-lib "$out" --build-temp "$out-obj" >"$out.log" 2>&1 \
         || { cat "$out.log"; exit 1; }
-    echo "== emulated CUDA under $mode: tests/test_cuda_emulated{,_cooperative}.py -k '$select'"
+    echo "== emulated CUDA under $mode: tests/test_cuda_emulated{,_cooperative,_persistent}.py -k '$select'"
     local status=0
     (cd "$out" && LD_PRELOAD="$(gcc -print-file-name="$runtime") $preload_stdcxx" \
         OMP_NUM_THREADS=1 RNNKERN_REQUIRE_CUDA_EMULATION=1 \
         ASAN_OPTIONS="detect_leaks=0:log_path=$out/report" \
         UBSAN_OPTIONS="print_stacktrace=1:log_path=$out/report" \
         TSAN_OPTIONS="log_path=$out/report" \
-        python -m pytest "$root/tests/test_cuda_emulated.py" "$root/tests/test_cuda_emulated_cooperative.py" -q -n "$workers" -p no:cacheprovider -k "$select") || status=$?
+        python -m pytest "$root/tests/test_cuda_emulated.py" "$root/tests/test_cuda_emulated_cooperative.py" \
+            "$root/tests/test_cuda_emulated_persistent.py" -q -n "$workers" -p no:cacheprovider -k "$select") || status=$?
     # Every sanitizer report ends with a SUMMARY line (ASan's one-time notice
     # about swapcontext, which the fiber annotations address, is not a report).
     if compgen -G "$out/report*" >/dev/null && grep -q "SUMMARY:" "$out"/report*; then
@@ -46,4 +49,4 @@ run_mode() {
 }
 
 run_mode asan libasan.so "" auto
-run_mode tsan libtsan.so "step or row_kernels or (cooperative and not mutation)" 0
+run_mode tsan libtsan.so "step or row_kernels or (cooperative and not mutation) or (persistent and not gradcheck)" 0

@@ -7,12 +7,18 @@ checked references), registered as ``torch.ops.rnnkern_cuda_emu.*`` for CPU
 tensors with the op bodies of the real CUDA backend.  So the CUDA code -- the
 kernels, their launches and the bindings that unpack tensors into them --
 executes in CI, where no GPU is, and is compared with the reference like every
-backend.  What it cannot tell: speed, the tensor cores' rounding, and memory
-ordering between blocks (blocks run one after another).
+backend.  What it cannot tell: speed, the tensor cores' rounding, and the
+hardware's memory ordering (an ordinary launch runs its blocks one after
+another; a cooperative one runs them all at once, ordered by its barriers,
+which ThreadSanitizer checks in CI).
 
 ``set_schedule(order, seed)`` chooses the order in which a block's threads
-resume after each barrier (``forward``, ``reverse``, ``shuffle``); ``set_arch(700)``
-runs the step kernel's FMA path for half types instead of WMMA (``900``).
+resume after each barrier (``forward``, ``reverse``, ``shuffle``; in a
+cooperative grid the last two also let one block run ahead of the others to
+its next grid barrier); ``set_arch(700)`` runs the step kernel's FMA path for
+half types instead of WMMA (``900``); ``set_persistent(True)`` lets the
+persistent kernels (csrc/cuda/persistent.cuh) take the layers they fit, with
+``set_device_model`` giving the emulated GPU few enough SMs to run.
 """
 from __future__ import annotations
 
@@ -38,3 +44,7 @@ set_device_model = _C_cuda_emu.set_device_model
 multiprocessors = _C_cuda_emu.multiprocessors
 grid_exchange = _C_cuda_emu.grid_exchange
 grid_exchange_blocks = _C_cuda_emu.grid_exchange_blocks
+# The persistent kernels (csrc/cuda/persistent.cuh): off by default, as on a real GPU.
+set_persistent = _C_cuda_emu.set_persistent
+persistent = _C_cuda_emu.persistent
+cooperative_launches = _C_cuda_emu.cooperative_launches

@@ -46,7 +46,30 @@ BACKENDS = ("auto", "reference", "cpu", "cuda", "triton") + (
 WITH_CUDA = bool(_C.WITH_CUDA)
 
 __all__ = ["BACKENDS", "CELLS", "ALL_CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
-           "run_recurrence", "run_step", "resolve_backend", "register_op_family", "empty_cpu_cache"]
+           "run_recurrence", "run_step", "resolve_backend", "register_op_family", "empty_cpu_cache",
+           "set_cuda_persistent", "cuda_persistent"]
+
+
+def set_cuda_persistent(enabled: bool) -> None:
+    """Whether backend="cuda" runs the layers its persistent kernels take
+    (csrc/cuda/persistent.cuh: tanh/ReLU RNN, LSTM without projection, GRU with
+    reset after; every option but the projection) as one cooperative launch per
+    layer and direction, W_hh resident in the SMs' shared memory, instead of a
+    GEMM and a pointwise launch per step.  Process-wide; off by default until a
+    GPU has timed them (RNNKERN_CUDA_PERSISTENT=1 in the environment turns it on
+    at import).  Without the CUDA kernels it raises."""
+    if not WITH_CUDA:
+        raise RuntimeError("set_cuda_persistent: rnnkern was built without its CUDA kernels")
+    _C.set_cuda_persistent(bool(enabled))
+
+
+def cuda_persistent() -> bool:
+    """Whether the persistent CUDA kernels are enabled (see :func:`set_cuda_persistent`)."""
+    return bool(WITH_CUDA and _C.cuda_persistent())
+
+
+if WITH_CUDA and os.environ.get("RNNKERN_CUDA_PERSISTENT") == "1":
+    set_cuda_persistent(True)
 
 
 def empty_cpu_cache() -> int:

@@ -752,3 +752,74 @@ def test_options_empty_and_tiny(cell, proj, T, B, H):
     for i, (a, b) in enumerate(zip(results[1], results[0])):
         assert a.shape == b.shape, i
         assert_close(a, b, what=f"result {i}")
+
+
+# --------------------------------------------- the persistent kernels ----
+# csrc/cuda/persistent.cuh, opt-in (rnnkern.ops.set_cuda_persistent); proven on the
+# emulated cooperative grid (tests/test_cuda_emulated_persistent.py), checked here on
+# the GPU: the real grid barrier, co-residency, shared memory beyond 48 KiB.
+
+PERSISTENT_CELLS = ["rnn_tanh", "rnn_relu", "lstm", "gru"]
+
+
+def test_persistent_switch():
+    """Off by default; set_cuda_persistent turns it on and off (a build without the
+    CUDA kernels raises, naming itself)."""
+    assert not ops.cuda_persistent()
+    if not ops.WITH_CUDA:
+        with pytest.raises(RuntimeError, match="set_cuda_persistent.*without its CUDA kernels"):
+            ops.set_cuda_persistent(True)
+        return
+    try:
+        ops.set_cuda_persistent(True)
+        assert ops.cuda_persistent()
+    finally:
+        ops.set_cuda_persistent(False)
+    assert not ops.cuda_persistent()
+
+
+@pytest.fixture
+def persistent():
+    ops.set_cuda_persistent(True)
+    yield
+    ops.set_cuda_persistent(False)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("H", [5, 200, 600], ids=["H5", "H200-2units", "H600-5units"])
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_persistent_matches_reference(persistent, cell, H, dtype):
+    """Outputs and every gradient against the float64 reference, lengths in reverse,
+    hidden sizes that give 5 CTAs of 1 unit, or every SM with 2 / 5 units."""
+    T, B = 6, 5
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, key=("persistent-gpu",))
+    lengths = torch.tensor([6, 2, 0, 5, 1])
+    dev = {k: None if v is None else v.to(DEV).requires_grad_() for k, v in args.items()}
+    a64 = {k: None if v is None else v.detach().double().requires_grad_() for k, v in args.items()}
+    key = ("persistent-gpu-cot", cell)
+    want = outputs_and_grads("reference", cell, a64, lengths, True, key=key)
+    got = outputs_and_grads("cuda", cell, dev, lengths, True, key=key)
+    for name in want:
+        assert_close(got[name].cpu(), want[name].to(dtype), what=name)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_persistent_half_types_at_flashrnn_size(persistent, cell, dtype):
+    """B=16 H=768 (FlashRNN's size; LSTM: 4.7 MB of W_hh over the SMs, shared memory
+    beyond 48 KiB per CTA), T=32: no worse than the reference's own error in that dtype."""
+    T, B, H = 32, 16, 768
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, key=("persistent-gpu-half",))
+    lengths = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(2))
+    dev = {k: None if v is None else v.to(DEV).requires_grad_() for k, v in args.items()}
+    a16 = {k: None if v is None else v.detach().requires_grad_() for k, v in args.items()}
+    a32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("persistent-gpu-half-cot", cell)
+    want = outputs_and_grads("reference", cell, a32, lengths, False, key=key)
+    ref16 = outputs_and_grads("reference", cell, a16, lengths, False, key=key)
+    got = outputs_and_grads("cuda", cell, dev, lengths, False, key=key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name].cpu(), ref16[name], want[name], what=name)

@@ -227,20 +227,20 @@ def test_every_launch_respects_its_kernels_launch_bounds():
     more than N threads (the launch fails on hardware).  The emulator cannot
     see the attribute, so the sources are read: every RNNKERN_LAUNCH of a
     kernel with bounds passes the same block-size expression as its bounds,
-    and every kernel is launched through RNNKERN_LAUNCH (no triple chevrons
-    outside common.cuh's definition)."""
+    and every kernel is launched through RNNKERN_LAUNCH or RNNKERN_LAUNCH_COOPERATIVE
+    (no triple chevrons outside common.cuh's definition)."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "csrc" / "cuda"
     text = {p.name: p.read_text() for p in sorted(root.glob("*.cu*"))}
-    bounds = {m.group(2): m.group(1).strip()
+    bounds = {m.group(2): m.group(1).split(",")[0].strip()   # (max threads[, min blocks per SM])
               for src in text.values()
               for m in re.finditer(r"__launch_bounds__\(([^)]*)\)\s*(\w+)\s*\(", src)}
     launches = [(m.group(5), m.group(2).strip(), name)
                 for name, src in text.items()
-                for m in re.finditer(r"RNNKERN_LAUNCH\(\s*((?:[^,()]|\([^()]*\))+),\s*([^,]+),\s*([^,]+),"
-                                     r"\s*([^,]+),\s*(\w+)", src)]
+                for m in re.finditer(r"RNNKERN_LAUNCH(?:_COOPERATIVE)?\(\s*((?:[^,()]|\([^()]*\))+),"
+                                     r"\s*([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)", src)]
     assert bounds and launches
     launched = {kernel for kernel, _, _ in launches}
     assert set(bounds) <= launched, f"kernels with bounds never launched: {set(bounds) - launched}"

@@ -31,6 +31,7 @@ SOURCES = Path(__file__).resolve().parent.parent / "csrc" / "cuda"
 REGISTER_FILE = 64 * 1024       # 32-bit registers per SM, sm_70 .. sm_120
 STATIC_SHARED = 48 * 1024       # per block without cudaFuncSetAttribute's opt-in
 OPT_IN_SHARED = 227 * 1024      # sm_90's per-block maximum after the opt-in
+COOPERATIVE_STATIC_SHARED = 1024  # what sm_90 reports for a kernel without static shared memory
 
 # kernel -> ((STL, LDL, STACK bytes) measured in the sm_90 build, why allowed).
 SPILL_ALLOWANCE = {
@@ -58,9 +59,12 @@ def expected_kernels() -> dict[str, list[str]]:
     """family -> its instantiations, e.g. "step_kernel" -> ["step_kernel<double, RnnTanh>", ..],
     "forward_pointwise_kernel" -> ["forward_pointwise_kernel<double, RnnTanh, false, false>", ..]."""
     text, kernels = "\n".join(_sources().values()), {}
+    every_dtype = sorted(set(re.findall(r"^RNNKERN_INSTANTIATE_\w+\((\w+)\)", text, re.M)))
     for name, body in _sources().items():
         macros = re.findall(r"#define (RNNKERN_INSTANTIATE_\w+)\(", body)
-        dtypes = [t for m in macros for t in re.findall(rf"^{m}\((\w+)\)", text, re.M)]
+        # A header without an instantiation macro of its own (persistent.cuh) is
+        # instantiated through the entry points that include it: every dtype.
+        dtypes = [t for m in macros for t in re.findall(rf"^{m}\((\w+)\)", text, re.M)] or every_dtype
         for m in re.finditer(r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+"
                              r"(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(", body):
             names = [m.group(2)]
@@ -81,14 +85,21 @@ def launch_config() -> dict[str, dict[str, int | None]]:
     bounds = {m.group(2): value(m.group(1)) for m in re.finditer(
         r"__global__\s+void\s+__launch_bounds__\(([^),]*)[^)]*\)\s*(\w+)\s*\(", text)}
     config = {}
-    for m in re.finditer(r"RNNKERN_LAUNCH\(((?:[^()]|\([^()]*\))*)\)", text):
-        args = re.split(r",(?![^()<>]*[)>])", m.group(1))
-        if len(args) < 5 or "..." in m.group(1):   # the macro's own definition
+    for m in re.finditer(r"RNNKERN_LAUNCH(_COOPERATIVE)?\(((?:[^()]|\([^()]*\))*)\)", text):
+        args = re.split(r",(?![^()<>]*[)>])", m.group(2))
+        if len(args) < 5 or "..." in m.group(2):   # the macro's own definition
             continue
         family = re.match(r"\s*(\w+)", args[4]).group(1)
+        if m.group(1):
+            # A cooperative launch sizes its dynamic shared memory at run time (the plan,
+            # checked against the device's opt-in limit and the occupancy API); statically:
+            # no static shared memory, a grid barrier and coherent loads (violations()).
+            config[family] = {"threads": value(args[1]), "launch_bounds": bounds.get(family),
+                              "dynamic_shared": 0, "cooperative": True}
+            continue
         prev = config.get(family, {"threads": 0, "dynamic_shared": 0})   # launched twice: the larger
         config[family] = {"threads": max(value(args[1]), prev["threads"]), "launch_bounds": bounds.get(family),
-                          "dynamic_shared": max(value(args[2]), prev["dynamic_shared"])}
+                          "dynamic_shared": max(value(args[2]), prev["dynamic_shared"]), "cooperative": False}
     return config
 
 
@@ -136,7 +147,9 @@ def _short(demangled: str) -> str:
 
 
 def resource_table(so: str | None = None) -> list[dict]:
-    """One row per (kernel, arch): REG, STACK, SHARED, LOCAL, CONSTANT, STL, LDL."""
+    """One row per (kernel, arch): REG, STACK, SHARED, LOCAL, CONSTANT, STL, LDL; and from
+    the SASS the non-coherent loads (LDG_CONSTANT), GPU-scope atomic adds (GRID_ATOM) and
+    memory barriers (MEMBAR): a grid barrier is an atomic arrival between two MEMBARs."""
     out = subprocess.run([cuobjdump(), "--dump-resource-usage", "-sass", so or rnnkern._C.__file__],
                          capture_output=True, text=True, check=True).stdout
     rows, arch, current = {}, None, None
@@ -144,13 +157,20 @@ def resource_table(so: str | None = None) -> list[dict]:
         if m := re.match(r"\s*arch = (sm_\d+)", line):
             arch = m.group(1)
         elif m := re.match(r"\s*Function (\w+):$", line):          # resource-usage section
-            current = rows.setdefault((m.group(1), arch), {"mangled": m.group(1), "arch": arch, "STL": 0, "LDL": 0})
+            current = rows.setdefault((m.group(1), arch), {"mangled": m.group(1), "arch": arch, "STL": 0, "LDL": 0,
+                                                           "LDG_CONSTANT": 0, "GRID_ATOM": 0, "MEMBAR": 0})
         elif "REG:" in line:
             current.update({k: int(v) for k, v in re.findall(r"(\w+)(?:\[0\])?:(\d+)", line)})
         elif m := re.match(r"\s*Function : (\w+)$", line):        # SASS section
             current = rows[(m.group(1), arch)]
         elif m := re.search(r"\b(STL|LDL)(?:\.\w+)*\s", line):
             current[m.group(1)] += 1
+        elif re.search(r"\bLDG\.\S*CONSTANT\b", line):   # non-coherent (read-only path) loads
+            current["LDG_CONSTANT"] += 1
+        elif re.search(r"\bATOM\.E\.ADD\S*\.GPU\b|\bRED\.E\.ADD\S*\.GPU\b", line):
+            current["GRID_ATOM"] += 1
+        elif "MEMBAR" in line:
+            current["MEMBAR"] += 1
     assert shutil.which("c++filt"), "c++filt (binutils) is needed to demangle the kernel names"
     pretty = subprocess.run(["c++filt"], input="\n".join(r["mangled"] for r in rows.values()),
                             capture_output=True, text=True, check=True).stdout.splitlines()
@@ -175,6 +195,15 @@ def violations(table: list[dict], config: dict, expected: dict[str, list[str]],
         if r["SHARED"] + launch["dynamic_shared"] > shared_limit:
             found.append(f"{what}: {r['SHARED']} B static + {launch['dynamic_shared']} B dynamic shared "
                          f"memory > {shared_limit} B")
+        if launch.get("cooperative"):
+            if r["SHARED"] > COOPERATIVE_STATIC_SHARED:
+                found.append(f"{what}: {r['SHARED']} B static shared memory in a cooperative kernel "
+                             f"(its arrays belong in RNNKERN_DYNAMIC_SHARED)")
+            if r.get("LDG_CONSTANT", 0):
+                found.append(f"{what}: {r['LDG_CONSTANT']} non-coherent loads (LDG.E.CONSTANT) in a "
+                             f"kernel that exchanges data between blocks")
+            if not (r.get("GRID_ATOM", 0) and r.get("MEMBAR", 0)):
+                found.append(f"{what}: no grid barrier (GPU-scope atomic arrival and MEMBAR) in the SASS")
         measured = (r["STL"], r["LDL"], r["STACK"] + r["LOCAL"])
         allowed = allowance.get(r["kernel"], ((0, 0, 0), ""))[0]
         if measured != allowed:
@@ -244,10 +273,14 @@ def test_checker_catches_each_violation():
     """violations() on rows synthesised from the sources (a clean sm_90 build:
     none reported), then with each fault planted: 255 registers x 1024 threads,
     a 64 KiB shared kernel, a spilling step kernel, a missing bf16 step kernel;
-    an allowance the build no longer needs is reported too (not left to hide a spill)."""
+    an allowance the build no longer needs is reported too (not left to hide a spill); a
+    cooperative kernel with static shared memory, non-coherent loads and no grid barrier."""
     expected, config = expected_kernels(), launch_config()
     zero = dict(REG=32, STACK=0, SHARED=0, LOCAL=0, CONSTANT=0, STL=0, LDL=0, arch="sm_90")
     clean = [dict(zero, kernel=k, family=f) for f, names in expected.items() for k in names]
+    for row in clean:
+        if config[row["family"]]["cooperative"]:
+            row.update(SHARED=1024, GRID_ATOM=1, MEMBAR=2)   # sm_90's reservation, a grid barrier
     for row in clean:
         (row["STL"], row["LDL"], row["STACK"]), _ = SPILL_ALLOWANCE.get(row["kernel"], ((0, 0, 0), ""))
     assert violations(clean, config, expected) == []
@@ -260,13 +293,18 @@ def test_checker_catches_each_violation():
     next(r for r in bad if r["kernel"] == "forward_pointwise_kernel<float, Lstm, false, false>")["REG"] = 255
     next(r for r in bad if r["kernel"] == "step_kernel<float, Gru>")["SHARED"] = 64 * 1024
     next(r for r in bad if r["kernel"] == "step_kernel<double, Lstm>").update(STL=3, LDL=3, STACK=16)
+    coop = "persistent_forward_kernel<__half, Lstm, false, true>"
+    next(r for r in bad if r["kernel"] == coop).update(SHARED=4096, LDG_CONSTANT=2, GRID_ATOM=0)
     text = "\n".join(violations(bad, big, expected))
     for want in ("forward_pointwise_kernel<float, Lstm, false, false> [sm_90]: 255 registers x 1024 "
                  "threads = 261120",
                  "launched with 1024 threads > __launch_bounds__(256)",
                  "step_kernel<float, Gru> [sm_90]: 65536 B static + 0 B dynamic shared memory > 49152",
                  "step_kernel<double, Lstm> [sm_90]: 3 STL, 3 LDL, 16 B stack+local",
-                 f"sm_90: 1 of {len(expected['step_kernel'])} step_kernel kernels missing: ['step_kernel<__nv_bfloat16, Gru>']"):
+                 f"sm_90: 1 of {len(expected['step_kernel'])} step_kernel kernels missing: ['step_kernel<__nv_bfloat16, Gru>']",
+                 f"{coop} [sm_90]: 4096 B static shared memory in a cooperative kernel",
+                 f"{coop} [sm_90]: 2 non-coherent loads (LDG.E.CONSTANT)",
+                 f"{coop} [sm_90]: no grid barrier"):
         assert want in text, f"not reported: {want!r}\nreported:\n{text}"
 
 

@@ -15,6 +15,11 @@ torch       torch.nn     torch.nn.LSTM / GRU / RNN: cuDNN on GPU, oneDNN / ATen 
                          The baseline: always run, every ratio is against it.
 cpu         rnnkern-cpu  rnnkern's module with backend="cpu" (C++ kernels, csrc/cpu)
 cuda        rnnkern-cuda rnnkern's module with backend="cuda" (CUDA kernels, csrc/cuda)
+persistent  rnnkern-persistent  backend="cuda" with the persistent kernels enabled for
+                         its calls (csrc/cuda/persistent.cuh, opt-in until timed on a GPU);
+                         forward only: the backward runs after the layer call returns.
+                         Both phases: RNNKERN_CUDA_PERSISTENT=1 for the whole run (then
+                         the "cuda" candidate is the persistent one)
 triton      rnnkern-triton  rnnkern's module with backend="triton"
 auto        rnnkern-auto rnnkern's module with backend="auto": what a user gets by default,
                          torch.nn's forward or rnnkern's kernels as rnnkern/auto.py chooses
@@ -45,7 +50,7 @@ from __future__ import annotations
 from .common import Built, Candidate, _always, _no_skip, copy_module, torch_module
 from .flashrnn import FLASHRNN_FAMILIES, _build_flashrnn, _flashrnn_skip, _flashrnn_unavailable
 from .loop import LOOP_MAX_T, _build_compile, _build_reference, _skip_long_loops
-from .modules import _build_rnnkern, _build_torch, _rnnkern_unavailable
+from .modules import _build_persistent, _build_rnnkern, _build_torch, _rnnkern_unavailable
 from .peers import (ONNX_EXPORT, OPENVINO_HINTS, PEER_INSTALL, PEER_PHASE_NOTE, PEERS, _build_onnxruntime,
                     _build_openvino, _peer_skip, _peer_unavailable, onnx_model)
 
@@ -56,6 +61,10 @@ CANDIDATES = {
     "torch": Candidate("torch", "torch.nn", _always, _no_skip, _build_torch),
     "cpu": Candidate("cpu", "rnnkern-cpu", _rnnkern_unavailable("cpu"), _no_skip, _build_rnnkern("cpu")),
     "cuda": Candidate("cuda", "rnnkern-cuda", _rnnkern_unavailable("cuda"), _no_skip, _build_rnnkern("cuda")),
+    "persistent": Candidate("persistent", "rnnkern-persistent", _rnnkern_unavailable("cuda"), _no_skip,
+                            _build_persistent, ("forward",),
+                            "forward only: its backward runs outside the layer call (time both phases "
+                            "with RNNKERN_CUDA_PERSISTENT=1 and the cuda candidate)"),
     "triton": Candidate("triton", "rnnkern-triton", _rnnkern_unavailable("triton"), _no_skip,
                         _build_rnnkern("triton")),
     "auto": Candidate("auto", "rnnkern-auto", _always, _no_skip, _build_rnnkern("auto")),

@@ -34,3 +34,20 @@ def _build_rnnkern(backend):
     def build(case, src, device):
         return case_module(1, src, case, device, case.torch_dtype, backend=backend)
     return build
+
+
+def _build_persistent(case, src, device):
+    """backend="cuda" with the persistent kernels enabled for this layer's calls
+    (rnnkern.ops.set_cuda_persistent; the layers they do not take run the host loop)."""
+    built = case_module(1, src, case, device, case.torch_dtype, backend="cuda")
+    inner = built.layer
+
+    def layer(*args):
+        before = rnnkern.ops.cuda_persistent()
+        rnnkern.ops.set_cuda_persistent(True)
+        try:
+            return inner(*args)
+        finally:
+            rnnkern.ops.set_cuda_persistent(before)
+    built.layer = layer
+    return built

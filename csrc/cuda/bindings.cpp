@@ -15,15 +15,35 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "../module.h"
 #include "bindings_impl.h"
 
 namespace rnnkern::cuda {
 namespace {
 
+// Whether the persistent kernels may run (Context::persistent), process-wide.
+bool g_persistent = false;
+
+PyObject* set_cuda_persistent(PyObject*, PyObject* enabled) {
+  const int v = PyObject_IsTrue(enabled);
+  if (v < 0) return nullptr;
+  g_persistent = v != 0;
+  Py_RETURN_NONE;
+}
+
+PyObject* cuda_persistent(PyObject*, PyObject*) { return PyBool_FromLong(g_persistent); }
+
+const ModuleFunctions functions({
+    {"set_cuda_persistent", set_cuda_persistent, METH_O,
+     "Whether the CUDA backend's persistent kernels take the layers they fit (off by default)."},
+    {"cuda_persistent", cuda_persistent, METH_NOARGS,
+     "Whether the CUDA backend's persistent kernels are enabled."},
+});
+
 struct CudaDevice {
   static Context context() {
     return Context{at::cuda::getCurrentCUDAStream().stream(), at::cuda::getCurrentCUDABlasHandle(),
-                   at::globalContext().allowTF32CuBLAS()};
+                   at::globalContext().allowTF32CuBLAS(), g_persistent};
   }
   static void check_device(const char* op, const Tensor& t) {
     TORCH_CHECK_VALUE(t.is_cuda(), op, ": expected CUDA tensors, got ", t.device());

@@ -281,6 +281,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
     }
   }
   const Tensor da = Dev::empty({B, reset_before ? 2 * H : G * H}, opt);
+  const Tensor da_other = ctx.persistent ? Dev::empty(da.sizes(), opt) : Tensor();
   const Tensor dhn_all = gru ? Dev::empty({T, B, H}, opt) : Tensor();
   const Tensor dn = reset_before ? Dev::empty({B, H}, opt) : Tensor();
   const Tensor drh = reset_before ? Dev::empty({B, H}, acc_opt) : Tensor();
@@ -317,7 +318,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   p.d_xproj = mut_ptr(r.d_xproj);
   p.dh = mut_ptr(dh), p.dc = mut_ptr(dc);
   p.dh0_reset = mut_ptr(dh0_reset), p.dc0_reset = mut_ptr(dc0_reset);
-  p.da = mut_ptr(da);
+  p.da = mut_ptr(da), p.da_other = mut_ptr(da_other);
   p.dhn_all = mut_ptr(dhn_all);
   p.dn = mut_ptr(dn), p.drh = mut_ptr(drh), p.rh_all = mut_ptr(rh_all);
   p.dh_tot = mut_ptr(dh_tot), p.dh_tot_all = mut_ptr(dh_tot_all);

@@ -33,11 +33,14 @@ namespace rnnkern::cuda {
 
 // Where and how to launch: the current stream, ATen's cuBLAS handle (bound to
 // that stream, with its graph-safe workspace), and whether float GEMMs may
-// use TF32 (torch.backends.cuda.matmul.allow_tf32).
+// use TF32 (torch.backends.cuda.matmul.allow_tf32); whether the persistent
+// kernels (persistent.cuh) may take the layers they fit -- off unless asked
+// for (rnnkern.ops.set_cuda_persistent) until a GPU has timed them.
 struct Context {
   cudaStream_t stream;
   cublasHandle_t blas;
   bool allow_tf32;
+  bool persistent = false;
 };
 
 // recurrence (one layer, one direction).  G = gate_count(cell), W = workspace_width(cell).
@@ -106,6 +109,7 @@ struct RecurrenceBackwardParams {
   // weight-gradient GEMMs the caller runs after the loop.
   void* da;          // S [B, G*H] (reset-before: [B, 2H]) gate gradients of the step,
                      // the A of  dh += da W_hh;  after the loop: those of step 0
+  void* da_other;    // S like da: the persistent kernel's second buffer, or null (host loop)
   void* dhn_all;     // S [T, B, H] GRU: gradient of W_hn h + b_hn
   void* dn;          // S [B, H]    reset-before: candidate pre-activation gradient
   void* drh;         // A [B, H]    reset-before: dn W_hn

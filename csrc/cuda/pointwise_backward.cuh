@@ -15,6 +15,9 @@
 
 namespace rnnkern::cuda {
 
+// The per-unit stages of a backward step, as kernels' template parameters.
+enum class BackwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbCandidate, GruRbReset, Projection };
+
 template <typename S>
 struct BackwardStep {
   using A = acc_t<S>;

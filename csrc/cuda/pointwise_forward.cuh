@@ -27,6 +27,9 @@
 
 namespace rnnkern::cuda {
 
+// The per-unit stages of a forward step, as kernels' template parameters.
+enum class ForwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbGates, GruRbCandidate, Projection };
+
 // The pointers of one forward step.  S storage, A = acc_t<S>.
 template <typename S>
 struct ForwardStep {

@@ -27,11 +27,9 @@
 // Instantiated per dtype in recurrence_backward_<dtype>.cu.
 #pragma once
 
-#include "pointwise_backward.cuh"
+#include "persistent.cuh"
 
 namespace rnnkern::cuda {
-
-enum class BackwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbCandidate, GruRbReset, Projection };
 
 template <typename S, BackwardPhase kPhase, bool kResets, bool kZoneout>
 __global__ void __launch_bounds__(kPointwiseThreads)
@@ -144,6 +142,10 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   st.inv_4h = A(1) / A(4 * H);
 
   const cudaStream_t stream = ctx.stream;
+  if (ctx.persistent && p.da_other != nullptr &&
+      persistent_backward<S>(st, cell, w_hh, static_cast<S*>(p.da_other), p.resets != nullptr,
+                             p.zoneout != nullptr, stream))
+    return;
   bool_switch(p.resets != nullptr, p.zoneout != nullptr, [&](auto r, auto z) {
     constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
     for (int64_t s = T - 1; s >= 0; --s) {

@@ -21,11 +21,9 @@
 // Instantiated per dtype in recurrence_forward_<dtype>.cu.
 #pragma once
 
-#include "pointwise_forward.cuh"
+#include "persistent.cuh"
 
 namespace rnnkern::cuda {
-
-enum class ForwardPhase { RnnTanh, RnnRelu, Lstm, Gru, GruRbGates, GruRbCandidate, Projection };
 
 // One grid-stride pass of a phase over (b, j), j < H (the projection: j < P).
 // hh comes from the step's GEMM output, a row of G*H (reset-before: 2H) values.
@@ -139,6 +137,11 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   st.zo = static_cast<const S*>(p.zoneout);
   st.zo_st = p.zoneout_stride_t, st.zo_sb = p.zoneout_stride_b;
   st.ln = static_cast<const S*>(p.ln);
+
+  if (ctx.persistent &&
+      persistent_forward<S>(st, cell, w_hh, slots ? h_state : nullptr, c_state, resets, zoneout,
+                            ctx.stream))
+    return;
 
   // Without lengths and resets every row is at the same position, and the
   // output row of the previous step is the state (no copies); else ping-pong.

@@ -27,6 +27,7 @@ int grid_exchange_blocks(int threads, int per_block);
 namespace {
 
 int g_arch = 900;  // the architecture whose step kernel runs (900 or 700)
+bool g_persistent = false;  // Context::persistent
 
 // Any non-null handle: the emulated cuBLAS checks it is set.
 struct BlasHandleTag {} g_blas_handle;
@@ -34,7 +35,7 @@ struct BlasHandleTag {} g_blas_handle;
 struct EmulatedDevice {
   static cuda::Context context() {
     return cuda::Context{nullptr, reinterpret_cast<cublasHandle_t>(&g_blas_handle),
-                         at::globalContext().allowTF32CuBLAS()};
+                         at::globalContext().allowTF32CuBLAS(), g_persistent};
   }
   static void check_device(const char* op, const at::Tensor& t) {
     TORCH_CHECK_VALUE(t.device().is_cpu(), op,
@@ -112,6 +113,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("set_arch", &rnnkern::cuda_emu::set_arch,
              "Architecture of the step kernel: 900 (WMMA for half types) or 700 (FMA)");
   module.def("arch", [] { return rnnkern::cuda_emu::g_arch; });
+  module.def("set_persistent", [](bool on) { rnnkern::cuda_emu::g_persistent = on; },
+             "Whether the persistent kernels (csrc/cuda/persistent.cuh) take the layers they fit");
+  module.def("persistent", [] { return rnnkern::cuda_emu::g_persistent; });
+  module.def("cooperative_launches", &rnnkern::emu::cooperative_launches,
+             "Cooperative launches on the emulator so far");
   module.def("launches", &rnnkern::emu::launches, "Kernels launched on the emulator so far");
   module.def("set_device_model", &rnnkern::emu::set_device_model,
              "Multiprocessors and registers per thread of the occupancy model (132, 64 by default)",

@@ -12,6 +12,8 @@ void set_order(Order order, unsigned seed);
 
 // Kernels launched on the emulator so far (tests check that work ran there).
 int64_t launches();
+// Of them, the cooperative launches that ran.
+int64_t cooperative_launches();
 
 // The device model of the occupancy query and the cooperative launch's check:
 // multiprocessors (132, an H100's) and the registers each thread of a kernel

@@ -121,6 +121,7 @@ struct Scheduler {
   std::mt19937 rng{0};
   cudaError_t last_error = cudaSuccess;
   int64_t launches = 0;
+  int64_t cooperative_launches = 0;
   // TSan sync addresses: the launch's start (host writes before it happen
   // before every thread) and end (every thread's writes before what the host
   // does next, as a stream synchronisation gives), and the current block's
@@ -299,6 +300,7 @@ RNNKERN_EMU_OWN void run_blocks(Scheduler& s, const LaunchSite& site, uint64_t f
   }
   std::vector<int> order(total);
   std::vector<char> resume(total, 1);
+  std::vector<int> released;  // blocks whose threads all wait at a block barrier
 #ifdef RNNKERN_EMU_TSAN
   __tsan_release(&s.launch_start);  // after the scheduler set up the threads
   // However the blocks end (all threads done, or an error out of a fiber while
@@ -330,6 +332,7 @@ RNNKERN_EMU_OWN void run_blocks(Scheduler& s, const LaunchSite& site, uint64_t f
     // the grid waits at the same grid.sync().
     int live = 0;
     bool block_released = false;
+    released.clear();
     const Fiber* at_grid = nullptr;
     const Fiber* exited = nullptr;
     for (int b = 0; b < nblocks; ++b) {
@@ -357,6 +360,7 @@ RNNKERN_EMU_OWN void run_blocks(Scheduler& s, const LaunchSite& site, uint64_t f
       const bool at_block_barrier = first->state == State::AtBarrier;
       for (int t = 0; t < threads; ++t) resume[b * threads + t] = at_block_barrier;
       block_released |= at_block_barrier;
+      if (at_block_barrier) released.push_back(b);
       if (!at_block_barrier) {
         if (!at_grid) at_grid = first;
         else if (!same_barrier(*at_grid, *first))
@@ -365,7 +369,23 @@ RNNKERN_EMU_OWN void run_blocks(Scheduler& s, const LaunchSite& site, uint64_t f
       }
     }
     if (live == 0) return;
-    if (block_released) continue;  // the grid barrier waits for those blocks
+    if (block_released) {
+      // The grid barrier waits for those blocks.  Blocks of a cooperative grid need
+      // not run in step: out of the forward order one released block runs on alone
+      // (the last, or one at random) until its next grid barrier, so that a block
+      // reading another's data without the grid barrier between sees it unwritten
+      // (NaN) or stale, as hardware may show it -- block barriers alone would
+      // otherwise keep the blocks in lockstep and hide the missing grid barrier.
+      if (s.cooperative && s.order != Order::Forward && released.size() > 1) {
+        const int keep = s.order == Order::Reverse
+                             ? released.back()
+                             : released[std::uniform_int_distribution<size_t>(
+                                   0, released.size() - 1)(s.rng)];
+        for (int b : released)
+          if (b != keep) std::fill_n(resume.begin() + size_t(b) * threads, threads, char(0));
+      }
+      continue;
+    }
     if (exited)
       divergent(site, thread_str(*exited) + " exited while " + thread_str(*at_grid) +
                           " waits at " + barrier_str(*at_grid) + ": every thread of the grid " +
@@ -476,6 +496,7 @@ RNNKERN_EMU_OWN void set_order(Order order, unsigned seed) {
 }
 
 RNNKERN_EMU_OWN int64_t launches() { return sched().launches; }
+RNNKERN_EMU_OWN int64_t cooperative_launches() { return sched().cooperative_launches; }
 
 [[noreturn]] RNNKERN_EMU_OWN void wmma_precondition_failed(const std::string& what) {
   const ThreadCoords& c = current();
@@ -527,6 +548,7 @@ RNNKERN_EMU_OWN cudaError_t run_cooperative_grid_erased(const LaunchSite& site, 
                              std::to_string(kMaxCooperativeThreads) +
                              " at once (set_device_model: fewer multiprocessors)");
   ++s.launches;
+  ++s.cooperative_launches;
 #ifdef RNNKERN_EMU_TSAN
   if (s.tsan == nullptr) s.tsan = __tsan_get_current_fiber();
 #endif

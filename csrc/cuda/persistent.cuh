@@ -1,0 +1,431 @@
+// The persistent recurrence: one cooperative launch for the whole sequence of
+// a layer, W_hh resident in shared memory across the GPU's SMs, one grid
+// barrier per step (issue 26).
+//
+// Why: the host loops of recurrence_forward.cuh / recurrence_backward.cuh
+// pay one GEMM launch and one pointwise launch per step and re-read W_hh from
+// L2 every step; at small batches that latency, not the arithmetic, is the
+// time (cuDNN's and FlashRNN's persistent kernels exist to remove it).
+//
+// Layout: CTA c owns hidden units [c*U, c*U + U) (the last one fewer) with
+// every gate of them.
+//   * forward: its slice of W_hh's rows (G gates x U units, each P long) is
+//     loaded into shared memory once.  Per step it stages rows of h_{t-1}
+//     (written by every CTA in the step before, read after the grid barrier
+//     with plain coherent loads, never the read-only path), forms its
+//     units' G dot products per batch row, and hands them to the pointwise
+//     unit functions of pointwise_forward.cuh -- the same code, hence the same
+//     state, output and workspace, as the host loop's pointwise kernels.
+//   * backward: its slice of W_hh's columns (the units' columns of all
+//     da_width rows) in shared memory.  Per step (in reverse) it first adds
+//     da_{s+1} W_hh[:, own units] to its units' carried dh -- da of the step
+//     after, written by every CTA, read after the barrier -- then runs the
+//     pointwise backward units of pointwise_backward.cuh for its units, which
+//     write its columns of da_s.  da alternates between two buffers (a CTA
+//     writes da_s while the others may still read da_{s+1}); step 0 writes
+//     the caller's `da`, as the host loop leaves it.
+// The dot products are a block-wide split-K over the staged rows: thread
+// (4 rows x 4 outputs, chunk) sums a fixed strided chunk of k in registers,
+// then one thread per output sums the chunks in order -- the same bits for
+// every launch and thread schedule.
+// All shared memory is dynamic (a cooperative launch on the emulated device
+// gives each block its own dynamic buffer).
+//
+// What fits: tanh/ReLU RNN, LSTM without projection, GRU (reset after), with
+// lengths, reverse, resets and zoneout, every storage type.  The reset-before
+// GRU and the LSTM projection need a second exchange per step, LSTM-LN a
+// reduction over all of a row's units: they stay on the host loop, as does
+// any size whose slice of W does not fit one SM's shared memory or whose grid
+// cannot be co-resident (the host asks the occupancy API; it never launches a
+// grid that cannot be).  Selected only when the context allows it
+// (Context::persistent): it has not been timed on a GPU yet.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include "pointwise_backward.cuh"
+#include "pointwise_forward.cuh"
+
+namespace rnnkern::cuda {
+
+// Threads of a CTA.  The kernels' __launch_bounds__ also say one CTA per SM:
+// ptxas may then use the whole register file (without it, aiming at more CTAs
+// per SM, it kept loop variables in local memory).
+constexpr int kPersistentThreads = 256;
+
+// The cells the persistent kernels take (a template parameter of both).
+enum class PersistentCell { RnnTanh, RnnRelu, Lstm, Gru };
+
+// The shape of one persistent launch, chosen on the host (persistent_plan).
+struct PersistentPlan {
+  int grid = 0;        // CTAs, each with `units` hidden units (the last: the rest)
+  int units = 0;
+  int outputs = 0;     // dot products per staged row: G * units (forward), units (backward)
+  int64_t K = 0;       // their length: P (forward), da_width (backward)
+  int64_t ld = 0;      // row stride of W's slice and the staged rows in shared memory (>= K)
+  int batch_tile = 0;  // rows staged at once
+  int split = 1;       // chunks of k per dot product (a power of two)
+  size_t smem = 0;     // dynamic shared memory of a CTA, bytes
+};
+
+// A thread's register tile of the products: kTileRows staged rows x kTileOutputs
+// outputs, so that each value read from shared memory feeds 4 FMAs (a thread
+// per output would read two values per FMA: shared memory, not the FMA units,
+// would set the time).
+constexpr int kTileRows = 4, kTileOutputs = 4;
+
+__host__ __device__ inline size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Row stride of the shared arrays: K padded to an odd number of 32-bit words
+// (2- and 4-byte types), so that the rows a warp reads at one k fall in
+// different banks.
+__host__ __device__ inline int64_t persistent_ld(int64_t K, size_t bytes) {
+  if (bytes >= 8) return K;
+  int64_t ld = K;
+  while ((ld * int64_t(bytes)) % 8 != 4) ++ld;
+  return ld;
+}
+
+// Shared memory of a CTA: W's slice [outputs][ld] S, the staged rows
+// [batch_tile][ld] S, the partial sums [batch_tile * outputs * split] A.
+template <typename S>
+__host__ __device__ inline size_t persistent_smem(int outputs, int64_t ld, int batch_tile,
+                                                  int split) {
+  return align16(sizeof(S) * size_t(outputs) * size_t(ld)) +
+         align16(sizeof(S) * size_t(batch_tile) * size_t(ld)) +
+         sizeof(acc_t<S>) * size_t(batch_tile) * size_t(outputs) * size_t(split);
+}
+
+// Register tiles of a block of nb rows x `outputs`, `split` chunks each.
+__host__ __device__ inline int persistent_tiles(int nb, int outputs) {
+  return ((nb + kTileRows - 1) / kTileRows) * ((outputs + kTileOutputs - 1) / kTileOutputs);
+}
+
+// out[r][o] = sum_k x[r][k] w[o][k] for the nb staged rows, as `split`
+// partial sums per output in part[(r * outputs + o) * split + chunk], chunk c
+// summing k = c, c + split, ... in order (the same bits however the threads
+// run); the caller reads them after a barrier.
+template <typename S>
+__device__ void persistent_dots(const S* w, const S* x, acc_t<S>* part, int nb, int outputs,
+                                int K, int ld, int split) {
+  using A = acc_t<S>;
+  const int col_tiles = (outputs + kTileOutputs - 1) / kTileOutputs;
+  const int n = persistent_tiles(nb, outputs) * split;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int tile = i / split, chunk = i - tile * split;
+    const int r0 = tile / col_tiles * kTileRows, o0 = (tile - tile / col_tiles * col_tiles) * kTileOutputs;
+    // Rows and outputs past the end repeat the last one (read, never stored):
+    // no predicate in the k loop.
+    const S* xr[kTileRows];
+    const S* wo[kTileOutputs];
+#pragma unroll
+    for (int a = 0; a < kTileRows; ++a) xr[a] = x + (r0 + a < nb ? r0 + a : nb - 1) * ld;
+#pragma unroll
+    for (int c = 0; c < kTileOutputs; ++c) wo[c] = w + (o0 + c < outputs ? o0 + c : outputs - 1) * ld;
+    A acc[kTileRows][kTileOutputs] = {};
+    for (int k = chunk; k < K; k += split) {
+      A xv[kTileRows], wv[kTileOutputs];
+#pragma unroll
+      for (int a = 0; a < kTileRows; ++a) xv[a] = load_at<A>(xr[a], k);
+#pragma unroll
+      for (int c = 0; c < kTileOutputs; ++c) wv[c] = load_at<A>(wo[c], k);
+#pragma unroll
+      for (int a = 0; a < kTileRows; ++a)
+#pragma unroll
+        for (int c = 0; c < kTileOutputs; ++c) acc[a][c] += xv[a] * wv[c];
+    }
+#pragma unroll
+    for (int a = 0; a < kTileRows; ++a)
+#pragma unroll
+      for (int c = 0; c < kTileOutputs; ++c)
+        if (r0 + a < nb && o0 + c < outputs)
+          part[((r0 + a) * outputs + o0 + c) * split + chunk] = acc[a][c];
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A persistent_sum(const A* part, int out, int split) {
+  A sum = A(0);
+  for (int c = 0; c < split; ++c) sum += part[out * split + c];
+  return sum;
+}
+
+// Stages rows [b0, b0 + nb) of a [B, K] array (S) into x (row stride ld).
+template <typename S>
+__device__ void persistent_stage(S* x, const S* rows, int64_t b0, int nb, int K, int ld) {
+  for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
+    const int r = i / K, k = i - r * K;
+    x[r * ld + k] = rows[(b0 + r) * K + k];
+  }
+}
+
+template <typename S>
+struct PersistentShared {
+  S* w;
+  S* x;
+  acc_t<S>* part;
+  __device__ PersistentShared(unsigned char* smem, const PersistentPlan& plan) {
+    w = reinterpret_cast<S*>(smem);
+    x = reinterpret_cast<S*>(smem + align16(sizeof(S) * size_t(plan.outputs) * size_t(plan.ld)));
+    part = reinterpret_cast<acc_t<S>*>(
+        reinterpret_cast<unsigned char*>(x) +
+        align16(sizeof(S) * size_t(plan.batch_tile) * size_t(plan.ld)));
+  }
+};
+
+// ------------------------------------------------------------- forward ----
+
+template <typename S, PersistentCell kCell, bool kResets, bool kZoneout>
+__global__ void __launch_bounds__(kPersistentThreads, 1)
+    persistent_forward_kernel(ForwardStep<S> st, const S* w_hh, S* h_state, acc_t<S>* c_state,
+                              const PersistentPlan plan) {
+  using A = acc_t<S>;
+  constexpr int G = kCell == PersistentCell::Lstm ? 4 : kCell == PersistentCell::Gru ? 3 : 1;
+  RNNKERN_DYNAMIC_SHARED(unsigned char, smem);
+  const PersistentShared<S> sh(smem, plan);
+  const int64_t T = st.T, B = st.B, H = st.H, P = st.P;
+  const int64_t j0 = int64_t(blockIdx.x) * plan.units;
+  const int units = int(H - j0 < plan.units ? H - j0 : plan.units);
+  const int outputs = G * units;  // row o = g * units + u: gate g of unit j0 + u
+  const bool slots = h_state != nullptr;
+
+  // 32-bit index arithmetic (the plan keeps the slice and the batch under 2^31
+  // elements): a 64-bit division is a subroutine call, whose saved registers spill.
+  const int Pi = int(P);
+  const int ld = int(plan.ld);
+  for (int i = threadIdx.x; i < outputs * Pi; i += blockDim.x) {
+    const int o = i / Pi, k = i - o * Pi;
+    const int g = o / units, u = o - g * units;
+    sh.w[o * ld + k] = w_hh[(g * H + j0 + u) * P + k];
+  }
+
+  for (int64_t s = 0; s < T; ++s) {
+    st.s = s;
+    st.h_prev = slots ? h_state + (s & 1) * B * P
+                      : (s == 0 ? st.h0 : st.out + (st.reverse ? T - s : s - 1) * B * P);
+    st.h_next = slots ? h_state + ((s + 1) & 1) * B * P : nullptr;
+    if constexpr (kCell == PersistentCell::Lstm) {
+      st.c_prev = c_state + (s & 1) * B * H;
+      st.c_next = c_state + ((s + 1) & 1) * B * H;
+    }
+    for (int64_t b0 = 0; b0 < B; b0 += plan.batch_tile) {
+      const int nb = int(B - b0 < plan.batch_tile ? B - b0 : plan.batch_tile);
+      __syncthreads();  // the last tile's readers of x and part are done
+      persistent_stage(sh.x, st.h_prev, b0, nb, Pi, ld);
+      __syncthreads();
+      persistent_dots(sh.w, sh.x, sh.part, nb, outputs, Pi, ld, plan.split);
+      __syncthreads();
+      for (int i = threadIdx.x; i < nb * units; i += blockDim.x) {
+        const int r = i / units, u = i - r * units;
+        A hh[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) hh[g] = persistent_sum(sh.part, r * outputs + g * units + u, plan.split);
+        if constexpr (kCell == PersistentCell::RnnTanh || kCell == PersistentCell::RnnRelu) {
+          rnn_forward_unit<kCell == PersistentCell::RnnRelu, kResets, kZoneout>(st, b0 + r, j0 + u,
+                                                                               hh);
+        } else if constexpr (kCell == PersistentCell::Lstm) {
+          lstm_forward_unit<kResets, kZoneout>(st, b0 + r, j0 + u, hh);
+        } else {
+          gru_forward_unit<kResets, kZoneout>(st, b0 + r, j0 + u, hh);
+        }
+      }
+    }
+    // Every CTA's h_t is written before any CTA stages it.
+    if (s + 1 < T) cooperative_groups::this_grid().sync();
+  }
+}
+
+// ------------------------------------------------------------ backward ----
+
+// da_other: the second buffer of da, [B, da_width].
+template <typename S, PersistentCell kCell, bool kResets, bool kZoneout>
+__global__ void __launch_bounds__(kPersistentThreads, 1)
+    persistent_backward_kernel(BackwardStep<S> st, const S* w_hh, S* da_other,
+                               const PersistentPlan plan) {
+  RNNKERN_DYNAMIC_SHARED(unsigned char, smem);
+  const PersistentShared<S> sh(smem, plan);
+  const int64_t T = st.T, B = st.B, H = st.H, P = st.P, K = st.da_width;
+  const int64_t j0 = int64_t(blockIdx.x) * plan.units;
+  const int units = int(H - j0 < plan.units ? H - j0 : plan.units);
+  S* const da_even = st.da;  // steps 0, 2, ...: the caller's da holds step 0's at the end
+
+  const int Ki = int(K), ld = int(plan.ld);
+  for (int i = threadIdx.x; i < units * Ki; i += blockDim.x) {
+    const int r = i / units, u = i - r * units;  // consecutive threads: one row of W_hh
+    sh.w[u * ld + r] = w_hh[int64_t(r) * P + j0 + u];
+  }
+
+  // dh[b, own units] += da W_hh[:, own units], da of the step just done.
+  auto carry = [&](const S* da) {
+    for (int64_t b0 = 0; b0 < B; b0 += plan.batch_tile) {
+      const int nb = int(B - b0 < plan.batch_tile ? B - b0 : plan.batch_tile);
+      __syncthreads();
+      persistent_stage(sh.x, da, b0, nb, Ki, ld);
+      __syncthreads();
+      persistent_dots(sh.w, sh.x, sh.part, nb, units, Ki, ld, plan.split);
+      __syncthreads();
+      for (int i = threadIdx.x; i < nb * units; i += blockDim.x) {
+        const int r = i / units, u = i - r * units;
+        st.dh[(b0 + r) * P + j0 + u] += persistent_sum(sh.part, i, plan.split);
+      }
+    }
+  };
+
+  for (int64_t s = T - 1; s >= 0; --s) {
+    if (s + 1 < T) {
+      carry((s + 1) % 2 == 0 ? da_even : da_other);
+      __syncthreads();  // the carry of a unit is complete before its pointwise thread reads it
+    }
+    st.s = s;
+    st.da = s % 2 == 0 ? da_even : da_other;
+    for (int i = threadIdx.x; i < int(B) * units; i += blockDim.x) {
+      const int b = i / units;
+      const int64_t j = j0 + (i - b * units);
+      if constexpr (kCell == PersistentCell::RnnTanh || kCell == PersistentCell::RnnRelu) {
+        rnn_backward_unit<kCell == PersistentCell::RnnRelu, kResets, kZoneout>(st, b, j);
+      } else if constexpr (kCell == PersistentCell::Lstm) {
+        lstm_backward_unit<kResets, kZoneout>(st, b, j);
+      } else {
+        gru_backward_unit<kResets, kZoneout>(st, b, j);
+      }
+    }
+    // Every CTA's columns of da_s are written before any CTA reads its rows.
+    cooperative_groups::this_grid().sync();
+  }
+  carry(da_even);  // after step 0: the gradient of the state step 0 started from
+}
+
+// ---------------------------------------------------------------- host ----
+
+// The plan for `outputs_per_unit` dot products of length K per hidden unit and
+// batch row, over the device's SMs; false when W's slice and one staged row do
+// not fit a CTA's shared memory, or the device cannot launch cooperatively.
+template <typename S>
+bool persistent_plan(int64_t H, int64_t B, int64_t K, int outputs_per_unit, PersistentPlan& plan) {
+  int device = 0, sms = 0, coop = 0, smem_optin = 0;
+  RNNKERN_CUDA_CHECK(cudaGetDevice(&device));
+  RNNKERN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  RNNKERN_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+  RNNKERN_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (!coop || sms < 1 || H < 1 || B < 1 || K < 1) return false;
+  const int64_t grid_max = H < sms ? H : sms;
+  plan.units = int((H + grid_max - 1) / grid_max);
+  // The kernels index a CTA's units of the whole batch and its slice of W in 32 bits.
+  if (B * plan.units * outputs_per_unit >= (int64_t(1) << 31) ||
+      (K + 8) * plan.units * outputs_per_unit >= (int64_t(1) << 31) || B * K >= (int64_t(1) << 31))
+    return false;
+  plan.grid = int((H + plan.units - 1) / plan.units);
+  plan.outputs = outputs_per_unit * plan.units;
+  plan.K = K;
+  plan.ld = persistent_ld(K, sizeof(S));
+  // As many rows per stage as fit (fewer barriers per step), then the split
+  // that gives every thread of the block a chunk.
+  int64_t tile = B;
+  while (tile >= 1 && persistent_smem<S>(plan.outputs, plan.ld, int(tile), 1) > size_t(smem_optin)) {
+    tile = tile > 64 ? tile / 2 : tile - 1;
+  }
+  if (tile < 1) return false;
+  plan.batch_tile = int(tile);
+  // Chunks of k until every thread of the block has a register tile.
+  plan.split = 1;
+  while (plan.split < 32 && plan.split * 2 <= K &&
+         persistent_tiles(plan.batch_tile, plan.outputs) * plan.split * 2 <= kPersistentThreads &&
+         persistent_smem<S>(plan.outputs, plan.ld, plan.batch_tile, plan.split * 2) <= size_t(smem_optin))
+    plan.split *= 2;
+  plan.smem = persistent_smem<S>(plan.outputs, plan.ld, plan.batch_tile, plan.split);
+  return true;
+}
+
+// Sets the kernel's dynamic shared memory and checks that the whole grid can be
+// resident at once (one CTA per SM at the least); false when not.
+template <typename Kernel>
+bool persistent_fits(Kernel kernel, const PersistentPlan& plan) {
+  const void* k = reinterpret_cast<const void*>(kernel);
+  if (plan.smem > 48 * 1024)
+    RNNKERN_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(plan.smem)));
+  int per_sm = 0, device = 0, sms = 0;
+  RNNKERN_CUDA_CHECK(cudaGetDevice(&device));
+  RNNKERN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  RNNKERN_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPersistentThreads, plan.smem));
+  return int64_t(per_sm) * sms >= plan.grid;
+}
+
+// The persistent kernels' cell for a layer, or false: projection, the
+// reset-before GRU and LSTM-LN stay on the host loop.
+inline bool persistent_cell(Cell cell, bool projection, PersistentCell* out = nullptr) {
+  PersistentCell c;
+  switch (cell) {
+    case Cell::RnnTanh: c = PersistentCell::RnnTanh; break;
+    case Cell::RnnRelu: c = PersistentCell::RnnRelu; break;
+    case Cell::Lstm: c = PersistentCell::Lstm; break;
+    case Cell::Gru: c = PersistentCell::Gru; break;
+    default: return false;
+  }
+  if (projection) return false;
+  if (out != nullptr) *out = c;
+  return true;
+}
+
+// f(std::integral_constant<PersistentCell, c>{}, resets, zoneout) with the three
+// as compile-time constants.
+template <typename F>
+void persistent_switch(PersistentCell cell, bool resets, bool zoneout, const F& f) {
+  using C = PersistentCell;
+  bool_switch(resets, zoneout, [&](auto r, auto z) {
+    switch (cell) {
+      case C::RnnTanh: return f(std::integral_constant<C, C::RnnTanh>{}, r, z);
+      case C::RnnRelu: return f(std::integral_constant<C, C::RnnRelu>{}, r, z);
+      case C::Lstm: return f(std::integral_constant<C, C::Lstm>{}, r, z);
+      case C::Gru: return f(std::integral_constant<C, C::Gru>{}, r, z);
+    }
+  });
+}
+
+// The forward as one persistent launch; false (nothing launched) when the
+// layer or its size does not fit, and the caller runs the host loop.
+template <typename S>
+bool persistent_forward(const ForwardStep<S>& st, Cell cell, const S* w_hh, S* h_state,
+                        acc_t<S>* c_state, bool resets, bool zoneout, cudaStream_t stream) {
+  PersistentCell pc;
+  PersistentPlan plan;
+  if (!persistent_cell(cell, st.h_full != nullptr, &pc) ||
+      !persistent_plan<S>(st.H, st.B, st.P, int(gate_count(cell)), plan))
+    return false;
+  bool launched = false;
+  persistent_switch(pc, resets, zoneout, [&](auto c, auto r, auto z) {
+    constexpr PersistentCell C = decltype(c)::value;
+    constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
+    if (!persistent_fits(persistent_forward_kernel<S, C, R, Z>, plan)) return;
+    RNNKERN_CUDA_CHECK(RNNKERN_LAUNCH_COOPERATIVE(plan.grid, kPersistentThreads, plan.smem, stream,
+                                                  persistent_forward_kernel<S, C, R, Z>)(
+        st, w_hh, h_state, c_state, plan));
+    launched = true;
+  });
+  return launched;
+}
+
+template <typename S>
+bool persistent_backward(const BackwardStep<S>& st, Cell cell, const S* w_hh, S* da_other,
+                         bool resets, bool zoneout, cudaStream_t stream) {
+  PersistentCell pc;
+  PersistentPlan plan;
+  if (!persistent_cell(cell, st.dh_full != nullptr, &pc) ||
+      !persistent_plan<S>(st.H, st.B, st.da_width, 1, plan))
+    return false;
+  bool launched = false;
+  persistent_switch(pc, resets, zoneout, [&](auto c, auto r, auto z) {
+    constexpr PersistentCell C = decltype(c)::value;
+    constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
+    if (!persistent_fits(persistent_backward_kernel<S, C, R, Z>, plan)) return;
+    RNNKERN_CUDA_CHECK(RNNKERN_LAUNCH_COOPERATIVE(plan.grid, kPersistentThreads, plan.smem, stream,
+                                                  persistent_backward_kernel<S, C, R, Z>)(
+        st, w_hh, da_other, plan));
+    launched = true;
+  });
+  return launched;
+}
+
+}  // namespace rnnkern::cuda

@@ -1,0 +1,247 @@
+"""The persistent recurrence kernels (csrc/cuda/persistent.cuh) on the emulated
+cooperative grid: one cooperative launch per layer and direction for the whole
+sequence, W_hh's slices resident in each CTA's shared memory, a grid barrier
+per step, forward and backward.
+
+The emulated device runs every CTA of the grid at once (csrc/cuda_emu), so a
+CTA that read another's slice of h_{t-1} (or of da) before the barrier would
+read the NaN the "device memory" starts with, or a stale step.  The device
+model has 4 multiprocessors here, so hidden sizes of 3-40 spread over 3-4
+CTAs, with a last CTA of fewer units.  Everything is compared with the
+float64 reference (values and every gradient), gradchecked, and checked to
+have run on the persistent kernels (cooperative launches counted); the cells
+and options the kernels do not take fall back to the host loop (no
+cooperative launch).  Under ThreadSanitizer (.ci/cuda_emulation.sh) the
+barrier's ordering between CTAs is checked too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import (assert_close, assert_low_precision, generator, outputs_and_grads, randn,
+                      recurrence_inputs, require_cuda_emulation, rnnkern_module, run_recurrence,
+                      torch_module)
+
+require_cuda_emulation()
+
+from rnnkern import cuda_emulated  # noqa: E402
+import option_cases  # noqa: E402
+
+EMU = "cuda_emulated"
+PERSISTENT_CELLS = ["rnn_tanh", "rnn_relu", "lstm", "gru"]
+SMS = 4
+VARIANTS = {"plain": (None, False), "reverse": (None, True),
+            "lengths": (torch.tensor([5, 2, 0, 4]), False),
+            "lengths-reverse": (torch.tensor([1, 5, 3, 5]), True)}
+
+
+@pytest.fixture(autouse=True)
+def persistent_on_small_device():
+    """Persistent kernels on, a 4-SM device model, and the reverse order: each
+    released block runs on alone to its next grid barrier (the blocks out of
+    step, as on hardware; in the forward order block barriers keep them in
+    step and would hide a missing grid barrier).  Restored afterwards."""
+    cuda_emulated.set_schedule("reverse", 0)
+    cuda_emulated.set_device_model(SMS)
+    cuda_emulated.set_persistent(True)
+    yield
+    cuda_emulated.set_persistent(False)
+    cuda_emulated.set_device_model(132)
+    cuda_emulated.set_schedule("forward", 0)
+
+
+def counted(fn):
+    """fn()'s result and the cooperative launches it made."""
+    before = cuda_emulated.cooperative_launches()
+    result = fn()
+    return result, cuda_emulated.cooperative_launches() - before
+
+
+def test_off_by_default_and_switchable():
+    cuda_emulated.set_persistent(False)
+    assert not cuda_emulated.persistent()
+    args = recurrence_inputs("lstm", 3, 2, 5)
+    _, n = counted(lambda: run_recurrence(EMU, "lstm", args))
+    assert n == 0
+    cuda_emulated.set_persistent(True)
+    _, n = counted(lambda: run_recurrence(EMU, "lstm", args))
+    assert n == 1
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("H", [3, 10, 33], ids=["H3-3ctas", "H10-uneven", "H33-9units"])
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_matches_reference_float64(cell, H, variant):
+    """Outputs, final states and the gradient of every input against the float64
+    reference; one cooperative launch forward, one backward."""
+    lengths, reverse = VARIANTS[variant]
+    args = recurrence_inputs(cell, 5, 4, H, requires_grad=True, key=("persistent",))
+    want = outputs_and_grads("reference", cell, args, lengths, reverse, key=(cell, H))
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, reverse, key=(cell, H)))
+    assert n == 2
+    assert set(got) == set(want)
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_same_values_as_the_host_loop(cell):
+    """The persistent kernels and the host loop (cuBLAS + pointwise kernels) of the
+    same backend agree to float64 rounding: same unit functions, other sum order."""
+    lengths = torch.tensor([6, 3, 6, 1, 4])
+    args = recurrence_inputs(cell, 6, 5, 17, requires_grad=True, key=("persistent-host",))
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, True, key=(cell,)))
+    assert n == 2
+    cuda_emulated.set_persistent(False)
+    host, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, True, key=(cell,)))
+    assert n == 0
+    for name in host:
+        torch.testing.assert_close(got[name], host[name], rtol=1e-13, atol=1e-13,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("variant", ["plain", "lengths-reverse"])
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_gradcheck(cell, variant):
+    lengths, reverse = VARIANTS[variant]
+    args = recurrence_inputs(cell, 5, 4, 6, requires_grad=True, key=("persistent-gc",))
+    names = [n for n, t in args.items() if t is not None]
+
+    def f(*tensors):
+        a = {**args, **dict(zip(names, tensors))}
+        return tuple(t for t in run_recurrence(EMU, cell, a, lengths, reverse) if t is not None)
+
+    _, n = counted(lambda: f(*(args[k] for k in names)))
+    assert n == 1
+    assert torch.autograd.gradcheck(f, [args[k] for k in names], fast_mode=True)
+
+
+@pytest.mark.parametrize("variant", option_cases.VARIANTS)
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_options_match_reference_float64(cell, variant):
+    """Resets and zoneout (option_cases.py's variants) through the persistent kernels."""
+    t, c = option_cases.option_inputs(cell, 0, variant, H=6, requires_grad=True,
+                                      key=("persistent",))
+    want = option_cases.outputs_and_grads("reference", cell, t, c, key=(cell, variant))
+    got, n = counted(lambda: option_cases.outputs_and_grads(EMU, cell, t, c, key=(cell, variant)))
+    assert n == 2
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_options_gradcheck(cell):
+    """Resets, a training zoneout mask, lengths and reverse at once."""
+    t, c = option_cases.option_inputs(cell, 0, "all-lengths-reverse", T=4, H=5,
+                                      requires_grad=True, key=("persistent-gc",))
+    names = [n for n in t if t[n] is not None]
+
+    def f(*tensors):
+        out, h_n, c_n = option_cases.run(EMU, cell, {**t, **dict(zip(names, tensors))}, c)
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    _, n = counted(lambda: f(*(t[k] for k in names)))
+    assert n == 1
+    assert torch.autograd.gradcheck(f, [t[n] for n in names], fast_mode=True)
+
+
+@pytest.mark.parametrize("order", ["forward", "shuffle"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_every_thread_order(cell, order):
+    """The block barriers between staging, products and the units hold in any
+    order of the threads' resumption (the blocks in step, or a random one ahead)."""
+    cuda_emulated.set_schedule(order, 5)
+    args = recurrence_inputs(cell, 4, 3, 11, requires_grad=True, key=("persistent-order",))
+    lengths = torch.tensor([4, 1, 3])
+    want = outputs_and_grads("reference", cell, args, lengths, False, key=(order,))
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, False, key=(order,)))
+    assert n == 2
+    for name in want:
+        assert_close(got[name], want[name], what=f"{order} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_lower_precisions(cell, dtype):
+    """float32 within its tolerance of the float64 reference; half types no worse
+    than the reference's own error in that dtype (products accumulated in float32)."""
+    T, B, H = 7, 5, 24
+    lengths = torch.tensor([7, 5, 0, 3, 1])
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, key=("persistent-low",))
+    a = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    a64 = {k: None if v is None else v.detach().double().requires_grad_() for k, v in args.items()}
+    key = ("persistent-low-cot", cell)
+    want = outputs_and_grads("reference", cell, a64, lengths, True, key=key)
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, a, lengths, True, key=key))
+    assert n == 2
+    if dtype == torch.float32:
+        for name in want:
+            assert got[name].dtype == dtype
+            assert_close(got[name], want[name].float(), what=name)
+        return
+    ref_low = outputs_and_grads("reference", cell, a, lengths, True, key=key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name], ref_low[name], want[name].float(), what=name)
+
+
+def test_batch_in_several_tiles():
+    """A batch whose rows of h do not all fit a CTA's shared memory with W's slice
+    is staged in tiles: B = 700 float64 rows of H = 40 (about 580 fit)."""
+    T, B, H = 2, 700, 40
+    cell = "rnn_tanh"
+    args = recurrence_inputs(cell, T, B, H, requires_grad=True, key=("persistent-tiles",))
+    lengths = torch.randint(0, T + 1, (B,), generator=torch.Generator().manual_seed(4))
+    want = outputs_and_grads("reference", cell, args, lengths, False, key=("tiles",))
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, False, key=("tiles",)))
+    assert n == 2
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell,proj", [("gru_reset_before", 0), ("lstm", 3), ("lstm_ln", 0)])
+def test_cells_it_does_not_take_run_the_host_loop(cell, proj):
+    """The reset-before GRU, the LSTM projection and LSTM-LN need more than one
+    exchange per step: the host loop runs them, no cooperative launch."""
+    if cell == "lstm_ln":
+        t, c = option_cases.option_inputs(cell, 0, "plain", requires_grad=True, key=("fallback",))
+        want = option_cases.outputs_and_grads("reference", cell, t, c, key=("fallback",))
+        got, n = counted(lambda: option_cases.outputs_and_grads(EMU, cell, t, c, key=("fallback",)))
+    else:
+        args = recurrence_inputs(cell, 4, 3, 8, proj=proj, requires_grad=True, key=("fallback",))
+        want = outputs_and_grads("reference", cell, args, key=("fallback",))
+        got, n = counted(lambda: outputs_and_grads(EMU, cell, args, key=("fallback",)))
+    assert n == 0
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_modules_match_torch_nn(cell):
+    """Two layers, both directions, packed variable lengths: torch.nn on the same
+    weights, outputs and every gradient, float64, every layer and direction on
+    the persistent kernels."""
+    torch.manual_seed(3)
+    theirs = torch_module(cell, 7, 9, num_layers=2, bidirectional=True, dtype=torch.float64)
+    ours = rnnkern_module(cell, 7, 9, num_layers=2, bidirectional=True, dtype=torch.float64,
+                          backend=EMU)
+    ours.load_state_dict(theirs.state_dict())
+    g = generator("persistent-packed", cell)
+    x = randn(g, 6, 4, 7, requires_grad=True)
+    lengths = torch.tensor([6, 2, 5, 1])
+    results, launches = [], []
+    for m in (theirs, ours):
+        def run():
+            out, hidden = m(torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False))
+            leaves = [out.data] + list(hidden if isinstance(hidden, tuple) else (hidden,))
+            cot = generator("persistent-packed-cot", cell)
+            loss = sum((t * randn(cot, *t.shape)).sum() for t in leaves)
+            return leaves + list(torch.autograd.grad(loss, [x, *m.parameters()]))
+        r, n = counted(run)
+        results.append(r)
+        launches.append(n)
+    assert launches == [0, 8]  # 2 layers x 2 directions, forward and backward
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert_close(a, b, what=f"{cell} result {i}")
