@@ -1,0 +1,152 @@
+"""A time model of the persistent kernels (csrc/cuda/persistent.cuh) on an H100,
+before a GPU has timed them: per step, what each CTA does and what it waits for.
+
+    python -m bench.persistent_model [--json OUT]
+
+The plan is persistent_plan's (units per CTA, outputs, batch tile, split of k,
+4 x 4 register tiles); per step and CTA the model adds
+  * products: the tiles' FMAs (padding included) at the SM's FMA rate, or their
+    shared-memory loads (4 + 4 per 16 FMAs, one warp-wide load a clock), the slower;
+  * staging: every CTA reads the batch's h_{t-1} (da_{t+1} backward) from L2, all
+    CTAs sharing L2's bandwidth;
+  * the grid barrier, an assumed 1.5 us (not measured yet: the first thing to time);
+  * the pointwise units and the chunk sums, one pass of the block's threads.
+Beside it, the measured per-step times of today's host loop (a GEMM and a
+pointwise launch per step) and of torch.nn (cuDNN) from the committed H100 grid
+(bench/results/gpu-h100-2026-11-27-session4/bench-cuda-grid), where the size is
+there.  A model, not a measurement: it says where the time should go, and the
+first GPU session checks it (`RNNKERN_CUDA_PERSISTENT=1`, bench candidate
+"persistent").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+# H100 SXM (sm_90): per SM and clock, and the chip's.
+SMS = 132
+CLOCK_HZ = 1.755e9          # sustained boost under load
+FMA_PER_CLOCK = {"float64": 64, "float32": 128, "float16": 128, "bfloat16": 128}  # FP32 FFMA / DFMA lanes
+LDS_LANES_PER_CLOCK = 32    # one warp-wide shared-memory load instruction a clock
+L2_BYTES_PER_S = 5.5e12
+GRID_BARRIER_S = 1.5e-6     # assumed; cooperative_groups grid.sync() over 132 CTAs
+THREADS = 256
+SMEM_OPT_IN = 227 * 1024
+SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+GATES = {"rnn_tanh": 1, "lstm": 4, "gru": 3}
+TILE = 4
+GRID = Path(__file__).resolve().parent / "results" / "gpu-h100-2026-11-27-session4" / "bench-cuda-grid" / "bench_gpu.json"
+
+
+def plan(H: int, B: int, K: int, outputs_per_unit: int, dtype: str) -> dict:
+    """persistent_plan's choices (csrc/cuda/persistent.cuh)."""
+    s, a = SIZE[dtype], 8 if dtype == "float64" else 4
+    grid_max = min(H, SMS)
+    units = math.ceil(H / grid_max)
+    grid = math.ceil(H / units)
+    outputs = outputs_per_unit * units
+    ld = K if s >= 8 else next(x for x in range(K, K + 8) if (x * s) % 8 == 4)
+
+    def smem(tile, split):
+        up = lambda n: (n + 15) // 16 * 16  # noqa: E731
+        return up(s * outputs * ld) + up(s * tile * ld) + a * tile * outputs * split
+
+    tile = B
+    while tile >= 1 and smem(tile, 1) > SMEM_OPT_IN:
+        tile = tile // 2 if tile > 64 else tile - 1
+    if tile < 1:
+        return {}
+    tiles = math.ceil(tile / TILE) * math.ceil(outputs / TILE)
+    split = 1
+    while split < 32 and split * 2 <= K and tiles * split * 2 <= THREADS and smem(tile, split * 2) <= SMEM_OPT_IN:
+        split *= 2
+    return dict(grid=grid, units=units, outputs=outputs, K=K, batch_tile=tile, split=split,
+                smem=smem(tile, split))
+
+
+def step_seconds(p: dict, B: int, dtype: str) -> dict:
+    """The model's parts for one step of the busiest CTA."""
+    s = SIZE[dtype]
+    passes = math.ceil(B / p["batch_tile"])
+    fmas = loads = 0
+    for i in range(passes):
+        nb = min(p["batch_tile"], B - i * p["batch_tile"])
+        tiles = math.ceil(nb / TILE) * math.ceil(p["outputs"] / TILE)
+        fmas += tiles * TILE * TILE * p["K"]
+        loads += tiles * 2 * TILE * p["K"]
+    products = max(fmas / FMA_PER_CLOCK[dtype], loads / LDS_LANES_PER_CLOCK) / CLOCK_HZ
+    staging = p["grid"] * B * p["K"] * s / L2_BYTES_PER_S
+    # chunk sums and the units: a few passes of the block, ~40 clocks each (a guess)
+    units = passes * (1 + p["split"] / 8) * math.ceil(B * p["outputs"] / THREADS / passes) * 40 / CLOCK_HZ
+    return dict(products=products, staging=staging, barrier=GRID_BARRIER_S, units=units,
+                total=products + staging + GRID_BARRIER_S + units)
+
+
+def measured() -> dict:
+    """(cell, B, H, dtype, phase) -> (host loop us/step, torch.nn us/step) from the committed grid."""
+    if not GRID.exists():
+        return {}
+    out = {}
+    for r in json.loads(GRID.read_text())["results"]:
+        c = r["candidates"]
+        if "cuda" in c and "torch" in c and "us_per_step" in c["cuda"]:
+            out[(r["cell"], r["B"], r["H"], r["dtype"], r["phase"])] = (c["cuda"]["us_per_step"],
+                                                                     c["torch"]["us_per_step"])
+    return out
+
+
+CASES = [("lstm", 16, 768), ("gru", 16, 768), ("rnn_tanh", 16, 768), ("lstm", 1, 256),
+         ("rnn_tanh", 1, 256), ("lstm", 64, 1024), ("rnn_tanh", 64, 1024), ("lstm", 256, 1024)]
+DTYPES = ["float16", "bfloat16", "float32"]
+
+
+def rows() -> list[dict]:
+    seen = measured()
+    out = []
+    for cell, B, H in CASES:
+        G = GATES[cell]
+        for dtype in DTYPES:
+            fwd_plan = plan(H, B, H, G, dtype)
+            bwd_plan = plan(H, B, G * H, 1, dtype)
+            if not fwd_plan or not bwd_plan:
+                continue
+            fwd = step_seconds(fwd_plan, B, dtype)
+            bwd = step_seconds(bwd_plan, B, dtype)
+            host_f, torch_f = seen.get((cell, B, H, dtype, "forward"), (None, None))
+            host_fb, torch_fb = seen.get((cell, B, H, dtype, "forward_backward"), (None, None))
+            out.append(dict(cell=cell, B=B, H=H, dtype=dtype, plan_forward=fwd_plan, plan_backward=bwd_plan,
+                            forward_us=fwd, backward_us=bwd,
+                            model_forward_us=fwd["total"] * 1e6,
+                            model_forward_backward_us=(fwd["total"] + bwd["total"]) * 1e6,
+                            host_loop_forward_us=host_f, torch_forward_us=torch_f,
+                            host_loop_forward_backward_us=host_fb, torch_forward_backward_us=torch_fb))
+    return out
+
+
+def fmt(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    table = rows()
+    print("| cell | B | H | dtype | CTAs x units | model fwd us/step (products + staging + barrier) "
+          "| host loop fwd | cuDNN fwd | model fwd+bwd | host loop fwd+bwd | cuDNN fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in table:
+        f = r["forward_us"]
+        print(f"| {r['cell']} | {r['B']} | {r['H']} | {r['dtype']} | {r['plan_forward']['grid']} x "
+              f"{r['plan_forward']['units']} | {r['model_forward_us']:.1f} ({f['products'] * 1e6:.1f} + "
+              f"{f['staging'] * 1e6:.2f} + {f['barrier'] * 1e6:.1f}) | {fmt(r['host_loop_forward_us'])} | "
+              f"{fmt(r['torch_forward_us'])} | {r['model_forward_backward_us']:.1f} | "
+              f"{fmt(r['host_loop_forward_backward_us'])} | {fmt(r['torch_forward_backward_us'])} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()
