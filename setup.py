@@ -116,9 +116,14 @@ def extensions():
         return [CppExtension("rnnkern._C", sources, extra_compile_args={"cxx": cxx},
                              extra_link_args=["-fopenmp"])]
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        archs = ["8.0", "8.6", "8.9", "9.0"]
-        if nvcc_release() >= (12, 8):
+        # T4 (7.5) on; V100 (7.0) where the toolkit still builds it (CUDA 13 dropped it);
+        # and the newest as PTX too, which the driver compiles for GPUs after the list --
+        # without both, those GPUs get "no kernel image is available".
+        release = nvcc_release()
+        archs = (["7.0"] if release < (13, 0) else []) + ["7.5", "8.0", "8.6", "8.9", "9.0"]
+        if release >= (12, 8):
             archs += ["10.0", "12.0"]
+        archs[-1] += "+PTX"
         os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
     sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",

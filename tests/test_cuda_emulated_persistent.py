@@ -65,8 +65,10 @@ def test_off_by_default_and_switchable():
     _, n = counted(lambda: run_recurrence(EMU, "lstm", args))
     assert n == 0
     cuda_emulated.set_persistent(True)
-    _, n = counted(lambda: run_recurrence(EMU, "lstm", args))
+    got, n = counted(lambda: run_recurrence(EMU, "lstm", args))  # inference: no workspace
     assert n == 1
+    for a, b in zip(got, run_recurrence("reference", "lstm", args)):
+        assert_close(a, b)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
