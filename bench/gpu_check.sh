@@ -46,6 +46,13 @@
 #     STAGES=bench GPU_CHECK_BUDGET=580 BENCH_CAP=560 BENCH_ARGS="--families latency throughput long \
 #       headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT3
 #
+# The persistent kernels (csrc/cuda/persistent.cuh, opt-in until timed; their GPU tests run
+# in tests_cuda): the same grid with them enabled, both phases ("cuda" is then the persistent
+# path; compare with OUT3's host loop case by case, and with cuDNN in the same file):
+#
+#     RNNKERN_CUDA_PERSISTENT=1 STAGES=bench GPU_CHECK_BUDGET=580 BENCH_CAP=560 BENCH_ARGS="--families \
+#       latency headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT4
+#
 # A stage that fails does not stop the others.  OUTDIR receives at most six
 # files (the device tool returns eight): summary.json (versions, ceilings, each
 # stage's exit code, time and result, pass counts, sanitizer and benchmark
