@@ -5,8 +5,11 @@ before a GPU has timed them: per step, what each CTA does and what it waits for.
 
 The plan is persistent_plan's (units per CTA, outputs, batch tile, split of k,
 4 x 4 register tiles); per step and CTA the model adds
-  * products: the tiles' FMAs (padding included) at the SM's FMA rate, or their
-    shared-memory loads (4 + 4 per 16 FMAs, one warp-wide load a clock), the slower;
+  * products: float32 / float64 in 4 x 4 register tiles: their FMAs (padding
+    included) at the SM's FMA rate, or their shared-memory loads (4 + 4 per 16
+    FMAs, one warp-wide load a clock), the slower; the half types on the tensor
+    cores (WMMA 16x16x16 from shared memory): the MMAs at mma.sync's rate or their
+    operands' bytes (1 KiB per MMA, W's slice re-read every step) at 128 B a clock;
   * staging: every CTA reads the batch's h_{t-1} (da_{t+1} backward) from L2, all
     CTAs sharing L2's bandwidth;
   * the grid barrier, an assumed 1.5 us (not measured yet: the first thing to time);
@@ -30,6 +33,8 @@ SMS = 132
 CLOCK_HZ = 1.755e9          # sustained boost under load
 FMA_PER_CLOCK = {"float64": 64, "float32": 128, "float16": 128, "bfloat16": 128}  # FP32 FFMA / DFMA lanes
 LDS_LANES_PER_CLOCK = 32    # one warp-wide shared-memory load instruction a clock
+SMEM_BYTES_PER_CLOCK = 128
+MMA_FMA_PER_CLOCK = 1024    # fp16/bf16 mma.sync with fp32 accumulators (about half of wgmma's peak)
 L2_BYTES_PER_S = 5.5e12
 GRID_BARRIER_S = 1.5e-6     # assumed; cooperative_groups grid.sync() over 132 CTAs
 THREADS = 256
@@ -47,36 +52,52 @@ def plan(H: int, B: int, K: int, outputs_per_unit: int, dtype: str) -> dict:
     units = math.ceil(H / grid_max)
     grid = math.ceil(H / units)
     outputs = outputs_per_unit * units
-    ld = K if s >= 8 else next(x for x in range(K, K + 8) if (x * s) % 8 == 4)
+    up = lambda n: (n + 15) // 16 * 16  # noqa: E731
+    half = s == 2
 
-    def smem(tile, split):
-        up = lambda n: (n + 15) // 16 * 16  # noqa: E731
-        return up(s * outputs * ld) + up(s * tile * ld) + a * tile * outputs * split
+    def smem(tile, split):  # persistent_layout
+        if half:
+            ld, w_rows, x_rows = up(K) + 8, up(outputs), up(tile)
+            part = (w_rows // 16) * (x_rows // 16) * split * 256
+        else:
+            ld = K if s >= 8 else next(x for x in range(K, K + 8) if (x * s) % 8 == 4)
+            w_rows, x_rows, part = outputs, tile, tile * outputs * split
+        return 128 + up(s * w_rows * ld) + up(s * x_rows * ld) + a * part
 
     tile = B
     while tile >= 1 and smem(tile, 1) > SMEM_OPT_IN:
         tile = tile // 2 if tile > 64 else tile - 1
     if tile < 1:
         return {}
-    tiles = math.ceil(tile / TILE) * math.ceil(outputs / TILE)
+    half = s == 2
+    if half:
+        tiles = math.ceil(outputs / 16) * math.ceil(tile / 16)
+        steps, workers = math.ceil(K / 16), THREADS // 32
+    else:
+        tiles = math.ceil(tile / TILE) * math.ceil(outputs / TILE)
+        steps, workers = K, THREADS
     split = 1
-    while split < 32 and split * 2 <= K and tiles * split * 2 <= THREADS and smem(tile, split * 2) <= SMEM_OPT_IN:
+    while split < 32 and split * 2 <= steps and tiles * split * 2 <= workers and smem(tile, split * 2) <= SMEM_OPT_IN:
         split *= 2
     return dict(grid=grid, units=units, outputs=outputs, K=K, batch_tile=tile, split=split,
-                smem=smem(tile, split))
+                smem=smem(tile, split), tensor_cores=half)
 
 
 def step_seconds(p: dict, B: int, dtype: str) -> dict:
     """The model's parts for one step of the busiest CTA."""
     s = SIZE[dtype]
     passes = math.ceil(B / p["batch_tile"])
-    fmas = loads = 0
+    clocks = 0.0
     for i in range(passes):
         nb = min(p["batch_tile"], B - i * p["batch_tile"])
-        tiles = math.ceil(nb / TILE) * math.ceil(p["outputs"] / TILE)
-        fmas += tiles * TILE * TILE * p["K"]
-        loads += tiles * 2 * TILE * p["K"]
-    products = max(fmas / FMA_PER_CLOCK[dtype], loads / LDS_LANES_PER_CLOCK) / CLOCK_HZ
+        if p["tensor_cores"]:
+            mmas = math.ceil(nb / 16) * math.ceil(p["outputs"] / 16) * math.ceil(p["K"] / 16)
+            clocks += max(mmas * 16 ** 3 / MMA_FMA_PER_CLOCK, mmas * 1024 / SMEM_BYTES_PER_CLOCK)
+        else:
+            tiles = math.ceil(nb / TILE) * math.ceil(p["outputs"] / TILE)
+            clocks += max(tiles * TILE * TILE * p["K"] / FMA_PER_CLOCK[dtype],
+                          tiles * 2 * TILE * p["K"] / LDS_LANES_PER_CLOCK)
+    products = clocks / CLOCK_HZ
     staging = p["grid"] * B * p["K"] * s / L2_BYTES_PER_S
     # chunk sums and the units: a few passes of the block, ~40 clocks each (a guess)
     units = passes * (1 + p["split"] / 8) * math.ceil(B * p["outputs"] / THREADS / passes) * 40 / CLOCK_HZ
@@ -110,22 +131,24 @@ def rows() -> list[dict]:
         for dtype in DTYPES:
             fwd_plan = plan(H, B, H, G, dtype)
             bwd_plan = plan(H, B, G * H, 1, dtype)
-            if not fwd_plan or not bwd_plan:
+            if not fwd_plan:
                 continue
             fwd = step_seconds(fwd_plan, B, dtype)
-            bwd = step_seconds(bwd_plan, B, dtype)
+            # a backward whose slice does not fit runs the host loop (None here)
+            bwd = step_seconds(bwd_plan, B, dtype) if bwd_plan else None
             host_f, torch_f = seen.get((cell, B, H, dtype, "forward"), (None, None))
             host_fb, torch_fb = seen.get((cell, B, H, dtype, "forward_backward"), (None, None))
             out.append(dict(cell=cell, B=B, H=H, dtype=dtype, plan_forward=fwd_plan, plan_backward=bwd_plan,
                             forward_us=fwd, backward_us=bwd,
                             model_forward_us=fwd["total"] * 1e6,
-                            model_forward_backward_us=(fwd["total"] + bwd["total"]) * 1e6,
+                            model_forward_backward_us=None if bwd is None else (fwd["total"] + bwd["total"]) * 1e6,
                             host_loop_forward_us=host_f, torch_forward_us=torch_f,
                             host_loop_forward_backward_us=host_fb, torch_forward_backward_us=torch_fb))
     return out
 
 
 def fmt(v):
+    """A figure, or "-": not measured (host loop, cuDNN), or the backward does not fit (model)."""
     return "-" if v is None else f"{v:.1f}"
 
 
@@ -142,7 +165,7 @@ def main() -> None:
         print(f"| {r['cell']} | {r['B']} | {r['H']} | {r['dtype']} | {r['plan_forward']['grid']} x "
               f"{r['plan_forward']['units']} | {r['model_forward_us']:.1f} ({f['products'] * 1e6:.1f} + "
               f"{f['staging'] * 1e6:.2f} + {f['barrier'] * 1e6:.1f}) | {fmt(r['host_loop_forward_us'])} | "
-              f"{fmt(r['torch_forward_us'])} | {r['model_forward_backward_us']:.1f} | "
+              f"{fmt(r['torch_forward_us'])} | {fmt(r['model_forward_backward_us'])} | "
               f"{fmt(r['host_loop_forward_backward_us'])} | {fmt(r['torch_forward_backward_us'])} |")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1, default=float) + "\n")

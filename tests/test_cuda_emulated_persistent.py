@@ -247,3 +247,26 @@ def test_modules_match_torch_nn(cell):
     assert launches == [0, 8]  # 2 layers x 2 directions, forward and backward
     for i, (a, b) in enumerate(zip(results[1], results[0])):
         assert_close(a, b, what=f"{cell} result {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_half_types_on_several_tensor_core_tiles(cell, dtype):
+    """The half types' products on the tensor cores (WMMA 16x16x16) over several
+    tiles each way: B = 20 rows (2 row tiles), H = 40 on 4 CTAs of 10 units (LSTM:
+    40 outputs, 3 tiles), k = 40 forward and G*H = 120-160 backward (k not a
+    multiple of 16: the zero padding), lengths in reverse; no worse than the
+    reference's own error in that dtype."""
+    T, B, H = 5, 20, 40
+    lengths = torch.randint(0, T + 1, (B,), generator=torch.Generator().manual_seed(9))
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, key=("persistent-mma",))
+    a = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    a32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("persistent-mma-cot", cell)
+    want = outputs_and_grads("reference", cell, a32, lengths, True, key=key)
+    ref_low = outputs_and_grads("reference", cell, a, lengths, True, key=key)
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, a, lengths, True, key=key))
+    assert n == 2
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name], ref_low[name], want[name], what=name)

@@ -149,7 +149,8 @@ def _short(demangled: str) -> str:
 def resource_table(so: str | None = None) -> list[dict]:
     """One row per (kernel, arch): REG, STACK, SHARED, LOCAL, CONSTANT, STL, LDL; and from
     the SASS the non-coherent loads (LDG_CONSTANT), GPU-scope atomic adds (GRID_ATOM) and
-    memory barriers (MEMBAR): a grid barrier is an atomic arrival between two MEMBARs."""
+    memory barriers (MEMBAR): a grid barrier is an atomic arrival between two MEMBARs;
+    and the tensor-core MMAs (HMMA)."""
     out = subprocess.run([cuobjdump(), "--dump-resource-usage", "-sass", so or rnnkern._C.__file__],
                          capture_output=True, text=True, check=True).stdout
     rows, arch, current = {}, None, None
@@ -158,7 +159,8 @@ def resource_table(so: str | None = None) -> list[dict]:
             arch = m.group(1)
         elif m := re.match(r"\s*Function (\w+):$", line):          # resource-usage section
             current = rows.setdefault((m.group(1), arch), {"mangled": m.group(1), "arch": arch, "STL": 0, "LDL": 0,
-                                                           "LDG_CONSTANT": 0, "GRID_ATOM": 0, "MEMBAR": 0})
+                                                           "LDG_CONSTANT": 0, "GRID_ATOM": 0, "MEMBAR": 0,
+                                                           "HMMA": 0})
         elif "REG:" in line:
             current.update({k: int(v) for k, v in re.findall(r"(\w+)(?:\[0\])?:(\d+)", line)})
         elif m := re.match(r"\s*Function : (\w+)$", line):        # SASS section
@@ -171,6 +173,8 @@ def resource_table(so: str | None = None) -> list[dict]:
             current["GRID_ATOM"] += 1
         elif "MEMBAR" in line:
             current["MEMBAR"] += 1
+        elif re.search(r"\bHMMA\.", line):                         # tensor-core MMA
+            current["HMMA"] += 1
     assert shutil.which("c++filt"), "c++filt (binutils) is needed to demangle the kernel names"
     pretty = subprocess.run(["c++filt"], input="\n".join(r["mangled"] for r in rows.values()),
                             capture_output=True, text=True, check=True).stdout.splitlines()
@@ -267,6 +271,16 @@ def test_build_within_resources(table):
     opt_in = "cudaFuncSetAttribute" in "\n".join(_sources().values())
     found = violations(table, config, expected_kernels(), opt_in=opt_in)
     assert not found, "\n".join(found)
+
+
+def test_persistent_kernels_use_the_tensor_cores_for_half_types(table):
+    """The persistent kernels' products in float16 / bfloat16 are WMMA on sm_80+: HMMA in
+    the SASS of each of them (sm_90), none in the float32 / float64 ones (register tiles)."""
+    rows = [r for r in table if r["family"].startswith("persistent_") and r["arch"] == "sm_90"]
+    assert len(rows) == 128, len(rows)
+    half = [r for r in rows if r["kernel"].split("<")[1].split(",")[0] in ("__half", "__nv_bfloat16")]
+    assert len(half) == 64 and all(r["HMMA"] > 0 for r in half), [r["kernel"] for r in half if not r["HMMA"]]
+    assert all(r["HMMA"] == 0 for r in rows if r not in half)
 
 
 def test_checker_catches_each_violation():

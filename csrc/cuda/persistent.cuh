@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <mma.h>
 
 #include "pointwise_backward.cuh"
 #include "pointwise_forward.cuh"
@@ -62,11 +63,33 @@ struct PersistentPlan {
   int units = 0;
   int outputs = 0;     // dot products per staged row: G * units (forward), units (backward)
   int64_t K = 0;       // their length: P (forward), da_width (backward)
-  int64_t ld = 0;      // row stride of W's slice and the staged rows in shared memory (>= K)
   int batch_tile = 0;  // rows staged at once
   int split = 1;       // chunks of k per dot product (a power of two)
+  // The shared arrays (persistent_layout): W's slice [w_rows][ld] S, the staged rows
+  // [x_rows][ld] S (zero past K and past the rows), the partial sums [part] A.
+  int64_t ld = 0;
+  int w_rows = 0, x_rows = 0;
+  int64_t part = 0;
   size_t smem = 0;     // dynamic shared memory of a CTA, bytes
 };
+
+// The half types multiply on the tensor cores (WMMA 16 x 16 x 16, fp32 accumulators)
+// from sm_80 on; their shared layout is the tensor cores' (rows and k padded to 16)
+// on every architecture, the device code below sm_80 taking the register tiles on it.
+template <typename S>
+constexpr bool kHalfType = std::is_same_v<S, __half> || std::is_same_v<S, __nv_bfloat16>;
+constexpr int kWmma = 16;
+constexpr int kPersistentWarps = kPersistentThreads / 32;
+
+// Whether this compilation's device code takes the tensor cores for S.
+template <typename S>
+__device__ constexpr bool persistent_wmma() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return kHalfType<S>;
+#else
+  return false;
+#endif
+}
 
 // A thread's register tile of the products: kTileRows staged rows x kTileOutputs
 // outputs, so that each value read from shared memory feeds 4 FMAs (a thread
@@ -86,19 +109,34 @@ __host__ __device__ inline int64_t persistent_ld(int64_t K, size_t bytes) {
   return ld;
 }
 
-// Shared memory of a CTA: W's slice [outputs][ld] S, the staged rows
-// [batch_tile][ld] S, the partial sums [batch_tile * outputs * split] A.
-template <typename S>
-__host__ __device__ inline size_t persistent_smem(int outputs, int64_t ld, int batch_tile,
-                                                  int split) {
-  return align16(sizeof(S) * size_t(outputs) * size_t(ld)) +
-         align16(sizeof(S) * size_t(batch_tile) * size_t(ld)) +
-         sizeof(acc_t<S>) * size_t(batch_tile) * size_t(outputs) * size_t(split);
-}
+// Slack for aligning the dynamic shared memory's base to 128 bytes (WMMA's
+// pointers must be 32-byte aligned; a launch guarantees 16).
+constexpr size_t kSmemAlign = 128;
+
+__host__ __device__ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 // Register tiles of a block of nb rows x `outputs`, `split` chunks each.
 __host__ __device__ inline int persistent_tiles(int nb, int outputs) {
   return ((nb + kTileRows - 1) / kTileRows) * ((outputs + kTileOutputs - 1) / kTileOutputs);
+}
+
+// Fills plan's shared layout for its outputs, K, batch_tile and split.
+template <typename S>
+inline void persistent_layout(PersistentPlan& plan) {
+  if (kHalfType<S>) {
+    plan.ld = round16(plan.K) + 8;  // a multiple of 8 (WMMA's ldm), rows 16 apart stay 32-byte aligned
+    plan.w_rows = int(round16(plan.outputs));
+    plan.x_rows = int(round16(plan.batch_tile));
+    plan.part = int64_t(plan.w_rows / kWmma) * (plan.x_rows / kWmma) * plan.split * kWmma * kWmma;
+  } else {
+    plan.ld = persistent_ld(plan.K, sizeof(S));
+    plan.w_rows = plan.outputs;
+    plan.x_rows = plan.batch_tile;
+    plan.part = int64_t(plan.batch_tile) * plan.outputs * plan.split;
+  }
+  plan.smem = kSmemAlign + align16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)) +
+              align16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)) +
+              sizeof(acc_t<S>) * size_t(plan.part);
 }
 
 // out[r][o] = sum_k x[r][k] w[o][k] for the nb staged rows, as `split`
@@ -143,10 +181,61 @@ __device__ void persistent_dots(const S* w, const S* x, acc_t<S>* part, int nb, 
   }
 }
 
-template <typename A>
-__device__ __forceinline__ A persistent_sum(const A* part, int out, int split) {
-  A sum = A(0);
-  for (int c = 0; c < split; ++c) sum += part[out * split + c];
+// The same products on the tensor cores: warp item = (16 x 16 tile of outputs x
+// rows, chunk c of the k steps), k steps c, c + split, ... accumulated in fp32,
+// stored to part[item][output % 16][row % 16].
+template <typename S>
+__device__ void persistent_mma(const S* w, const S* x, float* part, int nb, int outputs, int K,
+                               int ld, int split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kHalfType<S>) {
+    using namespace nvcuda;
+    const int col_tiles = (outputs + kWmma - 1) / kWmma;
+    const int n = col_tiles * ((nb + kWmma - 1) / kWmma) * split;
+    const int ksteps = (K + kWmma - 1) / kWmma;
+    for (int item = threadIdx.x / 32; item < n; item += kPersistentWarps) {
+      const int tile = item / split, chunk = item - tile * split;
+      const int to = tile % col_tiles, tr = tile / col_tiles;
+      wmma::fragment<wmma::accumulator, kWmma, kWmma, kWmma, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int ks = chunk; ks < ksteps; ks += split) {
+        // A: W's rows (outputs x k); B: the staged rows read column-major (k x rows).
+        wmma::fragment<wmma::matrix_a, kWmma, kWmma, kWmma, S, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, kWmma, kWmma, kWmma, S, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, w + to * kWmma * ld + ks * kWmma, ld);
+        wmma::load_matrix_sync(fb, x + tr * kWmma * ld + ks * kWmma, ld);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(part + item * kWmma * kWmma, acc, kWmma, wmma::mem_row_major);
+    }
+  }
+#endif
+}
+
+// The products of a staged block, by whichever path this device code takes.
+template <typename S>
+__device__ __forceinline__ void persistent_products(const S* w, const S* x, acc_t<S>* part,
+                                                    int nb, int outputs, int K, int ld,
+                                                    int split) {
+  if constexpr (persistent_wmma<S>()) {
+    persistent_mma(w, x, part, nb, outputs, K, ld, split);
+  } else {
+    persistent_dots(w, x, part, nb, outputs, K, ld, split);
+  }
+}
+
+// Row r's product with output o: its chunks summed in order.
+template <typename S>
+__device__ __forceinline__ acc_t<S> persistent_result(const acc_t<S>* part, int r, int o,
+                                                      int outputs, int split) {
+  acc_t<S> sum = acc_t<S>(0);
+  if constexpr (persistent_wmma<S>()) {
+    const int tile = r / kWmma * ((outputs + kWmma - 1) / kWmma) + o / kWmma;
+    const int at = (o % kWmma) * kWmma + r % kWmma;
+    for (int c = 0; c < split; ++c) sum += part[(tile * split + c) * kWmma * kWmma + at];
+  } else {
+    for (int c = 0; c < split; ++c) sum += part[(r * outputs + o) * split + c];
+  }
   return sum;
 }
 
@@ -165,11 +254,20 @@ struct PersistentShared {
   S* x;
   acc_t<S>* part;
   __device__ PersistentShared(unsigned char* smem, const PersistentPlan& plan) {
-    w = reinterpret_cast<S*>(smem);
-    x = reinterpret_cast<S*>(smem + align16(sizeof(S) * size_t(plan.outputs) * size_t(plan.ld)));
+    unsigned char* base = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(smem) + kSmemAlign - 1) / kSmemAlign * kSmemAlign);
+    w = reinterpret_cast<S*>(base);
+    x = reinterpret_cast<S*>(base + align16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)));
     part = reinterpret_cast<acc_t<S>*>(
         reinterpret_cast<unsigned char*>(x) +
-        align16(sizeof(S) * size_t(plan.batch_tile) * size_t(plan.ld)));
+        align16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)));
+  }
+  // Zero W's slice and the staging rows, padding included (the tensor cores
+  // multiply k up to a multiple of 16: what lies past K must be 0, not NaN).
+  __device__ void zero(const PersistentPlan& plan) const {
+    const S z = Storage<S>::store(acc_t<S>(0));
+    for (int i = threadIdx.x; i < int(plan.w_rows * plan.ld); i += blockDim.x) w[i] = z;
+    for (int i = threadIdx.x; i < int(plan.x_rows * plan.ld); i += blockDim.x) x[i] = z;
   }
 };
 
@@ -193,6 +291,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
   // elements): a 64-bit division is a subroutine call, whose saved registers spill.
   const int Pi = int(P);
   const int ld = int(plan.ld);
+  sh.zero(plan);
+  __syncthreads();
   for (int i = threadIdx.x; i < outputs * Pi; i += blockDim.x) {
     const int o = i / Pi, k = i - o * Pi;
     const int g = o / units, u = o - g * units;
@@ -213,13 +313,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       __syncthreads();  // the last tile's readers of x and part are done
       persistent_stage(sh.x, st.h_prev, b0, nb, Pi, ld);
       __syncthreads();
-      persistent_dots(sh.w, sh.x, sh.part, nb, outputs, Pi, ld, plan.split);
+      persistent_products(sh.w, sh.x, sh.part, nb, outputs, Pi, ld, plan.split);
       __syncthreads();
       for (int i = threadIdx.x; i < nb * units; i += blockDim.x) {
         const int r = i / units, u = i - r * units;
         A hh[G];
 #pragma unroll
-        for (int g = 0; g < G; ++g) hh[g] = persistent_sum(sh.part, r * outputs + g * units + u, plan.split);
+        for (int g = 0; g < G; ++g)
+          hh[g] = persistent_result<S>(sh.part, r, g * units + u, outputs, plan.split);
         if constexpr (kCell == PersistentCell::RnnTanh || kCell == PersistentCell::RnnRelu) {
           rnn_forward_unit<kCell == PersistentCell::RnnRelu, kResets, kZoneout>(st, b0 + r, j0 + u,
                                                                                hh);
@@ -250,6 +351,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
   S* const da_even = st.da;  // steps 0, 2, ...: the caller's da holds step 0's at the end
 
   const int Ki = int(K), ld = int(plan.ld);
+  sh.zero(plan);
+  __syncthreads();
   for (int i = threadIdx.x; i < units * Ki; i += blockDim.x) {
     const int r = i / units, u = i - r * units;  // consecutive threads: one row of W_hh
     sh.w[u * ld + r] = w_hh[int64_t(r) * P + j0 + u];
@@ -262,11 +365,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       __syncthreads();
       persistent_stage(sh.x, da, b0, nb, Ki, ld);
       __syncthreads();
-      persistent_dots(sh.w, sh.x, sh.part, nb, units, Ki, ld, plan.split);
+      persistent_products(sh.w, sh.x, sh.part, nb, units, Ki, ld, plan.split);
       __syncthreads();
       for (int i = threadIdx.x; i < nb * units; i += blockDim.x) {
         const int r = i / units, u = i - r * units;
-        st.dh[(b0 + r) * P + j0 + u] += persistent_sum(sh.part, i, plan.split);
+        st.dh[(b0 + r) * P + j0 + u] += persistent_result<S>(sh.part, r, u, units, plan.split);
       }
     }
   };
@@ -312,28 +415,31 @@ bool persistent_plan(int64_t H, int64_t B, int64_t K, int outputs_per_unit, Pers
   const int64_t grid_max = H < sms ? H : sms;
   plan.units = int((H + grid_max - 1) / grid_max);
   // The kernels index a CTA's units of the whole batch and its slice of W in 32 bits.
-  if (B * plan.units * outputs_per_unit >= (int64_t(1) << 31) ||
-      (K + 8) * plan.units * outputs_per_unit >= (int64_t(1) << 31) || B * K >= (int64_t(1) << 31))
+  const int64_t limit = int64_t(1) << 31;
+  if (B * plan.units * outputs_per_unit >= limit ||
+      (K + 32) * (plan.units * outputs_per_unit + 16) >= limit || (B + 16) * (K + 32) >= limit)
     return false;
   plan.grid = int((H + plan.units - 1) / plan.units);
   plan.outputs = outputs_per_unit * plan.units;
   plan.K = K;
-  plan.ld = persistent_ld(K, sizeof(S));
-  // As many rows per stage as fit (fewer barriers per step), then the split
-  // that gives every thread of the block a chunk.
+  // As many rows per stage as fit (fewer barriers per step), then the split of k
+  // that gives every thread (register tiles) or every warp (tensor cores) work.
+  auto fits = [&](int64_t tile, int split) {
+    plan.batch_tile = int(tile), plan.split = split;
+    persistent_layout<S>(plan);
+    return plan.smem <= size_t(smem_optin);
+  };
   int64_t tile = B;
-  while (tile >= 1 && persistent_smem<S>(plan.outputs, plan.ld, int(tile), 1) > size_t(smem_optin)) {
-    tile = tile > 64 ? tile / 2 : tile - 1;
-  }
+  while (tile >= 1 && !fits(tile, 1)) tile = tile > 64 ? tile / 2 : tile - 1;
   if (tile < 1) return false;
-  plan.batch_tile = int(tile);
-  // Chunks of k until every thread of the block has a register tile.
-  plan.split = 1;
-  while (plan.split < 32 && plan.split * 2 <= K &&
-         persistent_tiles(plan.batch_tile, plan.outputs) * plan.split * 2 <= kPersistentThreads &&
-         persistent_smem<S>(plan.outputs, plan.ld, plan.batch_tile, plan.split * 2) <= size_t(smem_optin))
-    plan.split *= 2;
-  plan.smem = persistent_smem<S>(plan.outputs, plan.ld, plan.batch_tile, plan.split);
+  const int64_t ksteps = kHalfType<S> ? round16(K) / kWmma : K;
+  const int workers = kHalfType<S> ? kPersistentWarps : kPersistentThreads;
+  const int64_t items = kHalfType<S> ? round16(plan.outputs) / kWmma * (round16(tile) / kWmma)
+                                     : persistent_tiles(int(tile), plan.outputs);
+  int split = 1;
+  while (split < 32 && split * 2 <= ksteps && items * split * 2 <= workers && fits(tile, split * 2))
+    split *= 2;
+  fits(tile, split);
   return true;
 }
 
