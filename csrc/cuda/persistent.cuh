@@ -24,10 +24,12 @@
 //     write its columns of da_s.  da alternates between two buffers (a CTA
 //     writes da_s while the others may still read da_{s+1}); step 0 writes
 //     the caller's `da`, as the host loop leaves it.
-// The dot products are a block-wide split-K over the staged rows: thread
-// (4 rows x 4 outputs, chunk) sums a fixed strided chunk of k in registers,
-// then one thread per output sums the chunks in order -- the same bits for
-// every launch and thread schedule.
+// The dot products are a block-wide split-K over the staged rows, each chunk
+// of k summed by one worker in a fixed order, then the chunks summed in order
+// by one thread per output -- the same bits for every launch and schedule:
+// float16 / bfloat16 on the tensor cores from sm_80 (a warp per 16 x 16 tile
+// of outputs x rows and chunk, WMMA, fp32 accumulators), float32 / float64
+// (and the half types before sm_80) in 4 rows x 4 outputs register tiles.
 // All shared memory is dynamic (a cooperative launch on the emulated device
 // gives each block its own dynamic buffer).
 //
