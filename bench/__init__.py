@@ -31,6 +31,8 @@ Studies and tools beside it:
     cooperative_check.cu the emulated device's cooperative-grid model (occupancy, the
                          too-large refusal, the grid barrier) checked on a real GPU;
                          cooperative_check.sh builds and runs it
+    persistent_model.py  ``python -m bench.persistent_model``: a time model of the persistent
+                         CUDA kernels per step on an H100 (no GPU needed)
     test_cpu_benchmarks.py  the CPU comparison through pytest-benchmark
     results/             committed result files
 
