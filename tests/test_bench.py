@@ -607,3 +607,16 @@ def test_packed_bench_refuses_to_time_a_wrong_answer(monkeypatch):
     monkeypatch.setattr(packed, "forward_backward", off_by_a_millionth)
     with pytest.raises(SystemExit, match="differ by"):
         packed.measure("lstm", 6, 4, 3, 8, 2.0, rounds=1, seed=0)
+
+
+def test_persistent_model_rows():
+    """bench.persistent_model: every case has a forward model, the tensor cores for the
+    half types only, and the parts add up to the total."""
+    from bench import persistent_model as pm
+    rows = pm.rows()
+    assert {(r["cell"], r["B"], r["H"]) for r in rows} == set(pm.CASES)
+    for r in rows:
+        assert r["plan_forward"]["tensor_cores"] == (r["dtype"] in ("float16", "bfloat16"))
+        f = r["forward_us"]
+        assert abs(f["products"] + f["staging"] + f["barrier"] + f["units"] - f["total"]) < 1e-12
+        assert r["model_forward_us"] > pm.GRID_BARRIER_S * 1e6
