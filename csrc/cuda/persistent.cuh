@@ -99,8 +99,6 @@ __device__ constexpr bool persistent_wmma() {
 // would set the time).
 constexpr int kTileRows = 4, kTileOutputs = 4;
 
-__host__ __device__ inline size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
-
 // Row stride of the shared arrays: K padded to an odd number of 32-bit words
 // (2- and 4-byte types), so that the rows a warp reads at one k fall in
 // different banks.
@@ -115,7 +113,9 @@ __host__ __device__ inline int64_t persistent_ld(int64_t K, size_t bytes) {
 // pointers must be 32-byte aligned; a launch guarantees 16).
 constexpr size_t kSmemAlign = 128;
 
-__host__ __device__ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+// n rounded up to a multiple of 16 (a count of rows or k, or bytes).
+template <typename T>
+__host__ __device__ inline T round16(T n) { return (n + 15) / 16 * 16; }
 
 // Register tiles of a block of nb rows x `outputs`, `split` chunks each.
 __host__ __device__ inline int persistent_tiles(int nb, int outputs) {
@@ -136,8 +136,8 @@ inline void persistent_layout(PersistentPlan& plan) {
     plan.x_rows = plan.batch_tile;
     plan.part = int64_t(plan.batch_tile) * plan.outputs * plan.split;
   }
-  plan.smem = kSmemAlign + align16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)) +
-              align16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)) +
+  plan.smem = kSmemAlign + round16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)) +
+              round16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)) +
               sizeof(acc_t<S>) * size_t(plan.part);
 }
 
@@ -259,10 +259,10 @@ struct PersistentShared {
     unsigned char* base = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<uintptr_t>(smem) + kSmemAlign - 1) / kSmemAlign * kSmemAlign);
     w = reinterpret_cast<S*>(base);
-    x = reinterpret_cast<S*>(base + align16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)));
+    x = reinterpret_cast<S*>(base + round16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)));
     part = reinterpret_cast<acc_t<S>*>(
         reinterpret_cast<unsigned char*>(x) +
-        align16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)));
+        round16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)));
   }
   // Zero W's slice and the staging rows, padding included (the tensor cores
   // multiply k up to a multiple of 16: what lies past K must be 0, not NaN).
@@ -453,12 +453,11 @@ bool persistent_fits(Kernel kernel, const PersistentPlan& plan) {
   if (plan.smem > 48 * 1024)
     RNNKERN_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(plan.smem)));
-  int per_sm = 0, device = 0, sms = 0;
-  RNNKERN_CUDA_CHECK(cudaGetDevice(&device));
-  RNNKERN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // The plan's grid is at most one CTA per SM: co-resident when one fits an SM.
+  int per_sm = 0;
   RNNKERN_CUDA_CHECK(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPersistentThreads, plan.smem));
-  return int64_t(per_sm) * sms >= plan.grid;
+  return per_sm >= 1;
 }
 
 // The persistent kernels' cell for a layer, or false: projection, the
