@@ -42,6 +42,11 @@ MUTANTS = [
      "        dh0_reset[b * P + k] += d;\n        return d;"),
     ("LSTM's c blended with the mask of h", "csrc/cuda/pointwise_forward.cuh",
      "st.mask(p, b, P + j), c_prev, r.c)", "st.mask(p, b, j), c_prev, r.c)"),
+    ("a reset restarts from h0, not from the reset state given", "csrc/cuda/pointwise_forward.cuh",
+     "h_next[b * P + j] = reset_next(b) ? reset_h[b * P + j] : v;",
+     "h_next[b * P + j] = reset_next(b) ? h0[b * P + j] : v;"),
+    ("a reset step's previous state read from h0 in the backward", "csrc/cuda/pointwise_backward.cuh",
+     "    h_start = step == 0 ? h0 : reset_h;", "    h_start = h0;"),
     # the persistent kernels (one cooperative grid, a grid barrier per step)
     ("persistent forward: grid barrier removed", "csrc/cuda/persistent.cuh",
      "    if (s + 1 < T) cooperative_groups::this_grid().sync();", ""),

@@ -43,12 +43,13 @@ using torch::autograd::variable_list;
 using RecurrenceSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool,
-    const OptTensor&, const OptTensor&, const OptTensor&);
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
 using RecurrenceBackwardSig =
-    std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+    std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
         c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
         const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
-        const OptTensor&, bool, const OptTensor&, const OptTensor&, const OptTensor&);
+        const OptTensor&, bool, const OptTensor&, const OptTensor&, const OptTensor&,
+        const OptTensor&, const OptTensor&);
 using StepSig = std::tuple<Tensor, Tensor, Tensor>(c10::string_view, const Tensor&, const Tensor&,
                                                    const OptTensor&, const Tensor&, const Tensor&,
                                                    const OptTensor&, const OptTensor&,
@@ -122,16 +123,18 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
                                const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
                                const OptTensor& w_hr, const OptTensor& lengths, bool reverse,
                                bool train, const OptTensor& resets, const OptTensor& zoneout,
-                               const OptTensor& ln) {
+                               const OptTensor& ln, const OptTensor& reset_h,
+                               const OptTensor& reset_c) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, h_n, c_n, ws] = f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                                                  lengths, reverse, train, resets, zoneout, ln);
+    auto [out, h_n, c_n, ws] =
+        f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
+                           resets, zoneout, ln, reset_h, reset_c);
     ctx->saved_data["family"] = reinterpret_cast<int64_t>(f);
     ctx->saved_data["cell"] = cell;
     ctx->saved_data["reverse"] = reverse;
     ctx->save_for_backward({xproj, h0, def(c0), w_hh, def(b_ih), def(b_hh), def(w_hr),
                             saved_output(out), ws, def(lengths), def(resets), def(zoneout),
-                            def(ln)});
+                            def(ln), def(reset_h), def(reset_c)});
     ctx->mark_non_differentiable({ws});
     // Unused outputs get no zero-filled gradient (the workspace alone would
     // cost a pass over T*B*W*H values); missing ones are made in backward.
@@ -147,23 +150,25 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     const variable_list s = ctx->get_saved_variables();
     const Tensor &xproj = s[0], &h0 = s[1], &c0 = s[2], &w_hh = s[3], &b_ih = s[4],
                  &b_hh = s[5], &w_hr = s[6], &out = s[7], &ws = s[8], &lengths = s[9],
-                 &resets = s[10], &zoneout = s[11], &ln = s[12];
+                 &resets = s[10], &zoneout = s[11], &ln = s[12], &reset_h = s[13],
+                 &reset_c = s[14];
     const Tensor &g_out = grads[0], &g_hn = grads[1], &g_cn = grads[2];
     // Gradients per forward argument: family, cell, the 7 inputs, lengths,
-    // reverse, train, resets, zoneout, ln.
-    variable_list result(15);
+    // reverse, train, resets, zoneout, ln, reset_h, reset_c.
+    variable_list result(17);
     if (at::GradMode::is_enabled()) {  // create_graph=True
       const auto g = reference_grads(
-          "recurrence", cell, {xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln},
+          "recurrence", cell, {xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c},
           {g_out, g_hn, lstm ? g_cn : Tensor()}, {lengths, resets, zoneout}, reverse);
       std::copy(g.begin(), g.begin() + 7, result.begin() + 2);
-      result[14] = g[7];
+      std::copy(g.begin() + 7, g.end(), result.begin() + 14);
       return result;
     }
-    auto [gx, gh0, gc0, gw, gbi, gbh, gwr, gln] = f->recurrence_backward.call(
+    auto [gx, gh0, gc0, gw, gbi, gbh, gwr, gln, grh, grc] = f->recurrence_backward.call(
         cell, zeros_if_undefined(g_out, out), zeros_if_undefined(g_hn, h0),
         lstm ? opt(zeros_if_undefined(g_cn, c0)) : std::nullopt, h0, opt(c0), w_hh, opt(w_hr),
-        out, ws, opt(lengths), reverse, opt(resets), opt(zoneout), opt(ln));
+        out, ws, opt(lengths), reverse, opt(resets), opt(zoneout), opt(ln), opt(reset_h),
+        opt(reset_c));
     result[2] = gx;
     result[3] = gh0;
     if (lstm) result[4] = gc0;
@@ -172,6 +177,8 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     if (b_hh.defined()) result[7] = gbh;
     if (w_hr.defined()) result[8] = gwr;
     if (ln.defined()) result[14] = gln;
+    if (reset_h.defined()) result[15] = grh;
+    if (reset_c.defined()) result[16] = grc;
     return result;
   }
 };
@@ -293,16 +300,18 @@ void register_autograd(const std::string& ns) {
                            const OptTensor& b_hh, const OptTensor& w_hr,
                            const OptTensor& lengths, bool reverse, bool train,
                            const OptTensor& resets, const OptTensor& zoneout,
-                           const OptTensor& ln) {
+                           const OptTensor& ln, const OptTensor& reset_h,
+                           const OptTensor& reset_c) {
     // (resets and zoneout are masks: not differentiated)
-    if (!any_requires_grad({&xproj, &h0, &w_hh}, {&c0, &b_ih, &b_hh, &w_hr, &ln})) {
+    if (!any_requires_grad({&xproj, &h0, &w_hh},
+                           {&c0, &b_ih, &b_hh, &w_hr, &ln, &reset_h, &reset_c})) {
       at::AutoDispatchBelowADInplaceOrView below;
       return f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
-                                train, resets, zoneout, ln);
+                                train, resets, zoneout, ln, reset_h, reset_c);
     }
     const variable_list r =
         RecurrenceFunction::apply(f, std::string(cell), xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                                  lengths, reverse, train, resets, zoneout, ln);
+                                  lengths, reverse, train, resets, zoneout, ln, reset_h, reset_c);
     return std::make_tuple(r[0], r[1], r[2], r[3]);
   });
   m.impl("step", [f](c10::string_view cell, const Tensor& x, const Tensor& h, const OptTensor& c,

@@ -120,6 +120,29 @@ void check_resets_zoneout(const char* op, Cell cell, const OptTensor& resets,
   }
 }
 
+// reset_h [B, P] and reset_c [B, H] (the cells with a cell state, then both or
+// neither), in the input's dtype and on its device; only with resets.
+void check_reset_state(const char* op, Cell cell, const OptTensor& resets,
+                       const OptTensor& reset_h, const OptTensor& reset_c, int64_t B, int64_t H,
+                       int64_t P, const Tensor& ref) {
+  if (!reset_h.has_value()) {
+    TORCH_CHECK_VALUE(!reset_c.has_value(), op, ": reset_c given without reset_h");
+    return;
+  }
+  TORCH_CHECK_VALUE(resets.has_value(), op, ": reset_h given without resets (it is the state a ",
+                    "reset step starts from)");
+  check_arg(op, "reset_h", *reset_h, {B, P}, ref);
+  if (has_cell_state(cell)) {
+    TORCH_CHECK_VALUE(reset_c.has_value(), op, ": ", cell_name(cell),
+                      " needs reset_c with reset_h");
+    check_arg(op, "reset_c", *reset_c, {B, H}, ref);
+  } else {
+    TORCH_CHECK_VALUE(!reset_c.has_value(), op,
+                      ": reset_c is only defined for the cells with a cell state, got one for ",
+                      cell_name(cell));
+  }
+}
+
 // Sizes implied by w_hh (and w_hr): H from the gate rows, P from the columns.
 void sizes_from_weights(const char* op, Cell cell, const Tensor& w_hh, const OptTensor& w_hr,
                         int64_t& H, int64_t& P, int64_t& G) {
@@ -148,7 +171,8 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
                                  const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
                                  const OptTensor& b_hh, const OptTensor& w_hr,
                                  const OptTensor& lengths, const OptTensor& resets,
-                                 const OptTensor& zoneout, const OptTensor& ln) {
+                                 const OptTensor& zoneout, const OptTensor& ln,
+                                 const OptTensor& reset_h, const OptTensor& reset_c) {
   const char* op = "rnnkern.recurrence";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
@@ -176,8 +200,10 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
   check_lengths(op, lengths, s.T, s.B);
   check_resets_zoneout(op, s.cell, resets, zoneout, s.T, s.B, s.H, s.P, xproj);
   check_ln(op, s.cell, ln, s.H, xproj);
+  check_reset_state(op, s.cell, resets, reset_h, reset_c, s.B, s.H, s.P, xproj);
   s.has_resets = resets.has_value();
   s.has_zoneout = zoneout.has_value();
+  s.has_reset_state = reset_h.has_value();
   return s;
 }
 
@@ -187,7 +213,8 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
                                           const OptTensor& w_hr, const Tensor& output,
                                           const Tensor& workspace, const OptTensor& lengths,
                                           const OptTensor& resets, const OptTensor& zoneout,
-                                          const OptTensor& ln) {
+                                          const OptTensor& ln, const OptTensor& reset_h,
+                                          const OptTensor& reset_c) {
   const char* op = "rnnkern.recurrence_backward";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
@@ -226,8 +253,10 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
   check_lengths(op, lengths, s.T, s.B);
   check_resets_zoneout(op, s.cell, resets, zoneout, s.T, s.B, s.H, s.P, output);
   check_ln(op, s.cell, ln, s.H, output);
+  check_reset_state(op, s.cell, resets, reset_h, reset_c, s.B, s.H, s.P, output);
   s.has_resets = resets.has_value();
   s.has_zoneout = zoneout.has_value();
+  s.has_reset_state = reset_h.has_value();
   return s;
 }
 

@@ -30,6 +30,7 @@ struct RecurrenceSizes {
   bool has_proj;
   bool has_resets = false;   // resets [T, B] given
   bool has_zoneout = false;  // zoneout [T, B, Z] given, Z = P + H (LSTM) or H
+  bool has_reset_state = false;  // reset_h [B, P] (and reset_c [B, H]) given
 };
 
 // Zoneout mask units per row: h's P then c's H for the cells with a cell
@@ -38,12 +39,15 @@ int64_t zoneout_width(Cell cell, int64_t H, int64_t P);
 
 // recurrence(cell, xproj[T,B,G*H], h0[B,P], c0[B,H]?, w_hh[G*H,P], b_ih[G*H]?,
 //            b_hh[G*H]?, w_hr[P,H]?, lengths[B]?, reverse, train,
-//            resets[T,B] bool?, zoneout[T,B,Z]?, ln[10H]? (lstm_ln only))
+//            resets[T,B] bool?, zoneout[T,B,Z]?, ln[10H]? (lstm_ln only),
+//            reset_h[B,P]? and reset_c[B,H]? (LSTMs): the state a reset step
+//            starts from, when it is not h0 (needs resets))
 RecurrenceSizes check_recurrence(c10::string_view cell, const Tensor& xproj, const Tensor& h0,
                                  const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
                                  const OptTensor& b_hh, const OptTensor& w_hr,
                                  const OptTensor& lengths, const OptTensor& resets,
-                                 const OptTensor& zoneout, const OptTensor& ln);
+                                 const OptTensor& zoneout, const OptTensor& ln,
+                                 const OptTensor& reset_h, const OptTensor& reset_c);
 
 RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& grad_output,
                                           const Tensor& grad_h_n, const OptTensor& grad_c_n,
@@ -51,7 +55,8 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& g
                                           const OptTensor& w_hr, const Tensor& output,
                                           const Tensor& workspace, const OptTensor& lengths,
                                           const OptTensor& resets, const OptTensor& zoneout,
-                                          const OptTensor& ln);
+                                          const OptTensor& ln, const OptTensor& reset_h,
+                                          const OptTensor& reset_c);
 
 // Sizes of one call of the single-step op.
 struct StepSizes {

@@ -37,19 +37,25 @@ TORCH_LIBRARY(rnnkern, m) {
   // (rnnkern/reference.py's module docstring has the formulas), come last with
   // defaults, so that calls without them keep their form (a backend lacking
   // one would be listed in rnnkern.modules.UNSUPPORTED, which the modules
-  // check before any call).
+  // check before any call).  A reset step starts from h0 (c0), or from
+  // reset_h (reset_c) where given: then h0 enters only each row's first step
+  // (a reset there is the caller's to resolve, by passing the reset state as
+  // that row's h0), and the restarts' gradient is grad_reset_h, not grad_h0's.
+  // grad_reset_h, grad_reset_c: empty [0] without reset_h (without reset_c).
   m.def(
       "recurrence(str cell, Tensor xproj, Tensor h0, Tensor? c0, Tensor w_hh, Tensor? b_ih, "
       "Tensor? b_hh, Tensor? w_hr, Tensor? lengths, bool reverse, bool train, "
-      "Tensor? resets=None, Tensor? zoneout=None, Tensor? ln=None) "
+      "Tensor? resets=None, Tensor? zoneout=None, Tensor? ln=None, Tensor? reset_h=None, "
+      "Tensor? reset_c=None) "
       "-> (Tensor output, Tensor h_n, Tensor c_n, Tensor workspace)");
   m.def(
       "recurrence_backward(str cell, Tensor grad_output, Tensor grad_h_n, Tensor? grad_c_n, "
       "Tensor h0, Tensor? c0, Tensor w_hh, Tensor? w_hr, Tensor output, Tensor workspace, "
       "Tensor? lengths, bool reverse, Tensor? resets=None, Tensor? zoneout=None, "
-      "Tensor? ln=None) "
+      "Tensor? ln=None, Tensor? reset_h=None, Tensor? reset_c=None) "
       "-> (Tensor grad_xproj, Tensor grad_h0, Tensor grad_c0, Tensor grad_w_hh, "
-      "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_w_hr, Tensor grad_ln)");
+      "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_w_hr, Tensor grad_ln, "
+      "Tensor grad_reset_h, Tensor grad_reset_c)");
   m.def(
       "step(str cell, Tensor x, Tensor h, Tensor? c, Tensor w_ih, Tensor w_hh, Tensor? b_ih, "
       "Tensor? b_hh, Tensor? ln=None) -> (Tensor h_new, Tensor c_new, Tensor workspace)");

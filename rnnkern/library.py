@@ -44,7 +44,7 @@ def has_cell_state(cell: str) -> bool:
 
 
 def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
-                     resets=None, zoneout=None, ln=None):
+                     resets=None, zoneout=None, ln=None, reset_h=None, reset_c=None):
     T, B = xproj.shape[0], xproj.shape[1]
     H = w_hh.shape[0] // gate_count(cell)
     P = h0.shape[1]
@@ -57,7 +57,8 @@ def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, rever
 
 
 def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                              workspace, lengths, reverse, resets=None, zoneout=None, ln=None):
+                              workspace, lengths, reverse, resets=None, zoneout=None, ln=None,
+                              reset_h=None, reset_c=None):
     T, B = output.shape[0], output.shape[1]
     G = gate_count(cell)
     H = w_hh.shape[0] // G
@@ -66,7 +67,9 @@ def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
     return (new((T, B, G * H)), new((B, P)), new((B, H)) if has_cell_state(cell) else new((0,)),
             new((G * H, P)), new((G * H,)), new((G * H,)),
             new((P, H)) if w_hr is not None else new((0,)),
-            new((ln_width(cell) * H,)) if ln is not None else new((0,)))
+            new((ln_width(cell) * H,)) if ln is not None else new((0,)),
+            new((B, P)) if reset_h is not None else new((0,)),
+            new((B, H)) if reset_c is not None else new((0,)))
 
 
 def _step_fake(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln=None):
@@ -114,17 +117,19 @@ def _reference_grads(op, cell, inputs, grads, constants, reverse, needs):
     csrc/autograd.cpp.  The first-order backward runs the kernels' own backward
     ops; a differentiable one recomputes the reference from the saved inputs
     (xproj and the biases are saved for it) and differentiates that.
-    ``inputs``: the op's differentiable arguments in its order, then ``ln``;
-    ``constants``: lengths, resets, zoneout (recurrence)."""
+    ``inputs``: the op's differentiable arguments in its order, then ``ln``
+    (and for recurrence reset_h, reset_c); ``constants``: lengths, resets,
+    zoneout (recurrence)."""
     inputs = list(inputs)
     wanted = [bool(needs >> i & 1) for i in range(len(inputs))]
     if op == "recurrence":
         lengths, resets, zoneout = constants
 
-        def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln):
+        def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c):
             return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
                                         reverse, resets,
-                                        None if zoneout is None else zoneout.to(xproj.dtype), ln)
+                                        None if zoneout is None else zoneout.to(xproj.dtype), ln,
+                                        reset_h, reset_c)
     else:
         def fn(*tensors):
             return reference.step(cell, *tensors)

@@ -161,34 +161,41 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
                w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
                reverse: bool = False, backend: str = "auto", *, resets: Optional[Tensor] = None,
-               zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None):
+               zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None,
+               reset_h: Optional[Tensor] = None, reset_c: Optional[Tensor] = None):
     """The time loop of one layer in one direction (see :func:`rnnkern.reference.recurrence`).
 
     xproj [T, B, G*H] is the input projection ``X W_ih^T`` of all steps (without
     its bias: ``b_ih`` is added inside), h0 [B, P], c0 [B, H] (LSTM only),
     w_hh [G*H, P], b_ih, b_hh [G*H], w_hr [P, H] (LSTM projection), lengths [B]
     int64 on the CPU; resets [T, B] bool, zoneout [T, B, Z] (a mask, not
-    differentiated), ln [10H] (``lstm_ln``) as in :mod:`rnnkern.reference`.
+    differentiated), ln [10H] (``lstm_ln``), reset_h [B, P] and reset_c [B, H]
+    (the state a reset step starts from; h0 enters only each row's first step)
+    as in :mod:`rnnkern.reference`.
     Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
     """
     check_cell(cell)
     return run_recurrence(resolve_backend(backend, xproj.device), cell, xproj, h0, c0, w_hh,
-                          b_ih, b_hh, w_hr, lengths, reverse, resets, zoneout, ln)
+                          b_ih, b_hh, w_hr, lengths, reverse, resets, zoneout, ln, reset_h,
+                          reset_c)
 
 
 def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor],
                    w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor],
                    w_hr: Optional[Tensor], lengths: Optional[Tensor], reverse: bool,
                    resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
-                   ln: Optional[Tensor] = None):
+                   ln: Optional[Tensor] = None, reset_h: Optional[Tensor] = None,
+                   reset_c: Optional[Tensor] = None):
     """:func:`recurrence` on a backend already resolved (:func:`resolve_backend`)
     and a checked cell name: the modules' per-call path."""
-    if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln):
+    if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h,
+                                              reset_c):
         return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
-                                    resets, zoneout, ln)
-    train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln)
+                                    resets, zoneout, ln, reset_h, reset_c)
+    train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c)
     output, h_n, c_n, _ = _op_family(backend).recurrence.default(
-        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln)
+        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln,
+        reset_h, reset_c)
     return output, h_n, (c_n if has_cell_state(cell) else None)
 
 
@@ -205,57 +212,22 @@ def run_recurrence_with_reset_state(backend: str, cell: str, xproj: Tensor, h0: 
     processing sense (a reverse direction's mask already shifted), positions
     past a row's length ignored.
 
-    The kernels' own rule restarts a reset step from h0 (one state for both
-    roles), so this composes two calls of it, each differentiated by its own
-    backward: B starts from the reset state and restarts from it, which is
-    right from each row's first reset on (in processing order); A runs from hx
-    without resets, which is right before it.  The results are picked per
-    position.  One call suffices where no row has a reset (A), or where every
-    row restarts at its first step (B); where the two states are the same
-    (no hx and no reset state: zeros), call :func:`run_recurrence` instead;
-    in eager mode a forward A stops after the last row's first reset.  The cost
-    is then at most two calls; a kernel-side reset state is the way to one."""
-    has_c = c0 is not None
+    One call of the op: its rule starts a row's first step from h0 whatever
+    resets says there, so the rows that reset at their first step get the reset
+    state as their h0 (a differentiable pick: each gradient goes where its
+    state was used)."""
     T, B = resets.shape
-    dev = resets.device
-    pos = torch.arange(T, device=dev).unsqueeze(1)  # [T, 1]
-    n = None if lengths is None else lengths.to(dev)
-    live = resets if n is None else resets & (pos < n.unsqueeze(0))
-    if reverse:  # processing runs from each row's end: A is right after its last reset
-        last = torch.where(live, pos, -1).amax(0)  # [B]
-        before = pos > last.unsqueeze(0)
-        first_step = pos == ((T if n is None else n) - 1)
+    pos = torch.arange(T, device=resets.device).unsqueeze(1)  # [T, 1]
+    if lengths is None:
+        first_step = pos == (T - 1 if reverse else 0)
     else:
-        first = torch.where(live, pos, T).amin(0)
-        before = pos < first.unsqueeze(0)
-        first_step = pos == 0
-    restarted = live.any(0)  # [B]: the row's final state is B's
-    T_a, lengths_a = T, lengths
-    if not torch.compiler.is_compiling():  # (data-dependent choices: eager only)
-        if not bool(restarted.any()):
-            return run_recurrence(backend, cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                  reverse, None, zoneout, ln)
-        fresh = (live & first_step).any(0) | (False if n is None else n == 0)
-        if bool(fresh.all()):
-            return run_recurrence(backend, cell, xproj, reset_h, reset_c, w_hh, b_ih, b_hh, w_hr,
-                                  lengths, reverse, resets, zoneout, ln)
-        if not reverse:  # A's rows end at their first reset: later steps would be thrown away
-            stop = first.to(device="cpu", dtype=torch.int64)
-            T_a = int(stop.max())
-            lengths_a = stop if lengths is None else torch.minimum(lengths, stop)
-    out_b, hn_b, cn_b = run_recurrence(backend, cell, xproj, reset_h, reset_c, w_hh, b_ih, b_hh,
-                                       w_hr, lengths, reverse, resets, zoneout, ln)
-    out_a, hn_a, cn_a = run_recurrence(
-        backend, cell, xproj[:T_a], h0, c0, w_hh, b_ih, b_hh, w_hr, lengths_a, reverse, None,
-        None if zoneout is None else zoneout[:T_a], ln)
-    pick_a = before[:T_a].unsqueeze(2)
-    output = torch.where(pick_a, out_a, out_b[:T_a])
-    if T_a < T:
-        output = torch.cat((output, out_b[T_a:]))
-    keep_b = restarted.unsqueeze(1)
-    h_n = torch.where(keep_b, hn_b, hn_a)
-    c_n = torch.where(keep_b, cn_b, cn_a) if has_c else None
-    return output, h_n, c_n
+        n = lengths.to(resets.device).unsqueeze(0)
+        first_step = (pos == n - 1) if reverse else (pos == 0) & (n > 0)
+    fresh = (resets & first_step).any(0).unsqueeze(1)  # [B, 1]
+    h_first = torch.where(fresh, reset_h, h0)
+    c_first = torch.where(fresh, reset_c, c0) if c0 is not None else None
+    return run_recurrence(backend, cell, xproj, h_first, c_first, w_hh, b_ih, b_hh, w_hr, lengths,
+                          reverse, resets, zoneout, ln, reset_h, reset_c)
 
 
 def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:

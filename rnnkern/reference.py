@@ -30,7 +30,11 @@ Beyond torch.nn (one more cell, two options of the recurrence):
   position t of sequence b starts from ``h0[b]`` (and ``c0[b]``) instead of the
   previous step's state (an episode boundary in reinforcement learning).  The
   rule is by time position in both directions; the modules shift the mask for a
-  reverse direction (rnnkern/modules/sequence.py).
+  reverse direction (rnnkern/modules/sequence.py).  With ``reset_h`` [B, P] (and
+  ``reset_c`` [B, H] for the LSTMs) a reset step starts from those instead, and
+  h0 (c0) only enters each sequence's first step, whatever ``resets`` says there
+  (the modules pass the reset state as h0 for a sequence that resets at its
+  first step: rnnkern/ops.py's run_recurrence_with_reset_state).
 - ``zoneout`` [T, B, Z] (Z = P + H for LSTM: the h part, then the c part; H
   otherwise): per unit, the weight of the state the step started from in the
   state it ends with, ``h_t = m * h_{t-1} + (1 - m) * h~_t`` (and c alike): 0 or 1
@@ -201,7 +205,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
                w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
                reverse: bool = False, resets: Optional[Tensor] = None,
-               zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None):
+               zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None,
+               reset_h: Optional[Tensor] = None, reset_c: Optional[Tensor] = None):
     """The time loop of one layer in one direction.
 
     xproj [T, B, G*H] (``X W_ih^T``, the bias ``b_ih`` is added here), h0 [B, P],
@@ -209,8 +214,9 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     projection), lengths [B] int64:
     sequence b has ``lengths[b]`` steps; after them its state stays and its
     outputs are 0.  With ``reverse`` each sequence runs from its own last step
-    back to step 0.  ``resets`` [T, B] bool, ``zoneout`` [T, B, Z] and ``ln``
-    [10H] (``lstm_ln``) as in the module docstring.
+    back to step 0.  ``resets`` [T, B] bool, ``zoneout`` [T, B, Z], ``ln``
+    [10H] (``lstm_ln``), ``reset_h`` [B, P] and ``reset_c`` [B, H] as in the
+    module docstring.
     Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
     """
     check_cell(cell)
@@ -226,15 +232,18 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
         lens = lengths.to(device=xproj.device, dtype=torch.long)
     output = xproj.new_zeros((T, B, P))
     h, c = h0, c0
+    if reset_h is None:  # a reset restarts from h0 (at the first step: no change)
+        reset_h, reset_c = h0, c0
     for s in range(T):
         active = s < lens
         t_of_row = (lens - 1 - s if reverse else torch.full_like(lens, s)).clamp(min=0)
         if resets is not None:
             # (past a sequence's end its state stays, whatever resets says)
-            restart = (resets[t_of_row, rows] & active).unsqueeze(1)
-            h = torch.where(restart, h0, h)
+            # (and a first step starts from h0)
+            restart = (resets[t_of_row, rows] & active).unsqueeze(1) & (s > 0)
+            h = torch.where(restart, reset_h, h)
             if c is not None:
-                c = torch.where(restart, c0, c)
+                c = torch.where(restart, reset_c, c)
         if ln_cell:
             h_new, c_new = lstm_ln_cell(xproj[t_of_row, rows], h, c, w_hh, b_ih, b_hh, ln)
         else:

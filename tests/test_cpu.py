@@ -388,9 +388,10 @@ from test_options import outputs_and_grads as option_results, run as run_options
 
 def option_inputs(cell, proj, T, B, H, variant, dtype=torch.float64, key=()):
     """Random op arguments (a dict, leaves requiring grad) and the options of
-    the variant: "resets", "every-reset" (every step restarts), "zoneout" (a
-    training mask), "eval" (an expanded evaluation-mode mask), "lengths",
-    "reverse", joined by dashes."""
+    the variant: "resets", "every-reset" (every step restarts), "state" (a
+    reset state of its own: reset_h, reset_c), "zoneout" (a training mask),
+    "eval" (an expanded evaluation-mode mask), "lengths", "reverse", joined by
+    dashes."""
     g = generator("cpu-options", cell, proj, T, B, H, variant, str(dtype), *key)
     G = reference.gate_count(cell)
     P = proj or H
@@ -408,6 +409,10 @@ def option_inputs(cell, proj, T, B, H, variant, dtype=torch.float64, key=()):
         .to(dtype).requires_grad_() if cell == "lstm_ln" else None,
     )
     parts = variant.split("-")
+    state = "state" in parts
+    args["reset_h"] = randn(g, B, P, dtype=dtype, scale=0.5, requires_grad=True) if state else None
+    args["reset_c"] = (randn(g, B, H, dtype=dtype, scale=0.5, requires_grad=True)
+                       if state and has_c else None)
     Z = reference.zoneout_width(cell, H, P)
     resets = zoneout = lengths = None
     if "resets" in parts:
@@ -441,7 +446,7 @@ def forward_regions(cell, args, opts):
 
 
 OPTION_VARIANTS = ["resets-zoneout", "resets-eval-lengths-reverse", "every-reset-zoneout-reverse",
-                   "resets-zoneout-lengths"]
+                   "resets-zoneout-lengths", "resets-state-zoneout-reverse"]
 
 
 @pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
@@ -467,14 +472,16 @@ def unit_split_batch(cell, H, P):
 
 @pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
 @pytest.mark.parametrize("T,variant", [(3, "resets-zoneout-lengths-reverse"),
-                                       (3, "every-reset-eval"), (1, "resets-zoneout")],
-                         ids=["all", "every-reset-eval", "one-step"])
+                                       (3, "every-reset-eval"), (1, "resets-zoneout"),
+                                       (3, "resets-state-zoneout-lengths")],
+                         ids=["all", "every-reset-eval", "one-step", "reset-state"])
 def test_cpu_options_split_by_units_match_reference(threads, cell, proj, T, variant):
     """A step large enough to split by units on two threads (H = 520: slices
-    off the 16-column panels): restarting rows take their slice of h0 W_hh^T,
-    the carries of their slices move to d_h0; lstm_ln runs its product by
-    units and its layer norms over whole rows on one thread.  One step reads
-    the weights in place."""
+    off the 16-column panels): restarting rows take their slice of h0 W_hh^T
+    (with a reset state of its own: of reset_h W_hh^T, formed at step 0), the
+    carries of their slices move to d_h0 (d_reset_h); lstm_ln runs its product
+    by units and its layer norms over whole rows on one thread.  One step
+    reads the weights in place."""
     threads(2)
     H = 520
     P = H // 2 + 1 if proj else H
@@ -492,7 +499,7 @@ SKEWED_LENGTHS = [12, 7, 4, 3, 2, 2, 1, 1, 1, 1, 0]
 @pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
 @pytest.mark.parametrize("variant", ["lengths", "lengths-reverse", "resets-zoneout-lengths",
-                                     "resets-eval-lengths-reverse"])
+                                     "resets-eval-lengths-reverse", "resets-state-lengths"])
 def test_mostly_padding_batches_match_reference_at_every_thread_count(threads, cell, proj, order, variant):
     """A grid mostly padding: each step's products skip the finished rows past
     the last running one (all of them when the rows are sorted longest first),

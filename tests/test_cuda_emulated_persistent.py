@@ -132,6 +132,22 @@ def test_options_match_reference_float64(cell, variant):
         assert_close(got[name], want[name], what=name)
 
 
+@pytest.mark.parametrize("variant", ["reset-state", "reset-state-all"])
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_reset_state_matches_reference_float64(cell, variant):
+    """A reset state of its own (reset_h, reset_c): the resets restart from it,
+    each row's first step from h0, and its gradient is apart from h0's
+    (tests/test_options.py's variants, with lengths, reverse and zoneout)."""
+    t, c = option_cases.case_inputs(cell, 0, variant, H=6, requires_grad=True,
+                                    key=("persistent-reset-state",))
+    want = option_cases.outputs_and_grads("reference", cell, t, c, key=(cell, variant))
+    got, n = counted(lambda: option_cases.outputs_and_grads(EMU, cell, t, c, key=(cell, variant)))
+    assert n == 2
+    assert set(got) == set(want) and "grad_reset_h" in got
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+
+
 @pytest.mark.parametrize("cell", PERSISTENT_CELLS)
 def test_options_gradcheck(cell):
     """Resets, a training zoneout mask, lengths and reverse at once."""

@@ -27,8 +27,12 @@ VARIANTS = {
     "zoneout-eval": dict(zoneout="eval"),
     "all-lengths-reverse": dict(resets=True, zoneout="train", lengths=True, reverse=True),
     "plain": dict(),  # lstm_ln alone
+    # a reset state of its own (reset_h, reset_c): resets restart from it
+    "reset-state": dict(resets=True, reset_state=True),
+    "reset-state-all": dict(resets=True, reset_state=True, zoneout="train", lengths=True,
+                            reverse=True),
 }
-DIFFERENTIABLE = ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh", "w_hr", "ln")
+DIFFERENTIABLE = ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh", "w_hr", "ln", "reset_h", "reset_c")
 
 
 def has_c(cell: str) -> bool:
@@ -64,11 +68,18 @@ def case_inputs(cell, proj, variant, T=6, B=3, H=5, dtype=torch.float64, require
         .to(dtype).requires_grad_(rg) if cell == "lstm_ln" else None,
     )
     v = VARIANTS[variant]
+    reset_state = v.get("reset_state")
+    tensors["reset_h"] = randn(g, B, P, dtype=dtype, scale=0.5, requires_grad=rg) \
+        if reset_state else None
+    tensors["reset_c"] = randn(g, B, H, dtype=dtype, scale=0.5, requires_grad=rg) \
+        if reset_state and has_c(cell) else None
     Z = reference.zoneout_width(cell, H, P)
     resets = zoneout = lengths = None
     if v.get("resets"):
         resets = torch.rand(T, B, generator=g) < 0.35
         resets[min(2, T - 1), 0] = True  # at least one inside the first sequence
+        if reset_state:  # at each row's first step (the op ignores it: h0 enters there)
+            resets[T - 1 if v.get("reverse") else 0, :] = True
     if v.get("zoneout") == "train":
         zoneout = (torch.rand(T, B, Z, generator=g) < 0.4).to(dtype)
     elif v.get("zoneout") == "eval":
@@ -83,7 +94,8 @@ def run(backend, cell, tensors, consts):
     t, c = tensors, consts
     return ops.recurrence(cell, t["xproj"], t["h0"], t["c0"], t["w_hh"], t["b_ih"], t["b_hh"],
                           t["w_hr"], c["lengths"], c["reverse"], backend=backend,
-                          resets=c["resets"], zoneout=c["zoneout"], ln=t["ln"])
+                          resets=c["resets"], zoneout=c["zoneout"], ln=t["ln"],
+                          reset_h=t.get("reset_h"), reset_c=t.get("reset_c"))
 
 
 def outputs_and_grads(backend, cell, tensors, consts, key=()):
@@ -93,14 +105,15 @@ def outputs_and_grads(backend, cell, tensors, consts, key=()):
     out = [o for o in run(backend, cell, tensors, consts) if o is not None]
     g = generator("cotangent", *key)
     loss = sum((o * randn(g, *o.shape, dtype=o.dtype).to(o.device)).sum() for o in out)
-    names = [n for n in DIFFERENTIABLE if tensors[n] is not None]
+    names = [n for n in DIFFERENTIABLE if tensors.get(n) is not None]
     grads = torch.autograd.grad(loss, [tensors[n] for n in names])
     return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
 def variants_of(cell):
-    return ["plain", "resets", "zoneout-eval", "all-lengths-reverse"] if cell == "lstm_ln" else \
-        ["resets", "zoneout", "zoneout-eval", "all-lengths-reverse"]
+    return (["plain", "resets", "zoneout-eval", "all-lengths-reverse"] if cell == "lstm_ln" else
+            ["resets", "zoneout", "zoneout-eval", "all-lengths-reverse"]) + \
+        ["reset-state", "reset-state-all"]
 
 
 ALL = [(c, p, v) for c, p in CASES for v in variants_of(c)]
@@ -123,6 +136,28 @@ def test_reference_reset_splits_the_sequence(cell):
     torch.testing.assert_close(out[3:, 1], want[:, 1], rtol=0, atol=0)
     plain, _, _ = reference.recurrence(cell, *(tensors[n] for n in DIFFERENTIABLE[:7]),
                                        ln=tensors["ln"])
+    torch.testing.assert_close(out[:, [0, 2]], plain[:, [0, 2]], rtol=0, atol=0)
+    assert not torch.equal(out[3:, 1], plain[3:, 1])
+
+
+@pytest.mark.parametrize("cell", CELLS + ("lstm_ln",))
+def test_reference_reset_state_restarts_later_steps(cell):
+    """With a reset state of its own: a reset at position t > 0 of row b makes
+    row b compute, from t on, what a fresh sequence started from reset_h
+    (reset_c) at t computes; a reset at a row's first step changes nothing
+    (h0 enters there: the op's rule, which leaves that case to its caller)."""
+    tensors, _ = case_inputs(cell, 0, "reset-state", T=7, B=3, key=("split-state",))
+    resets = torch.zeros(7, 3, dtype=torch.bool)
+    resets[3, 1] = True
+    resets[0, 2] = True
+    args = [tensors[n] for n in DIFFERENTIABLE[:7]]
+    out, h_n, _ = reference.recurrence(cell, *args, resets=resets, ln=tensors["ln"],
+                                       reset_h=tensors["reset_h"], reset_c=tensors["reset_c"])
+    tail = {**tensors, "xproj": tensors["xproj"][3:], "h0": tensors["reset_h"],
+            "c0": tensors["reset_c"]}
+    want, _, _ = reference.recurrence(cell, *(tail[n] for n in DIFFERENTIABLE[:7]), ln=tensors["ln"])
+    torch.testing.assert_close(out[3:, 1], want[:, 1], rtol=0, atol=0)
+    plain, _, _ = reference.recurrence(cell, *args, ln=tensors["ln"])
     torch.testing.assert_close(out[:, [0, 2]], plain[:, [0, 2]], rtol=0, atol=0)
     assert not torch.equal(out[3:, 1], plain[3:, 1])
 
@@ -200,7 +235,7 @@ def test_gradcheck(backend, cell, proj, variant):
     projections of the Jacobian, so the interpreted Triton kernels stay quick)."""
     tensors, consts = case_inputs(cell, proj, variant, T=4, B=3, H=3, requires_grad=True,
                                   key=("gradcheck",))
-    names = [n for n in DIFFERENTIABLE if tensors[n] is not None]
+    names = [n for n in DIFFERENTIABLE if tensors.get(n) is not None]
 
     def f(*ts):
         out, h_n, c_n = run(backend, cell, {**tensors, **dict(zip(names, ts))}, consts)
@@ -285,14 +320,16 @@ def test_lstm_ln_step_matches_reference(backend):
 @pytest.mark.parametrize("backend", ["cpu"] + (["cuda_emulated"] if ops.WITH_CUDA_EMULATION else []))
 @pytest.mark.parametrize("cell,proj,variant", [("lstm", 3, "all-lengths-reverse"),
                                                ("gru", 0, "all-lengths-reverse"),
-                                               ("lstm_ln", 0, "all-lengths-reverse")])
+                                               ("lstm_ln", 0, "all-lengths-reverse"),
+                                               ("lstm", 3, "reset-state-all"),
+                                               ("gru", 0, "reset-state-all")])
 def test_opcheck(backend, cell, proj, variant):
     family = torch.ops.rnnkern if backend == "cpu" else torch.ops.rnnkern_cuda_emu
     t, c = case_inputs(cell, proj, variant, T=4, B=3, H=4, requires_grad=True, key=("opcheck",))
     torch.library.opcheck(family.recurrence.default,
                           (cell, t["xproj"], t["h0"], t["c0"], t["w_hh"], t["b_ih"], t["b_hh"],
                            t["w_hr"], c["lengths"], c["reverse"], True, c["resets"],
-                           c["zoneout"].contiguous(), t["ln"]))
+                           c["zoneout"].contiguous(), t["ln"], t["reset_h"], t["reset_c"]))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
@@ -322,6 +359,22 @@ def test_bad_options_are_named(backend):
     with pytest.raises(ValueError, match="w_hr"):
         ln_args = args[:6] + [torch.ones(5, 5, dtype=torch.float64)]
         call(cell="lstm_ln", args=ln_args, ln=torch.ones(50, dtype=torch.float64))
+    resets = torch.zeros(T, B, dtype=torch.bool)
+    state = torch.zeros(B, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="reset_h given without resets"):
+        call(reset_h=state, reset_c=state)
+    with pytest.raises(ValueError, match=r"reset_h of shape \[3, 5\]"):
+        call(resets=resets, reset_h=torch.zeros(B, 4, dtype=torch.float64), reset_c=state)
+    with pytest.raises(TypeError, match="reset_c of dtype"):
+        call(resets=resets, reset_h=state, reset_c=state.float())
+    with pytest.raises(ValueError, match="lstm needs reset_c with reset_h"):
+        call(resets=resets, reset_h=state)
+    with pytest.raises(ValueError, match="reset_c given without reset_h"):
+        call(resets=resets, reset_c=state)
+    with pytest.raises(ValueError, match="reset_c is only defined for the cells with a cell"):
+        gru_args = [args[0][:, :, :15], args[1], None, args[3][:15], args[4][:15], args[5][:15],
+                    None]
+        call(cell="gru", args=gru_args, resets=resets, reset_h=state, reset_c=state)
 
 
 def test_zoneout_gradient_respects_the_mask():

@@ -346,7 +346,8 @@ def run_options(cell, tensors, consts, backend="triton"):
     t, c = tensors, consts
     return ops.recurrence(cell, t["xproj"], t["h0"], t["c0"], t["w_hh"], t["b_ih"], t["b_hh"],
                           t["w_hr"], c["lengths"], c["reverse"], backend=backend,
-                          resets=c["resets"], zoneout=c["zoneout"], ln=t["ln"])
+                          resets=c["resets"], zoneout=c["zoneout"], ln=t["ln"],
+                          reset_h=t.get("reset_h"), reset_c=t.get("reset_c"))
 
 
 @pytest.mark.parametrize("cell,proj,variant", OPTION_CASES, ids=OPTION_IDS)
@@ -367,13 +368,21 @@ def test_options_match_reference_float64(cell, proj, variant, path):
         assert_close(got[name], want[name], what=f"{path} {name}")
 
 
-@pytest.mark.parametrize("cell,proj", OPTION_CELLS, ids=OPTION_CELL_IDS)
-def test_options_gradcheck_per_step(cell, proj, monkeypatch):
+@pytest.mark.parametrize("cell,proj,variant",
+                         [(c, p, "all-lengths-reverse") for c, p in OPTION_CELLS]
+                         + [(c, p, "reset-state-all") for c, p in
+                            [("lstm", 3), ("gru", 0), ("gru_reset_before", 0), ("lstm_ln", 0)]],
+                         ids=[f"{i}-all-lengths-reverse" for i in OPTION_CELL_IDS]
+                         + ["lstm-proj3-reset-state-all", "gru-reset-state-all",
+                            "gru_reset_before-reset-state-all", "lstm_ln-reset-state-all"])
+def test_options_gradcheck_per_step(cell, proj, variant, monkeypatch):
     """float64 gradcheck of the per-step path with resets, zoneout, lengths and
     reverse at once (tests/test_options.py checks the loop path): the routing
-    of a reset step's gradient to grad_h0 / grad_c0 between launches."""
+    of a reset step's gradient to grad_h0 / grad_c0 between launches, or with
+    a reset state of its own to grad_reset_h / grad_reset_c (each kernel of
+    the cells with kernels of their own: projection, reset-before, lstm_ln)."""
     monkeypatch.setattr(triton_ops, "PATH", "step")
-    tensors, consts = options_on_device(*case_inputs(cell, proj, "all-lengths-reverse", T=4,
+    tensors, consts = options_on_device(*case_inputs(cell, proj, variant, T=4,
                                                      B=3, H=3, requires_grad=True,
                                                      key=("gradcheck-step",)))
     names = [n for n, t in tensors.items() if t is not None]

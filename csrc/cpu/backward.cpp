@@ -29,8 +29,9 @@ namespace {
 // output 0, so two GEMMs cover every case without gathering h_{t-1}:
 //   forward:  d[1:]^T out[:-1] + d[0]^T h0
 //   reverse:  d[:-1]^T out[1:] + sum_b d[len_b - 1, b]^T h0[b]
-// With resets, a step that restarts its row started from h0 instead: a third
-// GEMM over those positions alone (gathered) adds d^T (h0 - h_{t-1}).
+// With resets, a step that restarts its row started from the reset state
+// (reset_h: h0 unless given) instead: a third GEMM over those positions alone
+// (gathered) adds d^T (reset_h - h_{t-1}).
 // d: [T, B, N] with unit stride along N (it may be a column slice),
 // out: [T, B, P] and h0: [B, P] contiguous, dw: [N, P] with rows contiguous;
 // resets: [T, B] or null.
@@ -77,7 +78,7 @@ std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, in
 
 template <typename A>
 void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, const Tensor& h0,
-                               const Positions& pos, const bool* resets) {
+                               const Positions& pos, const bool* resets, const Tensor& reset_h) {
   const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
   const int64_t ld = d.stride(1);
   A* c = ptr<A>(dw);
@@ -120,7 +121,7 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
   const int64_t R = static_cast<int64_t>(restarted.size());
   Tensor d_r = at::empty({R, N}, d.options()), x_r = at::empty({R, P}, d.options());
   const A* o = cptr<A>(out);
-  const A* h = cptr<A>(h0);
+  const A* h = cptr<A>(reset_h);
   for (int64_t i = 0; i < R; ++i) {
     const int64_t p = restarted[i] / B, b = restarted[i] % B;
     const A* earlier = o + ((pos.reverse ? p + 1 : p - 1) * B + b) * P;
@@ -167,11 +168,12 @@ void move_row(A* __restrict acc, A* __restrict src, int64_t n) {
 // runs its pointwise backward.
 //
 // Options, backward:
-//  * resets: a restarting step's h_{t-1} (c_{t-1}) is h0 (c0), in its
-//    pointwise backward and in the weight gradients; the carry it leaves
-//    (direct part and, once the next step has added it, GEMM part) is the
-//    gradient of h0 (c0): it moves to d_h0 (d_c0) and the carry goes on from
-//    zero.
+//  * resets: a restarting step's h_{t-1} (c_{t-1}) is the reset state
+//    (reset_h, reset_c: h0, c0 unless given), in its pointwise backward and
+//    in the weight gradients; the carry it leaves (direct part and, once the
+//    next step has added it, GEMM part) is the gradient of that state: it
+//    moves to d_reset_h (d_reset_c), or d_h0 (d_c0), and the carry goes on
+//    from zero.
 //  * zoneout: the row kernels split each state's gradient between the state
 //    the step started from and the cell's update.
 //  * lstm_ln: the carry's GEMM part by units, the layer norms' backward by
@@ -180,7 +182,7 @@ void move_row(A* __restrict acc, A* __restrict src, int64_t n) {
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
                    Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
-                   Tensor& d_ln) {
+                   Tensor& d_ln, Tensor& d_reset_h, Tensor& d_reset_c) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t GH = G * H;
@@ -260,7 +262,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   Tensor dh_tot = z.has_proj ? at::empty({B, P}, opt) : Tensor();
   Tensor dh_tot_all = z.has_proj ? pooled_empty({T, B, P}, opt) : Tensor();
   Tensor h_full_all = z.has_proj ? pooled_empty({T, B, H}, opt) : Tensor();
-  // With resets: the gradients of h0 and c0 the restarting steps leave.
+  // With resets: the gradients of the reset state the restarting steps leave.
   Tensor dh0_acc = resets ? at::zeros({B, P}, opt) : Tensor();
   Tensor dc0_acc = resets && lstm ? at::zeros({B, H}, opt) : Tensor();
 
@@ -271,16 +273,25 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const A* wsp = W > 0 ? cptr<A>(a.ws) : nullptr;
   const A* h0 = cptr<A>(a.h0);
   const A* c0 = lstm ? cptr<A>(a.c0) : nullptr;
+  const A* reset_hp = cptr<A>(a.reset_h);
+  const A* reset_cp = lstm ? cptr<A>(a.reset_c) : nullptr;
   const A* lnp = cptr<A>(a.ln);
 
   // h_{t-1} of row b at step s: its state one step earlier (c_{t-1}
-  // likewise), or h0 at its first step and where it restarts.
+  // likewise), or h0 at its first step (q = -1), the reset state where it
+  // restarts (q = -2).
   auto prev_pos = [&](int64_t b, int64_t s) {
-    return s == 0 || opts.restart(a.pos.at(b, s), b) ? int64_t(-1) : a.pos.at(b, s - 1);
+    return s == 0                             ? int64_t(-1)
+           : opts.restart(a.pos.at(b, s), b) ? int64_t(-2)
+                                             : a.pos.at(b, s - 1);
   };
   auto h_prev_of = [&](int64_t b, int64_t s) {
     const int64_t q = prev_pos(b, s);
-    return q < 0 ? h0 + b * P : out + (q * B + b) * P;
+    return q == -1 ? h0 + b * P : q == -2 ? reset_hp + b * P : out + (q * B + b) * P;
+  };
+  auto c_prev_of = [&](int64_t b, int64_t s) {
+    const int64_t q = prev_pos(b, s);
+    return q == -1 ? c0 + b * H : q == -2 ? reset_cp + b * H : wsp + (q * B + b) * W + 4 * H;
   };
   // Whether row b restarted at step s + 1: its carry at step s, once the
   // GEMM part is in, belongs to h0 (c0).
@@ -381,8 +392,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
           break;
         }
         case Cell::Lstm: {
-          const int64_t q = prev_pos(b, s);
-          const A* c_prev = (q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H) + j0;
+          const A* c_prev = c_prev_of(b, s) + j0;
           bool_switch(zone, [&](auto kZone) {
             constexpr bool Z = decltype(kZone)::value;
             if (z.has_proj)
@@ -456,8 +466,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         move_row(ptr<A>(dh0_acc) + b * P, d, H);
         move_row(ptr<A>(dc0_acc) + b * H, dc + b * H, H);
       }
-      const int64_t q = prev_pos(b, s);
-      const A* c_prev = q < 0 ? c0 + b * H : wsp + (q * B + b) * W + 4 * H;
+      const A* c_prev = c_prev_of(b, s);
       const A* m = opts.mask(p, b);
       bool_switch(zone, [&](auto kZone) {
         lstm_ln_backward_row<A, decltype(kZone)::value>(
@@ -488,7 +497,10 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
                    ptr<A>(dh[t]), true);
     d_h0.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).copy_(dh[t]);
   });
-  if (resets) {
+  if (resets && z.has_reset_state) {
+    d_reset_h.copy_(dh0_acc);
+    if (lstm) d_reset_c.copy_(dc0_acc);
+  } else if (resets) {
     d_h0.add_(dh0_acc);
     if (lstm) d_c0.add_(dc0_acc);
   }
@@ -532,9 +544,10 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
     const Tensor d_rz = dx3.narrow(2, 0, 2 * H);
-    weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos, opts.resets);
+    weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos, opts.resets, a.reset_h);
     if (gru) {
-      weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos, opts.resets);
+      weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos, opts.resets,
+                                   a.reset_h);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
       if (gathers_real_positions(a.pos, T, B))
@@ -546,7 +559,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     }
   } else {
     weight_grad_by_prev_state<A>(d_w_hh, ln_cell ? dhp_all : dx3, a.output, a.h0, a.pos,
-                                 opts.resets);
+                                 opts.resets, a.reset_h);
   }
   if (z.has_proj) {
     if (gathers_real_positions(a.pos, T, B))
@@ -559,8 +572,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 }
 
 template void backward_impl<float>(const BackwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&,
-                                   Tensor&, Tensor&, Tensor&, Tensor&);
+                                   Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&);
 template void backward_impl<double>(const BackwardArgs<double>&, Tensor&, Tensor&, Tensor&,
-                                    Tensor&, Tensor&, Tensor&, Tensor&, Tensor&);
+                                    Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&);
 
 }  // namespace rnnkern::cpu

@@ -60,7 +60,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
     const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const Positions& pos, bool train, const OptTensor& resets, const OptTensor& zoneout,
-    const OptTensor& ln) {
+    const OptTensor& ln, const OptTensor& reset_h, const OptTensor& reset_c) {
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
   const bool lstm = has_cell_state(z.cell);
@@ -70,10 +70,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   Tensor ws = train ? pooled_empty({z.T, z.B, workspace_size(z.cell, z.H, z.has_zoneout)}, opt)
                     : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
+    const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     ForwardArgs<scalar_t> a{z,
                             to_acc(xproj, acc),
-                            to_acc(h0, acc),
-                            to_acc(c0, acc),
+                            h0a,
+                            c0a,
                             to_acc(w_hh, acc),
                             bias_or_zeros(b_ih, z.G * z.H, opt),
                             bias_or_zeros(b_hh, z.G * z.H, opt),
@@ -82,14 +83,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             train,
                             bools(resets),
                             mask_to_acc(zoneout, acc),
-                            to_acc(ln, acc)};
+                            to_acc(ln, acc),
+                            reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
+                            reset_h.has_value() ? to_acc(reset_c, acc) : c0a};
     forward_impl<scalar_t>(a, output, h_n, c_n, ws);
   });
   return {output, h_n, c_n, ws};
 }
 
 struct BackwardResult {
-  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln;
+  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln, d_reset_h, d_reset_c;
 };
 
 // Backward on tensors of any floating dtype; results in the accumulate dtype.
@@ -98,7 +101,8 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                             const OptTensor& c0, const Tensor& w_hh, const OptTensor& w_hr,
                             const Tensor& output, const Tensor& workspace,
                             const Positions& pos, const OptTensor& resets,
-                            const OptTensor& zoneout, const OptTensor& ln) {
+                            const OptTensor& zoneout, const OptTensor& ln,
+                            const OptTensor& reset_h, const OptTensor& reset_c) {
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
   const bool lstm = has_cell_state(z.cell);
@@ -111,13 +115,16 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_b_hh = at::empty({z.G * z.H}, opt);
   r.d_w_hr = z.has_proj ? at::empty({z.P, z.H}, opt) : empty_like_options(h0, acc);
   r.d_ln = ln.has_value() ? at::empty({ln->size(0)}, opt) : empty_like_options(h0, acc);
+  r.d_reset_h = reset_h.has_value() ? at::empty({z.B, z.P}, opt) : empty_like_options(h0, acc);
+  r.d_reset_c = reset_c.has_value() ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
+    const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     BackwardArgs<scalar_t> a{z,
                              to_acc(grad_output, acc),
                              to_acc(grad_h_n, acc),
                              to_acc(grad_c_n, acc),
-                             to_acc(h0, acc),
-                             to_acc(c0, acc),
+                             h0a,
+                             c0a,
                              to_acc(w_hh, acc),
                              to_acc(w_hr, acc),
                              to_acc(output, acc),
@@ -125,9 +132,11 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              pos,
                              bools(resets),
                              mask_to_acc(zoneout, acc),
-                             to_acc(ln, acc)};
+                             to_acc(ln, acc),
+                             reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
+                             reset_h.has_value() ? to_acc(reset_c, acc) : c0a};
     backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
-                            r.d_w_hr, r.d_ln);
+                            r.d_w_hr, r.d_ln, r.d_reset_h, r.d_reset_c);
   });
   return r;
 }
@@ -136,35 +145,39 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
     c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
-    const OptTensor& zoneout, const OptTensor& ln) {
+    const OptTensor& zoneout, const OptTensor& ln, const OptTensor& reset_h,
+    const OptTensor& reset_c) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                             resets, zoneout, ln);
+                                             resets, zoneout, ln, reset_h, reset_c);
   LengthsHolder holder;
   auto [output, h_n, c_n, ws] =
       run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                  holder.positions(lengths, z.T, reverse), train, resets, zoneout, ln);
+                  holder.positions(lengths, z.T, reverse), train, resets, zoneout, ln, reset_h,
+                  reset_c);
   const auto dtype = xproj.scalar_type();
   return {output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_cpu(
-    c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
-    const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
-    const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
-    const OptTensor& lengths, bool reverse, const OptTensor& resets, const OptTensor& zoneout,
-    const OptTensor& ln) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
+recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
+                        const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0,
+                        const Tensor& w_hh, const OptTensor& w_hr, const Tensor& output,
+                        const Tensor& workspace, const OptTensor& lengths, bool reverse,
+                        const OptTensor& resets, const OptTensor& zoneout, const OptTensor& ln,
+                        const OptTensor& reset_h, const OptTensor& reset_c) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z =
       check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                                workspace, lengths, resets, zoneout, ln);
+                                workspace, lengths, resets, zoneout, ln, reset_h, reset_c);
   LengthsHolder holder;
   const BackwardResult r =
       run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
-                   holder.positions(lengths, z.T, reverse), resets, zoneout, ln);
+                   holder.positions(lengths, z.T, reverse), resets, zoneout, ln, reset_h, reset_c);
   const auto dtype = output.scalar_type();
-  return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),  r.d_w_hh.to(dtype),
-          r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype)};
+  return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),   r.d_w_hh.to(dtype),
+          r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype),
+          r.d_reset_h.to(dtype), r.d_reset_c.to(dtype)};
 }
 
 RecurrenceSizes step_as_recurrence(const StepSizes& s) {
@@ -195,7 +208,7 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   auto [output, h_new, c_new, ws] =
       run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
                   std::nullopt, Positions{nullptr, 1, false}, true, std::nullopt, std::nullopt,
-                  ln);
+                  ln, std::nullopt, std::nullopt);
   return {h_new.to(dtype), c_new.to(dtype), ws.view({s.B, workspace_size(s.cell, s.H)})};
 }
 
@@ -221,7 +234,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
       step_as_recurrence(s), at::zeros({1, s.B, s.H}, h.options().dtype(acc)), grad_h_new,
       grad_c_new, h, c, w_hh, std::nullopt, h_new.unsqueeze(0),
       workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false}, std::nullopt,
-      std::nullopt, ln);
+      std::nullopt, ln, std::nullopt, std::nullopt);
   // dX = dXproj W_ih, dW_ih = dXproj^T X (the GEMMs of rnnkern::linear's
   // backward: in place at small batch, outputs pooled).
   const int64_t GH = s.G * s.H;

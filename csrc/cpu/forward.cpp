@@ -20,10 +20,12 @@
 namespace rnnkern::cpu {
 
 // Options per step, forward:
-//  * resets: a restarting row reads h0, c0 where it would read the previous
-//    state, and h0 W_hh^T (step 0's product of the row, kept at step 0) in
-//    place of its row of the step's product: the product itself and the
-//    state buffers are those of a call without resets.
+//  * resets: a restarting row reads the reset state (a.reset_h, a.reset_c:
+//    h0, c0 unless given) where it would read the previous state, and
+//    reset_h W_hh^T (step 0's product of the row when that is h0, kept at
+//    step 0; else one more product at step 0) in place of its row of the
+//    step's product: the product itself and the state buffers are those of a
+//    call without resets.
 //  * zoneout: the row kernels blend each new state with the one the step
 //    started from (the projected h of an LSTM with a projection after its
 //    product); the mask rows are read where they lie.
@@ -55,17 +57,20 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     if (reset_before) w_n_slice.push_back(gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl, in_place));
   }
   for (const Slice& sl : split.outs) w_r_slice.push_back(gate_rows_t<A>(a.w_hr, 1, sl, in_place));
+  // A reset state of its own needs its own product (reset_h W_hh^T, made at
+  // step 0); else that is h0's, step 0's product.
+  const bool own_reset = resets && z.has_reset_state && T > 1;
   std::vector<Tensor> hproj, hproj0, hn, hq;
   for (size_t t = 0; t < split.unit_workers(); ++t) {
     const auto [r, u, sl] = split.unit_work(t);
     hproj.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
-    if (resets && !ln_cell) hproj0.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
+    if (resets && (!ln_cell || own_reset)) hproj0.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
     if (reset_before) hn.push_back(at::empty({r.nb, sl.n}, opt));
   }
   for (size_t t = 0; t < split.out_workers(); ++t)
     hq.push_back(at::empty({split.out_work(t).r.nb, split.out_work(t).sl.n}, opt));
   // lstm_ln: the rows' workers (all of them split by rows, one split by
-  // units), the whole product's rows split by units, h0 W_hh^T with resets,
+  // units), the whole product's rows split by units, reset_h W_hh^T with resets,
   // and a workspace row per worker for calls that keep none.
   const size_t ln_row_workers = split.by_rows ? split.rows.size() : 1;
   const Tensor hfull = ln_cell && !split.by_rows ? at::empty({B, GH}, opt) : Tensor();
@@ -90,9 +95,10 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const A* bx = cptr<A>(a.b_x);
   const A* bh = cptr<A>(a.b_h);
   const A* lnp = cptr<A>(a.ln);
-  // The initial states as given (h_buf[0], c_buf[0] are overwritten from step 2 on).
-  const A* h0p = cptr<A>(a.h0);
-  const A* c0p = lstm ? cptr<A>(a.c0) : nullptr;
+  // The states a restarting row starts from (h0, c0 unless given: not h_buf[0],
+  // c_buf[0], which are overwritten from step 2 on).
+  const A* reset_hp = cptr<A>(a.reset_h);
+  const A* reset_cp = lstm ? cptr<A>(a.reset_c) : nullptr;
   A* out = ptr<A>(output);
   A* wsp = save ? ptr<A>(ws) : nullptr;
   // The state buffers of step s.
@@ -109,8 +115,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // Not with the weights in place (T == 1): there the product's method
   // depends on its number of rows, and a single step has nothing to skip.
   auto live = [&](const Rows& r, int64_t s) { return in_place ? r.nb : a.pos.live_rows(r.b0, r.nb, s); };
-  // Whether row b (at time position p) restarts from h0, c0 at step s (at
-  // step 0 every row starts from them anyway).
+  // Whether row b (at time position p) restarts from the reset state at step s
+  // (step 0 starts from h0, c0 whatever resets says: the op's rule).
   auto restarts = [&](int64_t p, int64_t b, int64_t s) { return s > 0 && opts.restart(p, b); };
 
   // Phase 1, per unit slice: the slice's recurrent GEMM and gate math.
@@ -140,7 +146,10 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     A* hp = ptr<A>(hproj[t]);
     const int64_t ldh = n;
     const int64_t hrow = hproj[t].size(1);
-    if (resets && s == 0) copy_row(ptr<A>(hproj0[t]), hp, nl * hrow);  // h0 W_hh^T
+    if (own_reset && s == 0)  // reset_h W_hh^T
+      step_gemm<A>(r.nb, reset_hp + r.b0 * P, P, w_slice[u], ptr<A>(hproj0[t]), false);
+    else if (resets && s == 0)
+      copy_row(ptr<A>(hproj0[t]), hp, nl * hrow);  // h0 W_hh^T
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
@@ -162,8 +171,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       // The state the step starts from (h_s: unprojected cells only).
       const bool restart = restarts(p, b, s);
       if (restart) copy_row(hh, ptr<A>(hproj0[t]) + (b - r.b0) * hrow, hrow);
-      const A* h_s = z.has_proj ? nullptr : (restart ? h0p : h_prev) + b * H + j0;
-      const A* c_s = lstm ? (restart ? c0p : c_prev) + b * H + j0 : nullptr;
+      const A* h_s = z.has_proj ? nullptr : (restart ? reset_hp : h_prev) + b * H + j0;
+      const A* c_s = lstm ? (restart ? reset_cp : c_prev) + b * H + j0 : nullptr;
       const A* m = opts.mask(p, b);
       const A* mh = zone ? m + j0 : nullptr;
       const A* mc = zone ? m + opts.zc + j0 : nullptr;
@@ -224,7 +233,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       const int64_t i = b - r.b0;
       A* h = h_next + b * H + j0;
       A* w = save ? wsp + row * W + j0 : nullptr;
-      const A* h_s = (restarts(p, b, s) ? h0p : h_prev) + b * H + j0;
+      const A* h_s = (restarts(p, b, s) ? reset_hp : h_prev) + b * H + j0;
       const A* mh = zone ? opts.mask(p, b) + j0 : nullptr;
       bool_switch(save, [&](auto kSave) {
         bool_switch(zone, [&](auto kZone) {
@@ -252,7 +261,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
         continue;
       }
       if (zone) {
-        const A* h_s = (restarts(p, b, s) ? h0p : h_prev) + b * P + o.j0;
+        const A* h_s = (restarts(p, b, s) ? reset_hp : h_prev) + b * P + o.j0;
         zoneout_row<A>(o.n, opts.mask(p, b) + o.j0, h_s, q + (b - r.b0) * o.n,
                        h_next + b * P + o.j0);
       } else {
@@ -275,6 +284,20 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     const auto [r, u, sl] = split.unit_work(t);
     const int64_t nl = live(r, s);
     step_gemm<A>(nl, h_prev_of(s) + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    // A reset state of its own: its product, into hproj0_ln's whole rows.
+    if (own_reset && s == 0) {
+      step_gemm<A>(r.nb, reset_hp + r.b0 * P, P, w_slice[u], ptr<A>(hproj0[t]), false);
+      const A* rw = ptr<A>(hproj0[t]);
+      for (int64_t i = 0; i < r.nb; ++i) {
+        if (split.by_rows) {
+          copy_row(ptr<A>(hproj0_ln) + (r.b0 + i) * GH, rw + i * GH, GH);
+        } else {
+          for (int64_t k = 0; k < G; ++k)
+            copy_row(ptr<A>(hproj0_ln) + (r.b0 + i) * GH + k * H + sl.j0,
+                     rw + (i * G + k) * sl.n, sl.n);
+        }
+      }
+    }
     if (split.by_rows) return;
     const A* hp = ptr<A>(hproj[t]);  // [B, G*n]: gate k of unit j0 + j at k*n + j
     for (int64_t b = 0; b < nl; ++b)
@@ -299,10 +322,10 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       const int64_t row = p * B + b;
       A* hh = split.by_rows ? ptr<A>(hproj[t]) + (b - r.b0) * GH : ptr<A>(hfull) + b * GH;
       const bool restart = restarts(p, b, s);
-      if (resets && s == 0) copy_row(ptr<A>(hproj0_ln) + b * GH, hh, GH);  // h0 W_hh^T
+      if (resets && !own_reset && s == 0) copy_row(ptr<A>(hproj0_ln) + b * GH, hh, GH);  // h0 W_hh^T
       if (restart) copy_row(hh, ptr<A>(hproj0_ln) + b * GH, GH);
-      const A* h_s = (restart ? h0p : h_prev) + b * H;
-      const A* c_s = (restart ? c0p : c_prev) + b * H;
+      const A* h_s = (restart ? reset_hp : h_prev) + b * H;
+      const A* c_s = (restart ? reset_cp : c_prev) + b * H;
       const A* m = opts.mask(p, b);
       A* w = save ? wsp + row * W : ptr<A>(ln_scratch[t]);
       A* h = h_next + b * H;

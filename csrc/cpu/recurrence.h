@@ -31,6 +31,9 @@ struct ForwardArgs {
   Positions pos;
   bool train;
   Tensor resets, zoneout, ln;  // undefined when not given
+  // The state a reset step starts from: reset_h, reset_c where given, else
+  // h0, c0 themselves (the same tensors).
+  Tensor reset_h, reset_c;
 };
 
 template <typename A>
@@ -60,11 +63,14 @@ struct BackwardArgs {
   Tensor grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, ws;
   Positions pos;
   Tensor resets, zoneout, ln;  // undefined when not given
+  Tensor reset_h, reset_c;     // as ForwardArgs'
 };
 
+// d_reset_h, d_reset_c: written where a.z.has_reset_state (else the restarts'
+// gradient is d_h0's, d_c0's).
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
                    Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
-                   Tensor& d_ln);
+                   Tensor& d_ln, Tensor& d_reset_h, Tensor& d_reset_c);
 
 }  // namespace rnnkern::cpu

@@ -74,10 +74,10 @@ Tensor zoneout_rows(const OptTensor& zoneout) {
   return zoneout.has_value() ? rows_dense(*zoneout) : Tensor();
 }
 
-// The positions (t, b) [T, B] whose step started from h0 by a reset rather
+// The positions (t, b) [T, B] whose step started from the reset state rather
 // than from the row's previous state: resets, within the row's length, not
-// at the row's first step (which starts from h0 anyway).  For the weight
-// gradients after the loop.
+// at the row's first step (which starts from h0 whatever resets says).  For
+// the weight gradients after the loop.
 Tensor reset_restarts(const Tensor& resets, const Tensor& lengths_dev, int64_t T, bool reverse) {
   const Tensor t = at::arange(T, resets.options().dtype(at::kLong)).unsqueeze(1);  // [T, 1]
   if (!lengths_dev.defined()) return resets.logical_and(t.ne(reverse ? T - 1 : 0));
@@ -95,10 +95,12 @@ Tensor reset_restarts(const Tensor& resets, const Tensor& lengths_dev, int64_t T
 // against h0.  d: [T, B, N] (may be a column slice), out: [T, B, P] (the
 // states: with zoneout the blended ones).  `restarts` ([T, B] bool, or
 // undefined: no resets, reset_restarts) marks the later positions whose
-// step started from h0: there h0 replaces the shifted output.
+// step started from the reset state `reset_h` ([B, P]): there it replaces the
+// shifted output.
 void weight_grad_by_prev_state(Tensor dw, const Tensor& d, const Tensor& d_first,
                                const Tensor& out, const Tensor& h0, bool reverse,
-                               const Tensor& restarts = Tensor()) {
+                               const Tensor& restarts = Tensor(),
+                               const Tensor& reset_h = Tensor()) {
   const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
   at::mm_out(dw, d_first.t(), h0);
   if (T > 1) {
@@ -106,7 +108,7 @@ void weight_grad_by_prev_state(Tensor dw, const Tensor& d, const Tensor& d_first
     Tensor out_earlier = reverse ? out.narrow(0, 1, T - 1) : out.narrow(0, 0, T - 1);
     if (restarts.defined()) {
       const Tensor later = reverse ? restarts.narrow(0, 0, T - 1) : restarts.narrow(0, 1, T - 1);
-      out_earlier = at::where(later.unsqueeze(2), h0.unsqueeze(0), out_earlier);
+      out_earlier = at::where(later.unsqueeze(2), reset_h.unsqueeze(0), out_earlier);
     }
     dw.addmm_(d_later.reshape({(T - 1) * B, N}).t(), out_earlier.reshape({(T - 1) * B, P}));
   }
@@ -121,7 +123,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
     const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
-    const OptTensor& zoneout, const OptTensor& ln) {
+    const OptTensor& zoneout, const OptTensor& ln, const OptTensor& reset_h = std::nullopt,
+    const OptTensor& reset_c = std::nullopt) {
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t W = workspace_size(z.cell, H, z.has_zoneout);
   const bool has_c = has_cell_state(z.cell), reset_before = z.cell == Cell::GruResetBefore;
@@ -146,6 +149,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const Tensor wr = contiguous_or_undefined(w_hr);
   const Tensor rs = contiguous_or_undefined(resets), zo = zoneout_rows(zoneout);
   const Tensor lnc = contiguous_or_undefined(ln);
+  const Tensor rhc = contiguous_or_undefined(reset_h), rcc = contiguous_or_undefined(reset_c);
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
   // The state lives in ping-pong slots with lengths and with resets.
   const bool slots = lengths.has_value() || resets.has_value();
@@ -177,6 +181,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   p.w_hr = ptr(wr);
   p.c0 = ptr(c0c);
   p.resets = rs.defined() ? rs.const_data_ptr<bool>() : nullptr;
+  p.reset_h = ptr(rhc), p.reset_c = ptr(rcc);
   p.zoneout = zo.defined() ? ptr(zo) : nullptr;
   p.zoneout_stride_t = zo.defined() ? zo.stride(0) : 0;
   p.zoneout_stride_b = zo.defined() ? zo.stride(1) : 0;
@@ -205,20 +210,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
     c10::string_view cell, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
-    const OptTensor& zoneout, const OptTensor& ln) {
+    const OptTensor& zoneout, const OptTensor& ln, const OptTensor& reset_h,
+    const OptTensor& reset_c) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                             resets, zoneout, ln);
+                                             resets, zoneout, ln, reset_h, reset_c);
   Dev::check_device("rnnkern.recurrence", xproj);
   const typename Dev::Guard device_guard(xproj.device());
   return run_forward<Dev>(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
-                          resets, zoneout, ln);
+                          resets, zoneout, ln, reset_h, reset_c);
 }
 
 // ------------------------------------------------------------ backward ----
 
 struct BackwardResult {
-  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln;
+  Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln, d_reset_h, d_reset_c;
 };
 
 // The backward of `recurrence`, and (T = 1, no grad_output) of `step`.
@@ -231,7 +237,9 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                             const OptTensor& lengths, bool reverse,
                             const OptTensor& resets = std::nullopt,
                             const OptTensor& zoneout = std::nullopt,
-                            const OptTensor& ln = std::nullopt) {
+                            const OptTensor& ln = std::nullopt,
+                            const OptTensor& reset_h = std::nullopt,
+                            const OptTensor& reset_c = std::nullopt) {
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const bool has_c = has_cell_state(z.cell), gru = z.cell == Cell::Gru;
   const bool reset_before = z.cell == Cell::GruResetBefore, lstm_ln = z.cell == Cell::LstmLn;
@@ -247,11 +255,15 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_b_hh = Dev::empty({G * H}, opt);
   r.d_w_hr = z.has_proj ? Dev::empty({P, H}, opt) : empty_like_options(output, dtype);
   r.d_ln = lstm_ln ? Dev::empty({10 * H}, opt) : empty_like_options(output, dtype);
+  r.d_reset_h = reset_h.has_value() ? Dev::empty({B, P}, opt) : empty_like_options(output, dtype);
+  r.d_reset_c = reset_c.has_value() ? Dev::empty({B, H}, opt) : empty_like_options(output, dtype);
   if (T == 0 || B == 0) {
     r.d_xproj.zero_();
     r.d_h0.copy_(grad_h_n);
     if (has_c) r.d_c0.copy_(*grad_c_n);
-    for (Tensor* t : {&r.d_w_hh, &r.d_b_ih, &r.d_b_hh, &r.d_w_hr, &r.d_ln}) t->zero_();
+    for (Tensor* t : {&r.d_w_hh, &r.d_b_ih, &r.d_b_hh, &r.d_w_hr, &r.d_ln, &r.d_reset_h,
+                      &r.d_reset_c})
+      t->zero_();
     return r;
   }
 
@@ -262,6 +274,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const Tensor wsc = workspace.contiguous();
   const Tensor rs = contiguous_or_undefined(resets), zo = zoneout_rows(zoneout);
   const Tensor lnc = contiguous_or_undefined(ln);
+  const Tensor rhc = contiguous_or_undefined(reset_h), rcc = contiguous_or_undefined(reset_c);
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
   // The carried gradients (updated in place: fresh copies) and the scratch.
   Tensor dh = Dev::empty({B, P}, acc_opt);
@@ -311,6 +324,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   p.output = ptr(out);
   p.workspace = ptr(wsc);
   p.resets = rs.defined() ? rs.const_data_ptr<bool>() : nullptr;
+  p.reset_h = ptr(rhc), p.reset_c = ptr(rcc);
   p.zoneout = zo.defined() ? ptr(zo) : nullptr;
   p.zoneout_stride_t = zo.defined() ? zo.stride(0) : 0;
   p.zoneout_stride_b = zo.defined() ? zo.stride(1) : 0;
@@ -330,8 +344,14 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
     recurrence_backward<S>(p, ctx);
   });
 
-  // h0 (c0) is the starting state of each row's step 0 and of every reset step.
-  if (resets.has_value()) {
+  // h0 (c0) is the starting state of each row's step 0, and of every reset
+  // step unless the reset state is given.
+  if (reset_h.has_value()) {
+    r.d_h0.copy_(dh);
+    if (has_c) r.d_c0.copy_(dc);
+    r.d_reset_h.copy_(dh0_reset);
+    if (has_c) r.d_reset_c.copy_(dc0_reset);
+  } else if (resets.has_value()) {
     r.d_h0.copy_(dh.add(dh0_reset));
     if (has_c) r.d_c0.copy_(dc.add(dc0_reset));
   } else {
@@ -342,12 +362,13 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   // Weight and bias gradients: one GEMM or reduction over all steps each.
   const Tensor restarts =
       resets.has_value() ? reset_restarts(rs, lengths_dev, T, reverse) : Tensor();
+  const Tensor& restart_h = rhc.defined() ? rhc : h0c;  // the state a reset step starts from
   const Tensor& dx = r.d_xproj;
   const at::IntArrayRef steps_and_rows(kStepsAndRows);
   if (lstm_ln) {
     // The recurrent layer norm's input gradient pairs with h_{t-1}; the gains'
     // and biases' gradients were summed per row by the kernels.
-    weight_grad_by_prev_state(r.d_w_hh, dhproj_all, da, out, h0c, reverse, restarts);
+    weight_grad_by_prev_state(r.d_w_hh, dhproj_all, da, out, h0c, reverse, restarts, restart_h);
     const Tensor sums = ln_grads.sum(0);  // [14H]: d ln (10H), d b (4H)
     r.d_ln.copy_(sums.narrow(0, 0, 10 * H));
     r.d_b_ih.copy_(sums.narrow(0, 10 * H, 4 * H));
@@ -359,11 +380,11 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
     // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     weight_grad_by_prev_state(r.d_w_hh.narrow(0, 0, 2 * H), dx.narrow(2, 0, 2 * H),
-                              da.narrow(1, 0, 2 * H), out, h0c, reverse, restarts);
+                              da.narrow(1, 0, 2 * H), out, h0c, reverse, restarts, restart_h);
     Tensor dw_n = r.d_w_hh.narrow(0, 2 * H, H), db_n = r.d_b_hh.narrow(0, 2 * H, H);
     if (gru) {
       weight_grad_by_prev_state(dw_n, dhn_all, da.narrow(1, 2 * H, H), out, h0c, reverse,
-                                restarts);
+                                restarts, restart_h);
       at::sum_out(db_n, dhn_all, steps_and_rows);
     } else {
       at::mm_out(dw_n, dx.narrow(2, 2 * H, H).reshape({T * B, H}).t(), rh_all.view({T * B, H}));
@@ -371,7 +392,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
     }
     r.d_b_hh.narrow(0, 0, 2 * H).copy_(r.d_b_ih.narrow(0, 0, 2 * H));
   } else {
-    weight_grad_by_prev_state(r.d_w_hh, dx, da, out, h0c, reverse, restarts);
+    weight_grad_by_prev_state(r.d_w_hh, dx, da, out, h0c, reverse, restarts, restart_h);
     r.d_b_hh.copy_(r.d_b_ih);
   }
   if (z.has_proj) {
@@ -381,22 +402,24 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
 }
 
 template <typename Dev>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrence_backward_op(
-    c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
-    const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0, const Tensor& w_hh,
-    const OptTensor& w_hr, const Tensor& output, const Tensor& workspace,
-    const OptTensor& lengths, bool reverse, const OptTensor& resets, const OptTensor& zoneout,
-    const OptTensor& ln) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
+recurrence_backward_op(c10::string_view cell, const Tensor& grad_output, const Tensor& grad_h_n,
+                       const OptTensor& grad_c_n, const Tensor& h0, const OptTensor& c0,
+                       const Tensor& w_hh, const OptTensor& w_hr, const Tensor& output,
+                       const Tensor& workspace, const OptTensor& lengths, bool reverse,
+                       const OptTensor& resets, const OptTensor& zoneout, const OptTensor& ln,
+                       const OptTensor& reset_h, const OptTensor& reset_c) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const RecurrenceSizes z =
       check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                                workspace, lengths, resets, zoneout, ln);
+                                workspace, lengths, resets, zoneout, ln, reset_h, reset_c);
   Dev::check_device("rnnkern.recurrence_backward", output);
   const typename Dev::Guard device_guard(output.device());
   const BackwardResult r = run_backward<Dev>(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
                                              w_hr, output, workspace, lengths, reverse, resets,
-                                             zoneout, ln);
-  return {r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_w_hr, r.d_ln};
+                                             zoneout, ln, reset_h, reset_c);
+  return {r.d_xproj, r.d_h0,   r.d_c0, r.d_w_hh,      r.d_b_ih,
+          r.d_b_hh,  r.d_w_hr, r.d_ln, r.d_reset_h,   r.d_reset_c};
 }
 
 // ---------------------------------------------------------------- step ----

@@ -12,8 +12,9 @@
 // float otherwise).  The workspace and the carried gradients are A.
 //
 // The step options and the LayerNorm cell's gains (rnnkern/reference.py):
-// `resets` [T, B] bool (the step at position t of row b starts from h0 /
-// c0), `zoneout` [T, B, Z] S (Z = P + H for the cells with a cell state: h's
+// `resets` [T, B] bool (the step at position t of row b starts from the
+// reset state: reset_h / reset_c, h0 / c0 where those are null; a row's
+// first step starts from h0 / c0 whatever resets says), `zoneout` [T, B, Z] S (Z = P + H for the cells with a cell state: h's
 // units, then c's; H otherwise), read through its time and batch strides (an
 // evaluation mask is a [Z] vector expanded with strides (0, 0, 1)), and `ln`
 // [10H] S, the layer norms' gains and shift of lstm_ln.  Each is null when
@@ -57,8 +58,10 @@ struct RecurrenceForwardParams {
   const void* b_ih;  // S [G*H] or null
   const void* b_hh;  // S [G*H] or null
   const void* w_hr;  // S [P, H] (LSTM projection) or null
-  const void* c0;    // S [B, H] (cells with a cell state): the state a reset restarts from
+  const void* c0;    // S [B, H] (cells with a cell state)
   const bool* resets;    // device [T, B] or null
+  const void* reset_h;   // S [B, P]: the state a reset restarts from (h0 where null)
+  const void* reset_c;   // S [B, H] (cells with a cell state; c0 where null)
   const void* zoneout;   // S [T, B, Z], element (t, b, k) at
   int64_t zoneout_stride_t, zoneout_stride_b;  // t*zoneout_stride_t + b*zoneout_stride_b + k
   const void* ln;        // S [10H] (lstm_ln) or null
@@ -93,6 +96,8 @@ struct RecurrenceBackwardParams {
   const void* output;     // S [T, B, P]
   const void* workspace;  // A [T, B, workspace_size(cell, H, zoneout)]
   const bool* resets;     // device [T, B] or null (as in the forward)
+  const void* reset_h;    // S [B, P] or null (as in the forward)
+  const void* reset_c;    // S [B, H] or null
   const void* zoneout;    // S [T, B, Z] with strides below, or null
   int64_t zoneout_stride_t, zoneout_stride_b;
   const void* ln;         // S [10H] (lstm_ln) or null
@@ -101,9 +106,10 @@ struct RecurrenceBackwardParams {
   void* dh;       // A [B, P] carried dL/dh: grad_h_n on entry, grad_h0 on exit
   void* dc;       // A [B, H] carried dL/dc (LSTM): grad_c_n on entry, grad_c0 on exit
                   // (with resets, both: the part through each row's first step)
-  void* dh0_reset;  // A [B, P] with resets: the gradient of h0 through the reset steps
-                    // (zeroed by the caller; grad_h0 = dh + dh0_reset), else null
-  void* dc0_reset;  // A [B, H] the same for c0 (cells with a cell state)
+  void* dh0_reset;  // A [B, P] with resets: the gradient of the reset state through the
+                    // reset steps (zeroed by the caller; grad_reset_h, or without
+                    // reset_h grad_h0 = dh + dh0_reset), else null
+  void* dc0_reset;  // A [B, H] the same for reset_c / c0 (cells with a cell state)
 
   // Scratch.  The *_all arrays are in time-position order, inputs of the
   // weight-gradient GEMMs the caller runs after the loop.

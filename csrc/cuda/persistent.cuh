@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       carry((s + 1) % 2 == 0 ? da_even : da_other);
       __syncthreads();  // the carry of a unit is complete before its pointwise thread reads it
     }
-    st.s = s;
+    st.start_at(s);
     st.da = s % 2 == 0 ? da_even : da_other;
     for (int i = threadIdx.x; i < int(B) * units; i += blockDim.x) {
       const int b = i / units;

@@ -5,7 +5,8 @@
 // pointwise_forward.cuh; the step options:
 //   * resets: the carried gradient of a reset step's starting state moves to
 //     dh0_reset / dc0_reset and the carry restarts at 0 (take_dh, take_dc);
-//     h0 / c0 are the previous state of a reset step;
+//     reset_h / reset_c (h0 / c0 unless given) are the previous state of a
+//     reset step (h_start / c_start, set per step);
 //   * zoneout: the gradient of the blend splits between the state the step
 //     started from and the cell (the LSTMs recompute c~ = f c_prev + i g).
 // The LayerNorm cell (LSTM-LN): lstm_ln_backward_row, one block per batch row.
@@ -30,6 +31,13 @@ struct BackwardStep {
   int64_t g_st, g_sb;
   const S* h0;
   const S* c0;
+  const S* reset_h;  // h0 unless given
+  const S* reset_c;  // c0 unless given
+  // The state of a step that has no previous one, set with s (start_at): h0
+  // (c0) at step 0, the reset state after.  One pointer, chosen by the loop,
+  // not two chosen per unit: that select cost the LSTM-LN row kernel a spill.
+  const S* h_start;
+  const S* c_start;
   const S* out;
   const A* ws;
 
@@ -50,8 +58,8 @@ struct BackwardStep {
 
   // The options (null when not given).
   const bool* resets;  // [T, B]
-  A* dh0_reset;        // [B, P] gradient of h0 through the reset steps
-  A* dc0_reset;        // [B, H] of c0
+  A* dh0_reset;        // [B, P] gradient of reset_h through the reset steps
+  A* dc0_reset;        // [B, H] of reset_c
   const S* zo;         // [T, B, Z] zoneout mask with strides zo_st, zo_sb
   int64_t zo_st, zo_sb;
   const S* ln;         // [10H] LSTM-LN
@@ -62,8 +70,14 @@ struct BackwardStep {
                        // subroutine in the row kernel, whose call would save registers)
 
   __device__ int64_t pos(int64_t b) const { return position(lengths, T, reverse, b, s); }
-  // Position of the row's previous step (its h_{t-1}), or -1: h0 (the row's
-  // first step, or with kResets a step that resets).  For a running row.
+  // Step s and the start states it reads.
+  __host__ __device__ void start_at(int64_t step) {
+    s = step;
+    h_start = step == 0 ? h0 : reset_h;
+    c_start = step == 0 ? c0 : reset_c;
+  }
+  // Position of the row's previous step (its h_{t-1}), or -1: h_start (the
+  // row's first step, or with kResets a step that resets).  For a running row.
   template <bool kResets = false>
   __device__ int64_t prev_pos(int64_t b) const {
     if constexpr (kResets) {
@@ -74,7 +88,7 @@ struct BackwardStep {
   template <bool kResets = false>
   __device__ A h_prev_at(int64_t b, int64_t j) const {
     const int64_t q = prev_pos<kResets>(b);
-    return q < 0 ? load_at<A>(h0, b * P + j) : load_at<A>(out, (q * B + b) * P + j);
+    return q < 0 ? load_at<A>(h_start, b * P + j) : load_at<A>(out, (q * B + b) * P + j);
   }
   // Whether row b's step s + 1 (processed just before this one) reset.
   __device__ bool reset_next(int64_t b) const {
@@ -83,8 +97,8 @@ struct BackwardStep {
   }
   // The carried gradient of the state row b's step s + 1 started from, as
   // the gradient of the state step s ends with: with kResets, 0 where that
-  // step reset (its starting state was h0, c0: the carry goes to dh0_reset,
-  // dc0_reset).  The first kernel of a step that reads the carry takes it.
+  // step reset (its starting state was the reset state: the carry goes to
+  // dh0_reset, dc0_reset).  The first kernel of a step that reads the carry takes it.
   template <bool kResets>
   __device__ A take_dh(int64_t b, int64_t k) const {
     const A d = dh[b * P + k];
@@ -176,7 +190,7 @@ __device__ void lstm_backward_unit(const BackwardStep<S>& st, int64_t b, int64_t
   const A* w = st.ws + row * 5 * H;
   const A i = w[j], f = w[H + j], g = w[2 * H + j], o = w[3 * H + j];
   const int64_t q = st.template prev_pos<kResets>(b);
-  const A c_prev = q < 0 ? load_at<A>(st.c0, b * H + j) : st.ws[(q * B + b) * 5 * H + 4 * H + j];
+  const A c_prev = q < 0 ? load_at<A>(st.c_start, b * H + j) : st.ws[(q * B + b) * 5 * H + 4 * H + j];
   const A dc = st.template take_dc<kResets>(b, j);
   const A dh = proj ? st.dh_full[b * H + j]
                     : st.template take_dh<kResets>(b, j) + st.grad_out(p, b, j);
@@ -367,7 +381,7 @@ __device__ void lstm_ln_backward_row(const BackwardStep<S>& st, int64_t b, int64
     } else {
       dcand += dc;
     }
-    const A c_prev = q < 0 ? load_at<A>(st.c0, b * H + j) : ln_ws_row(st.ws, q, b, B, H)[4 * H + j];
+    const A c_prev = q < 0 ? load_at<A>(st.c_start, b * H + j) : ln_ws_row(st.ws, q, b, B, H)[4 * H + j];
     const auto r = LstmLnUnit<A>::backward_gates(dcand, w[j], w[H + j], w[2 * H + j], c_prev);
     st.dc[b * H + j] = r.dc_prev + direct;
     scratch[j] = r.di;  // d o is at 3H + j already

@@ -15,7 +15,8 @@
 // The step options are template parameters (kResets, kZoneout) of every
 // unit function, so the code without them is the code of before:
 //   * resets: the step that writes the state slot of row b's next step
-//     writes h0[b] (c0[b]) there instead when that step resets (reset_next),
+//     writes the reset state's row b (reset_h, reset_c: h0, c0 unless given)
+//     there instead when that step resets (reset_next),
 //     so the next GEMM and pointwise read the state the step starts from;
 //   * zoneout: the blend of cells.h's Zoneout after the cell (the RNN keeps
 //     its candidate in the workspace), the mask read through its strides.
@@ -57,8 +58,9 @@ struct ForwardStep {
 
   // The options (null when not given).
   const bool* resets;  // [T, B]
-  const S* h0;         // [B, P]  what a reset restarts from
-  const S* c0;         // [B, H]
+  const S* h0;         // [B, P]  the state of each row's first step
+  const S* reset_h;    // [B, P]  what a reset restarts from (h0 unless given)
+  const S* reset_c;    // [B, H]  (c0 unless given)
   const S* zo;         // [T, B, Z] zoneout mask, (t, b, k) at t*zo_st + b*zo_sb + k
   int64_t zo_st, zo_sb;
   const S* ln;         // [10H] LSTM-LN's gains and shift
@@ -69,7 +71,7 @@ struct ForwardStep {
   __device__ A bias(int64_t k, int64_t j) const {  // b_ih + b_hh of gate k
     return load_or_zero<A>(b_ih, k * H + j) + load_or_zero<A>(b_hh, k * H + j);
   }
-  // Whether row b's next step (s + 1) starts from h0, c0: it resets (and runs).
+  // Whether row b's next step (s + 1) starts from the reset state: it resets (and runs).
   __device__ bool reset_next(int64_t b) const {
     const int64_t q = position(lengths, T, reverse, b, s + 1);
     return q >= 0 && resets[q * B + b];
@@ -78,23 +80,23 @@ struct ForwardStep {
   __device__ A mask(int64_t p, int64_t b, int64_t k) const {
     return load_at<A>(zo, p * zo_st + b * zo_sb + k);
   }
-  // h_t of an unprojected cell: the output at position p and the state (h0's
-  // row instead when the next step resets).
+  // h_t of an unprojected cell: the output at position p and the state
+  // (reset_h's row instead when the next step resets).
   template <bool kResets = false>
   __device__ void write_h(int64_t p, int64_t b, int64_t j, A h) const {
     const S v = Storage<S>::store(h);
     out[(p * B + b) * P + j] = v;
     if constexpr (kResets) {
-      h_next[b * P + j] = reset_next(b) ? h0[b * P + j] : v;
+      h_next[b * P + j] = reset_next(b) ? reset_h[b * P + j] : v;
     } else {
       if (h_next != nullptr) h_next[b * P + j] = v;
     }
   }
-  // c_t: the state (c0's row instead when the next step resets).
+  // c_t: the state (reset_c's row instead when the next step resets).
   template <bool kResets = false>
   __device__ void write_c(int64_t b, int64_t j, A c) const {
     if constexpr (kResets) {
-      c_next[b * H + j] = reset_next(b) ? load_at<A>(c0, b * H + j) : c;
+      c_next[b * H + j] = reset_next(b) ? load_at<A>(reset_c, b * H + j) : c;
     } else {
       c_next[b * H + j] = c;
     }
@@ -268,7 +270,7 @@ __device__ void projection_epilogue_unit(const ForwardStep<S>& st, int64_t b, in
       v = Storage<S>::store(
           Zoneout<A>::forward(st.mask(p, b, k), st.h_prev_at(b, k), Storage<S>::load(v)));
     st.out[(p * B + b) * P + k] = v;
-    st.h_next[b * P + k] = st.reset_next(b) ? st.h0[b * P + k] : v;
+    st.h_next[b * P + k] = st.reset_next(b) ? st.reset_h[b * P + k] : v;
   } else {  // zoneout alone: the GEMM wrote the next slot (lengths) or the output row
     S* out = st.out + (p * B + b) * P + k;
     S* next = st.h_next != nullptr ? st.h_next + b * P + k : nullptr;

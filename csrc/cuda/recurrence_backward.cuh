@@ -21,7 +21,8 @@
 // Resets and zoneout are template parameters (common.cuh's bool_switch).
 // With resets the carried gradient of a reset step's starting state goes to
 // dh0_reset / dc0_reset (taken by the next kernel of the loop that reads the
-// carry), and the caller pairs those steps' gate gradients with h0 in dW_hh.
+// carry), and the caller pairs those steps' gate gradients with the reset
+// state in dW_hh.
 //
 // Nothing is allocated and nothing waits for the device in the loop.
 // Instantiated per dtype in recurrence_backward_<dtype>.cu.
@@ -111,6 +112,8 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   st.g_st = p.grad_output_stride_t, st.g_sb = p.grad_output_stride_b;
   st.h0 = static_cast<const S*>(p.h0);
   st.c0 = static_cast<const S*>(p.c0);
+  st.reset_h = static_cast<const S*>(p.reset_h != nullptr ? p.reset_h : p.h0);
+  st.reset_c = static_cast<const S*>(p.reset_c != nullptr ? p.reset_c : p.c0);
   st.out = static_cast<const S*>(p.output);
   st.ws = static_cast<const A*>(p.workspace);
   st.G = G;
@@ -149,7 +152,7 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   bool_switch(p.resets != nullptr, p.zoneout != nullptr, [&](auto r, auto z) {
     constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
     for (int64_t s = T - 1; s >= 0; --s) {
-      st.s = s;
+      st.start_at(s);
       if (proj) {
         launch_backward_pointwise<S, BackwardPhase::Projection, R, Z>(st, B * P, stream);
         gemm<S, A>(ctx, false, false, B, H, P, st.dh_tot, P, w_hr, H, 0.f,
@@ -179,7 +182,7 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
           break;
       }
       // dh_{t-1} += da W_hh[rows]: after step 0 this is the gradient of h0
-      // (with resets: of the state each row's step 0 started from).
+      // (each row's step 0 starts from h0, whatever resets says).
       gemm<S, A>(ctx, false, false, B, P, st.da_width, st.da, st.da_width, w_hh, P, 1.f, st.dh,
                  P);
     }

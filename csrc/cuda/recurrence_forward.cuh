@@ -133,7 +133,8 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   st.rz = reset_before ? hproj : nullptr;
   st.resets = p.resets;
   st.h0 = h0;
-  st.c0 = static_cast<const S*>(p.c0);
+  st.reset_h = static_cast<const S*>(p.reset_h != nullptr ? p.reset_h : p.h0);
+  st.reset_c = static_cast<const S*>(p.reset_c != nullptr ? p.reset_c : p.c0);
   st.zo = static_cast<const S*>(p.zoneout);
   st.zo_st = p.zoneout_stride_t, st.zo_sb = p.zoneout_stride_b;
   st.ln = static_cast<const S*>(p.ln);

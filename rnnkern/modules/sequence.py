@@ -223,8 +223,8 @@ class _RecurrentMixin(_RnnkernOptions):
         h0 = hx[0]
         c0 = hx[1] if lstm else None
         # The state a reset step starts from: reset_state, else zeros -- which,
-        # without hx, are h0's very tensors (one kernel call: see
-        # ops.run_recurrence_with_reset_state).
+        # without hx, are h0's very tensors (the op's own rule then: a reset
+        # restarts from h0).
         if reset_state is None and resets is not None and not reset_is_hx:
             reset_state = tuple(torch.zeros_like(h) for h in hx)
         r0 = None if reset_state is None else reset_state[0]

@@ -81,8 +81,10 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
     rows = dict(BLOCK_B=4, BLOCK_H=128)
     out = [
         (sequence.forward_loop_kernel, dict(HAS_B_IH=True, HAS_B_HH=True, HAS_PROJ=proj,
-                                            TRAIN=True, **flags, **loop)),
-        (sequence.backward_loop_kernel, dict(HAS_PROJ=proj, **flags, **loop)),
+                                            TRAIN=True, HAS_RESET_STATE=options, **flags,
+                                            **loop)),
+        (sequence.backward_loop_kernel, dict(HAS_PROJ=proj, HAS_RESET_STATE=options, **flags,
+                                             **loop)),
     ]
     if cell == "lstm_ln":
         row_fwd = dict(WS=flags["WS"], HAS_B_IH=True, HAS_B_HH=True, TRAIN=True, ACC=base["ACC"],

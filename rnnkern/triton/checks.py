@@ -73,6 +73,27 @@ def check_resets_zoneout(op: str, cell: str, resets: Optional[Tensor], zoneout: 
         check_arg(op, "zoneout", zoneout, [T, B, zoneout_width(cell, H, P)], ref)
 
 
+def check_reset_state(op: str, cell: str, resets, reset_h, reset_c, B: int, H: int, P: int,
+                      ref: Tensor) -> None:
+    """reset_h [B, P] and reset_c [B, H] (the cells with a cell state: both or
+    neither), the input's dtype and device; only with resets (csrc/checks.cpp)."""
+    if reset_h is None:
+        if reset_c is not None:
+            raise ValueError(f"{op}: reset_c given without reset_h")
+        return
+    if resets is None:
+        raise ValueError(f"{op}: reset_h given without resets (it is the state a reset step "
+                         "starts from)")
+    check_arg(op, "reset_h", reset_h, [B, P], ref)
+    if has_cell_state(cell):
+        if reset_c is None:
+            raise ValueError(f"{op}: {cell} needs reset_c with reset_h")
+        check_arg(op, "reset_c", reset_c, [B, H], ref)
+    elif reset_c is not None:
+        raise ValueError(f"{op}: reset_c is only defined for the cells with a cell state, got "
+                         f"one for {cell}")
+
+
 def _shape(t: Tensor) -> str:
     return str(list(t.shape))
 
@@ -135,7 +156,7 @@ def sizes_from_weights(op: str, cell: str, w_hh: Tensor, w_hr: Optional[Tensor])
 
 
 def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets=None,
-                     zoneout=None, ln=None) -> RecurrenceSizes:
+                     zoneout=None, ln=None, reset_h=None, reset_c=None) -> RecurrenceSizes:
     op = "rnnkern_triton.recurrence"
     parse_cell(cell)
     check_floating(op, "xproj", xproj)
@@ -163,13 +184,14 @@ def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reset
     check_lengths(op, lengths, T, B)
     check_resets_zoneout(op, cell, resets, zoneout, T, B, H, P, xproj)
     check_ln(op, cell, ln, H, xproj)
+    check_reset_state(op, cell, resets, reset_h, reset_c, B, H, P, xproj)
     return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None, resets is not None,
                            zoneout is not None)
 
 
 def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
                               workspace, lengths, resets=None, zoneout=None,
-                              ln=None) -> RecurrenceSizes:
+                              ln=None, reset_h=None, reset_c=None) -> RecurrenceSizes:
     op = "rnnkern_triton.recurrence_backward"
     parse_cell(cell)
     check_floating(op, "output", output)
@@ -204,6 +226,7 @@ def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
     check_lengths(op, lengths, T, B)
     check_resets_zoneout(op, cell, resets, zoneout, T, B, H, P, output)
     check_ln(op, cell, ln, H, output)
+    check_reset_state(op, cell, resets, reset_h, reset_c, B, H, P, output)
     return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None, resets is not None,
                            zoneout is not None)
 

@@ -171,16 +171,18 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                b_ih: Optional[Tensor], b_hh: Optional[Tensor], w_hr: Optional[Tensor],
                lengths: Optional[Tensor], reverse: bool, train: bool,
                resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
-               ln: Optional[Tensor] = None):
-    z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets, zoneout, ln)
+               ln: Optional[Tensor] = None, reset_h: Optional[Tensor] = None,
+               reset_c: Optional[Tensor] = None):
+    z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets, zoneout, ln,
+                         reset_h, reset_c)
     _check_device("rnnkern_triton.recurrence", xproj)
     T, B, H, P = z.T, z.B, z.H, z.P
     has_c = has_cell_state(cell)
     k = _Call(cell, xproj.dtype, H, z.has_zoneout)
     path = choose_path(cell, H, P, xproj.dtype, z.has_proj,
                        options=resets is not None or zoneout is not None)
-    xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln = _contiguous(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                                                            ln)
+    xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c = _contiguous(
+        xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c)
 
     dtype, rd = xproj.dtype, _result_dtype(xproj.dtype)
     output = xproj.new_empty((T, B, P), dtype=rd)
@@ -200,24 +202,28 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                  HAS_B_HH=b_hh is not None, HAS_LENGTHS=lens is not None, REVERSE=bool(reverse),
                  TRAIN=bool(train), HAS_PROJ=z.has_proj, **opt.flags, **k.consts)
     args = [b if b is not None else dummy for b in (b_ih, b_hh, w_hr, lens)]
+    # The state a reset restarts from (h0, c0 unless given).
+    rh, rc = (h0, c0) if reset_h is None else (reset_h, reset_c)
     if path == "loop":
         sequence.forward_loop_kernel[_loop_grid(B)](
             xproj, h0, c0 if has_c else dummy, w_hh, *args, opt.p_resets, opt.p_zo,
-            ln if ln is not None else dummy, output, h_n, c_n if has_c else dummy,
-            ws if train else dummy, T, B, H, P, *opt.strides,
-            BLOCK_H=block_size(H), BLOCK_P=block_size(P), **flags)
+            ln if ln is not None else dummy, rh, rc if has_c else dummy, output, h_n,
+            c_n if has_c else dummy, ws if train else dummy, T, B, H, P, *opt.strides,
+            BLOCK_H=block_size(H), BLOCK_P=block_size(P), HAS_RESET_STATE=reset_h is not None,
+            **flags)
     else:
         _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, *args, ln, output, h_n, c_n, ws,
-                          T, B, H, P)
+                          T, B, H, P, rh, rc)
     return output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws
 
 
 def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, ln, output,
-                      h_n, c_n, ws, T, B, H, P):
+                      h_n, c_n, ws, T, B, H, P, rh, rc):
     """The per-step path: the states ping-pong between two buffers in the
     accumulate dtype; nothing waits for the GPU, so the loop can be captured.
-    Each step stores the state the next step starts from (h0 / c0 where it is
-    a reset), so the products read one buffer whatever the resets."""
+    Each step stores the state the next step starts from (the reset state rh /
+    rc where that step is a reset), so the products read one buffer whatever
+    the resets."""
     cell, dummy = k.cell, xproj
     has_c, rb, proj = has_cell_state(cell), cell == "gru_reset_before", flags["HAS_PROJ"]
     device = xproj.device
@@ -233,7 +239,7 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
     elif proj:
         aux = torch.empty((B, H), dtype=k.acc, device=device)
     ws_ = ws if flags["TRAIN"] else dummy
-    c0_ = c0 if has_c else dummy
+    rc_ = rc if has_c else dummy
     common = dict(HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **opt.flags,
                   **k.consts)
     options = (opt.p_resets, opt.p_zo)
@@ -249,20 +255,20 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
                 dummy, dummy, h[0], w_hh, dummy, hr, B, 0, H, HAS_X=False, **k.consts)
             step_kernels.lstm_ln_forward_kernel[_loop_grid(B)](
                 xproj, hr, h[0], c[0], b_ih, b_hh, ln, lens, output, h[1], c[1], ws_, tmp,
-                h0, c0, *options, s, T, B, H, *opt.strides, **row_flags)
+                rh, rc, *options, s, T, B, H, *opt.strides, **row_flags)
         else:
             step_kernels.gates_forward_kernel[_grid(B, H)](
                 dummy, dummy, xproj, h[0], c[0], w_hh, b_ih, b_hh, lens,
-                output, h[1], c[1], ws_, aux, h0, c0_, *options, s, T, B, 0, H, P,
+                output, h[1], c[1], ws_, aux, rh, rc_, *options, s, T, B, 0, H, P,
                 *opt.strides, HAS_X=False, STORE_STATE=True, **flags)
         if rb:
             step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
-                aux, h[0], w_hh, b_hh, lens, output, h[1], ws_, h0, *options, s, T, B, H,
+                aux, h[0], w_hh, b_hh, lens, output, h[1], ws_, rh, *options, s, T, B, H,
                 *opt.strides, HAS_B_HH=flags["HAS_B_HH"], TRAIN=flags["TRAIN"],
                 STORE_STATE=True, **common)
         if proj:
             step_kernels.projection_forward_kernel[_grid(B, P)](
-                aux, w_hr, h[0], lens, output, h[1], h0, *options, s, T, B, H, P, *opt.strides,
+                aux, w_hr, h[0], lens, output, h[1], rh, *options, s, T, B, H, P, *opt.strides,
                 **common)
         h.reverse()
         c.reverse()
@@ -276,18 +282,22 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                         w_hh: Tensor, w_hr: Optional[Tensor], output: Tensor, workspace: Tensor,
                         lengths: Optional[Tensor], reverse: bool,
                         resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
-                        ln: Optional[Tensor] = None):
+                        ln: Optional[Tensor] = None, reset_h: Optional[Tensor] = None,
+                        reset_c: Optional[Tensor] = None):
     z = check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr,
-                                  output, workspace, lengths, resets, zoneout, ln)
+                                  output, workspace, lengths, resets, zoneout, ln, reset_h, reset_c)
     _check_device("rnnkern_triton.recurrence_backward", output)
     T, B, H, P, G = z.T, z.B, z.H, z.P, z.G
     has_c, proj, ln_cell = has_cell_state(cell), z.has_proj, cell == "lstm_ln"
     dtype = output.dtype
     k = _Call(cell, dtype, H, z.has_zoneout)
     path = choose_path(cell, H, P, dtype, proj, options=resets is not None or zoneout is not None)
-    grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln = _contiguous(
-        grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln)
+    (grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln, reset_h,
+     reset_c) = _contiguous(grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
+                            ln, reset_h, reset_c)
     device = output.device
+    own_reset = reset_h is not None
+    rh, rc = (reset_h, reset_c) if own_reset else (h0, c0)
 
     def acc_empty(*shape):
         return torch.empty(shape, dtype=k.acc, device=device)
@@ -296,6 +306,8 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     rd = _result_dtype(dtype)
     grad_h0 = output.new_empty((B, P), dtype=rd)
     grad_c0 = output.new_empty((B, H), dtype=rd) if has_c else _empty(output)
+    grad_rh = output.new_empty((B, P), dtype=rd) if own_reset else _empty(output)
+    grad_rc = output.new_empty((B, H), dtype=rd) if own_reset and has_c else _empty(output)
     # Time-ordered extras of the weight gradients (see backward_loop_kernel).
     aux_all = (acc_empty(T, B, H) if (cell in ("gru", "gru_reset_before", "lstm_ln") or proj)
                else None)
@@ -308,6 +320,8 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
         grad_h0.copy_(grad_h_n)
         if has_c:
             grad_c0.copy_(grad_c_n)
+        grad_rh.zero_()
+        grad_rc.zero_()
     else:
         dummy = output
         flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.WS, HAS_PROJ=proj,
@@ -319,31 +333,36 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                 grad_output, grad_h_n, grad_c_n if has_c else dummy, h0, c0 if has_c else dummy,
                 w_hh, w_hr if proj else dummy, output, workspace if k.WS else dummy,
                 lens if lens is not None else dummy, opt.p_resets, opt.p_zo,
-                ln if ln is not None else dummy, dx, grad_h0, grad_c0 if has_c else dummy,
-                *extras, T, B, H, P, *opt.strides,
-                BLOCK_H=block_size(H), BLOCK_P=block_size(P), **flags)
+                ln if ln is not None else dummy, rh, rc if has_c else dummy, dx, grad_h0,
+                grad_c0 if has_c else dummy, grad_rh if own_reset else dummy,
+                grad_rc if own_reset and has_c else dummy, *extras, T, B, H, P, *opt.strides,
+                BLOCK_H=block_size(H), BLOCK_P=block_size(P), HAS_RESET_STATE=own_reset, **flags)
         else:
             _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
                                w_hr, ln, output, workspace, lens, dx, grad_h0, grad_c0, *extras,
-                               T, B, H, P)
+                               T, B, H, P, rh, rc, grad_rh if own_reset else None,
+                               grad_rc if own_reset and has_c else None)
     grads = _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace,
-                                     output, h0, lens, reverse, opt.resets, H, P)
+                                     output, h0, lens, reverse, opt.resets, H, P, rh)
     grad_ln = grads[4] if ln_cell else _empty(output)
     return ((dx.to(dtype), grad_h0.to(dtype), grad_c0.to(dtype))
             + tuple(g.to(dtype) for g in grads[:4])
-            + (grad_ln.to(dtype),))
+            + (grad_ln.to(dtype), grad_rh.to(dtype), grad_rc.to(dtype)))
 
 
 def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, ln,
                        output, workspace, lens, dx, grad_h0, grad_c0, aux_all, dh_tot_all, da_all,
-                       dhr_all, T, B, H, P):
+                       dhr_all, T, B, H, P, rh, rc, grad_rh, grad_rc):
     """The per-step BPTT: per step, one launch adds the GEMM part of the carried
     gradient (dA_{s+1} W_hh) for its columns and runs the step's backward
     (two launches for the reset-before GRU, the LSTM projection and LSTM-LN).
     Carries and gate gradients ping-pong between two buffers; grad_h0 is
     finished by input_grad_kernel.  With resets, the gradients of the reset
-    steps' start states sum into dh0 / dc0 (ping-pong buffers as well, so that
-    every kernel can be re-run by the autotuner), added at the end."""
+    steps' start states (rh, rc) sum into dh0 / dc0 (ping-pong buffers as
+    well, so that every kernel can be re-run by the autotuner), added at the
+    end, or the gradients of the reset state (grad_rh, grad_rc, where not
+    None).  A step's kernels read its start state where it has no previous
+    one from the h0 / c0 arguments: h0, c0 at step 0, rh, rc after."""
     cell, dummy, device = k.cell, output, output.device
     has_c, rb, proj = has_cell_state(cell), cell == "gru_reset_before", flags["HAS_PROJ"]
     GH = k.G * H
@@ -375,23 +394,26 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
     for s in reversed(range(T)):
         da_next, da_now = da[(s + 1) & 1], da[s & 1]
         has_next = s + 1 < T
+        h_start, c_start = (h0, c0) if s == 0 else (rh, rc)
         if proj:
             step_kernels.projection_backward_kernel[_grid(B, P)](
                 grad_output, dh[0], da_next, w_hh, lens_, dh_tot, dh[1], dh_tot_all, *options,
                 *dh0, s, T, B, H, P, *opt.strides, HAS_NEXT=has_next, **opt.flags, **common)
         step_kernels.gates_backward_kernel[_grid(B, H)](
-            grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h0, c0 if has_c else dummy,
+            grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h_start,
+            c_start if has_c else dummy,
             lens_, dh_tot, w_hr if proj else dummy,
             dx, da_now, dh_mid if rb else dh[1], dc[1], dn, aux_all_, *options, ln_, da_all_,
             *dh0, *dc0, s, T, B, H, P, *opt.strides, HAS_GOUT=True, HAS_NEXT=has_next,
             **flags)
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
-                dn, w_hh, ws, output, h0, lens_, dh_mid, dx, da_now, dh[1], aux_all_,
+                dn, w_hh, ws, output, h_start, lens_, dh_mid, dx, da_now, dh[1], aux_all_,
                 opt.p_resets, s, T, B, H, HAS_RESETS=resets, **common)
         if cell == "lstm_ln":
             step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
-                ws, aux_all_, da_all_, dc[0], c0, ln, lens_, *options, dx, da_now, dhr_all_, dc[1],
+                ws, aux_all_, da_all_, dc[0], c_start, ln, lens_, *options, dx, da_now, dhr_all_,
+                dc[1],
                 *dc0, s, T, B, H, *opt.strides, WS=k.WS, ACC=k.consts["ACC"],
                 HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **opt.flags)
         dh.reverse()
@@ -399,22 +421,28 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
         if resets:
             dh0.reverse()
             dc0.reverse()
-    if resets:
+    own_reset = grad_rh is not None
+    if own_reset:
+        grad_rh.copy_(dh0[0])
+        if has_c:
+            grad_rc.copy_(dc0[0])
+    elif resets:
         dh[0] += dh0[0]
     # grad_h0 = dh + dA_0 W_hh (the GEMM part of the carry at the first step).
     step_kernels.input_grad_kernel[_input_grad_grid(B, 0, P)](
         dummy, dummy, da[0], w_hh, dh[0], dummy, grad_h0, B, 0, GH, DA, P, **k.consts)
     if has_c:
-        grad_c0.copy_(dc[0] + dc0[0] if resets else dc[0])
+        grad_c0.copy_(dc[0] + dc0[0] if resets and not own_reset else dc[0])
 
 
 def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optional[Tensor],
-                            reverse: bool, resets: Optional[Tensor] = None) -> Tensor:
+                            reverse: bool, resets: Optional[Tensor] = None,
+                            reset_h: Optional[Tensor] = None) -> Tensor:
     """sum over steps and rows of d[t, b]^T h_{t-1}[t, b]: d [T, B, N], output
     [T, B, P], h0 [B, P] -> [N, P].  h_{t-1} of position t is the output one
-    step earlier (t - 1, or t + 1 in reverse), or h0 at each sequence's first
-    position and where ``resets`` [T, B] says the step restarts from h0 (the
-    kernels' rule; the modules' reset state: ops.run_recurrence_with_reset_state);
+    step earlier (t - 1, or t + 1 in reverse), h0 at each sequence's first
+    position, and the reset state ``reset_h`` (h0 unless given) where
+    ``resets`` [T, B] says a later step restarts (the op's rule);
     padding positions have d = 0 and output 0, so two GEMMs cover every case
     (as csrc/cpu/backward.cpp, weight_grad_by_prev_state)."""
     T, B, N = d.shape
@@ -432,24 +460,25 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
         later, earlier = d[1:], output[:-1]
         first = d[0]
     if resets is not None and T > 1:
-        # A reset step started from h0.  (A sequence's first position pairs with
-        # h0 in `first` already: in reverse that is position lens - 1.)
+        # A reset step started from the reset state.  (A sequence's first position
+        # pairs with h0 in `first` already: in reverse that is position lens - 1.)
         restart = resets[:-1] if reverse else resets[1:]
         if reverse and lens is not None:
             t = torch.arange(1, T, device=d.device)
             restart = restart & (t.unsqueeze(1) < lens.unsqueeze(0))
-        earlier = torch.where(restart.unsqueeze(2), h0, earlier)
+        earlier = torch.where(restart.unsqueeze(2), h0 if reset_h is None else reset_h, earlier)
     dw = later.reshape(-1, N).t() @ earlier.reshape(-1, P)
     return dw.addmm_(first.t(), h0)
 
 
 def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace, output,
-                             h0, lens, reverse, resets, H, P):
+                             h0, lens, reverse, resets, H, P, reset_h):
     """grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr (and for lstm_ln grad_ln),
-    one GEMM or sum each over all steps."""
+    one GEMM or sum each over all steps; reset_h: the state a reset step
+    starts from."""
     T, B, GH = dx.shape
     acc = dx.dtype
-    out, h0 = output.to(acc), h0.to(acc)
+    out, h0, rh = output.to(acc), h0.to(acc), reset_h.to(acc)
     if cell == "lstm_ln":
         # b_ih and b_hh add to the pre-activations after the layer norms (da_all);
         # W_hh multiplies the gradient before its norm (dhr_all); the gains pair
@@ -461,20 +490,20 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, wor
         grad_b_ih = da.sum(0)
         grad_ln = torch.cat([(da * ws[:, 5 * H:9 * H]).sum(0), (da * ws[:, 9 * H:13 * H]).sum(0),
                              (dy * ws[:, 13 * H:14 * H]).sum(0), dy.sum(0)])
-        grad_w_hh = _grad_by_previous_state(dhr_all, out, h0, lens, reverse, resets)
+        grad_w_hh = _grad_by_previous_state(dhr_all, out, h0, lens, reverse, resets, rh)
         return grad_w_hh, grad_b_ih, grad_b_ih.clone(), _empty(dx), grad_ln
     grad_b_ih = dx.sum((0, 1))
     if cell in ("gru", "gru_reset_before"):
-        dw_rz = _grad_by_previous_state(dx[:, :, :2 * H], out, h0, lens, reverse, resets)
+        dw_rz = _grad_by_previous_state(dx[:, :, :2 * H], out, h0, lens, reverse, resets, rh)
         if cell == "gru":  # n multiplies h_{t-1}; its gradient is dhn
-            dw_n = _grad_by_previous_state(aux_all, out, h0, lens, reverse, resets)
+            dw_n = _grad_by_previous_state(aux_all, out, h0, lens, reverse, resets, rh)
             grad_b_hh = torch.cat([grad_b_ih[:2 * H], aux_all.sum((0, 1))])
         else:  # n multiplies r * h_{t-1} (aux_all); its gradient is dn
             dw_n = dx[:, :, 2 * H:].reshape(-1, H).t() @ aux_all.reshape(-1, H)
             grad_b_hh = grad_b_ih.clone()
         grad_w_hh = torch.cat([dw_rz, dw_n])
     else:
-        grad_w_hh = _grad_by_previous_state(dx, out, h0, lens, reverse, resets)
+        grad_w_hh = _grad_by_previous_state(dx, out, h0, lens, reverse, resets, rh)
         grad_b_hh = grad_b_ih.clone()
     if dh_tot_all is not None:
         grad_w_hr = dh_tot_all.reshape(-1, P).t() @ aux_all.reshape(-1, H)

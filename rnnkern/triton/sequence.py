@@ -80,12 +80,12 @@ def fits_on_chip(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool = Fal
 @triton.jit(do_not_specialize=["T"])
 def forward_loop_kernel(
         p_xproj, p_h0, p_c0, p_w_hh, p_b_ih, p_b_hh, p_w_hr, p_len, p_resets, p_zo, p_ln,
-        p_out, p_h_n, p_c_n, p_ws,
+        p_rh, p_rc, p_out, p_h_n, p_c_n, p_ws,
         T, B, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr,
         HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_PROJ: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, TRAIN: tl.constexpr,
-        HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
+        HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, HAS_RESET_STATE: tl.constexpr,
         ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
     """The forward of a whole sequence for BLOCK_B rows (ops.cpp conventions).
@@ -93,7 +93,9 @@ def forward_loop_kernel(
     xproj [T, B, G*H], h0 [B, P], c0 [B, H], w_hh [G*H, P], w_hr [P, H] ->
     out [T, B, P], h_n [B, P], c_n [B, H], workspace [T, B, WS] when TRAIN.
     resets [T, B] bool (HAS_RESETS), zoneout [T, B, Z] with strides s_z*
-    (HAS_ZONEOUT), ln [10H] (LSTM_LN).
+    (HAS_ZONEOUT), ln [10H] (LSTM_LN), the reset state rh [B, P], rc [B, H]
+    (HAS_RESET_STATE; else a reset restarts from h0, c0; a row's first step
+    starts from h0, c0 whatever resets says).
     BLOCK_H >= H and BLOCK_P >= P: every unit is in the program."""
     i_b = tl.program_id(0)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -134,20 +136,25 @@ def forward_loop_kernel(
     if CELL == LSTM or CELL == LSTM_LN:
         b_c = load_rows(p_c0, row_b, H, o_h, m_bh, ACC)
     if HAS_RESETS:  # the states a reset step starts from
-        b_h0 = b_h
-        if CELL == LSTM or CELL == LSTM_LN:
-            b_c0 = b_c
+        if HAS_RESET_STATE:
+            b_rh = load_rows(p_rh, row_b, P, o_p, m_bp, ACC)
+            if CELL == LSTM or CELL == LSTM_LN:
+                b_rc = load_rows(p_rc, row_b, H, o_h, m_bh, ACC)
+        else:
+            b_rh = b_h
+            if CELL == LSTM or CELL == LSTM_LN:
+                b_rc = b_c
 
     for s in range(0, T):
         active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
         act = active[:, None]
         m_act = act & m_h[None, :]
         row = t.to(tl.int64)[:, None] * B + o_b[:, None]
-        if HAS_RESETS:
-            rs = reset_rows(p_resets, t, o_b, active, B)[:, None]
-            b_h = tl.where(rs, b_h0, b_h)
+        if HAS_RESETS:  # (not at the first step)
+            rs = reset_rows(p_resets, t, o_b, active, B)[:, None] & (s > 0)
+            b_h = tl.where(rs, b_rh, b_h)
             if CELL == LSTM or CELL == LSTM_LN:
-                b_c = tl.where(rs, b_c0, b_c)
+                b_c = tl.where(rs, b_rc, b_c)
         # Pointers of this step's rows: xproj and the workspace (gate k at + k*H), the output.
         p_x = p_xproj + row * GH + o_h[None, :]
         p_w = p_ws + row * WS + o_h[None, :]
@@ -278,11 +285,13 @@ def forward_loop_kernel(
 @triton.jit(do_not_specialize=["T"])
 def backward_loop_kernel(
         p_gout, p_dh_n, p_dc_n, p_h0, p_c0, p_w_hh, p_w_hr, p_out, p_ws, p_len, p_resets, p_zo,
-        p_ln, p_dx, p_dh0, p_dc0, p_aux_all, p_dh_tot_all, p_da_all, p_dhr_all,
+        p_ln, p_rh, p_rc, p_dx, p_dh0, p_dc0, p_drh, p_drc, p_aux_all, p_dh_tot_all, p_da_all,
+        p_dhr_all,
         T, B, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_PROJ: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
-        HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, HAS_RESET_STATE: tl.constexpr, ACC: tl.constexpr,
+        DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
     """BPTT of a whole sequence for BLOCK_B rows, dh [B, P] and dc [B, H] carried
     on chip from grad_h_n, grad_c_n down to grad_h0, grad_c0.
@@ -294,8 +303,9 @@ def backward_loop_kernel(
     dh_tot_all [T, B, P] (the gradient of each projected candidate h~_t), and
     for LSTM-LN da_all [T, B, 4H] (the gates' pre-activation gradients) and
     dhr_all [T, B, 4H] (the gradient of h_{t-1} W_hh^T, before its layer norm).
-    A reset step's start state is h0 (c0): the gradient of that state is
-    summed into grad_h0 (grad_c0) and nothing flows to the step before."""
+    A reset step's start state is h0 (c0), or with HAS_RESET_STATE rh (rc):
+    the gradient of that state is summed into grad_h0 (grad_c0), or written
+    to drh (drc), and nothing flows to the step before."""
     i_b = tl.program_id(0)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
     o_h = tl.arange(0, BLOCK_H)
@@ -327,6 +337,10 @@ def backward_loop_kernel(
         b_dc = load_rows(p_dc_n, row_b, H, o_h, m_bh, ACC)
         b_c0 = load_rows(p_c0, row_b, H, o_h, m_bh, ACC)
     if HAS_RESETS:  # the gradients of the reset steps' start states
+        if HAS_RESET_STATE:  # (which are not h0, c0)
+            b_rh = load_rows(p_rh, row_b, P, o_p, m_bp, ACC)
+            if CELL == LSTM or CELL == LSTM_LN:
+                b_rc = load_rows(p_rc, row_b, H, o_h, m_bh, ACC)
         b_dh0 = tl.zeros([BLOCK_B, BLOCK_P], ACC)
         if CELL == LSTM or CELL == LSTM_LN:
             b_dc0 = tl.zeros([BLOCK_B, BLOCK_H], ACC)
@@ -341,12 +355,20 @@ def backward_loop_kernel(
         m_actp = act & m_p[None, :]
         row = t.to(tl.int64)[:, None] * B + o_b[:, None]
         # The state the step started from: the output one step earlier (the saved
-        # c there), or h0 (c0) at the first step and at a reset.
+        # c there), or b_hs (b_cs): h0 (c0) at the first step, the reset state at
+        # a reset.
         row_q = previous_position(t, s, REVERSE).to(tl.int64)[:, None] * B + o_b[:, None]
         has_prev = s > 0
-        if HAS_RESETS:
-            rs = reset_rows(p_resets, t, o_b, active, B)[:, None]
+        b_hs = b_h0
+        if CELL == LSTM or CELL == LSTM_LN:
+            b_cs = b_c0
+        if HAS_RESETS:  # (not at the first step)
+            rs = reset_rows(p_resets, t, o_b, active, B)[:, None] & (s > 0)
             has_prev = (rs == 0) & has_prev
+            if HAS_RESET_STATE:
+                b_hs = tl.where(s > 0, b_rh, b_h0)
+                if CELL == LSTM or CELL == LSTM_LN:
+                    b_cs = tl.where(s > 0, b_rc, b_c0)
         p_w = p_ws + row * WS + o_h[None, :]
         p_d = p_dx + row * GH + o_h[None, :]
         p_a = p_aux_all + row * H + o_h[None, :]
@@ -362,7 +384,7 @@ def backward_loop_kernel(
         if CELL == LSTM or CELL == LSTM_LN:
             c_prev = tl.load(p_ws + row_q * WS + 4 * H + o_h[None, :], mask=m_act & has_prev,
                              other=0.0).to(ACC)
-            c_prev = tl.where(has_prev, c_prev, b_c0)
+            c_prev = tl.where(has_prev, c_prev, b_cs)
             dc = b_dc  # the gradient of the state c_t, split alike
             if HAS_ZONEOUT:
                 m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
@@ -467,7 +489,7 @@ def backward_loop_kernel(
             hn = tl.load(p_w + 3 * H, mask=m_act, other=0.0).to(ACC)
             h_prev = tl.load(p_out + row_q * P + o_p[None, :], mask=m_actp & has_prev,
                              other=0.0).to(ACC)
-            h_prev = tl.where(has_prev, h_prev, b_h0)
+            h_prev = tl.where(has_prev, h_prev, b_hs)
             dr, dz, dxn, dhn, dh_direct = gru_backward(d, r, z, n, hn, h_prev)
             dr = tl.where(act, dr, 0.0)
             dz = tl.where(act, dz, 0.0)
@@ -486,7 +508,7 @@ def backward_loop_kernel(
             n = tl.load(p_w + 2 * H, mask=m_act, other=0.0).to(ACC)
             h_prev = tl.load(p_out + row_q * P + o_p[None, :], mask=m_actp & has_prev,
                              other=0.0).to(ACC)
-            h_prev = tl.where(has_prev, h_prev, b_h0)
+            h_prev = tl.where(has_prev, h_prev, b_hs)
             dz, dn, dh_direct = gru_rb_backward_candidate(d, z, n, h_prev)
             dn = tl.where(act, dn, 0.0)
             drh = tl.dot(dn.to(DOT), b_w2, zero_p, input_precision="ieee", out_dtype=ACC)
@@ -512,7 +534,7 @@ def backward_loop_kernel(
             dh_prev += dh_zoned
             if CELL == LSTM or CELL == LSTM_LN:
                 dc_prev += dc_zoned
-        if HAS_RESETS:  # a reset step started from h0 (c0), not from the step before
+        if HAS_RESETS:  # a reset step started from the reset state, not from the step before
             b_dh0 += tl.where(rs, dh_prev, 0.0)
             dh_prev = tl.where(rs, 0.0, dh_prev)
             if CELL == LSTM or CELL == LSTM_LN:
@@ -522,7 +544,11 @@ def backward_loop_kernel(
         if CELL == LSTM or CELL == LSTM_LN:
             b_dc = tl.where(act, dc_prev, b_dc)
 
-    if HAS_RESETS:
+    if HAS_RESET_STATE:
+        store_rows(p_drh, row_b, P, o_p, m_bp, b_dh0)
+        if CELL == LSTM or CELL == LSTM_LN:
+            store_rows(p_drc, row_b, H, o_h, m_bh, b_dc0)
+    elif HAS_RESETS:
         b_dh += b_dh0
         if CELL == LSTM or CELL == LSTM_LN:
             b_dc += b_dc0
