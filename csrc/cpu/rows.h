@@ -59,7 +59,9 @@ struct Options {
   int64_t zt = 0, zb = 0;        // its strides along T and B (0 for an evaluation-mode mask)
   int64_t zc = 0;                // where its c part starts (P; cells with a cell state)
 
-  // Whether the step at time position p of row b starts from h0 (and c0).
+  // Whether the step at time position p of row b restarts: from the reset
+  // state (ForwardArgs::reset_h; h0 unless given), at any step but the row's
+  // first (the drivers check that).
   bool restart(int64_t p, int64_t b) const { return resets != nullptr && p >= 0 && resets[p * B + b]; }
   // The mask row of (p, b): h part at [0, P), c part at [zc, zc + H).
   const A* mask(int64_t p, int64_t b) const { return zone ? zone + p * zt + b * zb : nullptr; }

@@ -14,8 +14,9 @@
 // The step options and the LayerNorm cell's gains (rnnkern/reference.py):
 // `resets` [T, B] bool (the step at position t of row b starts from the
 // reset state: reset_h / reset_c, h0 / c0 where those are null; a row's
-// first step starts from h0 / c0 whatever resets says), `zoneout` [T, B, Z] S (Z = P + H for the cells with a cell state: h's
-// units, then c's; H otherwise), read through its time and batch strides (an
+// first step starts from h0 / c0 whatever resets says), `zoneout` [T, B, Z]
+// S (Z = P + H for the cells with a cell state: h's units, then c's; H
+// otherwise), read through its time and batch strides (an
 // evaluation mask is a [Z] vector expanded with strides (0, 0, 1)), and `ln`
 // [10H] S, the layer norms' gains and shift of lstm_ln.  Each is null when
 // not given.

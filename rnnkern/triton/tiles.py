@@ -146,8 +146,8 @@ def previous_position(t, s, REVERSE: tl.constexpr):
 
 @triton.jit
 def reset_rows(p_resets, t, o_b, active, B):
-    """[R] bool: whether each row's step at position t starts from h0 (and c0)
-    instead of the previous state (resets [T, B] bool).  Only active rows reset:
+    """[R] bool: whether each row's step at position t starts from the reset
+    state (h0 and c0 unless given) instead of the previous state (resets [T, B] bool).  Only active rows reset:
     past a sequence's end nothing changes."""
     r = tl.load(p_resets + t.to(tl.int64) * B + o_b, mask=active, other=0)
     return (r != 0) & active

@@ -31,12 +31,14 @@ Kernels (F: forward, B: backward):
 Resets and zoneout (constexpr flags HAS_RESETS, HAS_ZONEOUT; the kernels
 without them are unchanged).  The states ping-pong between two buffers, so a
 kernel that stores the next state stores the state the next step *starts*
-from: h0 (c0) where that step is a reset (next_reset_rows).  The recurrent
-product then never needs to know about resets, and the final state (no step
-after it) is the real one.  Backward, the carry that arrives at step s is the
-gradient of step s+1's start state: where step s+1 was a reset, the kernel that
-first reads it (the GEMM part dA_{s+1} W_hh and the direct part) adds it to a
-sum for grad_h0 (grad_c0) and carries nothing to step s.  The sums ping-pong
+from: the reset state (the p_h0 / p_c0 arguments: h0, c0 unless given) where
+that step is a reset (next_reset_rows).  The recurrent product then never
+needs to know about resets, and the final state (no step after it) is the real
+one.  Backward, the carry that arrives at step s is the gradient of step s+1's
+start state: where step s+1 was a reset, the kernel that first reads it (the
+GEMM part dA_{s+1} W_hh and the direct part) adds it to a sum for grad_h0
+(grad_c0), or grad_reset_h (grad_reset_c) where the reset state is given, and
+carries nothing to step s.  The sums ping-pong
 between two buffers too (read one, write the other, every element), so that
 every kernel stays re-runnable.  Zoneout
 blends the start state and the candidate per unit, the mask read through its

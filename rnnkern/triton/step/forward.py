@@ -43,7 +43,7 @@ def gates_forward_kernel(
     o_bh = o_b64[:, None] * H + o_h[None, :]  # this tile of a [B, H] tensor
     o_bp = o_b64[:, None] * P + o_h[None, :]  # ... of a [B, P] one (P = H here)
     GH = G * H
-    # rows whose next step starts from h0 / c0
+    # rows whose next step starts from the reset state (p_h0 / p_c0: rnnkern/triton/ops.py)
     nr = next_resets(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE, HAS_RESETS)
 
     # The x part of every gate ...

@@ -42,8 +42,8 @@ def step_rows(p_len, s, T, B, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
 @triton.jit
 def next_resets(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS: tl.constexpr,
                 REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr):
-    """[BLOCK_B, 1] bool: the rows whose next step starts from h0 / c0
-    (:func:`.tiles.next_reset_rows`); no row without resets (then unused: every
+    """[BLOCK_B, 1] bool: the rows whose next step starts from the reset state
+    (h0 / c0 unless given; :func:`.tiles.next_reset_rows`); no row without resets (then unused: every
     use sits under HAS_RESETS)."""
     if HAS_RESETS:
         nr = next_reset_rows(p_resets, p_len, o_b, m_b, s, T, B, HAS_LENGTHS, REVERSE)[:, None]
