@@ -56,8 +56,11 @@ MUTANTS = [
     ("persistent backward: da read from the buffer of the step being written", "csrc/cuda/persistent.cuh",
      "carry((s + 1) % 2 == 0 ? da_even : da_other);", "carry(s % 2 == 0 ? da_even : da_other);"),
     ("persistent forward: h staged from the slot being written", "csrc/cuda/persistent.cuh",
-     "persistent_stage(sh.x, st.h_prev, b0, nb, P);",
-     "persistent_stage(sh.x, slots ? st.h_next : st.h_prev, b0, nb, P);"),
+     "persistent_stage(sh.x, st.h_prev, b0, nb, Pi, ld);",
+     "persistent_stage(sh.x, slots ? st.h_next : st.h_prev, b0, nb, Pi, ld);"),
+    ("persistent staging: a 16-byte chunk stored at its chunk index, not its first element's",
+     "csrc/cuda/persistent.cuh",
+     "S* dst = x + r * ld + (i - r * per_row) * V;", "S* dst = x + r * ld + (i - r * per_row);"),
 ]
 
 SOURCES = ["csrc", "rnnkern", "tests", "setup.py", "pyproject.toml"]

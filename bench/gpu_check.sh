@@ -46,12 +46,16 @@
 #     STAGES=bench GPU_CHECK_BUDGET=580 BENCH_CAP=560 BENCH_ARGS="--families latency throughput long \
 #       headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT3
 #
-# The persistent kernels (csrc/cuda/persistent.cuh, opt-in until timed; their GPU tests run
-# in tests_cuda): the same grid with them enabled, both phases ("cuda" is then the persistent
-# path; compare with OUT3's host loop case by case, and with cuDNN in the same file):
+# The persistent kernels (csrc/cuda/persistent.cuh; by default, mode "auto", only at small
+# batches: csrc/cuda/params.h's persistent_chosen; their GPU tests run in tests_cuda): the
+# grid with them taking every layer they fit, then with the host loop only, both phases
+# (compare case by case, each with cuDNN in its own file; the fifth session's pair:
+# bench/results/gpu-h100-2026-11-27-session5, 80 s and 70 s for latency + headline):
 #
-#     RNNKERN_CUDA_PERSISTENT=1 STAGES=bench GPU_CHECK_BUDGET=580 BENCH_CAP=560 BENCH_ARGS="--families \
+#     RNNKERN_CUDA_PERSISTENT=always STAGES=bench GPU_CHECK_BUDGET=200 BENCH_CAP=190 BENCH_ARGS="--families \
 #       latency headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT4
+#     RNNKERN_CUDA_PERSISTENT=never STAGES=bench GPU_CHECK_BUDGET=150 BENCH_CAP=140 BENCH_ARGS="--families \
+#       latency headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT5
 #
 # A stage that fails does not stop the others.  OUTDIR receives at most six
 # files (the device tool returns eight): summary.json (versions, ceilings, each

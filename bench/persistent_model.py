@@ -20,6 +20,13 @@ pointwise launch per step) and of torch.nn (cuDNN) from the committed H100 grid
 there.  A model, not a measurement: it says where the time should go, and the
 first GPU session checks it (`RNNKERN_CUDA_PERSISTENT=1`, bench candidate
 "persistent").
+
+Checked by the fifth H100 session (bench/results/gpu-h100-2026-11-27-session5):
+the staging term was 20-50x too optimistic -- staging then copied one element
+at a time, each load an L2 round trip (0.26 us), not at L2's bandwidth -- and
+the measured step was 3.4 us + 0.26 us per element a thread staged.  Staging
+has since moved to 16-byte chunks, 8 loads in flight, which this model's
+bandwidth term describes better; not timed yet.
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ which ThreadSanitizer checks in CI).
 resume after each barrier (``forward``, ``reverse``, ``shuffle``; in a
 cooperative grid the last two also let one block run ahead of the others to
 its next grid barrier); ``set_arch(700)`` runs the step kernel's FMA path for
-half types instead of WMMA (``900``); ``set_persistent(True)`` lets the
-persistent kernels (csrc/cuda/persistent.cuh) take the layers they fit, with
+half types instead of WMMA (``900``); ``set_persistent("always")`` (or True) lets the
+persistent kernels (csrc/cuda/persistent.cuh) take the layers they fit, ``"auto"`` those
+within a real GPU's default rule, with
 ``set_device_model`` giving the emulated GPU few enough SMs to run.
 """
 from __future__ import annotations
@@ -44,7 +45,21 @@ set_device_model = _C_cuda_emu.set_device_model
 multiprocessors = _C_cuda_emu.multiprocessors
 grid_exchange = _C_cuda_emu.grid_exchange
 grid_exchange_blocks = _C_cuda_emu.grid_exchange_blocks
-# The persistent kernels (csrc/cuda/persistent.cuh): off by default, as on a real GPU.
-set_persistent = _C_cuda_emu.set_persistent
-persistent = _C_cuda_emu.persistent
+
+
+# The persistent kernels (csrc/cuda/persistent.cuh): "never" by default here (the
+# emulated suite proves the host loop), "auto" on a real GPU.
+def set_persistent(mode) -> None:
+    """As rnnkern.ops.set_cuda_persistent for the emulated device: "never",
+    "auto" (the rule of a real GPU, never capturing here), "always", or a bool."""
+    from .ops import persistent_mode_code
+    _C_cuda_emu.set_persistent(persistent_mode_code(mode, "set_persistent"))
+
+
+def persistent() -> str:
+    """The emulated device's persistent mode."""
+    from .ops import PERSISTENT_MODES
+    return PERSISTENT_MODES[_C_cuda_emu.persistent()]
+
+
 cooperative_launches = _C_cuda_emu.cooperative_launches

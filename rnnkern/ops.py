@@ -47,29 +47,60 @@ WITH_CUDA = bool(_C.WITH_CUDA)
 
 __all__ = ["BACKENDS", "CELLS", "ALL_CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
            "run_recurrence", "run_step", "resolve_backend", "register_op_family", "empty_cpu_cache",
-           "set_cuda_persistent", "cuda_persistent"]
+           "set_cuda_persistent", "cuda_persistent", "PERSISTENT_MODES"]
 
 
-def set_cuda_persistent(enabled: bool) -> None:
-    """Whether backend="cuda" runs the layers its persistent kernels take
+#: The persistent kernels' modes, by their code in the extension (Context::persistent).
+PERSISTENT_MODES = ("never", "auto", "always")
+
+
+def persistent_mode_code(mode, who: str = "set_cuda_persistent") -> int:
+    """The extension's code of a persistent-kernel mode: "never", "auto" or
+    "always", or a bool (True: "always", False: "never")."""
+    if mode is True or mode is False:
+        return 2 if mode else 0
+    if isinstance(mode, str) and mode in PERSISTENT_MODES:
+        return PERSISTENT_MODES.index(mode)
+    raise ValueError(f"{who}: mode must be one of {', '.join(map(repr, PERSISTENT_MODES))} or a bool, "
+                     f"got {mode!r}")
+
+
+def set_cuda_persistent(mode="auto") -> None:
+    """When backend="cuda" runs a layer as its persistent kernel
     (csrc/cuda/persistent.cuh: tanh/ReLU RNN, LSTM without projection, GRU with
-    reset after; every option but the projection) as one cooperative launch per
+    reset after; every option but the projection): one cooperative launch per
     layer and direction, W_hh resident in the SMs' shared memory, instead of a
-    GEMM and a pointwise launch per step.  Process-wide; off by default until a
-    GPU has timed them (RNNKERN_CUDA_PERSISTENT=1 in the environment turns it on
-    at import).  Without the CUDA kernels it raises."""
+    GEMM and a pointwise launch per step.  Process-wide.
+
+    * ``"auto"`` (the default): where the H100 measured it faster than the host
+      loop -- small batches, at most 4096 values of h (da) staged per step
+      (csrc/cuda/params.h: persistent_chosen), and never while the stream
+      captures a CUDA graph;
+    * ``"always"`` (or True): every layer it fits (for timing it);
+    * ``"never"`` (or False): the host loop.
+
+    RNNKERN_CUDA_PERSISTENT in the environment sets it at import ("1" is
+    "always", "0" "never").  Without the CUDA kernels it raises."""
+    code = persistent_mode_code(mode)
     if not WITH_CUDA:
         raise RuntimeError("set_cuda_persistent: rnnkern was built without its CUDA kernels")
-    _C.set_cuda_persistent(bool(enabled))
+    _C.set_cuda_persistent(code)
 
 
-def cuda_persistent() -> bool:
-    """Whether the persistent CUDA kernels are enabled (see :func:`set_cuda_persistent`)."""
-    return bool(WITH_CUDA and _C.cuda_persistent())
+def cuda_persistent() -> str:
+    """The persistent CUDA kernels' mode (see :func:`set_cuda_persistent`):
+    "never" without the CUDA kernels."""
+    return PERSISTENT_MODES[_C.cuda_persistent()] if WITH_CUDA else "never"
 
 
-if WITH_CUDA and os.environ.get("RNNKERN_CUDA_PERSISTENT") == "1":
-    set_cuda_persistent(True)
+_env_persistent = os.environ.get("RNNKERN_CUDA_PERSISTENT")
+if _env_persistent:
+    _env_persistent = {"1": "always", "0": "never"}.get(_env_persistent, _env_persistent)
+    if _env_persistent not in PERSISTENT_MODES:
+        raise ValueError(f"RNNKERN_CUDA_PERSISTENT must be one of {', '.join(PERSISTENT_MODES)}, 1 or 0, "
+                         f"got {os.environ['RNNKERN_CUDA_PERSISTENT']!r}")
+    if WITH_CUDA:
+        set_cuda_persistent(_env_persistent)
 
 
 def empty_cpu_cache() -> int:

@@ -755,34 +755,76 @@ def test_options_empty_and_tiny(cell, proj, T, B, H):
 
 
 # --------------------------------------------- the persistent kernels ----
-# csrc/cuda/persistent.cuh, opt-in (rnnkern.ops.set_cuda_persistent); proven on the
-# emulated cooperative grid (tests/test_cuda_emulated_persistent.py), checked here on
-# the GPU: the real grid barrier, co-residency, shared memory beyond 48 KiB.
+# csrc/cuda/persistent.cuh: "auto" by default (small batches, csrc/cuda/params.h's
+# persistent_chosen), "always" here; proven on the emulated cooperative grid
+# (tests/test_cuda_emulated_persistent.py), checked here on the GPU: the real grid
+# barrier, co-residency, shared memory beyond 48 KiB.
 
 PERSISTENT_CELLS = ["rnn_tanh", "rnn_relu", "lstm", "gru"]
 
 
-def test_persistent_switch():
-    """Off by default; set_cuda_persistent turns it on and off (a build without the
-    CUDA kernels raises, naming itself)."""
-    assert not ops.cuda_persistent()
+def test_persistent_modes():
+    """"auto" by default; set_cuda_persistent takes the three modes and bools, and
+    names what it expected otherwise (a build without the CUDA kernels raises,
+    naming itself, and reports "never")."""
+    with pytest.raises(ValueError, match="set_cuda_persistent: mode must be one of 'never', 'auto', "
+                                         "'always' or a bool, got 'on'"):
+        ops.set_cuda_persistent("on")
     if not ops.WITH_CUDA:
+        assert ops.cuda_persistent() == "never"
         with pytest.raises(RuntimeError, match="set_cuda_persistent.*without its CUDA kernels"):
             ops.set_cuda_persistent(True)
         return
+    assert ops.cuda_persistent() == "auto"
     try:
-        ops.set_cuda_persistent(True)
-        assert ops.cuda_persistent()
+        for mode, name in [(True, "always"), (False, "never"), ("always", "always"),
+                           ("never", "never"), ("auto", "auto")]:
+            ops.set_cuda_persistent(mode)
+            assert ops.cuda_persistent() == name
     finally:
-        ops.set_cuda_persistent(False)
-    assert not ops.cuda_persistent()
+        ops.set_cuda_persistent("auto")
+    assert ops.cuda_persistent() == "auto"
+
+
+def test_persistent_mode_from_the_environment():
+    """RNNKERN_CUDA_PERSISTENT sets the mode at import ("0": never); a value it does
+    not know stops the import, naming the variable and what it takes."""
+    import subprocess
+    import sys
+    code = "import rnnkern.ops as o; print(o.cuda_persistent())"
+    env = dict(os.environ, RNNKERN_CUDA_PERSISTENT="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "never"  # also without the CUDA kernels
+    env["RNNKERN_CUDA_PERSISTENT"] = "on"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert ("ValueError: RNNKERN_CUDA_PERSISTENT must be one of never, auto, always, 1 or 0, "
+            "got 'on'") in done.stderr
 
 
 @pytest.fixture
 def persistent():
-    ops.set_cuda_persistent(True)
+    ops.set_cuda_persistent("always")
     yield
-    ops.set_cuda_persistent(False)
+    ops.set_cuda_persistent("auto")
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["auto", "never", "always"])
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_each_persistent_mode_matches_cudnn(cell, mode, exact_fp32):
+    """The default ("auto": the persistent kernel at this small size), the host
+    loop ("never") and "always" each match cuDNN on the same weights, float32, as
+    test_matches_cudnn_float32 asks (the other GPU tests run the default)."""
+    ops.set_cuda_persistent(mode)
+    try:
+        ours, theirs, truth = nn_parity(cell, 50, 3, 20, torch.float32)
+    finally:
+        ops.set_cuda_persistent("auto")
+    for name in truth:
+        if tolerance.close_error(ours[name], theirs[name], torch.float32) > tolerance.TOL[torch.float32]:
+            assert_as_accurate_as(ours[name], theirs[name], truth[name], what=f"{mode} {name}")
 
 
 @gpu

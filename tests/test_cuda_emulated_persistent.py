@@ -58,17 +58,41 @@ def counted(fn):
     return result, cuda_emulated.cooperative_launches() - before
 
 
-def test_off_by_default_and_switchable():
+def test_modes_and_switch():
+    """The emulated device defaults to "never" (its suite proves the host loop);
+    "always" (or True) takes the layer; a mode it does not know is refused."""
     cuda_emulated.set_persistent(False)
-    assert not cuda_emulated.persistent()
+    assert cuda_emulated.persistent() == "never"
     args = recurrence_inputs("lstm", 3, 2, 5)
     _, n = counted(lambda: run_recurrence(EMU, "lstm", args))
     assert n == 0
     cuda_emulated.set_persistent(True)
+    assert cuda_emulated.persistent() == "always"
     got, n = counted(lambda: run_recurrence(EMU, "lstm", args))  # inference: no workspace
     assert n == 1
     for a, b in zip(got, run_recurrence("reference", "lstm", args)):
         assert_close(a, b)
+    with pytest.raises(ValueError, match="set_persistent: mode must be one of 'never', 'auto', "
+                                         "'always' or a bool, got 2"):
+        cuda_emulated.set_persistent(2)
+
+
+# Auto's bound (csrc/cuda/params.h: kPersistentAutoStaged): B x K <= 4096 values of
+# h (forward, K = H) or da (backward, K = 4H for the LSTM) staged per step.
+@pytest.mark.parametrize("B,launches", [(128, 2), (129, 1), (512, 1), (513, 0)],
+                         ids=["both-at-the-bound", "forward-only", "forward-at-the-bound", "neither"])
+def test_auto_takes_small_batches(B, launches):
+    """"auto" runs the persistent kernel for a phase exactly when B x K <= 4096:
+    LSTM H=8, forward K=8 (B <= 512), backward K=32 (B <= 128); the phase it
+    declines runs the host loop, and either way the values are the reference's."""
+    cuda_emulated.set_persistent("auto")
+    assert cuda_emulated.persistent() == "auto"
+    args = recurrence_inputs("lstm", 3, B, 8, requires_grad=True, key=("persistent-auto", B))
+    want = outputs_and_grads("reference", "lstm", args, key=("auto", B))
+    got, n = counted(lambda: outputs_and_grads(EMU, "lstm", args, key=("auto", B)))
+    assert n == launches
+    for name in want:
+        assert_close(got[name], want[name], what=name)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -179,13 +203,16 @@ def test_every_thread_order(cell, order):
         assert_close(got[name], want[name], what=f"{order} {name}")
 
 
+@pytest.mark.parametrize("H", [24, 13], ids=["H24-chunks", "H13-elements"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("cell", PERSISTENT_CELLS)
-def test_lower_precisions(cell, dtype):
+def test_lower_precisions(cell, dtype, H):
     """float32 within its tolerance of the float64 reference; half types no worse
-    than the reference's own error in that dtype (products accumulated in float32)."""
-    T, B, H = 7, 5, 24
+    than the reference's own error in that dtype (products accumulated in float32).
+    H=24 stages h in 16-byte chunks (float32's into rows of an odd word stride,
+    element by element), H=13 element by element (rows not a multiple of 16 bytes)."""
+    T, B = 7, 5
     lengths = torch.tensor([7, 5, 0, 3, 1])
     args = recurrence_inputs(cell, T, B, H, dtype=dtype, key=("persistent-low",))
     a = {k: None if v is None else v.requires_grad_() for k, v in args.items()}

@@ -15,11 +15,13 @@ torch       torch.nn     torch.nn.LSTM / GRU / RNN: cuDNN on GPU, oneDNN / ATen 
                          The baseline: always run, every ratio is against it.
 cpu         rnnkern-cpu  rnnkern's module with backend="cpu" (C++ kernels, csrc/cpu)
 cuda        rnnkern-cuda rnnkern's module with backend="cuda" (CUDA kernels, csrc/cuda)
-persistent  rnnkern-persistent  backend="cuda" with the persistent kernels enabled for
-                         its calls (csrc/cuda/persistent.cuh, opt-in until timed on a GPU);
+persistent  rnnkern-persistent  backend="cuda" with the persistent kernels taking every
+                         layer they fit (csrc/cuda/persistent.cuh, mode "always"; the
+                         cuda candidate runs the default "auto": small batches only);
                          forward only: the backward runs after the layer call returns.
-                         Both phases: RNNKERN_CUDA_PERSISTENT=1 for the whole run (then
-                         the "cuda" candidate is the persistent one)
+                         Both phases: RNNKERN_CUDA_PERSISTENT=always for the whole run
+                         (then the "cuda" candidate is the persistent one;
+                         RNNKERN_CUDA_PERSISTENT=never: the host loop)
 triton      rnnkern-triton  rnnkern's module with backend="triton"
 auto        rnnkern-auto rnnkern's module with backend="auto": what a user gets by default,
                          torch.nn's forward or rnnkern's kernels as rnnkern/auto.py chooses
@@ -64,7 +66,7 @@ CANDIDATES = {
     "persistent": Candidate("persistent", "rnnkern-persistent", _rnnkern_unavailable("cuda"), _no_skip,
                             _build_persistent, ("forward",),
                             "forward only: its backward runs outside the layer call (time both phases "
-                            "with RNNKERN_CUDA_PERSISTENT=1 and the cuda candidate)"),
+                            "with RNNKERN_CUDA_PERSISTENT=always and the cuda candidate)"),
     "triton": Candidate("triton", "rnnkern-triton", _rnnkern_unavailable("triton"), _no_skip,
                         _build_rnnkern("triton")),
     "auto": Candidate("auto", "rnnkern-auto", _always, _no_skip, _build_rnnkern("auto")),

@@ -37,14 +37,15 @@ def _build_rnnkern(backend):
 
 
 def _build_persistent(case, src, device):
-    """backend="cuda" with the persistent kernels enabled for this layer's calls
-    (rnnkern.ops.set_cuda_persistent; the layers they do not take run the host loop)."""
+    """backend="cuda" with the persistent kernels taking every layer they fit for
+    this layer's calls (rnnkern.ops.set_cuda_persistent("always"); the layers they
+    do not take run the host loop)."""
     built = case_module(1, src, case, device, case.torch_dtype, backend="cuda")
     inner = built.layer
 
     def layer(*args):
         before = rnnkern.ops.cuda_persistent()
-        rnnkern.ops.set_cuda_persistent(True)
+        rnnkern.ops.set_cuda_persistent("always")
         try:
             return inner(*args)
         finally:

@@ -12,6 +12,7 @@
 // ATen's per-operator headers rather than ATen/ATen.h: a third of the compile time.
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -21,29 +22,43 @@
 namespace rnnkern::cuda {
 namespace {
 
-// Whether the persistent kernels may run (Context::persistent), process-wide.
-bool g_persistent = false;
+// When the persistent kernels run (Context::persistent), process-wide.
+PersistentMode g_persistent = PersistentMode::Auto;
 
-PyObject* set_cuda_persistent(PyObject*, PyObject* enabled) {
-  const int v = PyObject_IsTrue(enabled);
-  if (v < 0) return nullptr;
-  g_persistent = v != 0;
+// mode: 0 never, 1 auto, 2 always (rnnkern.ops.set_cuda_persistent names them).
+PyObject* set_cuda_persistent(PyObject*, PyObject* mode) {
+  const long v = PyLong_AsLong(mode);
+  if (v == -1 && PyErr_Occurred()) return nullptr;
+  if (v < 0 || v > 2) {
+    PyErr_Format(PyExc_ValueError, "set_cuda_persistent: mode must be 0, 1 or 2, got %ld", v);
+    return nullptr;
+  }
+  g_persistent = static_cast<PersistentMode>(v);
   Py_RETURN_NONE;
 }
 
-PyObject* cuda_persistent(PyObject*, PyObject*) { return PyBool_FromLong(g_persistent); }
+PyObject* cuda_persistent(PyObject*, PyObject*) { return PyLong_FromLong(long(g_persistent)); }
 
 const ModuleFunctions functions({
     {"set_cuda_persistent", set_cuda_persistent, METH_O,
-     "Whether the CUDA backend's persistent kernels take the layers they fit (off by default)."},
+     "When the CUDA backend's persistent kernels take the layers they fit: 0 never, 1 auto "
+     "(the default), 2 always."},
     {"cuda_persistent", cuda_persistent, METH_NOARGS,
-     "Whether the CUDA backend's persistent kernels are enabled."},
+     "The persistent kernels' mode: 0 never, 1 auto, 2 always."},
 });
+
+// Whether `stream` is capturing a CUDA graph.
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
 
 struct CudaDevice {
   static Context context() {
-    return Context{at::cuda::getCurrentCUDAStream().stream(), at::cuda::getCurrentCUDABlasHandle(),
-                   at::globalContext().allowTF32CuBLAS(), g_persistent};
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+    return Context{stream, at::cuda::getCurrentCUDABlasHandle(), at::globalContext().allowTF32CuBLAS(),
+                   g_persistent, g_persistent == PersistentMode::Auto && capturing(stream)};
   }
   static void check_device(const char* op, const Tensor& t) {
     TORCH_CHECK_VALUE(t.is_cuda(), op, ": expected CUDA tensors, got ", t.device());

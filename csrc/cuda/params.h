@@ -33,17 +33,49 @@
 
 namespace rnnkern::cuda {
 
+// When the persistent kernels (persistent.cuh) take the layers they fit.
+//   Never:  the host loop always.
+//   Auto:   (the default) within the sizes where their measured time per step
+//           stays under the host loop's fastest: see persistent_chosen.
+//   Always: every layer they fit (for timing them: RNNKERN_CUDA_PERSISTENT=always).
+enum class PersistentMode : int { Never = 0, Auto = 1, Always = 2 };
+
 // Where and how to launch: the current stream, ATen's cuBLAS handle (bound to
 // that stream, with its graph-safe workspace), and whether float GEMMs may
-// use TF32 (torch.backends.cuda.matmul.allow_tf32); whether the persistent
-// kernels (persistent.cuh) may take the layers they fit -- off unless asked
-// for (rnnkern.ops.set_cuda_persistent) until a GPU has timed them.
+// use TF32 (torch.backends.cuda.matmul.allow_tf32); when the persistent kernels
+// run (rnnkern.ops.set_cuda_persistent), and whether the stream is capturing a
+// CUDA graph (no GPU has replayed a captured cooperative launch yet: Auto keeps
+// the host loop there).
 struct Context {
   cudaStream_t stream;
   cublasHandle_t blas;
   bool allow_tf32;
-  bool persistent = false;
+  PersistentMode persistent = PersistentMode::Auto;
+  bool capturing = false;
 };
+
+// Auto's bound on the values of h_{t-1} (forward: B x P) or da_{t+1} (backward:
+// B x da_width) that the persistent kernel stages per step: 16 per thread of a
+// CTA.  The H100 timed the kernel at 3.4 us a step plus 0.26 us per value a
+// thread staged, one at a time (bench/results/gpu-h100-2026-11-27-session5):
+// faster than the host loop at every B=1 size (2.7-7.0x, at most 4 values a
+// thread; T=1024 H=256, every cell and dtype), slower from 48 on (B=16 H=768),
+// while the host loop never took less than 10.2 us a step in any size timed
+// (sessions 4 and 5).  Within the bound that model gives at most 3.4 + 16 x 0.26
+// = 7.6 us.  Staging has become cheaper since (16-byte loads, 8 in flight), so
+// the bound errs on the host loop's side until a GPU times the kernel past it.
+constexpr int64_t kPersistentAutoStaged = 16 * 256;
+
+// Whether the persistent kernel is to be tried for a layer of B rows staging K
+// values a row per step (it still declines what does not fit).
+inline bool persistent_chosen(const Context& ctx, int64_t B, int64_t K) {
+  switch (ctx.persistent) {
+    case PersistentMode::Never: return false;
+    case PersistentMode::Always: return true;
+    case PersistentMode::Auto: return !ctx.capturing && B * K <= kPersistentAutoStaged;
+  }
+  return false;
+}
 
 // recurrence (one layer, one direction).  G = gate_count(cell), W = workspace_width(cell).
 struct RecurrenceForwardParams {

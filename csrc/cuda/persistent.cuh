@@ -39,11 +39,12 @@
 // reduction over all of a row's units: they stay on the host loop, as does
 // any size whose slice of W does not fit one SM's shared memory or whose grid
 // cannot be co-resident (the host asks the occupancy API; it never launches a
-// grid that cannot be).  Selected only when the context allows it
-// (Context::persistent): it has not been timed on a GPU yet.
+// grid that cannot be).  Tried where the context's mode chooses it (params.h:
+// persistent_chosen; by default small batches, where the H100 timed it faster).
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cstring>
 #include <mma.h>
 
 #include "pointwise_backward.cuh"
@@ -241,12 +242,99 @@ __device__ __forceinline__ acc_t<S> persistent_result(const acc_t<S>* part, int 
   return sum;
 }
 
-// Stages rows [b0, b0 + nb) of a [B, K] array (S) into x (row stride ld).
+// 16 bytes moved as one load and one store (a global load of 128 bits).
+struct alignas(16) Chunk16 {
+  uint32_t word[4];
+};
+
+// A chunk's bytes from / to 16-byte aligned memory holding S values: one vector
+// access on the GPU; memcpy in the emulated device's host compilation, where
+// reading S objects through a Chunk16 would break C++'s aliasing rules.
+__device__ __forceinline__ Chunk16 load_chunk(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return *static_cast<const Chunk16*>(p);
+#else
+  Chunk16 c;
+  std::memcpy(&c, p, sizeof(c));
+  return c;
+#endif
+}
+
+__device__ __forceinline__ void store_chunk(void* p, const Chunk16& c) {
+#if defined(__CUDA_ARCH__)
+  *static_cast<Chunk16*>(p) = c;
+#else
+  std::memcpy(p, &c, sizeof(c));
+#endif
+}
+
+// The chunk's q-th S value.
+template <typename S>
+__device__ __forceinline__ S chunk_element(const Chunk16& c, int q) {
+#if defined(__CUDA_ARCH__)
+  return reinterpret_cast<const S*>(&c)[q];
+#else
+  S v;
+  std::memcpy(&v, reinterpret_cast<const unsigned char*>(&c) + q * sizeof(S), sizeof(S));
+  return v;
+#endif
+}
+
+// Loads a thread keeps in flight while staging.  Staging is latency-bound: with
+// one load at a time, each waiting an L2 round trip (~0.26 us on the H100, 8 warps
+// an SM to hide it), a step cost 0.26 us per element a thread staged -- 70 us at
+// B=64 H=1024 (bench/results/gpu-h100-2026-11-27-session5).  16-byte chunks, 8 in
+// flight: one round trip per 64 half-type elements a thread, not per one.
+constexpr int kStageDepth = 8;
+
+// Stages rows [b0, b0 + nb) of a [B, K] array (S) into x (row stride ld): in
+// 16-byte chunks where the rows allow it (K * sizeof(S) a multiple of 16 and the
+// first row 16-byte aligned), elements otherwise; stored as chunks where x's rows
+// are 16-byte aligned too (the half types' layout), element by element otherwise
+// (float32's odd word stride).  Plain coherent loads: other CTAs wrote `rows`
+// before the grid barrier.
 template <typename S>
 __device__ void persistent_stage(S* x, const S* rows, int64_t b0, int nb, int K, int ld) {
-  for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
-    const int r = i / K, k = i - r * K;
-    x[r * ld + k] = rows[(b0 + r) * K + k];
+  constexpr int V = int(sizeof(Chunk16) / sizeof(S));
+  const S* src = rows + b0 * K;
+  const int stride = int(blockDim.x);
+  if (K % V == 0 && reinterpret_cast<uintptr_t>(src) % sizeof(Chunk16) == 0) {
+    const int per_row = K / V, n = nb * per_row;
+    const bool aligned_rows = (int64_t(ld) * int64_t(sizeof(S))) % int64_t(sizeof(Chunk16)) == 0;
+    for (int base = threadIdx.x; base < n; base += kStageDepth * stride) {
+      Chunk16 v[kStageDepth];
+#pragma unroll
+      for (int d = 0; d < kStageDepth; ++d)
+        if (base + d * stride < n) v[d] = load_chunk(src + int64_t(base + d * stride) * V);
+#pragma unroll
+      for (int d = 0; d < kStageDepth; ++d) {
+        const int i = base + d * stride;
+        if (i >= n) break;
+        const int r = i / per_row;
+        S* dst = x + r * ld + (i - r * per_row) * V;
+        if (aligned_rows) {
+          store_chunk(dst, v[d]);
+        } else {
+#pragma unroll
+          for (int q = 0; q < V; ++q) dst[q] = chunk_element<S>(v[d], q);
+        }
+      }
+    }
+  } else {
+    const int n = nb * K;
+    for (int base = threadIdx.x; base < n; base += kStageDepth * stride) {
+      S v[kStageDepth];
+#pragma unroll
+      for (int d = 0; d < kStageDepth; ++d)
+        if (base + d * stride < n) v[d] = src[base + d * stride];
+#pragma unroll
+      for (int d = 0; d < kStageDepth; ++d) {
+        const int i = base + d * stride;
+        if (i >= n) break;
+        const int r = i / K;
+        x[r * ld + (i - r * K)] = v[d];
+      }
+    }
   }
 }
 

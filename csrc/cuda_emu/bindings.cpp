@@ -27,7 +27,9 @@ int grid_exchange_blocks(int threads, int per_block);
 namespace {
 
 int g_arch = 900;  // the architecture whose step kernel runs (900 or 700)
-bool g_persistent = false;  // Context::persistent
+// Context::persistent: Never unless a test asks (the emulated suite proves the host loop;
+// tests/test_cuda_emulated_persistent.py the persistent kernels and Auto's rule).
+cuda::PersistentMode g_persistent = cuda::PersistentMode::Never;
 
 // Any non-null handle: the emulated cuBLAS checks it is set.
 struct BlasHandleTag {} g_blas_handle;
@@ -113,9 +115,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("set_arch", &rnnkern::cuda_emu::set_arch,
              "Architecture of the step kernel: 900 (WMMA for half types) or 700 (FMA)");
   module.def("arch", [] { return rnnkern::cuda_emu::g_arch; });
-  module.def("set_persistent", [](bool on) { rnnkern::cuda_emu::g_persistent = on; },
-             "Whether the persistent kernels (csrc/cuda/persistent.cuh) take the layers they fit");
-  module.def("persistent", [] { return rnnkern::cuda_emu::g_persistent; });
+  module.def("set_persistent",
+             [](int mode) {
+               TORCH_CHECK_VALUE(0 <= mode && mode <= 2, "set_persistent: mode must be 0, 1 or 2, got ",
+                                 mode);
+               rnnkern::cuda_emu::g_persistent = static_cast<rnnkern::cuda::PersistentMode>(mode);
+             },
+             "When the persistent kernels (csrc/cuda/persistent.cuh) take the layers they fit: "
+             "0 never (the default here), 1 auto (the real device's default), 2 always");
+  module.def("persistent", [] { return int(rnnkern::cuda_emu::g_persistent); });
   module.def("cooperative_launches", &rnnkern::emu::cooperative_launches,
              "Cooperative launches on the emulator so far");
   module.def("launches", &rnnkern::emu::launches, "Kernels launched on the emulator so far");
