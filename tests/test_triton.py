@@ -330,6 +330,34 @@ def test_kernels_compile_for_sm90():
     assert "lstm+options" in done.stdout and "lstm_ln+options" in done.stdout, done.stdout
 
 
+def test_autotune_keys_hold_the_batch_class():
+    """Every autotuned kernel keys its configuration on the batch's class too
+    (B rounded up to a power of two, at most 256: issue 26), so a BLOCK_B tuned at
+    one batch size does not stick to another, and B_CLASS is not specialised (an
+    unused argument must not multiply the compiled variants)."""
+    import inspect
+    import re
+
+    import triton
+
+    from rnnkern.triton import tuning
+    from rnnkern.triton.step import backward as step_backward, forward as step_forward
+    assert [tuning.batch_class(b) for b in (0, 1, 2, 3, 5, 16, 17, 200, 256, 5000)] == \
+        [1, 1, 2, 4, 8, 16, 32, 256, 256, 256]
+    tuned = [k for m in (sequence, step_forward, step_backward) for k in vars(m).values()
+             if isinstance(k, triton.runtime.Autotuner)]
+    assert len(tuned) == 12
+    # The jit decorators' arguments, read from the source (the interpreter's
+    # functions do not keep them).
+    not_specialised = {name: args for m in (sequence, step_forward, step_backward)
+                       for args, name in re.findall(r"@triton\.jit\(do_not_specialize=\[([^\]]*)\]\)\n"
+                                                    r"def (\w+)\(", inspect.getsource(m))}
+    for kernel in tuned:
+        name = kernel.fn.__name__
+        assert "B_CLASS" in kernel.keys, name
+        assert '"B_CLASS"' in not_specialised.get(name, ""), name
+
+
 # ------------- the step options and the LayerNorm cell, both paths ----
 
 def options_on_device(tensors, consts):

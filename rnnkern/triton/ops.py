@@ -47,7 +47,7 @@ from . import sequence, step as step_kernels
 from .cells import CELL_IDS
 from .checks import check_recurrence, check_recurrence_backward, check_step, check_step_backward
 from .sequence import block_size, fits_on_chip, loop_compiles
-from .tuning import INTERPRET
+from .tuning import INTERPRET, batch_class
 
 NAMESPACE = "rnnkern_triton"
 PATHS = ("auto", "loop", "step")
@@ -210,7 +210,7 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
             ln if ln is not None else dummy, rh, rc if has_c else dummy, output, h_n,
             c_n if has_c else dummy, ws if train else dummy, T, B, H, P, *opt.strides,
             BLOCK_H=block_size(H), BLOCK_P=block_size(P), HAS_RESET_STATE=reset_h is not None,
-            **flags)
+            **flags, B_CLASS=batch_class(B))
     else:
         _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, *args, ln, output, h_n, c_n, ws,
                           T, B, H, P, rh, rc)
@@ -252,24 +252,25 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
     for s in range(T):
         if cell == "lstm_ln":
             step_kernels.ln_projections_kernel[_grid(B, H)](
-                dummy, dummy, h[0], w_hh, dummy, hr, B, 0, H, HAS_X=False, **k.consts)
+                dummy, dummy, h[0], w_hh, dummy, hr, B, 0, H, HAS_X=False, **k.consts,
+                B_CLASS=batch_class(B))
             step_kernels.lstm_ln_forward_kernel[_loop_grid(B)](
                 xproj, hr, h[0], c[0], b_ih, b_hh, ln, lens, output, h[1], c[1], ws_, tmp,
-                rh, rc, *options, s, T, B, H, *opt.strides, **row_flags)
+                rh, rc, *options, s, T, B, H, *opt.strides, **row_flags, B_CLASS=batch_class(B))
         else:
             step_kernels.gates_forward_kernel[_grid(B, H)](
                 dummy, dummy, xproj, h[0], c[0], w_hh, b_ih, b_hh, lens,
                 output, h[1], c[1], ws_, aux, rh, rc_, *options, s, T, B, 0, H, P,
-                *opt.strides, HAS_X=False, STORE_STATE=True, **flags)
+                *opt.strides, HAS_X=False, STORE_STATE=True, **flags, B_CLASS=batch_class(B))
         if rb:
             step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
                 aux, h[0], w_hh, b_hh, lens, output, h[1], ws_, rh, *options, s, T, B, H,
                 *opt.strides, HAS_B_HH=flags["HAS_B_HH"], TRAIN=flags["TRAIN"],
-                STORE_STATE=True, **common)
+                STORE_STATE=True, **common, B_CLASS=batch_class(B))
         if proj:
             step_kernels.projection_forward_kernel[_grid(B, P)](
                 aux, w_hr, h[0], lens, output, h[1], rh, *options, s, T, B, H, P, *opt.strides,
-                **common)
+                **common, B_CLASS=batch_class(B))
         h.reverse()
         c.reverse()
     h_n.copy_(h[0])
@@ -336,7 +337,8 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                 ln if ln is not None else dummy, rh, rc if has_c else dummy, dx, grad_h0,
                 grad_c0 if has_c else dummy, grad_rh if own_reset else dummy,
                 grad_rc if own_reset and has_c else dummy, *extras, T, B, H, P, *opt.strides,
-                BLOCK_H=block_size(H), BLOCK_P=block_size(P), HAS_RESET_STATE=own_reset, **flags)
+                BLOCK_H=block_size(H), BLOCK_P=block_size(P), HAS_RESET_STATE=own_reset, **flags,
+                B_CLASS=batch_class(B))
         else:
             _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
                                w_hr, ln, output, workspace, lens, dx, grad_h0, grad_c0, *extras,
@@ -398,24 +400,26 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
         if proj:
             step_kernels.projection_backward_kernel[_grid(B, P)](
                 grad_output, dh[0], da_next, w_hh, lens_, dh_tot, dh[1], dh_tot_all, *options,
-                *dh0, s, T, B, H, P, *opt.strides, HAS_NEXT=has_next, **opt.flags, **common)
+                *dh0, s, T, B, H, P, *opt.strides, HAS_NEXT=has_next, **opt.flags, **common,
+                B_CLASS=batch_class(B))
         step_kernels.gates_backward_kernel[_grid(B, H)](
             grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h_start,
             c_start if has_c else dummy,
             lens_, dh_tot, w_hr if proj else dummy,
             dx, da_now, dh_mid if rb else dh[1], dc[1], dn, aux_all_, *options, ln_, da_all_,
             *dh0, *dc0, s, T, B, H, P, *opt.strides, HAS_GOUT=True, HAS_NEXT=has_next,
-            **flags)
+            **flags, B_CLASS=batch_class(B))
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
                 dn, w_hh, ws, output, h_start, lens_, dh_mid, dx, da_now, dh[1], aux_all_,
-                opt.p_resets, s, T, B, H, HAS_RESETS=resets, **common)
+                opt.p_resets, s, T, B, H, HAS_RESETS=resets, **common, B_CLASS=batch_class(B))
         if cell == "lstm_ln":
             step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
                 ws, aux_all_, da_all_, dc[0], c_start, ln, lens_, *options, dx, da_now, dhr_all_,
                 dc[1],
                 *dc0, s, T, B, H, *opt.strides, WS=k.WS, ACC=k.consts["ACC"],
-                HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **opt.flags)
+                HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **opt.flags,
+                B_CLASS=batch_class(B))
         dh.reverse()
         dc.reverse()
         if resets:
@@ -430,7 +434,8 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
         dh[0] += dh0[0]
     # grad_h0 = dh + dA_0 W_hh (the GEMM part of the carry at the first step).
     step_kernels.input_grad_kernel[_input_grad_grid(B, 0, P)](
-        dummy, dummy, da[0], w_hh, dh[0], dummy, grad_h0, B, 0, GH, DA, P, **k.consts)
+        dummy, dummy, da[0], w_hh, dh[0], dummy, grad_h0, B, 0, GH, DA, P, **k.consts,
+        B_CLASS=batch_class(B))
     if has_c:
         grad_c0.copy_(dc[0] + dc0[0] if resets and not own_reset else dc[0])
 
@@ -539,11 +544,12 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
         hr = torch.empty((B, 4 * H), dtype=k.acc, device=x.device)
         tmp = torch.empty((B, 2 * H), dtype=k.acc, device=x.device)
         step_kernels.ln_projections_kernel[_grid(B, H)](
-            x, w_ih, h, w_hh, xr, hr, B, I, H, HAS_X=True, **k.consts)
+            x, w_ih, h, w_hh, xr, hr, B, I, H, HAS_X=True, **k.consts, B_CLASS=batch_class(B))
         step_kernels.lstm_ln_forward_kernel[_loop_grid(B)](
             xr, hr, h, c, b_ih_, b_hh_, ln, dummy, h_new, dummy, c_new, ws, tmp, dummy, dummy,
             dummy, dummy, 0, 1, B, H, 0, 0, 0, WS=k.WS, HAS_B_IH=b_ih is not None,
-            HAS_B_HH=b_hh is not None, TRAIN=True, STORE_STATE=False, ACC=k.consts["ACC"], **off)
+            HAS_B_HH=b_hh is not None, TRAIN=True, STORE_STATE=False, ACC=k.consts["ACC"], **off,
+            B_CLASS=batch_class(B))
         return h_new.to(dtype), c_new.to(dtype), ws
     aux = torch.empty((B, 4 * H), dtype=k.acc, device=x.device) if rb else dummy
     flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.WS, HAS_B_IH=b_ih is not None,
@@ -552,11 +558,12 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
         x, w_ih, dummy, h, c if has_c else dummy, w_hh, b_ih_, b_hh_,
         dummy, h_new, dummy, c_new if has_c else dummy, ws if k.WS else dummy, aux,
         dummy, dummy, dummy, dummy, 0, 1, B, I, H, H, 0, 0, 0,
-        HAS_X=True, STORE_STATE=False, **flags)
+        HAS_X=True, STORE_STATE=False, **flags, B_CLASS=batch_class(B))
     if rb:
         step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
             aux, h, w_hh, b_hh_, dummy, h_new, dummy, ws, dummy, dummy, dummy, 0, 1, B, H, 0, 0, 0,
-            HAS_B_HH=b_hh is not None, TRAIN=True, STORE_STATE=False, **off, **k.consts)
+            HAS_B_HH=b_hh is not None, TRAIN=True, STORE_STATE=False, **off, **k.consts,
+            B_CLASS=batch_class(B))
     return h_new.to(dtype), c_new.to(dtype), ws
 
 
@@ -601,18 +608,20 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
             dx, da, dh_mid if rb else dh, grad_c if has_c else dummy, dn,
             aux_all if aux_all is not None else dummy, dummy, dummy,
             ln if ln is not None else dummy, da_all if ln_cell else dummy, dummy, dummy, dummy,
-            dummy, 0, 1, B, H, H, 0, 0, 0, **flags)
+            dummy, 0, 1, B, H, H, 0, 0, 0, **flags, B_CLASS=batch_class(B))
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
                 dn, w_hh, workspace, h_new, h, dummy, dh_mid, dx, da, dh, aux_all, dummy,
-                0, 1, B, H, HAS_LENGTHS=False, REVERSE=False, HAS_RESETS=False, **k.consts)
+                0, 1, B, H, HAS_LENGTHS=False, REVERSE=False, HAS_RESETS=False, **k.consts,
+                B_CLASS=batch_class(B))
         if ln_cell:  # da: the gradient of h W_hh^T before its layer norm (also dhr_all, T = 1)
             step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
                 workspace, aux_all, da_all, grad_c_new, c, ln, dummy, dummy, dummy, dx, da, da,
-                grad_c, dummy, dummy, 0, 1, B, H, 0, 0, 0, WS=k.WS, ACC=k.consts["ACC"], **off)
+                grad_c, dummy, dummy, 0, 1, B, H, 0, 0, 0, WS=k.WS, ACC=k.consts["ACC"], **off,
+                B_CLASS=batch_class(B))
         # [grad_x | grad_h] = [dx W_ih | dh + dA W_hh], one launch.
         step_kernels.input_grad_kernel[_input_grad_grid(B, I, H)](
-            dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts)
+            dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts, B_CLASS=batch_class(B))
     xa, ha = x.to(k.acc), h.to(k.acc)
     grad_w_ih = dx.t() @ xa
     grad_ln = _empty(x)

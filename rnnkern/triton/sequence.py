@@ -76,13 +76,13 @@ def fits_on_chip(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool = Fal
     return on_chip_bytes(cell, H, P, dtype, proj) <= ON_CHIP_BYTES
 
 
-@triton.autotune(configs=loop_configs(), key=["CELL", "H", "P"])
-@triton.jit(do_not_specialize=["T"])
+@triton.autotune(configs=loop_configs(), key=["CELL", "H", "P", "B_CLASS"])
+@triton.jit(do_not_specialize=["T", "B_CLASS"])
 def forward_loop_kernel(
         p_xproj, p_h0, p_c0, p_w_hh, p_b_ih, p_b_hh, p_w_hr, p_len, p_resets, p_zo, p_ln,
         p_rh, p_rc, p_out, p_h_n, p_c_n, p_ws,
         T, B, H, P, s_zt, s_zb, s_zu,
-        CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr,
+        B_CLASS, CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr,
         HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_PROJ: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, TRAIN: tl.constexpr,
         HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, HAS_RESET_STATE: tl.constexpr,
@@ -281,14 +281,14 @@ def forward_loop_kernel(
         store_rows(p_c_n, row_b, H, o_h, m_bh, b_c)
 
 
-@triton.autotune(configs=loop_configs(), key=["CELL", "H", "P"])
-@triton.jit(do_not_specialize=["T"])
+@triton.autotune(configs=loop_configs(), key=["CELL", "H", "P", "B_CLASS"])
+@triton.jit(do_not_specialize=["T", "B_CLASS"])
 def backward_loop_kernel(
         p_gout, p_dh_n, p_dc_n, p_h0, p_c0, p_w_hh, p_w_hr, p_out, p_ws, p_len, p_resets, p_zo,
         p_ln, p_rh, p_rc, p_dx, p_dh0, p_dc0, p_drh, p_drc, p_aux_all, p_dh_tot_all, p_da_all,
         p_dhr_all,
         T, B, H, P, s_zt, s_zb, s_zu,
-        CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_PROJ: tl.constexpr,
+        B_CLASS, CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_PROJ: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
         HAS_ZONEOUT: tl.constexpr, HAS_RESET_STATE: tl.constexpr, ACC: tl.constexpr,
         DOT: tl.constexpr,

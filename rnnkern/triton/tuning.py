@@ -40,6 +40,17 @@ check_interpreter_versions()
 MIN_DOT = 16
 
 
+def batch_class(B: int) -> int:
+    """The autotuners' key for the batch (every autotuned kernel's B_CLASS):
+    B rounded up to a power of two, at most 256.  The best BLOCK_B depends on it
+    (at B=4 a 64-row tile computes 60 padding rows, at B=256 a 16-row one
+    launches 16 programs where 4 would do), so a configuration tuned at one
+    batch size does not stick to another; rounding keeps a run of changing
+    batch sizes (RL rollouts, the last short batch of an epoch) from re-tuning
+    at each."""
+    return min(1 << max(B - 1, 0).bit_length(), 256)
+
+
 def step_configs():
     """Per-step kernels: tiles of BLOCK_B rows x BLOCK_H units, K in BLOCK_K steps."""
     if INTERPRET:

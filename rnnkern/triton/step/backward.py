@@ -21,14 +21,14 @@ from ..tuning import row_configs, step_configs
 from .tile import carry_past_reset, next_resets, start_state_rows, step_rows, step_tile
 
 
-@triton.autotune(configs=step_configs(), key=["CELL", "H", "P"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=step_configs(), key=["CELL", "H", "P", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def gates_backward_kernel(
         p_gout, p_dh, p_da_next, p_w_hh, p_dc, p_ws, p_out, p_h0, p_c0, p_len, p_dh_tot, p_w_hr,
         p_dx, p_da, p_dh_out, p_dc_out, p_aux, p_aux_all, p_resets, p_zo, p_ln, p_da_all,
         p_dh0_in, p_dh0_out, p_dc0_in, p_dc0_out,
         s, T, B, H, P, s_zt, s_zb, s_zu,
-        CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_GOUT: tl.constexpr,
+        B_CLASS, CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_GOUT: tl.constexpr,
         HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
         HAS_PROJ: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
         ACC: tl.constexpr, DOT: tl.constexpr,
@@ -191,12 +191,12 @@ def gates_backward_kernel(
                  mask=m)
 
 
-@triton.autotune(configs=step_configs(), key=["H"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=step_configs(), key=["H", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def gru_rb_reset_kernel(
         p_aux, p_w_hh, p_ws, p_out, p_h0, p_len, p_dh, p_dx, p_da, p_dh_out, p_aux_all, p_resets,
         s, T, B, H,
-        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        B_CLASS, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
         ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Reset-before GRU, backward stage 2 of step s: drh = dn W_hn from the dn of
@@ -225,13 +225,13 @@ def gru_rb_reset_kernel(
     tl.store(p_dh_out + o_bh, tl.where(act, dh + dh_prev, dh).to(p_dh_out.dtype.element_ty), mask=m)
 
 
-@triton.autotune(configs=step_configs(), key=["H", "P"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=step_configs(), key=["H", "P", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def projection_backward_kernel(
         p_gout, p_dh, p_da_next, p_w_hh, p_len, p_dh_tot, p_dh_out, p_dh_tot_all, p_resets, p_zo,
         p_dh0_in, p_dh0_out,
         s, T, B, H, P, s_zt, s_zb, s_zu,
-        HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        B_CLASS, HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
         HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """LSTM with projection, step s, for a tile of rows x outputs (BLOCK_H of
@@ -265,13 +265,13 @@ def projection_backward_kernel(
     tl.store(p_dh_out + o_bp, tl.where(act, direct, carry).to(p_dh_out.dtype.element_ty), mask=m)
 
 
-@triton.autotune(configs=row_configs(), key=["H"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=row_configs(), key=["H", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def lstm_ln_backward_kernel(
         p_ws, p_dy_all, p_da_all, p_dc, p_c0, p_ln, p_len, p_resets, p_zo,
         p_dx, p_dhr, p_dhr_all, p_dc_out, p_dc0_in, p_dc0_out,
         s, T, B, H, s_zt, s_zb, s_zu,
-        WS: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        B_CLASS, WS: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
         HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
     """LSTM-LN, backward stage 2 of step s, for BLOCK_B whole rows (the units in
@@ -392,12 +392,12 @@ def lstm_ln_backward_kernel(
             tl.store(p_dhr + o_bu + k * H, dhr.to(p_dhr.dtype.element_ty), mask=m)
 
 
-@triton.autotune(configs=step_configs(), key=["I", "GH", "P"])
-@triton.jit
+@triton.autotune(configs=step_configs(), key=["I", "GH", "P", "B_CLASS"])
+@triton.jit(do_not_specialize=["B_CLASS"])
 def input_grad_kernel(
         p_dx, p_w_ih, p_da, p_w_hh, p_dh, p_gx, p_gh,
         B, I, GH, DA, P,
-        ACC: tl.constexpr, DOT: tl.constexpr,
+        B_CLASS, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """The transposed product of the step, one GEMM over the concatenated N:
     ``[grad_x | grad_h] = [dx W_ih | dh + dA W_hh]`` for a tile of rows x

@@ -12,13 +12,13 @@ from ..tuning import row_configs, step_configs
 from .tile import next_resets, step_rows, step_tile, store_next_state
 
 
-@triton.autotune(configs=step_configs(), key=["CELL", "I", "H", "P", "HAS_X"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=step_configs(), key=["CELL", "I", "H", "P", "HAS_X", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def gates_forward_kernel(
         p_x, p_w_ih, p_xproj, p_h, p_c, p_w_hh, p_b_ih, p_b_hh, p_len,
         p_out, p_h_next, p_c_next, p_ws, p_aux, p_h0, p_c0, p_resets, p_zo,
         s, T, B, I, H, P, s_zt, s_zb, s_zu,
-        CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_X: tl.constexpr,
+        B_CLASS, CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_X: tl.constexpr,
         HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr,
         REVERSE: tl.constexpr, TRAIN: tl.constexpr, HAS_PROJ: tl.constexpr,
         STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
@@ -130,12 +130,12 @@ def gates_forward_kernel(
                 store_next_state(p_h_next, o_bp, m, act, h, h_prev, p_h0, nr, HAS_RESETS, ACC)
 
 
-@triton.autotune(configs=step_configs(), key=["H"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=step_configs(), key=["H", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def gru_rb_candidate_kernel(
         p_aux, p_h, p_w_hh, p_b_hh, p_len, p_out, p_h_next, p_ws, p_h0, p_resets, p_zo,
         s, T, B, H, s_zt, s_zb, s_zu,
-        HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        B_CLASS, HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
         TRAIN: tl.constexpr, STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr,
         HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -171,12 +171,12 @@ def gru_rb_candidate_kernel(
         tl.store(p_w + 2 * H, tl.where(act, n, 0.0).to(p_ws.dtype.element_ty), mask=m)
 
 
-@triton.autotune(configs=step_configs(), key=["H", "P"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=step_configs(), key=["H", "P", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def projection_forward_kernel(
         p_aux, p_w_hr, p_h, p_len, p_out, p_h_next, p_h0, p_resets, p_zo,
         s, T, B, H, P, s_zt, s_zb, s_zu,
-        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        B_CLASS, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
         HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """LSTM projection of step s for a tile of rows x outputs (BLOCK_H of the P
@@ -198,12 +198,12 @@ def projection_forward_kernel(
     store_next_state(p_h_next, o_bp, m, act, h, h_prev, p_h0, nr, HAS_RESETS, ACC)
 
 
-@triton.autotune(configs=step_configs(), key=["I", "H", "HAS_X"])
-@triton.jit
+@triton.autotune(configs=step_configs(), key=["I", "H", "HAS_X", "B_CLASS"])
+@triton.jit(do_not_specialize=["B_CLASS"])
 def ln_projections_kernel(
         p_x, p_w_ih, p_h, p_w_hh, p_xr, p_hr,
         B, I, H,
-        HAS_X: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        B_CLASS, HAS_X: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """LSTM-LN, stage 1, for a tile of rows x units of the four gates: the raw
     products hr = h [B, H] W_hh^T and, when HAS_X (the single-step op),
@@ -240,13 +240,13 @@ def ln_projections_kernel(
     tl.store(p_hr + o_r + 3 * H, acc3.to(HR_DTYPE), mask=m)
 
 
-@triton.autotune(configs=row_configs(), key=["H"])
-@triton.jit(do_not_specialize=["s", "T"])
+@triton.autotune(configs=row_configs(), key=["H", "B_CLASS"])
+@triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def lstm_ln_forward_kernel(
         p_xp, p_hr, p_h, p_c, p_b_ih, p_b_hh, p_ln, p_len, p_out, p_h_next, p_c_next, p_ws,
         p_tmp, p_h0, p_c0, p_resets, p_zo,
         s, T, B, H, s_zt, s_zb, s_zu,
-        WS: tl.constexpr, HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr,
+        B_CLASS, WS: tl.constexpr, HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, TRAIN: tl.constexpr,
         STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
         ACC: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
