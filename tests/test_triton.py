@@ -818,6 +818,34 @@ def test_gpu_gradcheck_float64(cell, proj, path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["loop", "step"])
+def test_gpu_lengths_reach_the_device_without_a_sync(path, monkeypatch):
+    """lengths, an int64 CPU tensor, go to the GPU from pinned memory without
+    waiting: after a first call (Triton's compiling and autotuning synchronise),
+    forward and backward with lengths make no synchronising call
+    (torch.cuda.set_sync_debug_mode("error") raises at one: a copy from pageable
+    memory synchronises the stream first)."""
+    monkeypatch.setattr(triton_ops, "PATH", path)
+    args = {k: None if v is None else v.float().cuda().requires_grad_()
+            for k, v in recurrence_inputs("lstm", 6, 4, 32, key=("lengths-sync",)).items()}
+    lengths = torch.tensor([6, 2, 0, 5])
+
+    def fwd_bwd():
+        out = [t for t in run_recurrence("triton", "lstm", args, lengths) if t is not None]
+        return torch.autograd.grad(sum(t.sum() for t in out), [args["xproj"], args["w_hh"]])
+
+    want = fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fwd_bwd()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(got, want):
+        assert_close(a, b, dtype=torch.float32, what="gradient")
+
+
+@pytest.mark.gpu
 def test_gpu_per_step_path_captures_in_a_cuda_graph(monkeypatch):
     """The per-step forward never synchronises with the host: it replays from a
     CUDA graph with the same result."""

@@ -140,6 +140,18 @@ def _grid(B: int, N: int):
     return lambda meta: (triton.cdiv(B, meta["BLOCK_B"]), triton.cdiv(N, meta["BLOCK_H"]))
 
 
+def _lengths_on(device: torch.device, lengths: Optional[Tensor]) -> Optional[Tensor]:
+    """`lengths` (int64, on the CPU as the ops take them) on the kernels' device:
+    from pinned memory, without waiting.  A plain .to(device) copies from pageable
+    memory, which synchronises the stream first: the host would stop queueing
+    work at every call until the GPU caught up."""
+    if lengths is None or lengths.device == device:
+        return lengths
+    if device.type == "cuda" and lengths.device.type == "cpu":
+        return lengths.pin_memory().to(device, non_blocking=True)
+    return lengths.to(device)
+
+
 def _loop_grid(B: int):
     return lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),)
 
@@ -195,7 +207,7 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
             c_n.copy_(c0)
         return output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws
 
-    lens = None if lengths is None else lengths.to(xproj.device)
+    lens = _lengths_on(xproj.device, lengths)
     dummy = xproj
     opt = _Options(resets, zoneout, dummy)
     flags = dict(CELL=CELL_IDS[cell], G=k.G, WS=k.WS, HAS_B_IH=b_ih is not None,
@@ -315,7 +327,7 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     dh_tot_all = acc_empty(T, B, P) if proj else None
     da_all = acc_empty(T, B, G * H) if ln_cell else None
     dhr_all = acc_empty(T, B, G * H) if ln_cell else None
-    lens = None if lengths is None else lengths.to(device)
+    lens = _lengths_on(device, lengths)
     opt = _Options(resets, zoneout, output)
     if T == 0 or B == 0:
         grad_h0.copy_(grad_h_n)
