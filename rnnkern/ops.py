@@ -72,10 +72,10 @@ def set_cuda_persistent(mode="auto") -> None:
     layer and direction, W_hh resident in the SMs' shared memory, instead of a
     GEMM and a pointwise launch per step.  Process-wide.
 
-    * ``"auto"`` (the default): where the H100 measured it faster than the host
-      loop -- small batches, at most 4096 values of h (da) staged per step
-      (csrc/cuda/params.h: persistent_chosen), and never while the stream
-      captures a CUDA graph;
+    * ``"auto"`` (the default): where the H100's timing puts it ahead of the host
+      loop -- small batches, at most 4096 values of h (da) staged per step, and
+      sequences of at least 32 steps (csrc/cuda/params.h: persistent_chosen) --
+      and never while the stream captures a CUDA graph;
     * ``"always"`` (or True): every layer it fits (for timing it);
     * ``"never"`` (or False): the host loop.
 

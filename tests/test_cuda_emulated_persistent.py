@@ -77,17 +77,19 @@ def test_modes_and_switch():
         cuda_emulated.set_persistent(2)
 
 
-# Auto's bound (csrc/cuda/params.h: kPersistentAutoStaged): B x K <= 4096 values of
-# h (forward, K = H) or da (backward, K = 4H for the LSTM) staged per step.
-@pytest.mark.parametrize("B,launches", [(128, 2), (129, 1), (512, 1), (513, 0)],
-                         ids=["both-at-the-bound", "forward-only", "forward-at-the-bound", "neither"])
-def test_auto_takes_small_batches(B, launches):
-    """"auto" runs the persistent kernel for a phase exactly when B x K <= 4096:
-    LSTM H=8, forward K=8 (B <= 512), backward K=32 (B <= 128); the phase it
-    declines runs the host loop, and either way the values are the reference's."""
+# Auto's bounds (csrc/cuda/params.h): B x K <= 4096 values of h (forward, K = H) or
+# da (backward, K = 4H for the LSTM) staged per step, and at least 32 steps.
+@pytest.mark.parametrize("T,B,launches", [(32, 128, 2), (32, 129, 1), (32, 512, 1), (32, 513, 0),
+                                          (31, 4, 0)],
+                         ids=["both-at-the-bound", "forward-only", "forward-at-the-bound", "neither",
+                              "too-few-steps"])
+def test_auto_takes_small_batches_of_long_sequences(T, B, launches):
+    """"auto" runs the persistent kernel for a phase exactly when B x K <= 4096 and
+    T >= 32: LSTM H=8, forward K=8 (B <= 512), backward K=32 (B <= 128); the phase
+    it declines runs the host loop, and either way the values are the reference's."""
     cuda_emulated.set_persistent("auto")
     assert cuda_emulated.persistent() == "auto"
-    args = recurrence_inputs("lstm", 3, B, 8, requires_grad=True, key=("persistent-auto", B))
+    args = recurrence_inputs("lstm", T, B, 8, requires_grad=True, key=("persistent-auto", B))
     want = outputs_and_grads("reference", "lstm", args, key=("auto", B))
     got, n = counted(lambda: outputs_and_grads(EMU, "lstm", args, key=("auto", B)))
     assert n == launches

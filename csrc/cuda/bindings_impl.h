@@ -294,7 +294,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
     }
   }
   const Tensor da = Dev::empty({B, reset_before ? 2 * H : G * H}, opt);
-  const Tensor da_other = persistent_chosen(ctx, B, da.size(1)) ? Dev::empty(da.sizes(), opt) : Tensor();
+  const Tensor da_other = persistent_chosen(ctx, T, B, da.size(1)) ? Dev::empty(da.sizes(), opt) : Tensor();
   const Tensor dhn_all = gru ? Dev::empty({T, B, H}, opt) : Tensor();
   const Tensor dn = reset_before ? Dev::empty({B, H}, opt) : Tensor();
   const Tensor drh = reset_before ? Dev::empty({B, H}, acc_opt) : Tensor();

@@ -54,25 +54,34 @@ struct Context {
   bool capturing = false;
 };
 
-// Auto's bound on the values of h_{t-1} (forward: B x P) or da_{t+1} (backward:
-// B x da_width) that the persistent kernel stages per step: 16 per thread of a
+// Auto's bounds.  Per step: the values of h_{t-1} (forward: B x P) or da_{t+1}
+// (backward: B x da_width) that the persistent kernel stages, 16 per thread of a
 // CTA.  The H100 timed the kernel at 3.4 us a step plus 0.26 us per value a
 // thread staged, one at a time (bench/results/gpu-h100-2026-11-27-session5):
 // faster than the host loop at every B=1 size (2.7-7.0x, at most 4 values a
 // thread; T=1024 H=256, every cell and dtype), slower from 48 on (B=16 H=768),
 // while the host loop never took less than 10.2 us a step in any size timed
 // (sessions 4 and 5).  Within the bound that model gives at most 3.4 + 16 x 0.26
-// = 7.6 us.  Staging has become cheaper since (16-byte loads, 8 in flight), so
-// the bound errs on the host loop's side until a GPU times the kernel past it.
+// = 7.6 us, so a step saves at least 2.6 us.  Staging has become cheaper since
+// (16-byte loads, 8 in flight), so the bound errs on the host loop's side until
+// a GPU times the kernel past it.
 constexpr int64_t kPersistentAutoStaged = 16 * 256;
+// Per call: at least 32 steps.  Only T >= 256 was timed; what the persistent
+// launch costs once (the host's attribute and occupancy queries, the
+// cooperative launch, W's slice loaded into shared memory: at most 227 KiB per
+// SM, ~10 us from HBM) was not measured apart; it is taken to stay under the
+// ~80 us that 32 steps save at the least.  Shorter calls -- an agent acting one
+// step at a time -- keep the host loop until a GPU times them.
+constexpr int64_t kPersistentAutoMinSteps = 32;
 
-// Whether the persistent kernel is to be tried for a layer of B rows staging K
-// values a row per step (it still declines what does not fit).
-inline bool persistent_chosen(const Context& ctx, int64_t B, int64_t K) {
+// Whether the persistent kernel is to be tried for a layer of T steps and B rows
+// staging K values a row per step (it still declines what does not fit).
+inline bool persistent_chosen(const Context& ctx, int64_t T, int64_t B, int64_t K) {
   switch (ctx.persistent) {
     case PersistentMode::Never: return false;
     case PersistentMode::Always: return true;
-    case PersistentMode::Auto: return !ctx.capturing && B * K <= kPersistentAutoStaged;
+    case PersistentMode::Auto:
+      return !ctx.capturing && T >= kPersistentAutoMinSteps && B * K <= kPersistentAutoStaged;
   }
   return false;
 }

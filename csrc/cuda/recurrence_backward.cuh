@@ -145,7 +145,7 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   st.inv_4h = A(1) / A(4 * H);
 
   const cudaStream_t stream = ctx.stream;
-  if (p.da_other != nullptr && persistent_chosen(ctx, B, st.da_width) &&
+  if (p.da_other != nullptr && persistent_chosen(ctx, T, B, st.da_width) &&
       persistent_backward<S>(st, cell, w_hh, static_cast<S*>(p.da_other), p.resets != nullptr,
                              p.zoneout != nullptr, stream))
     return;

@@ -139,7 +139,7 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   st.zo_st = p.zoneout_stride_t, st.zo_sb = p.zoneout_stride_b;
   st.ln = static_cast<const S*>(p.ln);
 
-  if (persistent_chosen(ctx, B, P) &&
+  if (persistent_chosen(ctx, T, B, P) &&
       persistent_forward<S>(st, cell, w_hh, slots ? h_state : nullptr, c_state, resets, zoneout,
                             ctx.stream))
     return;
