@@ -26,8 +26,8 @@ git ls-files -z | (cd "$ROOT" && xargs -0 cp --parents -t "$TREE")
 if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV"; fi
 "$VENV/bin/python" -m pip install -q torch==2.11.0 triton==3.6.0 "numpy<2.4" "setuptools<82" \
   ninja pybind11 pytest pytest-xdist hypothesis
-# --install-only: just the environment (.ci/run makes it in the background while the
-# single-process ISA-level tests leave a core idle); a later full run finds it ready.
+# --install-only: just the environment (.ci/run makes it in the background during the
+# ISA-level tests); a later full run finds it ready.
 if [[ "${1:-}" == --install-only ]]; then echo "== torch 2.11: installed at $((SECONDS - start)) s"; exit 0; fi
 "$VENV/bin/python" -c "import importlib.util as u, torch, triton, numpy; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, \
