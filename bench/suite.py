@@ -349,7 +349,9 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
                      "openvino": package_version("openvino"), "numpy": package_version("numpy")},
         "settings": {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
                      "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-                     "rnnkern_cuda_built": rnnkern.ops.WITH_CUDA},
+                     "rnnkern_cuda_built": rnnkern.ops.WITH_CUDA,
+                     # which loop the cuda candidate ran (rnnkern.ops.set_cuda_persistent)
+                     "rnnkern_cuda_persistent": rnnkern.ops.cuda_persistent()},
         "quick": cfg.quick,
         "grid_name": cfg.grid,
         "complete": False,      # true once every case is measured

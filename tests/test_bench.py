@@ -77,6 +77,7 @@ def test_quick_json_is_well_formed(quick_run):
     for key in ("date", "git", "device", "versions", "settings", "grid", "timing", "agreement", "candidates"):
         assert key in meta, key
     assert meta["device"]["type"] == "cpu" and meta["device"]["threads"] >= 1
+    assert meta["settings"]["rnnkern_cuda_persistent"] in rnnkern.ops.PERSISTENT_MODES
     isa = meta["device"]["isa"]  # what ran, and any ISA caps (a stand-in run says so)
     assert isa["torch_capability"] == torch.backends.cpu.get_cpu_capability()
     assert isa["rnnkern_vector_bits"] == rnnkern._C.cpu_vector_bits()
