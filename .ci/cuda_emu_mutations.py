@@ -60,7 +60,7 @@ MUTANTS = [
      "persistent_stage(sh.x, slots ? st.h_next : st.h_prev, b0, nb, Pi, ld);"),
     ("persistent staging: a 16-byte chunk stored at its chunk index, not its first element's",
      "csrc/cuda/persistent.cuh",
-     "S* dst = x + r * ld + (i - r * per_row) * V;", "S* dst = x + r * ld + (i - r * per_row);"),
+     "S* dst = x + r * ld + c * V;", "S* dst = x + r * ld + c;"),
 ]
 
 SOURCES = ["csrc", "rnnkern", "tests", "setup.py", "pyproject.toml"]

@@ -287,6 +287,27 @@ __device__ __forceinline__ S chunk_element(const Chunk16& c, int q) {
 // flight: one round trip per 64 half-type elements a thread, not per one.
 constexpr int kStageDepth = 8;
 
+// Copies n units (a row is per_row of them) with kStageDepth loads in flight per
+// thread: load(i) reads unit i, store(r, c, v) writes it as column c of row r.
+template <typename U, typename Load, typename Store>
+__device__ __forceinline__ void stage_in_flight(int n, int per_row, const Load& load,
+                                                const Store& store) {
+  const int stride = int(blockDim.x);
+  for (int base = threadIdx.x; base < n; base += kStageDepth * stride) {
+    U v[kStageDepth];
+#pragma unroll
+    for (int d = 0; d < kStageDepth; ++d)
+      if (base + d * stride < n) v[d] = load(base + d * stride);
+#pragma unroll
+    for (int d = 0; d < kStageDepth; ++d) {
+      const int i = base + d * stride;
+      if (i >= n) break;
+      const int r = i / per_row;
+      store(r, i - r * per_row, v[d]);
+    }
+  }
+}
+
 // Stages rows [b0, b0 + nb) of a [B, K] array (S) into x (row stride ld): in
 // 16-byte chunks where the rows allow it (K * sizeof(S) a multiple of 16 and the
 // first row 16-byte aligned), elements otherwise; stored as chunks where x's rows
@@ -297,44 +318,22 @@ template <typename S>
 __device__ void persistent_stage(S* x, const S* rows, int64_t b0, int nb, int K, int ld) {
   constexpr int V = int(sizeof(Chunk16) / sizeof(S));
   const S* src = rows + b0 * K;
-  const int stride = int(blockDim.x);
   if (K % V == 0 && reinterpret_cast<uintptr_t>(src) % sizeof(Chunk16) == 0) {
-    const int per_row = K / V, n = nb * per_row;
     const bool aligned_rows = (int64_t(ld) * int64_t(sizeof(S))) % int64_t(sizeof(Chunk16)) == 0;
-    for (int base = threadIdx.x; base < n; base += kStageDepth * stride) {
-      Chunk16 v[kStageDepth];
+    stage_in_flight<Chunk16>(
+        nb * (K / V), K / V, [&](int i) { return load_chunk(src + int64_t(i) * V); },
+        [&](int r, int c, const Chunk16& v) {
+          S* dst = x + r * ld + c * V;
+          if (aligned_rows) {
+            store_chunk(dst, v);
+          } else {
 #pragma unroll
-      for (int d = 0; d < kStageDepth; ++d)
-        if (base + d * stride < n) v[d] = load_chunk(src + int64_t(base + d * stride) * V);
-#pragma unroll
-      for (int d = 0; d < kStageDepth; ++d) {
-        const int i = base + d * stride;
-        if (i >= n) break;
-        const int r = i / per_row;
-        S* dst = x + r * ld + (i - r * per_row) * V;
-        if (aligned_rows) {
-          store_chunk(dst, v[d]);
-        } else {
-#pragma unroll
-          for (int q = 0; q < V; ++q) dst[q] = chunk_element<S>(v[d], q);
-        }
-      }
-    }
+            for (int q = 0; q < V; ++q) dst[q] = chunk_element<S>(v, q);
+          }
+        });
   } else {
-    const int n = nb * K;
-    for (int base = threadIdx.x; base < n; base += kStageDepth * stride) {
-      S v[kStageDepth];
-#pragma unroll
-      for (int d = 0; d < kStageDepth; ++d)
-        if (base + d * stride < n) v[d] = src[base + d * stride];
-#pragma unroll
-      for (int d = 0; d < kStageDepth; ++d) {
-        const int i = base + d * stride;
-        if (i >= n) break;
-        const int r = i / K;
-        x[r * ld + (i - r * K)] = v[d];
-      }
-    }
+    stage_in_flight<S>(
+        nb * K, K, [&](int i) { return src[i]; }, [&](int r, int c, S v) { x[r * ld + c] = v; });
   }
 }
 

@@ -145,7 +145,8 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   st.inv_4h = A(1) / A(4 * H);
 
   const cudaStream_t stream = ctx.stream;
-  if (p.da_other != nullptr && persistent_chosen(ctx, T, B, st.da_width) &&
+  // da_other is there exactly when the context chose the persistent kernel (bindings_impl.h).
+  if (p.da_other != nullptr &&
       persistent_backward<S>(st, cell, w_hh, static_cast<S*>(p.da_other), p.resets != nullptr,
                              p.zoneout != nullptr, stream))
     return;
