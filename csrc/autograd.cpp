@@ -43,7 +43,8 @@ using torch::autograd::variable_list;
 using RecurrenceSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool,
-    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+    bool);
 using RecurrenceBackwardSig =
     std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
         c10::string_view, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
@@ -124,12 +125,13 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
                                const OptTensor& w_hr, const OptTensor& lengths, bool reverse,
                                bool train, const OptTensor& resets, const OptTensor& zoneout,
                                const OptTensor& ln, const OptTensor& reset_h,
-                               const OptTensor& reset_c) {
+                               const OptTensor& reset_c, bool cell_steps) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [out, h_n, c_n, ws] =
         f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
-                           resets, zoneout, ln, reset_h, reset_c);
+                           resets, zoneout, ln, reset_h, reset_c, cell_steps);
     ctx->saved_data["family"] = reinterpret_cast<int64_t>(f);
+    ctx->saved_data["cell_steps"] = cell_steps;
     ctx->saved_data["cell"] = cell;
     ctx->saved_data["reverse"] = reverse;
     ctx->save_for_backward({xproj, h0, def(c0), w_hh, def(b_ih), def(b_hh), def(w_hr),
@@ -152,10 +154,14 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
                  &b_hh = s[5], &w_hr = s[6], &out = s[7], &ws = s[8], &lengths = s[9],
                  &resets = s[10], &zoneout = s[11], &ln = s[12], &reset_h = s[13],
                  &reset_c = s[14];
-    const Tensor &g_out = grads[0], &g_hn = grads[1], &g_cn = grads[2];
+    const Tensor &g_out = grads[0], &g_hn = grads[1];
+    // With cell_steps c_n is every step's state: its missing gradient is [T, B, H] zeros.
+    const Tensor g_cn = grads[2].defined() || !ctx->saved_data["cell_steps"].toBool()
+                            ? grads[2]
+                            : at::zeros({out.size(0), c0.size(0), c0.size(1)}, c0.options());
     // Gradients per forward argument: family, cell, the 7 inputs, lengths,
-    // reverse, train, resets, zoneout, ln, reset_h, reset_c.
-    variable_list result(17);
+    // reverse, train, resets, zoneout, ln, reset_h, reset_c, cell_steps.
+    variable_list result(18);
     if (at::GradMode::is_enabled()) {  // create_graph=True
       const auto g = reference_grads(
           "recurrence", cell, {xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c},
@@ -301,17 +307,18 @@ void register_autograd(const std::string& ns) {
                            const OptTensor& lengths, bool reverse, bool train,
                            const OptTensor& resets, const OptTensor& zoneout,
                            const OptTensor& ln, const OptTensor& reset_h,
-                           const OptTensor& reset_c) {
+                           const OptTensor& reset_c, bool cell_steps) {
     // (resets and zoneout are masks: not differentiated)
     if (!any_requires_grad({&xproj, &h0, &w_hh},
                            {&c0, &b_ih, &b_hh, &w_hr, &ln, &reset_h, &reset_c})) {
       at::AutoDispatchBelowADInplaceOrView below;
       return f->recurrence.call(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
-                                train, resets, zoneout, ln, reset_h, reset_c);
+                                train, resets, zoneout, ln, reset_h, reset_c, cell_steps);
     }
     const variable_list r =
         RecurrenceFunction::apply(f, std::string(cell), xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                                  lengths, reverse, train, resets, zoneout, ln, reset_h, reset_c);
+                                  lengths, reverse, train, resets, zoneout, ln, reset_h, reset_c,
+                                  cell_steps);
     return std::make_tuple(r[0], r[1], r[2], r[3]);
   });
   m.impl("step", [f](c10::string_view cell, const Tensor& x, const Tensor& h, const OptTensor& c,

@@ -172,7 +172,8 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
                                  const OptTensor& b_hh, const OptTensor& w_hr,
                                  const OptTensor& lengths, const OptTensor& resets,
                                  const OptTensor& zoneout, const OptTensor& ln,
-                                 const OptTensor& reset_h, const OptTensor& reset_c) {
+                                 const OptTensor& reset_h, const OptTensor& reset_c,
+                                 bool cell_steps) {
   const char* op = "rnnkern.recurrence";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
@@ -204,6 +205,10 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
   s.has_resets = resets.has_value();
   s.has_zoneout = zoneout.has_value();
   s.has_reset_state = reset_h.has_value();
+  TORCH_CHECK_VALUE(!cell_steps || s.cell == Cell::Lstm, op,
+                    ": cell_steps (the cell state after every step) needs cell 'lstm', got '",
+                    cell_name(s.cell), "'");
+  s.cell_steps = cell_steps;
   return s;
 }
 
@@ -235,7 +240,12 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
     TORCH_CHECK_VALUE(c0.has_value() && grad_c_n.has_value(), op, ": ", cell_name(s.cell),
                       " needs c0 and grad_c_n");
     check_arg(op, "c0", *c0, {s.B, s.H}, output);
-    check_arg(op, "grad_c_n", *grad_c_n, {s.B, s.H}, output);
+    // [T, B, H]: the gradient of a cell_steps call's c_n (every step's c).
+    s.cell_steps = s.cell == Cell::Lstm && grad_c_n->dim() == 3;
+    if (s.cell_steps)
+      check_arg(op, "grad_c_n", *grad_c_n, {s.T, s.B, s.H}, output);
+    else
+      check_arg(op, "grad_c_n", *grad_c_n, {s.B, s.H}, output);
   }
   const int64_t W = workspace_size(s.cell, s.H, zoneout.has_value());
   if (W > 0) {

@@ -31,6 +31,11 @@ struct RecurrenceSizes {
   bool has_resets = false;   // resets [T, B] given
   bool has_zoneout = false;  // zoneout [T, B, Z] given, Z = P + H (LSTM) or H
   bool has_reset_state = false;  // reset_h [B, P] (and reset_c [B, H]) given
+  // LSTM only.  Forward: c_n is the cell state after every step, [T, B, H] at
+  // the steps' time positions (zeros past a row's length), not only the last.
+  // Backward: grad_c_n is that tensor's gradient, [T, B, H], added to the
+  // carried dc at each step.
+  bool cell_steps = false;
 };
 
 // Zoneout mask units per row: h's P then c's H for the cells with a cell
@@ -41,13 +46,14 @@ int64_t zoneout_width(Cell cell, int64_t H, int64_t P);
 //            b_hh[G*H]?, w_hr[P,H]?, lengths[B]?, reverse, train,
 //            resets[T,B] bool?, zoneout[T,B,Z]?, ln[10H]? (lstm_ln only),
 //            reset_h[B,P]? and reset_c[B,H]? (LSTMs): the state a reset step
-//            starts from, when it is not h0 (needs resets))
+//            starts from, when it is not h0 (needs resets)), cell_steps (lstm only)
 RecurrenceSizes check_recurrence(c10::string_view cell, const Tensor& xproj, const Tensor& h0,
                                  const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
                                  const OptTensor& b_hh, const OptTensor& w_hr,
                                  const OptTensor& lengths, const OptTensor& resets,
                                  const OptTensor& zoneout, const OptTensor& ln,
-                                 const OptTensor& reset_h, const OptTensor& reset_c);
+                                 const OptTensor& reset_h, const OptTensor& reset_c,
+                                 bool cell_steps = false);
 
 RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& grad_output,
                                           const Tensor& grad_h_n, const OptTensor& grad_c_n,

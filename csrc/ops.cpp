@@ -42,11 +42,16 @@ TORCH_LIBRARY(rnnkern, m) {
   // (a reset there is the caller's to resolve, by passing the reset state as
   // that row's h0), and the restarts' gradient is grad_reset_h, not grad_h0's.
   // grad_reset_h, grad_reset_c: empty [0] without reset_h (without reset_c).
+  // cell_steps (lstm only): c_n is the cell state after every step, [T, B, H]
+  // at the steps' time positions, zeros past a row's length (the last step's
+  // state is c_n[T - 1] forward without lengths); its gradient grad_c_n is
+  // then [T, B, H] too.  What torchrl's next-state keys need (the state at
+  // each trajectory's end) without recomputing the gates.
   m.def(
       "recurrence(str cell, Tensor xproj, Tensor h0, Tensor? c0, Tensor w_hh, Tensor? b_ih, "
       "Tensor? b_hh, Tensor? w_hr, Tensor? lengths, bool reverse, bool train, "
       "Tensor? resets=None, Tensor? zoneout=None, Tensor? ln=None, Tensor? reset_h=None, "
-      "Tensor? reset_c=None) "
+      "Tensor? reset_c=None, bool cell_steps=False) "
       "-> (Tensor output, Tensor h_n, Tensor c_n, Tensor workspace)");
   m.def(
       "recurrence_backward(str cell, Tensor grad_output, Tensor grad_h_n, Tensor? grad_c_n, "

@@ -44,13 +44,15 @@ def has_cell_state(cell: str) -> bool:
 
 
 def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
-                     resets=None, zoneout=None, ln=None, reset_h=None, reset_c=None):
+                     resets=None, zoneout=None, ln=None, reset_h=None, reset_c=None,
+                     cell_steps=False):
     T, B = xproj.shape[0], xproj.shape[1]
     H = w_hh.shape[0] // gate_count(cell)
     P = h0.shape[1]
     output = xproj.new_empty((T, B, P))
     h_n = xproj.new_empty((B, P))
-    c_n = xproj.new_empty((B, H)) if has_cell_state(cell) else xproj.new_empty((0,))
+    c_n = (xproj.new_empty((T, B, H) if cell_steps else (B, H)) if has_cell_state(cell)
+           else xproj.new_empty((0,)))
     ws_shape = (T, B, workspace_size(cell, H, zoneout is not None)) if train else (0,)
     workspace = xproj.new_empty(ws_shape, dtype=acc_dtype(xproj.dtype))
     return output, h_n, c_n, workspace
@@ -124,12 +126,14 @@ def _reference_grads(op, cell, inputs, grads, constants, reverse, needs):
     wanted = [bool(needs >> i & 1) for i in range(len(inputs))]
     if op == "recurrence":
         lengths, resets, zoneout = constants
+        # A cell_steps call's c_n, and so its gradient, is [T, B, H] (every step's c).
+        cell_steps = grads[2] is not None and grads[2].dim() == 3
 
         def fn(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c):
             return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
                                         reverse, resets,
                                         None if zoneout is None else zoneout.to(xproj.dtype), ln,
-                                        reset_h, reset_c)
+                                        reset_h, reset_c, cell_steps=cell_steps)
     else:
         def fn(*tensors):
             return reference.step(cell, *tensors)

@@ -193,7 +193,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
                reverse: bool = False, backend: str = "auto", *, resets: Optional[Tensor] = None,
                zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None,
-               reset_h: Optional[Tensor] = None, reset_c: Optional[Tensor] = None):
+               reset_h: Optional[Tensor] = None, reset_c: Optional[Tensor] = None,
+               cell_steps: bool = False):
     """The time loop of one layer in one direction (see :func:`rnnkern.reference.recurrence`).
 
     xproj [T, B, G*H] is the input projection ``X W_ih^T`` of all steps (without
@@ -203,12 +204,16 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     differentiated), ln [10H] (``lstm_ln``), reset_h [B, P] and reset_c [B, H]
     (the state a reset step starts from; h0 enters only each row's first step)
     as in :mod:`rnnkern.reference`.
-    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
+    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.  With
+    ``cell_steps=True`` (``lstm`` only) c_n is the cell state after every step,
+    [T, B, H] at the steps' time positions (zeros past a row's length),
+    differentiable like the rest: what an RL library's per-step recurrent
+    state needs, without recomputing the gates.
     """
     check_cell(cell)
     return run_recurrence(resolve_backend(backend, xproj.device), cell, xproj, h0, c0, w_hh,
                           b_ih, b_hh, w_hr, lengths, reverse, resets, zoneout, ln, reset_h,
-                          reset_c)
+                          reset_c, cell_steps)
 
 
 def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor],
@@ -216,17 +221,17 @@ def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optio
                    w_hr: Optional[Tensor], lengths: Optional[Tensor], reverse: bool,
                    resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
                    ln: Optional[Tensor] = None, reset_h: Optional[Tensor] = None,
-                   reset_c: Optional[Tensor] = None):
+                   reset_c: Optional[Tensor] = None, cell_steps: bool = False):
     """:func:`recurrence` on a backend already resolved (:func:`resolve_backend`)
     and a checked cell name: the modules' per-call path."""
     if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h,
                                               reset_c):
         return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
-                                    resets, zoneout, ln, reset_h, reset_c)
+                                    resets, zoneout, ln, reset_h, reset_c, cell_steps)
     train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c)
     output, h_n, c_n, _ = _op_family(backend).recurrence.default(
         cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln,
-        reset_h, reset_c)
+        reset_h, reset_c, cell_steps)
     return output, h_n, (c_n if has_cell_state(cell) else None)
 
 
@@ -235,7 +240,8 @@ def run_recurrence_with_reset_state(backend: str, cell: str, xproj: Tensor, h0: 
                                     b_hh: Optional[Tensor], w_hr: Optional[Tensor],
                                     lengths: Optional[Tensor], reverse: bool, resets: Tensor,
                                     zoneout: Optional[Tensor], ln: Optional[Tensor],
-                                    reset_h: Tensor, reset_c: Optional[Tensor]):
+                                    reset_h: Tensor, reset_c: Optional[Tensor],
+                                    cell_steps: bool = False):
     """:func:`run_recurrence` under the modules' reset rule: where ``resets[t, b]``
     the step at position t starts from the reset state (``reset_h``, ``reset_c``,
     [B, P] / [B, H]), position 0 included; hx (``h0``, ``c0``) enters each row's
@@ -258,7 +264,7 @@ def run_recurrence_with_reset_state(backend: str, cell: str, xproj: Tensor, h0: 
     h_first = torch.where(fresh, reset_h, h0)
     c_first = torch.where(fresh, reset_c, c0) if c0 is not None else None
     return run_recurrence(backend, cell, xproj, h_first, c_first, w_hh, b_ih, b_hh, w_hr, lengths,
-                          reverse, resets, zoneout, ln, reset_h, reset_c)
+                          reverse, resets, zoneout, ln, reset_h, reset_c, cell_steps)
 
 
 def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:

@@ -206,7 +206,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
                reverse: bool = False, resets: Optional[Tensor] = None,
                zoneout: Optional[Tensor] = None, ln: Optional[Tensor] = None,
-               reset_h: Optional[Tensor] = None, reset_c: Optional[Tensor] = None):
+               reset_h: Optional[Tensor] = None, reset_c: Optional[Tensor] = None,
+               cell_steps: bool = False):
     """The time loop of one layer in one direction.
 
     xproj [T, B, G*H] (``X W_ih^T``, the bias ``b_ih`` is added here), h0 [B, P],
@@ -217,9 +218,14 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     back to step 0.  ``resets`` [T, B] bool, ``zoneout`` [T, B, Z], ``ln``
     [10H] (``lstm_ln``), ``reset_h`` [B, P] and ``reset_c`` [B, H] as in the
     module docstring.
-    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.
+    Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``; with
+    ``cell_steps`` (``lstm`` only) c_n is the cell state after every step,
+    [T, B, H] at the steps' time positions, zeros past a row's length.
     """
     check_cell(cell)
+    if cell_steps and cell != "lstm":
+        raise ValueError(f"rnnkern.recurrence: cell_steps (the cell state after every step) "
+                         f"needs cell 'lstm', got '{cell}'")
     T, B = xproj.shape[0], xproj.shape[1]
     P = h0.shape[1]
     ln_cell = cell == "lstm_ln"
@@ -231,6 +237,7 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     else:
         lens = lengths.to(device=xproj.device, dtype=torch.long)
     output = xproj.new_zeros((T, B, P))
+    c_steps = xproj.new_zeros((T, B, c0.shape[1])) if cell_steps else None
     h, c = h0, c0
     if reset_h is None:  # a reset restarts from h0 (at the first step: no change)
         reset_h, reset_c = h0, c0
@@ -261,7 +268,10 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
         # Rows that have ended write back what their position already holds
         # (no boolean-mask indexing: its data-dependent shape trips inductor).
         output = output.index_put((t_of_row, rows), torch.where(keep, h_new, output[t_of_row, rows]))
-    return output, h, c
+        if cell_steps:
+            c_steps = c_steps.index_put((t_of_row, rows),
+                                        torch.where(keep, c_new, c_steps[t_of_row, rows]))
+    return output, h, (c_steps if cell_steps else c)
 
 
 def layer(cell: str, x: Tensor, h0: Tensor, c0: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,

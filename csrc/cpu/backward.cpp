@@ -159,6 +159,12 @@ void move_row(A* __restrict acc, A* __restrict src, int64_t n) {
   zero_row(src, n);
 }
 
+// acc += src.
+template <typename A>
+void add_row(A* __restrict acc, const A* __restrict src, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += src[j];
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------
@@ -224,7 +230,10 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     if (reset_before) drh.push_back(at::empty({r.nb, sl.n}, opt));
     if (z.has_proj) dh_full.push_back(at::empty({r.nb, sl.n}, opt));
   }
-  if (lstm) d_c0.copy_(a.grad_c_n);
+  // With cell_steps grad_c_n is [T, B, H]: each step's part joins the carry
+  // at that step (the pointwise phase), so the carry starts at zero.
+  if (lstm) z.cell_steps ? d_c0.zero_() : d_c0.copy_(a.grad_c_n);
+  const A* gc_steps = z.cell_steps ? cptr<A>(a.grad_c_n) : nullptr;
   // lstm_ln, per worker of the rows' phase (all split by rows, one split by
   // units): scratch, and split by units the row's carry gathered from the
   // slices.
@@ -374,6 +383,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         if (!z.has_proj) move_row(ptr<A>(dh0_acc) + b * P + j0, d, n);
         if (lstm) move_row(ptr<A>(dc0_acc) + b * H + j0, dc + b * H + j0, n);
       }
+      if (gc_steps) add_row(dc + b * H + j0, gc_steps + row * H + j0, n);
       const A* m = opts.mask(p, b);
       const A* mh = zone ? m + j0 : nullptr;
       const A* mc = zone ? m + opts.zc + j0 : nullptr;

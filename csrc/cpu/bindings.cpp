@@ -66,7 +66,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const bool lstm = has_cell_state(z.cell);
   Tensor output = pooled_empty({z.T, z.B, z.P}, opt);
   Tensor h_n = at::empty({z.B, z.P}, opt);
-  Tensor c_n = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
+  Tensor c_n = z.cell_steps ? at::empty({z.T, z.B, z.H}, opt)
+               : lstm       ? at::empty({z.B, z.H}, opt)
+                            : empty_like_options(h0, acc);
   Tensor ws = train ? pooled_empty({z.T, z.B, workspace_size(z.cell, z.H, z.has_zoneout)}, opt)
                     : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
@@ -146,10 +148,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
     const OptTensor& zoneout, const OptTensor& ln, const OptTensor& reset_h,
-    const OptTensor& reset_c) {
+    const OptTensor& reset_c, bool cell_steps) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                             resets, zoneout, ln, reset_h, reset_c);
+                                             resets, zoneout, ln, reset_h, reset_c, cell_steps);
   LengthsHolder holder;
   auto [output, h_n, c_n, ws] =
       run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,

@@ -101,6 +101,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const A* reset_cp = lstm ? cptr<A>(a.reset_c) : nullptr;
   A* out = ptr<A>(output);
   A* wsp = save ? ptr<A>(ws) : nullptr;
+  A* c_steps = z.cell_steps ? ptr<A>(c_n) : nullptr;  // [T, B, H]: c_t at its position
   // The state buffers of step s.
   auto h_next_of = [&](int64_t s) {
     return h_in_out ? out + a.pos.at(0, s) * B * P : ptr<A>(h_buf[(s + 1) & 1]);
@@ -159,6 +160,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
           zero_row(out + (s * B + b) * H + j0, n);
         }
         if (lstm) copy_row(c_next + b * H + j0, c_prev + b * H + j0, n);
+        if (c_steps) zero_row(c_steps + (s * B + b) * H + j0, n);
         if (reset_before) zero_row(ptr<A>(rh) + b * H + j0, n);
         for (int64_t k = 0; k < nsave && save; ++k) zero_row(wsp + (s * B + b) * W + k * H + j0, n);
         continue;
@@ -199,6 +201,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
               });
             });
           });
+          if (c_steps) copy_row(c_steps + row * H + j0, c_next + b * H + j0, n);
           break;
         case Cell::Gru:
           bool_switch(save, [&](auto kSave) {
@@ -351,7 +354,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     h_n.copy_(output[a.pos.at(0, T - 1)]);
   else
     h_n.copy_(h_buf[h_in_out ? 0 : T & 1]);
-  if (lstm) c_n.copy_(c_buf[T & 1]);
+  if (lstm && !z.cell_steps) c_n.copy_(c_buf[T & 1]);
 }
 
 template void forward_impl<float>(const ForwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&);

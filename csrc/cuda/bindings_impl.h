@@ -133,11 +133,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
 
   Tensor output = Dev::empty({T, B, P}, opt);
   Tensor h_n = Dev::empty({B, P}, opt);
-  Tensor c_n = has_c ? Dev::empty({B, H}, opt) : empty_like_options(xproj, dtype);
+  // With cell_steps c_n is every step's c, [T, B, H] (the kernels write it).
+  Tensor c_n = z.cell_steps ? Dev::empty({T, B, H}, opt)
+               : has_c      ? Dev::empty({B, H}, opt)
+                            : empty_like_options(xproj, dtype);
   Tensor ws = train ? Dev::empty({T, B, W}, acc_opt) : empty_like_options(xproj, acc);
   if (T == 0 || B == 0) {
     h_n.copy_(h0);
-    if (has_c) c_n.copy_(*c0);
+    if (has_c && !z.cell_steps) c_n.copy_(*c0);
     return {output, h_n, c_n, ws};
   }
 
@@ -188,6 +191,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   p.ln = ptr(lnc);
   p.output = mut_ptr(output);
   p.workspace = train ? mut_ptr(ws) : nullptr;
+  p.c_steps = z.cell_steps ? mut_ptr(c_n) : nullptr;
   p.hproj = mut_ptr(hproj);
   p.h_state = mut_ptr(h_state);
   p.c_state = mut_ptr(c_state);
@@ -201,7 +205,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   // The final state: the last step's state slot, or (without slots) the
   // output row of the last step.
   h_n.copy_(slots ? h_state[T & 1] : output[reverse ? 0 : T - 1]);
-  if (has_c) c_n.copy_(c_state[T & 1]);
+  if (has_c && !z.cell_steps) c_n.copy_(c_state[T & 1]);
   return {output, h_n, c_n, ws};
 }
 
@@ -211,10 +215,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_op(
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const OptTensor& lengths, bool reverse, bool train, const OptTensor& resets,
     const OptTensor& zoneout, const OptTensor& ln, const OptTensor& reset_h,
-    const OptTensor& reset_c) {
+    const OptTensor& reset_c, bool cell_steps) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                             resets, zoneout, ln, reset_h, reset_c);
+                                             resets, zoneout, ln, reset_h, reset_c, cell_steps);
   Dev::check_device("rnnkern.recurrence", xproj);
   const typename Dev::Guard device_guard(xproj.device());
   return run_forward<Dev>(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
@@ -260,7 +264,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   if (T == 0 || B == 0) {
     r.d_xproj.zero_();
     r.d_h0.copy_(grad_h_n);
-    if (has_c) r.d_c0.copy_(*grad_c_n);
+    if (has_c) z.cell_steps ? r.d_c0.zero_() : r.d_c0.copy_(*grad_c_n);
     for (Tensor* t : {&r.d_w_hh, &r.d_b_ih, &r.d_b_hh, &r.d_w_hr, &r.d_ln, &r.d_reset_h,
                       &r.d_reset_c})
       t->zero_();
@@ -279,11 +283,14 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   // The carried gradients (updated in place: fresh copies) and the scratch.
   Tensor dh = Dev::empty({B, P}, acc_opt);
   dh.copy_(grad_h_n);
+  // With cell_steps grad_c_n is [T, B, H]: each step's part joins the carry
+  // at that step (lstm_backward_unit), so the carry starts at zero.
   Tensor dc;
   if (has_c) {
     dc = Dev::empty({B, H}, acc_opt);
-    dc.copy_(*grad_c_n);
+    z.cell_steps ? dc.zero_() : dc.copy_(*grad_c_n);
   }
+  const Tensor gc_steps = z.cell_steps ? grad_c_n->contiguous() : Tensor();
   Tensor dh0_reset, dc0_reset;
   if (resets.has_value()) {
     dh0_reset = Dev::empty({B, P}, acc_opt);
@@ -294,7 +301,10 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
     }
   }
   const Tensor da = Dev::empty({B, reset_before ? 2 * H : G * H}, opt);
-  const Tensor da_other = persistent_chosen(ctx, T, B, da.size(1)) ? Dev::empty(da.sizes(), opt) : Tensor();
+  // (every step's c gradient, cell_steps, is the host loop's)
+  const Tensor da_other = !z.cell_steps && persistent_chosen(ctx, T, B, da.size(1))
+                              ? Dev::empty(da.sizes(), opt)
+                              : Tensor();
   const Tensor dhn_all = gru ? Dev::empty({T, B, H}, opt) : Tensor();
   const Tensor dn = reset_before ? Dev::empty({B, H}, opt) : Tensor();
   const Tensor drh = reset_before ? Dev::empty({B, H}, acc_opt) : Tensor();
@@ -331,6 +341,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   p.ln = ptr(lnc);
   p.d_xproj = mut_ptr(r.d_xproj);
   p.dh = mut_ptr(dh), p.dc = mut_ptr(dc);
+  p.gc_steps = gc_steps.defined() ? ptr(gc_steps) : nullptr;
   p.dh0_reset = mut_ptr(dh0_reset), p.dc0_reset = mut_ptr(dc0_reset);
   p.da = mut_ptr(da), p.da_other = mut_ptr(da_other);
   p.dhn_all = mut_ptr(dhn_all);

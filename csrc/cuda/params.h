@@ -110,6 +110,7 @@ struct RecurrenceForwardParams {
 
   void* output;     // S [T, B, P]
   void* workspace;  // A [T, B, workspace_size(cell, H, zoneout)], or null when not training
+  void* c_steps;    // S [T, B, H]: c after every step (LSTM with cell_steps), or null
 
   // Scratch, allocated by the caller so that the time loop allocates nothing.
   void* hproj;    // A [B, G*H] (reset-before GRU: [B, 2H]) = h_{t-1} W_hh^T
@@ -147,6 +148,7 @@ struct RecurrenceBackwardParams {
   void* d_xproj;  // S [T, B, G*H]
   void* dh;       // A [B, P] carried dL/dh: grad_h_n on entry, grad_h0 on exit
   void* dc;       // A [B, H] carried dL/dc (LSTM): grad_c_n on entry, grad_c0 on exit
+  const void* gc_steps;  // S [T, B, H] (cell_steps): dL/dc of every step, added there; or null
                   // (with resets, both: the part through each row's first step)
   void* dh0_reset;  // A [B, P] with resets: the gradient of the reset state through the
                     // reset steps (zeroed by the caller; grad_reset_h, or without

@@ -45,6 +45,7 @@ struct BackwardStep {
   S* dx;              // [T, B, G*H]
   A* dh;              // [B, P] carry
   A* dc;              // [B, H] carry (LSTM)
+  const S* gc_steps;  // [T, B, H] gradient of every step's c (cell_steps), or null
   S* da;              // [B, da_width]
   int64_t da_width;   // G*H, or 2H (reset-before)
   S* dhn_all;         // [T, B, H] (GRU)
@@ -191,7 +192,8 @@ __device__ void lstm_backward_unit(const BackwardStep<S>& st, int64_t b, int64_t
   const A i = w[j], f = w[H + j], g = w[2 * H + j], o = w[3 * H + j];
   const int64_t q = st.template prev_pos<kResets>(b);
   const A c_prev = q < 0 ? load_at<A>(st.c_start, b * H + j) : st.ws[(q * B + b) * 5 * H + 4 * H + j];
-  const A dc = st.template take_dc<kResets>(b, j);
+  const A dc = st.template take_dc<kResets>(b, j) +
+               (st.gc_steps != nullptr ? load_at<A>(st.gc_steps, row * H + j) : A(0));
   const A dh = proj ? st.dh_full[b * H + j]
                     : st.template take_dh<kResets>(b, j) + st.grad_out(p, b, j);
   if constexpr (kZoneout) {

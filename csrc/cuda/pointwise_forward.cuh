@@ -50,6 +50,7 @@ struct ForwardStep {
   S* out;           // [T, B, P]
   const A* c_prev;  // [B, H] (LSTM)
   A* c_next;        // [B, H] (LSTM)
+  S* c_steps;       // [T, B, H] every step's c (LSTM with cell_steps), or null
   A* ws;            // [T, B, W*H] or null (inference)
   S* h_full;        // [B, H] LSTM with projection: o * tanh(c), projected by a GEMM
   S* rh;            // [B, H] reset-before GRU: r * h_prev, the A of the candidate's GEMM
@@ -119,6 +120,7 @@ __device__ void forward_finished(const ForwardStep<S>& st, Cell cell, int64_t b,
     st.out[(s * B + b) * P + j] = Storage<S>::store(A(0));
   }
   if (has_cell_state(cell)) st.c_next[b * H + j] = st.c_prev[b * H + j];
+  if (st.c_steps != nullptr) st.c_steps[(s * B + b) * H + j] = Storage<S>::store(A(0));
   const int64_t W = workspace_width(cell, zoneout);
   for (int64_t k = 0; k < W; ++k) st.write_ws(s, b, k, j, W, A(0));
 }
@@ -168,6 +170,7 @@ __device__ void lstm_forward_unit(const ForwardStep<S>& st, int64_t b, int64_t j
     c = Zoneout<A>::forward(st.mask(p, b, P + j), c_prev, r.c);
     if (!proj) h = Zoneout<A>::forward(st.mask(p, b, j), st.h_prev_at(b, j), r.h);
   }
+  if (st.c_steps != nullptr) st.c_steps[(p * st.B + b) * H + j] = Storage<S>::store(c);
   st.template write_c<kResets>(b, j, c);
   if (proj) {
     st.h_full[b * H + j] = Storage<S>::store(r.h);

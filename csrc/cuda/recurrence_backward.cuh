@@ -120,6 +120,7 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   st.dx = static_cast<S*>(p.d_xproj);
   st.dh = static_cast<A*>(p.dh);
   st.dc = static_cast<A*>(p.dc);
+  st.gc_steps = static_cast<const S*>(p.gc_steps);
   st.da = static_cast<S*>(p.da);
   // Rows of W_hh whose gradient reaches dh_{t-1} through the per-step GEMM:
   // all, or r and z for reset-before (the candidate's part goes through drh).

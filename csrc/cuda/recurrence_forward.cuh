@@ -138,8 +138,10 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   st.zo = static_cast<const S*>(p.zoneout);
   st.zo_st = p.zoneout_stride_t, st.zo_sb = p.zoneout_stride_b;
   st.ln = static_cast<const S*>(p.ln);
+  st.c_steps = static_cast<S*>(p.c_steps);
 
-  if (persistent_chosen(ctx, T, B, P) &&
+  // (every step's c, cell_steps, is the host loop's)
+  if (p.c_steps == nullptr && persistent_chosen(ctx, T, B, P) &&
       persistent_forward<S>(st, cell, w_hh, slots ? h_state : nullptr, c_state, resets, zoneout,
                             ctx.stream))
     return;

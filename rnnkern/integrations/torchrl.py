@@ -19,16 +19,17 @@ state keys are absent).  For a row's first step that is the carried state
 what the environment's primer wrote at the reset: zeros.  So the call is
 ``hx = state[:, 0]``, ``resets = is_init`` at steps 1.. (rnnkern's reset state
 is zeros; docs/options.md).  The next-state keys torchrl writes hold each
-trajectory's final state at its last step and zeros elsewhere; rnnkern returns
-only the row's final state, so the others are rebuilt from the outputs: a GRU's
-state is its output, and an LSTM's cell state is the linear recurrence
-``c_t = f_t c_{t-1} + i_t g_t`` whose gates are recomputed from the inputs and
-outputs in one matmul, then scanned in log2(T) elementwise steps.
+trajectory's final state at its last step and zeros elsewhere: a one-layer
+recurrence's h is its output, and an LSTM's cell state after every step comes
+from the same call (the recurrence op's ``cell_steps``: the kernels write it,
+and its gradient enters the backward at each step).
 
 The module falls back to torchrl's own path (the same numbers, torchrl's
-speed) where that rule does not hold or the rebuild does not apply: a stored
-state at a mid-row ``is_init`` that is not zero or that requires grad (its
-gradient would be lost), several layers, bidirectional, ``proj_size``.
+speed) where that rule does not hold or the one call does not give every
+next state: a stored state at a mid-row ``is_init`` that is not zero or that
+requires grad (its gradient would be lost), several layers (a lower layer's
+states after each step are not the call's outputs), bidirectional,
+``proj_size``.
 Sequential mode (rollouts) runs torchrl's code on the converted module.
 """
 from __future__ import annotations
@@ -91,29 +92,6 @@ def _entering(out: Tensor, first: Tensor, is_init: Tensor) -> Tensor:
     return prev.masked_fill(reset.unsqueeze(-1), 0.0)
 
 
-def _lstm_cell_states(lstm, x: Tensor, out: Tensor, h0: Tensor, c0: Tensor,
-                      is_init: Tensor) -> Tensor:
-    """[B, T, H]: the cell state after each step, from the outputs (see the
-    module docstring): c_t = a_t c_{t-1} + u_t with a = f (0 where the entering
-    state is reset, c0 folded into step 0) and u = i g, scanned by doubling."""
-    h_prev = _entering(out, h0, is_init)
-    gates = x @ lstm.weight_ih_l0.t() + h_prev @ lstm.weight_hh_l0.t()
-    if lstm.bias:
-        gates = gates + lstm.bias_ih_l0 + lstm.bias_hh_l0
-    i, f, g, _ = gates.chunk(4, -1)
-    i, f, g = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g)
-    u = i * g
-    u = torch.cat((u[:, :1] + f[:, :1] * c0.unsqueeze(1), u[:, 1:]), 1)
-    a = f.masked_fill(is_init.unsqueeze(-1), 0.0)
-    a = torch.cat((torch.zeros_like(a[:, :1]), a[:, 1:]), 1)
-    T, d = x.size(1), 1
-    while d < T:
-        u = torch.cat((u[:, :d], a[:, d:] * u[:, :-d] + u[:, d:]), 1)
-        a = torch.cat((a[:, :d], a[:, d:] * a[:, :-d]), 1)
-        d *= 2
-    return u
-
-
 def _recurrent_forward(module, tensordict, rnn, lstm: bool):
     shape = tensordict.shape
     td = _shaped(module, tensordict)
@@ -132,12 +110,17 @@ def _recurrent_forward(module, tensordict, rnn, lstm: bool):
     resets = is_init.clone()
     resets[:, 0] = False  # torchrl's step 0 starts from the stored state, is_init or not
     hx = tuple(f.unsqueeze(0) for f in first)
-    out, hn = rnn(value, hx if lstm else hx[0], resets=resets)
-    end = _end_mask(is_init).view(B, T, 1, 1)
     if lstm:
-        h_last, c_last = hn[0][0], hn[1][0]
-    else:
+        # The module's own layer stack (its backend, autocast and checks), with
+        # the cell state after every step as the LSTM's c_n.
+        out, (hn, c_steps) = rnn._run_layers(value.transpose(0, 1), hx, None, None, resets.t(),
+                                             cell_steps=True)
+        out, c_steps = out.transpose(0, 1), c_steps[0].transpose(0, 1)  # [B, T, H]
         h_last = hn[0]
+    else:
+        out, hn = rnn(value, hx[0], resets=resets)
+        h_last = hn[0]
+    end = _end_mask(is_init).view(B, T, 1, 1)
     # The state after each step, wherever a trajectory ends: a one-layer
     # recurrence's h is its output; each row's last step takes the kernel's own
     # final state (the same number).  Without mid-row ends only that one is kept.
@@ -145,11 +128,6 @@ def _recurrent_forward(module, tensordict, rnn, lstm: bool):
     before_last = out[:, :-1] if mid_ends else out.new_zeros(B, T - 1, H)
     next_states = [torch.cat((before_last, h_last.unsqueeze(1)), 1)]
     if lstm:
-        if mid_ends:
-            c_steps = _lstm_cell_states(rnn, value, out, first[0], first[1], is_init)
-            c_steps = torch.cat((c_steps[:, :-1], c_last.unsqueeze(1)), 1)
-        else:
-            c_steps = torch.cat((out.new_zeros(B, T - 1, H), c_last.unsqueeze(1)), 1)
         next_states.append(c_steps)
     td.set(module.out_keys[0], out)
     for key, s in zip(module.out_keys[1:], next_states):

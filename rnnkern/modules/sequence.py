@@ -171,7 +171,8 @@ class _RecurrentMixin(_RnnkernOptions):
 
     def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing],
                     resets: Optional[Tensor] = None, reset_state=None,
-                    reset_is_hx: bool = False, backend: Optional[str] = None):
+                    reset_is_hx: bool = False, backend: Optional[str] = None,
+                    cell_steps: bool = False):
         """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
         or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
         or None (zeros; ``reset_is_hx``: hx is those zeros, so the kernels' own
@@ -179,7 +180,10 @@ class _RecurrentMixin(_RnnkernOptions):
         (h_n[, c_n]).  ``packing``
         (variable lengths only) says which rows torch.nn would see packed:
         dropout draws its mask over them, in that order, as torch.nn does.
-        ``backend``: the backend to run (default the module's; ``auto``'s choice)."""
+        ``backend``: the backend to run (default the module's; ``auto``'s choice).
+        ``cell_steps`` (one-layer, one-direction LSTM without projection; for
+        rnnkern.integrations.torchrl): c_n is then the cell state after every
+        step, [1, T, B, H] (the op's cell_steps)."""
         dtype = None
         if _any_autocast():
             weight = getattr(self, self._flat_weights_names[0])
@@ -191,17 +195,21 @@ class _RecurrentMixin(_RnnkernOptions):
             # float16 run) and would then meet float16 weights in the kernels.
             with torch.autocast(x.device.type, enabled=False):
                 return self._run_layers_cast(dtype, x, hx, lengths, packing, resets, reset_state,
-                                             reset_is_hx, backend)
+                                             reset_is_hx, backend, cell_steps)
         return self._run_layers_cast(None, x, hx, lengths, packing, resets, reset_state, reset_is_hx,
-                                     backend)
+                                     backend, cell_steps)
 
     def _run_layers_cast(self, dtype: Optional[torch.dtype], x: Tensor, hx,
                          lengths: Optional[Tensor], packing: Optional[_Packing],
                          resets: Optional[Tensor], reset_state, reset_is_hx: bool,
-                         backend: Optional[str] = None):
+                         backend: Optional[str] = None, cell_steps: bool = False):
         """:meth:`_run_layers` in ``dtype`` (None: the tensors' own), autocast off."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
+        if cell_steps and not (self.cell == "lstm" and self.num_layers == 1 and D == 1
+                               and self.proj_size == 0):
+            raise ValueError(f"{type(self).__name__}: cell_steps needs a one-layer, "
+                             f"one-direction LSTM without projection")
         backend = ops.resolve_backend(backend or self.backend, x.device)
         name = type(self).__name__
         weights = self._layer_weights(D)
@@ -249,7 +257,9 @@ class _RecurrentMixin(_RnnkernOptions):
         # inside, instead of an input projection and a recurrence of one step --
         # one op call instead of two, which is most of such a call's cost.  (A
         # reset there makes the forward direction start from the reset state.)
-        one_step = x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
+        one_step = (x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
+                    and not cell_steps)
+        steps = {"cell_steps": True} if cell_steps else {}  # (the plain calls keep their form)
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             outputs = []
@@ -278,12 +288,12 @@ class _RecurrentMixin(_RnnkernOptions):
                 if step_resets[d] is None or reset_is_hx:
                     out, h, c = ops.run_recurrence(
                         backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
-                        b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln)
+                        b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, **steps)
                 else:
                     out, h, c = ops.run_recurrence_with_reset_state(
                         backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
                         b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, r0[idx],
-                        rc0[idx] if lstm else None)
+                        rc0[idx] if lstm else None, **steps)
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:

@@ -70,6 +70,7 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
     cell, with every flag on (lengths, reverse, training, biases, the LSTM
     projection), and resets and zoneout when ``options``."""
     proj = cell == "lstm"
+    steps = dict(CELL_STEPS=cell == "lstm")  # every step's c (ops.cpp's cell_steps): lstm only
     G = gate_count(cell)
     base = dict(ACC=tl.float64 if dtype == torch.float64 else tl.float32, DOT=_TL[dtype])
     opts = dict(HAS_RESETS=options, HAS_ZONEOUT=options)
@@ -81,10 +82,10 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
     rows = dict(BLOCK_B=4, BLOCK_H=128)
     out = [
         (sequence.forward_loop_kernel, dict(HAS_B_IH=True, HAS_B_HH=True, HAS_PROJ=proj,
-                                            TRAIN=True, HAS_RESET_STATE=options, **flags,
-                                            **loop)),
-        (sequence.backward_loop_kernel, dict(HAS_PROJ=proj, HAS_RESET_STATE=options, **flags,
-                                             **loop)),
+                                            TRAIN=True, HAS_RESET_STATE=options, **steps,
+                                            **flags, **loop)),
+        (sequence.backward_loop_kernel, dict(HAS_PROJ=proj, HAS_RESET_STATE=options, **steps,
+                                             **flags, **loop)),
     ]
     if cell == "lstm_ln":
         row_fwd = dict(WS=flags["WS"], HAS_B_IH=True, HAS_B_HH=True, TRAIN=True, ACC=base["ACC"],
@@ -105,15 +106,16 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
         out += [
             (step.gates_forward_kernel, dict(HAS_X=False, HAS_B_IH=True, HAS_B_HH=True,
                                              TRAIN=True, HAS_PROJ=proj, STORE_STATE=True,
-                                             **flags, **tile)),
+                                             **steps, **flags, **tile)),
             (step.gates_forward_kernel, dict(HAS_X=True, HAS_B_IH=True, HAS_B_HH=True,
                                              TRAIN=True, HAS_PROJ=False, STORE_STATE=False,
+                                             CELL_STEPS=False,
                                              **{**flags, **single,
                                                 "WS": workspace_size(cell, H)}, **tile)),
         ]
     out += [
-        (step.gates_backward_kernel, dict(HAS_GOUT=True, HAS_NEXT=True, HAS_PROJ=proj, **flags,
-                                          **tile)),
+        (step.gates_backward_kernel, dict(HAS_GOUT=True, HAS_NEXT=True, HAS_PROJ=proj, **steps,
+                                          **flags, **tile)),
         (step.input_grad_kernel, dict(**base, **tile)),
     ]
     common = dict(HAS_LENGTHS=True, REVERSE=True, **base, **tile)

@@ -29,6 +29,8 @@ class RecurrenceSizes:
     has_proj: bool
     has_resets: bool = False
     has_zoneout: bool = False
+    # lstm only: c_n is every step's c [T, B, H] (forward), grad_c_n its gradient (backward)
+    cell_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def sizes_from_weights(op: str, cell: str, w_hh: Tensor, w_hr: Optional[Tensor])
 
 
 def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets=None,
-                     zoneout=None, ln=None, reset_h=None, reset_c=None) -> RecurrenceSizes:
+                     zoneout=None, ln=None, reset_h=None, reset_c=None,
+                     cell_steps=False) -> RecurrenceSizes:
     op = "rnnkern_triton.recurrence"
     parse_cell(cell)
     check_floating(op, "xproj", xproj)
@@ -185,8 +188,11 @@ def check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reset
     check_resets_zoneout(op, cell, resets, zoneout, T, B, H, P, xproj)
     check_ln(op, cell, ln, H, xproj)
     check_reset_state(op, cell, resets, reset_h, reset_c, B, H, P, xproj)
+    if cell_steps and cell != "lstm":
+        raise ValueError(f"{op}: cell_steps (the cell state after every step) needs cell 'lstm', "
+                         f"got '{cell}'")
     return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None, resets is not None,
-                           zoneout is not None)
+                           zoneout is not None, bool(cell_steps))
 
 
 def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
@@ -210,7 +216,11 @@ def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
         if c0 is None or grad_c_n is None:
             raise ValueError(f"{op}: {cell} needs c0 and grad_c_n")
         check_arg(op, "c0", c0, [B, H], output)
-        check_arg(op, "grad_c_n", grad_c_n, [B, H], output)
+        # [T, B, H]: the gradient of a cell_steps call's c_n (every step's c).
+        cell_steps = cell == "lstm" and grad_c_n.dim() == 3
+        check_arg(op, "grad_c_n", grad_c_n, [T, B, H] if cell_steps else [B, H], output)
+    else:
+        cell_steps = False
     W = workspace_size(cell, H, zoneout is not None)
     if W > 0:
         if workspace.dim() != 3:
@@ -228,7 +238,7 @@ def check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
     check_ln(op, cell, ln, H, output)
     check_reset_state(op, cell, resets, reset_h, reset_c, B, H, P, output)
     return RecurrenceSizes(cell, T, B, H, P, G, w_hr is not None, resets is not None,
-                           zoneout is not None)
+                           zoneout is not None, cell_steps)
 
 
 def check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln=None,

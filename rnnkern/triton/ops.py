@@ -184,9 +184,9 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                lengths: Optional[Tensor], reverse: bool, train: bool,
                resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
                ln: Optional[Tensor] = None, reset_h: Optional[Tensor] = None,
-               reset_c: Optional[Tensor] = None):
+               reset_c: Optional[Tensor] = None, cell_steps: bool = False):
     z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, resets, zoneout, ln,
-                         reset_h, reset_c)
+                         reset_h, reset_c, cell_steps)
     _check_device("rnnkern_triton.recurrence", xproj)
     T, B, H, P = z.T, z.B, z.H, z.P
     has_c = has_cell_state(cell)
@@ -199,11 +199,13 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     dtype, rd = xproj.dtype, _result_dtype(xproj.dtype)
     output = xproj.new_empty((T, B, P), dtype=rd)
     h_n = xproj.new_empty((B, P), dtype=rd)
-    c_n = xproj.new_empty((B, H), dtype=rd) if has_c else _empty(xproj)
+    # With cell_steps c_n is every step's c, [T, B, H] (the kernels write every position).
+    c_n = (xproj.new_empty((T, B, H) if z.cell_steps else (B, H), dtype=rd) if has_c
+           else _empty(xproj))
     ws = xproj.new_empty((T, B, k.WS), dtype=k.acc) if train else _empty(xproj, k.acc)
     if T == 0 or B == 0:
         h_n.copy_(h0)
-        if has_c:
+        if has_c and not z.cell_steps:
             c_n.copy_(c0)
         return output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws
 
@@ -212,7 +214,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     opt = _Options(resets, zoneout, dummy)
     flags = dict(CELL=CELL_IDS[cell], G=k.G, WS=k.WS, HAS_B_IH=b_ih is not None,
                  HAS_B_HH=b_hh is not None, HAS_LENGTHS=lens is not None, REVERSE=bool(reverse),
-                 TRAIN=bool(train), HAS_PROJ=z.has_proj, **opt.flags, **k.consts)
+                 TRAIN=bool(train), HAS_PROJ=z.has_proj, CELL_STEPS=z.cell_steps, **opt.flags,
+                 **k.consts)
     args = [b if b is not None else dummy for b in (b_ih, b_hh, w_hr, lens)]
     # The state a reset restarts from (h0, c0 unless given).
     rh, rc = (h0, c0) if reset_h is None else (reset_h, reset_c)
@@ -272,7 +275,8 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
         else:
             step_kernels.gates_forward_kernel[_grid(B, H)](
                 dummy, dummy, xproj, h[0], c[0], w_hh, b_ih, b_hh, lens,
-                output, h[1], c[1], ws_, aux, rh, rc_, *options, s, T, B, 0, H, P,
+                output, h[1], c[1], ws_, aux, rh, rc_, *options, c_n if flags["CELL_STEPS"]
+                else dummy, s, T, B, 0, H, P,
                 *opt.strides, HAS_X=False, STORE_STATE=True, **flags, B_CLASS=batch_class(B))
         if rb:
             step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
@@ -286,7 +290,7 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
         h.reverse()
         c.reverse()
     h_n.copy_(h[0])
-    if has_c:
+    if has_c and not flags["CELL_STEPS"]:
         c_n.copy_(c[0])
 
 
@@ -332,14 +336,14 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     if T == 0 or B == 0:
         grad_h0.copy_(grad_h_n)
         if has_c:
-            grad_c0.copy_(grad_c_n)
+            grad_c0.zero_() if z.cell_steps else grad_c0.copy_(grad_c_n)
         grad_rh.zero_()
         grad_rc.zero_()
     else:
         dummy = output
         flags = dict(CELL=CELL_IDS[cell], G=G, WS=k.WS, HAS_PROJ=proj,
-                     HAS_LENGTHS=lens is not None, REVERSE=bool(reverse), **opt.flags,
-                     **k.consts)
+                     HAS_LENGTHS=lens is not None, REVERSE=bool(reverse),
+                     CELL_STEPS=z.cell_steps, **opt.flags, **k.consts)
         extras = [dummy if t is None else t for t in (aux_all, dh_tot_all, da_all, dhr_all)]
         if path == "loop":
             sequence.backward_loop_kernel[_loop_grid(B)](
@@ -389,8 +393,9 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
     dh = [acc_empty(B, P), acc_empty(B, P)]
     dh[0].copy_(grad_h_n)
     dc = [acc_empty(B, H), acc_empty(B, H)] if has_c else [dummy] * 2
+    cell_steps = flags["CELL_STEPS"]  # grad_c_n [T, B, H]: added at each step, the carry from 0
     if has_c:
-        dc[0].copy_(grad_c_n)
+        dc[0].zero_() if cell_steps else dc[0].copy_(grad_c_n)
     dh_mid = acc_empty(B, H) if rb else dummy  # between the two stages of the reset-before GRU
     dn = acc_empty(B, H) if rb else dummy
     dh_tot = acc_empty(B, P) if proj else dummy
@@ -419,7 +424,8 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
             c_start if has_c else dummy,
             lens_, dh_tot, w_hr if proj else dummy,
             dx, da_now, dh_mid if rb else dh[1], dc[1], dn, aux_all_, *options, ln_, da_all_,
-            *dh0, *dc0, s, T, B, H, P, *opt.strides, HAS_GOUT=True, HAS_NEXT=has_next,
+            *dh0, *dc0, grad_c_n if cell_steps else dummy, s, T, B, H, P, *opt.strides,
+            HAS_GOUT=True, HAS_NEXT=has_next,
             **flags, B_CLASS=batch_class(B))
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
@@ -569,8 +575,8 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
     step_kernels.gates_forward_kernel[_grid(B, H)](
         x, w_ih, dummy, h, c if has_c else dummy, w_hh, b_ih_, b_hh_,
         dummy, h_new, dummy, c_new if has_c else dummy, ws if k.WS else dummy, aux,
-        dummy, dummy, dummy, dummy, 0, 1, B, I, H, H, 0, 0, 0,
-        HAS_X=True, STORE_STATE=False, **flags, B_CLASS=batch_class(B))
+        dummy, dummy, dummy, dummy, dummy, 0, 1, B, I, H, H, 0, 0, 0,
+        HAS_X=True, STORE_STATE=False, CELL_STEPS=False, **flags, B_CLASS=batch_class(B))
     if rb:
         step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
             aux, h, w_hh, b_hh_, dummy, h_new, dummy, ws, dummy, dummy, dummy, 0, 1, B, H, 0, 0, 0,
@@ -620,7 +626,8 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
             dx, da, dh_mid if rb else dh, grad_c if has_c else dummy, dn,
             aux_all if aux_all is not None else dummy, dummy, dummy,
             ln if ln is not None else dummy, da_all if ln_cell else dummy, dummy, dummy, dummy,
-            dummy, 0, 1, B, H, H, 0, 0, 0, **flags, B_CLASS=batch_class(B))
+            dummy, dummy, 0, 1, B, H, H, 0, 0, 0, CELL_STEPS=False, **flags,
+            B_CLASS=batch_class(B))
         if rb:
             step_kernels.gru_rb_reset_kernel[_grid(B, H)](
                 dn, w_hh, workspace, h_new, h, dummy, dh_mid, dx, da, dh, aux_all, dummy,

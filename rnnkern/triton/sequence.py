@@ -86,7 +86,7 @@ def forward_loop_kernel(
         HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_PROJ: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, TRAIN: tl.constexpr,
         HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, HAS_RESET_STATE: tl.constexpr,
-        ACC: tl.constexpr, DOT: tl.constexpr,
+        CELL_STEPS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
     """The forward of a whole sequence for BLOCK_B rows (ops.cpp conventions).
 
@@ -95,7 +95,9 @@ def forward_loop_kernel(
     resets [T, B] bool (HAS_RESETS), zoneout [T, B, Z] with strides s_z*
     (HAS_ZONEOUT), ln [10H] (LSTM_LN), the reset state rh [B, P], rc [B, H]
     (HAS_RESET_STATE; else a reset restarts from h0, c0; a row's first step
-    starts from h0, c0 whatever resets says).
+    starts from h0, c0 whatever resets says).  CELL_STEPS (LSTM): c_n is
+    [T, B, H], the state after every step at its position (zeros past a row's
+    length).
     BLOCK_H >= H and BLOCK_P >= P: every unit is in the program."""
     i_b = tl.program_id(0)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -175,6 +177,9 @@ def forward_loop_kernel(
                 m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
                 c = zoneout_forward(m_zc, b_c, c)
             b_c = tl.where(act, c, b_c)
+            if CELL_STEPS:
+                tl.store(p_c_n + row * H + o_h[None, :],
+                         tl.where(act, c, 0.0).to(p_c_n.dtype.element_ty), mask=m_bh)
             if TRAIN:
                 tl.store(p_w, tl.where(act, i, 0.0).to(WS_DTYPE), mask=m_bh)
                 tl.store(p_w + H, tl.where(act, f, 0.0).to(WS_DTYPE), mask=m_bh)
@@ -277,7 +282,7 @@ def forward_loop_kernel(
         tl.store(p_out + row * P + o_p[None, :], tl.where(act, h, 0.0).to(OUT_DTYPE), mask=m_bp)
 
     store_rows(p_h_n, row_b, P, o_p, m_bp, b_h)
-    if CELL == LSTM or CELL == LSTM_LN:
+    if (CELL == LSTM or CELL == LSTM_LN) and not CELL_STEPS:
         store_rows(p_c_n, row_b, H, o_h, m_bh, b_c)
 
 
@@ -290,11 +295,12 @@ def backward_loop_kernel(
         T, B, H, P, s_zt, s_zb, s_zu,
         B_CLASS, CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_PROJ: tl.constexpr,
         HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
-        HAS_ZONEOUT: tl.constexpr, HAS_RESET_STATE: tl.constexpr, ACC: tl.constexpr,
-        DOT: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, HAS_RESET_STATE: tl.constexpr, CELL_STEPS: tl.constexpr,
+        ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
     """BPTT of a whole sequence for BLOCK_B rows, dh [B, P] and dc [B, H] carried
-    on chip from grad_h_n, grad_c_n down to grad_h0, grad_c0.
+    on chip from grad_h_n, grad_c_n down to grad_h0, grad_c0.  CELL_STEPS
+    (LSTM): grad_c_n is [T, B, H], each step's part added to the carry there.
 
     Writes dx [T, B, G*H] (the gradient of xproj, zeros at padding positions)
     and the time-ordered extras of the weight gradients: aux_all [T, B, H]
@@ -334,7 +340,10 @@ def backward_loop_kernel(
     b_dh = load_rows(p_dh_n, row_b, P, o_p, m_bp, ACC)
     b_h0 = load_rows(p_h0, row_b, P, o_p, m_bp, ACC)
     if CELL == LSTM or CELL == LSTM_LN:
-        b_dc = load_rows(p_dc_n, row_b, H, o_h, m_bh, ACC)
+        if CELL_STEPS:
+            b_dc = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+        else:
+            b_dc = load_rows(p_dc_n, row_b, H, o_h, m_bh, ACC)
         b_c0 = load_rows(p_c0, row_b, H, o_h, m_bh, ACC)
     if HAS_RESETS:  # the gradients of the reset steps' start states
         if HAS_RESET_STATE:  # (which are not h0, c0)
@@ -386,6 +395,8 @@ def backward_loop_kernel(
                              other=0.0).to(ACC)
             c_prev = tl.where(has_prev, c_prev, b_cs)
             dc = b_dc  # the gradient of the state c_t, split alike
+            if CELL_STEPS:
+                dc += tl.load(p_dc_n + row * H + o_h[None, :], mask=m_act, other=0.0).to(ACC)
             if HAS_ZONEOUT:
                 m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
                 dc_zoned = zoneout_to_prev(m_zc, dc)

@@ -26,12 +26,12 @@ from .tile import carry_past_reset, next_resets, start_state_rows, step_rows, st
 def gates_backward_kernel(
         p_gout, p_dh, p_da_next, p_w_hh, p_dc, p_ws, p_out, p_h0, p_c0, p_len, p_dh_tot, p_w_hr,
         p_dx, p_da, p_dh_out, p_dc_out, p_aux, p_aux_all, p_resets, p_zo, p_ln, p_da_all,
-        p_dh0_in, p_dh0_out, p_dc0_in, p_dc0_out,
+        p_dh0_in, p_dh0_out, p_dc0_in, p_dc0_out, p_gc_steps,
         s, T, B, H, P, s_zt, s_zb, s_zu,
         B_CLASS, CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_GOUT: tl.constexpr,
         HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
         HAS_PROJ: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
-        ACC: tl.constexpr, DOT: tl.constexpr,
+        CELL_STEPS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Backward of step s for a tile of rows x units.
 
@@ -98,6 +98,8 @@ def gates_backward_kernel(
                   + tl.load(p_c0 + o_bh, mask=m_0, other=0.0).to(ACC))
         dc = tl.load(p_dc + o_bh, mask=m, other=0.0).to(ACC)
         dc = carry_past_reset(dc, p_dc0_in, p_dc0_out, o_bh, m, nr, HAS_RESETS, ACC)
+        if CELL_STEPS:  # dL/dc_t of the step's own c (grad [T, B, H] at its position)
+            dc += tl.load(p_gc_steps + row * H + o_h[None, :], mask=m_act, other=0.0).to(ACC)
         if HAS_ZONEOUT:  # the workspace holds the blended state: recompute c~
             c = lstm_candidate(i, f, g, c_prev)
             m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)

@@ -16,13 +16,13 @@ from .tile import next_resets, step_rows, step_tile, store_next_state
 @triton.jit(do_not_specialize=["s", "T", "B_CLASS"])
 def gates_forward_kernel(
         p_x, p_w_ih, p_xproj, p_h, p_c, p_w_hh, p_b_ih, p_b_hh, p_len,
-        p_out, p_h_next, p_c_next, p_ws, p_aux, p_h0, p_c0, p_resets, p_zo,
+        p_out, p_h_next, p_c_next, p_ws, p_aux, p_h0, p_c0, p_resets, p_zo, p_c_steps,
         s, T, B, I, H, P, s_zt, s_zb, s_zu,
         B_CLASS, CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_X: tl.constexpr,
         HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr,
         REVERSE: tl.constexpr, TRAIN: tl.constexpr, HAS_PROJ: tl.constexpr,
         STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
-        ACC: tl.constexpr, DOT: tl.constexpr,
+        CELL_STEPS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Step s for a tile of rows x units.
 
@@ -95,6 +95,9 @@ def gates_forward_kernel(
                 m_zc = zoneout_rows(p_zo + P * s_zu, t, o_b, o_h, m_act, s_zt, s_zb, s_zu, ACC)
                 c = zoneout_forward(m_zc, c_prev, c)
             store_next_state(p_c_next, o_bh, m, act, c, c_prev, p_c0, nr, HAS_RESETS, ACC)
+            if CELL_STEPS:  # c_t at its position [T, B, H] (zeros past a row's length)
+                tl.store(p_c_steps + row * H + o_h[None, :],
+                         tl.where(act, c, 0.0).to(p_c_steps.dtype.element_ty), mask=m)
             if TRAIN:
                 tl.store(p_w, tl.where(act, i, 0.0).to(WS_DTYPE), mask=m)
                 tl.store(p_w + H, tl.where(act, f, 0.0).to(WS_DTYPE), mask=m)
