@@ -61,6 +61,12 @@ MUTANTS = [
     ("persistent staging: a 16-byte chunk stored at its chunk index, not its first element's",
      "csrc/cuda/persistent.cuh",
      "S* dst = x + r * ld + c * V;", "S* dst = x + r * ld + c;"),
+    # every step's c (the recurrence op's cell_steps)
+    ("cell_steps: a step's c not written", "csrc/cuda/pointwise_forward.cuh",
+     "  if (st.c_steps != nullptr) st.c_steps[(p * st.B + b) * H + j] = Storage<S>::store(c);\n",
+     ""),
+    ("cell_steps: a step's c gradient not added to the carry", "csrc/cuda/pointwise_backward.cuh",
+     "(st.gc_steps != nullptr ? load_at<A>(st.gc_steps, row * H + j) : A(0))", "A(0)"),
 ]
 
 SOURCES = ["csrc", "rnnkern", "tests", "setup.py", "pyproject.toml"]
@@ -86,7 +92,9 @@ def run_tests(repo: str, mode: str = "1") -> tuple[int, str]:
         env.update(LD_PRELOAD=f"{gcc_file('libasan.so')} {gcc_file('libstdc++.so')}",
                    ASAN_OPTIONS=f"detect_leaks=0:log_path={report}")
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_cuda_emulated.py",
-                           "tests/test_cuda_emulated_persistent.py", "tests/test_backend_contract.py", "-k", "not test_backend_contract or cuda_emulated",
+                           "tests/test_cuda_emulated_persistent.py", "tests/test_backend_contract.py",
+                           "tests/test_cell_steps.py",
+                           "-k", "not (test_backend_contract or test_cell_steps) or cuda_emulated",
                            "-x", "-q", "-p", "no:cacheprovider"], cwd=repo, env=env, capture_output=True, text=True)
     for f in sorted(os.listdir(repo)):
         if f.startswith("sanitizer-report"):
