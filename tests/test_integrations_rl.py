@@ -273,6 +273,12 @@ def test_torchrl_sequential_mode_and_accelerate_errors():
         want, got = theirs(td.clone()), ours(td.clone())
     for key in want.keys(True, True):
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12)
+    with set_recurrent_mode(True):  # the one-call path keeps torch.nn's input errors
+        bad = TensorDict({"obs": torch.randn(2, 5, 2, dtype=torch.float64),
+                          "is_init": torch.zeros(2, 5, 1, dtype=torch.bool)}, [2, 5])
+        for module in (theirs, ours):
+            with pytest.raises(RuntimeError, match="input.size.-1. must be equal to input_size"):
+                module(bad)
     with pytest.raises(TypeError, match="no torchrl"):
         rk_trl.accelerate(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="python_based"):

@@ -113,6 +113,7 @@ def _recurrent_forward(module, tensordict, rnn, lstm: bool):
     if lstm:
         # The module's own layer stack (its backend, autocast and checks), with
         # the cell state after every step as the LSTM's c_n.
+        rnn.check_input(value, None)  # torch.nn's input errors, as the module's forward
         out, (hn, c_steps) = rnn._run_layers(value.transpose(0, 1), hx, None, None, resets.t(),
                                              cell_steps=True)
         out, c_steps = out.transpose(0, 1), c_steps[0].transpose(0, 1)  # [B, T, H]
