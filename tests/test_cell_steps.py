@@ -147,3 +147,32 @@ def test_cell_steps_is_refused_for_other_cells(backend, cell):
     with pytest.raises(ValueError, match="cell_steps .* needs cell 'lstm'"):
         ops.recurrence(cell, xproj, h0, c0, torch.randn(G * 4, 4, dtype=torch.float64),
                        backend=backend, ln=ln, cell_steps=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proj", [0, 3], ids=["", "proj3"])
+@pytest.mark.parametrize("name,lengths,reverse,with_resets",
+                         [c for c in CASES if c[0] in ("lengths-reverse", "reverse-resets")],
+                         ids=["lengths-reverse", "reverse-resets"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_every_steps_cell_state_and_its_gradient(backend, name, lengths, reverse, with_resets,
+                                                     proj):
+    """The same on a GPU (float64: the CUDA host loop and Triton's kernels as
+    compiled for the device), against the per-row loop on the CPU."""
+    key = (name, proj)
+    a = inputs(proj, key)
+    lengths = None if lengths is None else torch.tensor(lengths, dtype=torch.int64)
+    resets = (torch.rand(T, B, generator=generator("resets", *key)) < 0.35) if with_resets else None
+    used = [k for k, v in a.items() if v is not None and (with_resets or not k.startswith("reset"))]
+    want = truth(a, lengths, reverse, resets)
+    dev = {k: None if v is None else v.detach().cuda().requires_grad_() for k, v in a.items()}
+    got = rnnkern_call(backend, dev, lengths, reverse, None if resets is None else resets.cuda())
+    cot = [randn(generator("cotangent", *key, i), *w.shape) for i, w in enumerate(want)]
+    for what, x, y in zip(("output", "h_n", "c after every step"), got, want):
+        assert_close(x.cpu(), y, what=f"{backend} {what}")
+    g_want = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cot)),
+                                 [a[k] for k in used])
+    g_got = torch.autograd.grad(sum((x * c.cuda()).sum() for x, c in zip(got, cot)),
+                                [dev[k] for k in used])
+    for k, x, y in zip(used, g_got, g_want):
+        assert_close(x.cpu(), y, what=f"{backend} grad of {k}")
