@@ -106,6 +106,34 @@ def test_every_steps_cell_state_and_its_gradient_match_the_cell_loop(backend, na
         assert_close(x, y, what=f"{backend} grad of {k}")
 
 
+@pytest.mark.parametrize("backend", PATHS[1:])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_zoneout_with_every_steps_cell_state_matches_the_reference(backend, reverse, monkeypatch):
+    """With zoneout (and resets, lengths) the state after a step is the blend;
+    every step's c is that blend and its gradient splits as the carry's does:
+    the reference (which the zoneout tests hold to the RL user's loop) is the
+    truth here."""
+    if backend.startswith("triton:"):
+        backend, path = backend.split(":")
+        monkeypatch.setattr(triton_ops, "PATH", path)
+    a = inputs(0, ("zoneout",))
+    args = [a[k] for k in ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh")]
+    g = generator("zoneout-masks", reverse)
+    zoneout = (torch.rand(T, B, 2 * H, generator=g) < 0.3).double()
+    resets = torch.rand(T, B, generator=g) < 0.3
+    lengths = torch.tensor([6, 3, 5, 2], dtype=torch.int64)
+    cot = [randn(g, T, B, H), randn(g, B, H), randn(g, T, B, H)]
+
+    def run(name):
+        out = ops.recurrence("lstm", *args, None, lengths, reverse, backend=name, resets=resets,
+                             zoneout=zoneout, cell_steps=True)
+        loss = sum((o * c).sum() for o, c in zip(out, cot))
+        return list(out) + list(torch.autograd.grad(loss, args))
+
+    for i, (x, y) in enumerate(zip(run(backend), run("reference"))):
+        assert_close(x, y, what=f"{backend} result {i}")
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
 def test_gradcheck_with_every_steps_cell_state(backend):
     a = inputs(0, ("gradcheck",))
