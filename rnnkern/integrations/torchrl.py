@@ -82,16 +82,6 @@ def _end_mask(is_init: Tensor) -> Tensor:
     return end
 
 
-def _entering(out: Tensor, first: Tensor, is_init: Tensor) -> Tensor:
-    """[B, T, H]: the state entering each step of a one-layer recurrence whose
-    state is its output: ``first`` at step 0, zeros at a later is_init, else
-    the previous output."""
-    prev = torch.cat((first.unsqueeze(1), out[:, :-1]), 1)
-    reset = is_init.clone()
-    reset[:, 0] = False
-    return prev.masked_fill(reset.unsqueeze(-1), 0.0)
-
-
 def _recurrent_forward(module, tensordict, rnn, lstm: bool):
     shape = tensordict.shape
     td = _shaped(module, tensordict)
@@ -114,22 +104,16 @@ def _recurrent_forward(module, tensordict, rnn, lstm: bool):
         # The module's own layer stack (its backend, autocast and checks), with
         # the cell state after every step as the LSTM's c_n.
         rnn.check_input(value, None)  # torch.nn's input errors, as the module's forward
-        out, (hn, c_steps) = rnn._run_layers(value.transpose(0, 1), hx, None, None, resets.t(),
-                                             cell_steps=True)
+        out, (_, c_steps) = rnn._run_layers(value.transpose(0, 1), hx, None, None, resets.t(),
+                                            cell_steps=True)
         out, c_steps = out.transpose(0, 1), c_steps[0].transpose(0, 1)  # [B, T, H]
-        h_last = hn[0]
     else:
-        out, hn = rnn(value, hx[0], resets=resets)
-        h_last = hn[0]
+        out, _ = rnn(value, hx[0], resets=resets)
     end = _end_mask(is_init).view(B, T, 1, 1)
-    # The state after each step, wherever a trajectory ends: a one-layer
-    # recurrence's h is its output; each row's last step takes the kernel's own
-    # final state (the same number).  Without mid-row ends only that one is kept.
-    mid_ends = bool(is_init[:, 1:].any())
-    before_last = out[:, :-1] if mid_ends else out.new_zeros(B, T - 1, H)
-    next_states = [torch.cat((before_last, h_last.unsqueeze(1)), 1)]
-    if lstm:
-        next_states.append(c_steps)
+    # The state after each step, kept wherever a trajectory ends: a one-layer
+    # recurrence's h is its output (its last row is h_n), and the LSTM's c
+    # after every step comes from the call.
+    next_states = [out, c_steps] if lstm else [out]
     td.set(module.out_keys[0], out)
     for key, s in zip(module.out_keys[1:], next_states):
         s = s.unsqueeze(2)
