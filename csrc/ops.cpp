@@ -77,6 +77,12 @@ TORCH_LIBRARY(rnnkern, m) {
   // The input projection X W_ih^T as one large product (CPU backend; other
   // backends use torch's matmul).
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  // Zeros of `size` in like's dtype (CPU): from the buffer cache
+  // (cpu/buffers.h) when large.  The time-major grid a packed batch's rows
+  // are scattered into: fresh from the system, its page faults cost more than
+  // the scatter itself (a 48 MB grid: ~25 ms against ~3 ms to clear a cached
+  // block).  Not differentiable: callers pass a detached `like`.
+  m.def("grid_zeros(Tensor like, int[] size) -> Tensor");
   // The create_graph=True backward of `op` ("recurrence" or "step"): gradients
   // of the reference formulation recomputed from the saved inputs (the op's
   // differentiable arguments in its order, then ln; None where absent),

@@ -178,6 +178,11 @@ def _linear_fake(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+@torch.library.register_fake("rnnkern::grid_zeros")
+def _grid_zeros_fake(like, size):
+    return like.new_zeros(size)
+
+
 @torch.library.register_fake("rnnkern::linear_backward")
 def _linear_backward_fake(grad_y, x, weight, need_x, need_weight):
     return (x.new_empty(x.shape) if need_x else x.new_empty((0,)),

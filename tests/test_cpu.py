@@ -264,6 +264,28 @@ def test_pooled_buffers_are_reused_and_released():
     assert ops.empty_cpu_cache() == 0
 
 
+def test_grid_zeros_clears_a_reused_block():
+    """grid_zeros (a packed batch's grid): zeros of the asked size and dtype
+    even from a cached block that held other values (same address: the
+    block was reused, not fresh from the system)."""
+    ops.empty_cpu_cache()
+    g = generator("grid-zeros")
+    x, w = randn(g, 1024, 64), randn(g, 512, 64)  # a 4 MiB output of nonzero values
+    y = torch.ops.rnnkern.linear(x, w)
+    address = y.data_ptr()
+    assert (y != 0).any()
+    del y
+    z = torch.ops.rnnkern.grid_zeros(x, (8, 64, 1024))  # the same 4 MiB
+    assert z.data_ptr() == address
+    assert z.shape == (8, 64, 1024) and z.dtype == x.dtype and not z.requires_grad
+    assert torch.count_nonzero(z) == 0
+    small = torch.ops.rnnkern.grid_zeros(x.float(), (3, 2, 5))
+    assert torch.equal(small, torch.zeros(3, 2, 5))
+    torch.library.opcheck(torch.ops.rnnkern.grid_zeros.default, (x, (3, 2, 5)))
+    with pytest.raises(RuntimeError, match="size must be non-negative"):
+        torch.ops.rnnkern.grid_zeros(x, (3, -1))
+
+
 _STALE_BLOCKS_SCRIPT = '''
 import torch, rnnkern
 x = torch.randn(1024, 64)

@@ -286,6 +286,39 @@ def test_lengths_forms_agree():
     assert_close(m(x, lengths=[T] * B)[0], m(x)[0])
 
 
+@pytest.mark.parametrize("cell,proj", [("lstm", 0), ("lstm", 3), ("gru", 0), ("rnn_tanh", 0)],
+                         ids=["lstm", "lstm_proj3", "gru", "rnn_tanh"])
+def test_mostly_padding_packed_batch_second_order(cell, proj):
+    """A packed batch mostly padding: the input projection runs over the real
+    rows, scattered into a grid from rnnkern's buffer cache, and the packed
+    output is gathered through _GridToRows, whose backward scatters into that
+    cache's zeros (modules/sequence.py).  Against torch.nn in float64: outputs,
+    states, every first gradient, and the second derivatives (create_graph
+    through both scatters)."""
+    case = Case(cell, proj, 2, True, False, True, "packed_unsorted", True)
+    ours, theirs = make_pair(case)
+    g = generator("mostly-padding-second-order", cell, proj)
+    lengths = torch.tensor([2, 9, 1, 3, 1, 2, 1, 1])  # 20 real positions of a 9 x 8 grid
+    x = randn(g, 9, 8, I, requires_grad=True)
+    params_ours, params_theirs = list(ours.parameters()), list(theirs.parameters())
+
+    def run(m, params):
+        out, hidden = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        states = list(hidden) if isinstance(hidden, tuple) else [hidden]
+        cot = randn(generator("mostly-padding-cot", cell, proj), *out.data.shape)
+        loss = (out.data * cot).sum() + sum((s * s).sum() for s in states)
+        first = torch.autograd.grad(loss, [x, *params], create_graph=True)
+        second = torch.autograd.grad(sum((f * f).sum() for f in first), [x, *params])
+        return out, [out.data, *states, *first, *second]
+
+    out, got = run(ours, params_ours)
+    assert "_GridToRows" in type(out.data.grad_fn).__name__
+    _, want = run(theirs, params_theirs)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+
+
 # ------------------------------------------------------------- no Python per step ----
 
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])

@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 #include <sys/mman.h>
 
 #include <cerrno>
@@ -182,4 +183,11 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
 
 int64_t empty_cache() { return PoolAllocator::get().release_all(); }
 
+at::Tensor grid_zeros_cpu(const at::Tensor& like, at::IntArrayRef size) {
+  for (const int64_t n : size) TORCH_CHECK(n >= 0, "grid_zeros: size must be non-negative, got ", size);
+  return pooled_empty(size, like.options()).zero_();
+}
+
 }  // namespace rnnkern::cpu
+
+TORCH_LIBRARY_IMPL(rnnkern, CPU, m) { m.impl("grid_zeros", &rnnkern::cpu::grid_zeros_cpu); }

@@ -38,14 +38,50 @@ def _packing_from_batch_sizes(batch_sizes: Tensor, rows: int, device) -> _Packin
 def _rows_to_grid(rows: Tensor, packing: _Packing, T: int, B: int) -> Tensor:
     """Packed rows [N, F] -> the time-major grid [T, B, F], zeros at the padding
     (which the kernels skip but the reference recomputation behind second
-    derivatives reads).  In place into the fresh zeros (an out-of-place
+    derivatives reads); on the CPU from rnnkern's buffer cache (csrc/ops.cpp's
+    grid_zeros: a fresh grid's page faults were a packed call's largest
+    cost).  In place into the fresh zeros (an out-of-place
     index_put would copy the whole grid once more: for a mostly-padding grid
     its largest cost), except under torch.func transforms, whose batched rows
     cannot be written into a plain tensor."""
-    grid = rows.new_zeros((T, B, rows.size(-1)))
+    if rows.device.type == "cpu" and not torch.compiler.is_compiling() and not ops._transformed(rows):
+        grid = torch.ops.rnnkern.grid_zeros(rows.detach(), (T, B, rows.size(-1)))
+    else:
+        grid = rows.new_zeros((T, B, rows.size(-1)))
     if ops._transformed(rows):
         return grid.index_put((packing.time, packing.batch), rows)
     return grid.index_put_((packing.time, packing.batch), rows)
+
+
+class _GridToRows(torch.autograd.Function):
+    """grid[time, batch] whose backward scatters into :func:`_rows_to_grid`'s
+    cached zeros: indexing's own backward builds a fresh zero grid, whose page
+    faults cost a packed call more than the scatter (LSTM H=128, 232 rows,
+    longest 100: 7 ms of a 70 ms forward + backward).  The backward is
+    itself differentiable (index_put_), so double backward holds."""
+
+    @staticmethod
+    def forward(grid: Tensor, time: Tensor, batch: Tensor) -> Tensor:
+        return grid[time, batch]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grid, ctx.time, ctx.batch = inputs
+        ctx.T, ctx.B = grid.size(0), grid.size(1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _rows_to_grid(grad, _Packing(ctx.time, ctx.batch), ctx.T, ctx.B), None, None
+
+
+def _grid_to_rows(grid: Tensor, packing: _Packing) -> Tensor:
+    """The packed rows of a time-major grid [T, B, F] -> [N, F]; through
+    _GridToRows where its gradient will be needed on the CPU (torch.func
+    transforms, forward-mode AD and torch.compile index directly)."""
+    if (grid.device.type == "cpu" and grid.requires_grad and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not ops._transformed(grid)):
+        return _GridToRows.apply(grid, packing.time, packing.batch)
+    return grid[packing.time, packing.batch]
 
 
 def _packing_of_padded(lengths: Tensor, T: int, device) -> _Packing:
@@ -319,7 +355,9 @@ class _RecurrentMixin(_RnnkernOptions):
         # (Not under torch.compile: the real rows' count is data-dependent there.)
         if packing is None or torch.compiler.is_compiling() or packing.time.numel() * 5 >= T * B * 4:
             return ops.input_projection(x, w_ih, backend)
-        rows = ops.input_projection(x[packing.time, packing.batch].unsqueeze(0), w_ih, backend)[0]
+        # squeeze, not [0]: indexing's backward would build a zero [1, N, G*H]
+        # to copy the gradient into.
+        rows = ops.input_projection(_grid_to_rows(x, packing).unsqueeze(0), w_ih, backend).squeeze(0)
         return _rows_to_grid(rows, packing, T, B)
 
     def _dropout(self, x: Tensor, packing: Optional[_Packing]) -> Tensor:
@@ -328,7 +366,7 @@ class _RecurrentMixin(_RnnkernOptions):
         drops out PackedSequence.data), so a seeded run draws the same masks."""
         if packing is None:
             return F.dropout(x, self.dropout, training=True)
-        rows = F.dropout(x[packing.time, packing.batch], self.dropout, training=True)
+        rows = F.dropout(_grid_to_rows(x, packing), self.dropout, training=True)
         return _rows_to_grid(rows, packing, x.size(0), x.size(1))
 
     def _autocast_result_dtypes(self, x: Tensor, hx, dtype: torch.dtype, packed: bool):
@@ -630,7 +668,7 @@ class _RecurrentMixin(_RnnkernOptions):
         padded = _rows_to_grid(data, packing, T, B)
         out, hidden = self._run_layers(padded, hx, lengths, packing, resets, reset_state,
                                        reset_is_hx=hx_zeros and reset_state is None, backend=backend)
-        out_data = out[packing.time, packing.batch]
+        out_data = _grid_to_rows(out, packing)
         hidden = hidden if self.mode == "LSTM" else hidden[0]
         return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
                 self.permute_hidden(hidden, unsorted_indices))
