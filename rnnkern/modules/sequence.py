@@ -208,7 +208,7 @@ class _RecurrentMixin(_RnnkernOptions):
     def _run_layers(self, x: Tensor, hx, lengths: Optional[Tensor], packing: Optional[_Packing],
                     resets: Optional[Tensor] = None, reset_state=None,
                     reset_is_hx: bool = False, backend: Optional[str] = None,
-                    cell_steps: bool = False):
+                    cell_steps: bool = False, x_rows: Optional[Tensor] = None):
         """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
         or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
         or None (zeros; ``reset_is_hx``: hx is those zeros, so the kernels' own
@@ -219,7 +219,10 @@ class _RecurrentMixin(_RnnkernOptions):
         ``backend``: the backend to run (default the module's; ``auto``'s choice).
         ``cell_steps`` (one-layer, one-direction LSTM without projection; for
         rnnkern.integrations.torchrl): c_n is then the cell state after every
-        step, [1, T, B, H] (the op's cell_steps)."""
+        step, [1, T, B, H] (the op's cell_steps).  ``x_rows``: x's packed rows
+        (``x[packing.time, packing.batch]``, a PackedSequence's data) where the
+        caller has them: the first layer's projection over the real rows reads
+        them instead of gathering them back from the grid."""
         dtype = None
         if _any_autocast():
             weight = getattr(self, self._flat_weights_names[0])
@@ -231,14 +234,15 @@ class _RecurrentMixin(_RnnkernOptions):
             # float16 run) and would then meet float16 weights in the kernels.
             with torch.autocast(x.device.type, enabled=False):
                 return self._run_layers_cast(dtype, x, hx, lengths, packing, resets, reset_state,
-                                             reset_is_hx, backend, cell_steps)
+                                             reset_is_hx, backend, cell_steps, x_rows)
         return self._run_layers_cast(None, x, hx, lengths, packing, resets, reset_state, reset_is_hx,
-                                     backend, cell_steps)
+                                     backend, cell_steps, x_rows)
 
     def _run_layers_cast(self, dtype: Optional[torch.dtype], x: Tensor, hx,
                          lengths: Optional[Tensor], packing: Optional[_Packing],
                          resets: Optional[Tensor], reset_state, reset_is_hx: bool,
-                         backend: Optional[str] = None, cell_steps: bool = False):
+                         backend: Optional[str] = None, cell_steps: bool = False,
+                         x_rows: Optional[Tensor] = None):
         """:meth:`_run_layers` in ``dtype`` (None: the tensors' own), autocast off."""
         lstm = self.mode == "LSTM"
         D = 2 if self.bidirectional else 1
@@ -256,6 +260,7 @@ class _RecurrentMixin(_RnnkernOptions):
         if dtype is not None:
             result_dtypes = self._autocast_result_dtypes(x, hx, dtype, packed)
             x, hx = x.to(dtype), tuple(h.to(dtype) for h in hx)
+            x_rows = None if x_rows is None else x_rows.to(dtype)
             if reset_state is not None:
                 reset_state = tuple(h.to(dtype) for h in reset_state)
             weights = [tuple(_cast(w, dtype) for w in ws) for ws in weights]
@@ -319,7 +324,7 @@ class _RecurrentMixin(_RnnkernOptions):
                     continue
                 if p and self.training:  # a fresh Bernoulli mask per layer and direction
                     zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
-                xproj = self._input_projection(x, w_ih, backend, packing)
+                xproj = self._input_projection(x, w_ih, backend, packing, x_rows if layer == 0 else None)
                 ln = None if lns is None else lns[idx]
                 if step_resets[d] is None or reset_is_hx:
                     out, h, c = ops.run_recurrence(
@@ -345,19 +350,23 @@ class _RecurrentMixin(_RnnkernOptions):
         return x, hidden
 
     @staticmethod
-    def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing]) -> Tensor:
+    def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing],
+                          x_rows: Optional[Tensor] = None) -> Tensor:
         """``x W_ih^T`` for every position of the [T, B] grid the kernels read: with
         variable lengths and more than a fifth of the grid padding (a packed batch
         of a few long and many short sequences), over the real rows alone, scattered
         into a zero grid, so that the projection and its gradients cost the real
-        steps, as the kernels' steps do (they skip finished rows)."""
+        steps, as the kernels' steps do (they skip finished rows).  ``x_rows``: the
+        real rows of x where the caller has them (else gathered from x)."""
         T, B = x.size(0), x.size(1)
         # (Not under torch.compile: the real rows' count is data-dependent there.)
         if packing is None or torch.compiler.is_compiling() or packing.time.numel() * 5 >= T * B * 4:
             return ops.input_projection(x, w_ih, backend)
         # squeeze, not [0]: indexing's backward would build a zero [1, N, G*H]
         # to copy the gradient into.
-        rows = ops.input_projection(_grid_to_rows(x, packing).unsqueeze(0), w_ih, backend).squeeze(0)
+        if x_rows is None:
+            x_rows = _grid_to_rows(x, packing)
+        rows = ops.input_projection(x_rows.unsqueeze(0), w_ih, backend).squeeze(0)
         return _rows_to_grid(rows, packing, T, B)
 
     def _dropout(self, x: Tensor, packing: Optional[_Packing]) -> Tensor:
@@ -667,7 +676,8 @@ class _RecurrentMixin(_RnnkernOptions):
         lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
         padded = _rows_to_grid(data, packing, T, B)
         out, hidden = self._run_layers(padded, hx, lengths, packing, resets, reset_state,
-                                       reset_is_hx=hx_zeros and reset_state is None, backend=backend)
+                                       reset_is_hx=hx_zeros and reset_state is None, backend=backend,
+                                       x_rows=data)
         out_data = _grid_to_rows(out, packing)
         hidden = hidden if self.mode == "LSTM" else hidden[0]
         return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
