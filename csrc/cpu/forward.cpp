@@ -47,7 +47,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const bool resets = opts.resets != nullptr, zone = opts.zone != nullptr;
 
   // Packed weights per unit (output) slice, scratch per worker, allocated once.
-  const Split split(z, sizeof(A));
+  const Split split(z, sizeof(A), a.pos.lengths);
   const bool in_place = T == 1;  // see kMaxInPlaceRows
   std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice;
   for (const Slice& sl : split.units) {

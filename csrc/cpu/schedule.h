@@ -83,13 +83,51 @@ constexpr int64_t kMinStepMacsPerWorker = int64_t(1) << 24;
 // stale cache would be a silently wrong answer.
 constexpr int64_t kMaxInPlaceRows = 2;
 
+inline std::vector<Rows> equal_rows(int64_t B, int64_t parts) {
+  std::vector<Rows> rows;
+  for (int64_t t = 0; t < parts; ++t) rows.push_back({B * t / parts, B * (t + 1) / parts - B * t / parts});
+  return rows;
+}
+
+// Contiguous blocks of at least kMinRowsPerThread rows (parts * kMinRowsPerThread
+// <= B) whose costs, a row's length plus one (a finished row still costs its
+// carry), are as even as the rows allow: a block ends at the first row that
+// brings it to its share of what is left.
+inline std::vector<Rows> balanced_rows(const int64_t* lengths, int64_t B, int64_t parts) {
+  int64_t left = 0;
+  for (int64_t b = 0; b < B; ++b) left += lengths[b] + 1;
+  std::vector<Rows> rows;
+  int64_t b0 = 0;
+  for (int64_t t = 0; t < parts; ++t) {
+    const int64_t blocks_left = parts - t;
+    if (blocks_left == 1) {
+      rows.push_back({b0, B - b0});
+      break;
+    }
+    const int64_t share = (left + blocks_left - 1) / blocks_left;
+    const int64_t last = B - (blocks_left - 1) * kMinRowsPerThread;  // room for the rest
+    int64_t b = b0, cost = 0;
+    while (b < last && (b - b0 < kMinRowsPerThread || cost < share)) cost += lengths[b++] + 1;
+    rows.push_back({b0, b - b0});
+    left -= cost;
+    b0 = b;
+  }
+  return rows;
+}
+
 struct Split {
   bool by_rows = false;
   std::vector<Rows> rows;    // per worker (by rows), else {0, B}
   std::vector<Slice> units;  // per worker (by units), else {0, H}
   std::vector<Slice> outs;   // the projection's outputs, likewise; empty without one
 
-  Split(const RecurrenceSizes& z, size_t elem_bytes) {
+  // lengths (null: every row runs T steps): by rows, the blocks split the
+  // rows' real steps evenly rather than their count.  A packed batch is
+  // sorted longest first, so equal blocks gave the first worker most of the
+  // work (LSTM, 232 rows of skewed lengths, 2 threads: 1.8x the time of a
+  // dense batch of the same steps).  A row's result does not depend on its
+  // block, so any split gives the same bits.
+  Split(const RecurrenceSizes& z, size_t elem_bytes, const int64_t* lengths = nullptr) {
     const int64_t threads = at::get_num_threads();
     const int64_t step_macs = z.B * (z.G * z.H * z.P + (z.has_proj ? z.P * z.H : 0));
     const int64_t step_workers = std::min<int64_t>(threads, step_macs / kMinStepMacsPerWorker);
@@ -99,7 +137,7 @@ struct Split {
     // to split by units.
     by_rows = parts > 1 && (weight_bytes <= kMaxSharedWeightBytes || step_workers < 2);
     if (by_rows) {
-      for (int64_t t = 0; t < parts; ++t) rows.push_back({z.B * t / parts, z.B * (t + 1) / parts - z.B * t / parts});
+      rows = lengths ? balanced_rows(lengths, z.B, parts) : equal_rows(z.B, parts);
       units = {{0, z.H}};
       if (z.has_proj) outs = {{0, z.P}};
     } else {
