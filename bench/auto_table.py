@@ -14,10 +14,12 @@ adds its column to a CUDA grid:
         bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json \
         bench/results/cpu-zen3-2026-11-27-default/bench.json \
         bench/results/cpu-zen3-2026-11-27-auto-t1/bench.json \
-        bench/results/cpu-zen3-2026-11-27-peers-step-t1/bench.json
+        bench/results/cpu-zen3-2026-11-27-peers-step-t1/bench.json \
+        bench/results/cpu-zen4avx2-2026-11-28-lstm-latency-t2/bench.json
 
-CPU rows keep the run's thread count: the second and third files are one-thread
-runs of the same CPU, the first a two-thread run.
+CPU rows keep the run's thread count: the fifth and sixth files are one-thread
+runs of the same CPU as the fourth, a two-thread run; the last, a Zen 4 whose
+AVX-512 the host hides (the same CPU class), two threads.
 """
 from __future__ import annotations
 
