@@ -180,6 +180,10 @@ KERNEL_BACKENDS = ["cpu", "cuda_emulated", "triton-loop", "triton-step", "cuda"]
 
 
 def family(name):
+    if name == "cuda_emulated":
+        # Its namespace is defined when rnnkern.cuda_emulated is imported, which the ops do
+        # on first use: a worker whose first emulated test is here must not depend on that.
+        import rnnkern.cuda_emulated  # noqa: F401
     return getattr(torch.ops, NAMESPACES[name])
 
 
