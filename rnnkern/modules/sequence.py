@@ -44,12 +44,13 @@ def _rows_to_grid(rows: Tensor, packing: _Packing, T: int, B: int) -> Tensor:
     index_put would copy the whole grid once more: for a mostly-padding grid
     its largest cost), except under torch.func transforms, whose batched rows
     cannot be written into a plain tensor."""
-    if rows.device.type == "cpu" and not torch.compiler.is_compiling() and not ops._transformed(rows):
-        grid = torch.ops.rnnkern.grid_zeros(rows.detach(), (T, B, rows.size(-1)))
-    else:
-        grid = rows.new_zeros((T, B, rows.size(-1)))
+    size = (T, B, rows.size(-1))
     if ops._transformed(rows):
-        return grid.index_put((packing.time, packing.batch), rows)
+        return rows.new_zeros(size).index_put((packing.time, packing.batch), rows)
+    if rows.device.type == "cpu" and not torch.compiler.is_compiling():
+        grid = torch.ops.rnnkern.grid_zeros(rows.detach(), size)
+    else:
+        grid = rows.new_zeros(size)
     return grid.index_put_((packing.time, packing.batch), rows)
 
 
