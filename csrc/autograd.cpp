@@ -24,11 +24,13 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "autograd.h"
 
@@ -283,6 +285,46 @@ Tensor linear_autograd(const Tensor& x, const Tensor& weight) {
   return LinearFunction::apply(x, weight);
 }
 
+// rnnkern::relayout (CPU): a copy, so its gradient is the incoming one laid
+// out as x was (the caller's transposed layout: its own view of the gradient
+// is then dense, with no copy of its own), by the same op through autograd so
+// that double backward holds.
+using RelayoutSig = Tensor(const Tensor&, at::IntArrayRef);
+
+// x's dimensions outermost first: by decreasing stride, ties (sizes of 1) in
+// their order.
+std::vector<int64_t> layout_order(const Tensor& x) {
+  std::vector<int64_t> order(x.dim());
+  for (int64_t d = 0; d < x.dim(); ++d) order[d] = d;
+  std::stable_sort(order.begin(), order.end(),
+                   [&x](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  return order;
+}
+
+struct RelayoutFunction : torch::autograd::Function<RelayoutFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, at::IntArrayRef order) {
+    static const auto op = find_op<RelayoutSig>("rnnkern", "relayout");
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->saved_data["order"] = layout_order(x);
+    return op.call(x, order);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<RelayoutSig>("rnnkern", "relayout");
+    const std::vector<int64_t> order = ctx->saved_data["order"].toIntVector();
+    return {op.call(grads[0], order), Tensor()};
+  }
+};
+
+Tensor relayout_autograd(const Tensor& x, at::IntArrayRef order) {
+  if (!any_requires_grad({&x}, {})) {
+    static const auto op = find_op<RelayoutSig>("rnnkern", "relayout");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(x, order);
+  }
+  return RelayoutFunction::apply(x, order);
+}
+
 std::mutex registry_mutex;
 std::set<std::string> registered;
 std::deque<Family> families;  // stable addresses: the kernels keep pointers
@@ -332,7 +374,10 @@ void register_autograd(const std::string& ns) {
         StepFunction::apply(f, std::string(cell), x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
     return std::make_tuple(r[0], r[1], r[2]);
   });
-  if (ns == "rnnkern") m.impl("linear", &linear_autograd);
+  if (ns == "rnnkern") {
+    m.impl("linear", &linear_autograd);
+    m.impl("relayout", &relayout_autograd);
+  }
 }
 
 }  // namespace rnnkern

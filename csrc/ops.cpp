@@ -83,6 +83,14 @@ TORCH_LIBRARY(rnnkern, m) {
   // the scatter itself (a 48 MB grid: ~25 ms against ~3 ms to clear a cached
   // block).  Not differentiable: callers pass a detached `like`.
   m.def("grid_zeros(Tensor like, int[] size) -> Tensor");
+  // x copied into a dense tensor (CPU: a pooled buffer, cpu/buffers.h) whose
+  // dimensions lie in memory in `order`, outermost first ([0, 1, ..., n-1]:
+  // row-major).  The copies rnnkern makes of a caller's transposed tensors (a
+  // batch-first input, sb3-contrib's sequence-major features) and of their
+  // gradients, which come back in the caller's layout (autograd.cpp): fresh
+  // memory for them cost a page fault per 4 KiB, and a gradient in a layout
+  // other than its tensor's costs the caller one more copy.
+  m.def("relayout(Tensor x, int[] order) -> Tensor");
   // The create_graph=True backward of `op` ("recurrence" or "step"): gradients
   // of the reference formulation recomputed from the saved inputs (the op's
   // differentiable arguments in its order, then ln; None where absent),

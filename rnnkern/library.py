@@ -183,6 +183,12 @@ def _grid_zeros_fake(like, size):
     return like.new_zeros(size)
 
 
+@torch.library.register_fake("rnnkern::relayout")
+def _relayout_fake(x, order):
+    inverse = sorted(range(len(order)), key=lambda i: order[i])
+    return x.new_empty([x.shape[d] for d in order]).permute(inverse)
+
+
 @torch.library.register_fake("rnnkern::linear_backward")
 def _linear_backward_fake(grad_y, x, weight, need_x, need_weight):
     return (x.new_empty(x.shape) if need_x else x.new_empty((0,)),

@@ -274,7 +274,26 @@ def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
     if backend != "cpu" or x.dtype != w_ih.dtype or _transformed(x, w_ih):
         return torch.nn.functional.linear(x, w_ih)
     T, B = x.shape[0], x.shape[1]
-    return torch.ops.rnnkern.linear(x.reshape(T * B, x.shape[2]), w_ih).view(T, B, w_ih.shape[0])
+    return torch.ops.rnnkern.linear(rows_of(x), w_ih).view(T, B, w_ih.shape[0])
+
+
+def rows_of(x: Tensor) -> Tensor:
+    """A CPU tensor [T, B, F] as rows [T * B, F]: a view where its strides allow
+    one (rnnkern.linear reads any 2D strides), else a dense copy through
+    rnnkern::relayout (pooled, and its gradient comes back in x's layout): a
+    batch-first input transposed to time-major, whose reshape would copy into
+    fresh memory and whose gradient the caller would copy once more."""
+    T, B, F = x.shape
+    if torch.compiler.is_compiling() or T <= 1 or B <= 1 or x.stride(0) == B * x.stride(1):
+        return x.reshape(T * B, F)
+    return dense(x).view(T * B, F)
+
+
+def dense(x: Tensor) -> Tensor:
+    """A CPU tensor as a row-major (contiguous) copy: rnnkern::relayout, whose
+    buffer comes from rnnkern's cache and whose gradient comes back laid out
+    as x is (so a transposed caller gets a dense gradient of its own tensor)."""
+    return torch.ops.rnnkern.relayout(x, list(range(x.dim())))
 
 
 def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_hh: Tensor,

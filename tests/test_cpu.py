@@ -286,6 +286,54 @@ def test_grid_zeros_clears_a_reused_block():
         torch.ops.rnnkern.grid_zeros(x, (3, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_relayout_copies_into_the_asked_layout_and_hands_the_gradient_back_in_the_inputs(dtype):
+    """rnnkern::relayout (the dense copies of a caller's transposed tensors):
+    the same values, laid out in `order`, from the buffer cache when large;
+    the gradient comes back in the input's layout (a batch-first caller's
+    own tensor gets a dense gradient), differentiable twice."""
+    g = generator("relayout", dtype)
+    base = randn(g, 6, 5, 4, dtype=dtype)  # batch-first [B, T, F]
+    x = base.transpose(0, 1)                # time-major view [T, B, F]
+    for order in ([0, 1, 2], [1, 0, 2], [2, 0, 1]):
+        y = torch.ops.rnnkern.relayout(x, order)
+        assert torch.equal(y, x) and y.dtype == dtype
+        assert y.permute(order).is_contiguous(), order
+    y = ops.dense(x)
+    assert y.is_contiguous() and torch.equal(y, x)
+    leaf = base.clone().requires_grad_()
+    cot = randn(g, 5, 6, 4, dtype=dtype)
+    (grad,) = torch.autograd.grad(ops.dense(leaf.transpose(0, 1)), leaf, cot)
+    assert grad.is_contiguous() and torch.equal(grad, cot.transpose(0, 1))
+    big = randn(g, 256, 64, 64, dtype=dtype).transpose(0, 1)  # 2-4 MiB: pooled
+    assert torch.equal(ops.dense(big), big.contiguous())
+    if dtype == torch.float64:
+        xg = x.detach().requires_grad_()
+        assert torch.autograd.gradcheck(ops.dense, (xg,))
+        assert torch.autograd.gradgradcheck(ops.dense, (xg,))
+        torch.library.opcheck(torch.ops.rnnkern.relayout.default, (xg, [1, 0, 2]))
+    for order in ([0, 1], [0, 1, 1], [0, 1, 3]):
+        with pytest.raises(RuntimeError, match="order must list each of x's 3 dimensions once"):
+            torch.ops.rnnkern.relayout(x, order)
+
+
+def test_batch_first_input_gradient_comes_back_dense():
+    """A batch-first CPU call transposes its input to time-major; the input
+    projection copies it through relayout, so the input's gradient comes back
+    in the input's own (dense) layout with torch.nn's values, and the sb3
+    layout (sequence-major rows) the same."""
+    g = generator("batch-first-layout")
+    theirs = torch.nn.LSTM(4, 6, batch_first=True).double()
+    ours = rnnkern.LSTM(4, 6, batch_first=True, backend="cpu").double()
+    ours.load_state_dict(theirs.state_dict())
+    x = randn(g, 5, 7, 4).requires_grad_()
+    cot = randn(g, 5, 7, 6)
+    grads = [torch.autograd.grad((m(x)[0] * cot).sum(), [x, *m.parameters()]) for m in (ours, theirs)]
+    assert grads[0][0].is_contiguous()
+    for a, b in zip(*grads):
+        assert_close(a, b)
+
+
 _STALE_BLOCKS_SCRIPT = '''
 import torch, rnnkern
 x = torch.randn(1024, 64)

@@ -23,7 +23,13 @@
 namespace rnnkern::cpu {
 namespace {
 
-Tensor to_acc(const Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
+// In the accumulate dtype and dense; a conversion or a copy (an incoming
+// gradient in a transposed layout: batch_first callers) goes into a pooled
+// buffer, where a fresh one would pay a page fault per 4 KiB (buffers.h).
+Tensor to_acc(const Tensor& t, at::ScalarType acc) {
+  if (t.scalar_type() == acc && t.is_contiguous()) return t;
+  return pooled_empty(t.sizes(), t.options().dtype(acc)).copy_(t);
+}
 Tensor to_acc(const OptTensor& t, at::ScalarType acc) {
   return t.has_value() ? to_acc(*t, acc) : Tensor();
 }
@@ -226,8 +232,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   const auto wanted = [needs](int64_t i) { return (needs >> i & 1) != 0; };
   // The incoming gradients are often expanded (the backward of a sum): made
   // dense here, as the driver would.
-  const Tensor gh = grad_h_new.contiguous();
-  const OptTensor gc = grad_c_new.has_value() ? OptTensor(grad_c_new->contiguous()) : std::nullopt;
+  const Tensor gh = to_acc(grad_h_new, grad_h_new.scalar_type());
+  const OptTensor gc = grad_c_new.has_value() ? OptTensor(to_acc(*grad_c_new, grad_c_new->scalar_type()))
+                                              : std::nullopt;
   if (lean_step(s, {&gh, &x, &h, &w_ih, &w_hh, &h_new, &workspace}, {&gc, &c}))
     return step_backward_lean(s, gh, gc, x, h, c, w_ih, w_hh, h_new, workspace, needs);
   // The step's single output is also its final state: its gradient enters

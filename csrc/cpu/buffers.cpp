@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 #include <limits>
 #include <list>
 #include <map>
@@ -188,6 +189,32 @@ at::Tensor grid_zeros_cpu(const at::Tensor& like, at::IntArrayRef size) {
   return pooled_empty(size, like.options()).zero_();
 }
 
+// The sizes of x in `order` (checked: a permutation of x's dimensions), and
+// the permutation back.
+std::vector<int64_t> inverse_order(const at::Tensor& x, at::IntArrayRef order) {
+  const int64_t n = x.dim();
+  TORCH_CHECK(static_cast<int64_t>(order.size()) == n, "relayout: order must list each of x's ", n,
+              " dimensions once, got ", order);
+  std::vector<int64_t> inverse(n, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = order[i];
+    TORCH_CHECK(d >= 0 && d < n && inverse[d] < 0, "relayout: order must list each of x's ", n,
+                " dimensions once, got ", order);
+    inverse[d] = i;
+  }
+  return inverse;
+}
+
+at::Tensor relayout_cpu(const at::Tensor& x, at::IntArrayRef order) {
+  const std::vector<int64_t> inverse = inverse_order(x, order);
+  std::vector<int64_t> sizes;
+  for (const int64_t d : order) sizes.push_back(x.size(d));
+  return pooled_empty(sizes, x.options()).permute(inverse).copy_(x);
+}
+
 }  // namespace rnnkern::cpu
 
-TORCH_LIBRARY_IMPL(rnnkern, CPU, m) { m.impl("grid_zeros", &rnnkern::cpu::grid_zeros_cpu); }
+TORCH_LIBRARY_IMPL(rnnkern, CPU, m) {
+  m.impl("grid_zeros", &rnnkern::cpu::grid_zeros_cpu);
+  m.impl("relayout", &rnnkern::cpu::relayout_cpu);
+}
