@@ -305,8 +305,12 @@ def test_relayout_copies_into_the_asked_layout_and_hands_the_gradient_back_in_th
     cot = randn(g, 5, 6, 4, dtype=dtype)
     (grad,) = torch.autograd.grad(ops.dense(leaf.transpose(0, 1)), leaf, cot)
     assert grad.is_contiguous() and torch.equal(grad, cot.transpose(0, 1))
-    big = randn(g, 256, 64, 64, dtype=dtype).transpose(0, 1)  # 2-4 MiB: pooled
-    assert torch.equal(ops.dense(big), big.contiguous())
+    big = randn(g, 256, 64, 64, dtype=dtype).transpose(0, 1)  # 2-8 MiB: pooled
+    ops.empty_cpu_cache()
+    y = ops.dense(big)
+    assert torch.equal(y, big.contiguous())
+    del y
+    assert ops.empty_cpu_cache() >= big.numel() * big.element_size()  # its block was cached
     if dtype == torch.float64:
         xg = x.detach().requires_grad_()
         assert torch.autograd.gradcheck(ops.dense, (xg,))
@@ -320,8 +324,8 @@ def test_relayout_copies_into_the_asked_layout_and_hands_the_gradient_back_in_th
 def test_batch_first_input_gradient_comes_back_dense():
     """A batch-first CPU call transposes its input to time-major; the input
     projection copies it through relayout, so the input's gradient comes back
-    in the input's own (dense) layout with torch.nn's values, and the sb3
-    layout (sequence-major rows) the same."""
+    in the input's own (dense) layout, with torch.nn's values and every
+    parameter's gradient."""
     g = generator("batch-first-layout")
     theirs = torch.nn.LSTM(4, 6, batch_first=True).double()
     ours = rnnkern.LSTM(4, 6, batch_first=True, backend="cpu").double()

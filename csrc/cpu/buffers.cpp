@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
 #include <limits>
 #include <list>
 #include <map>
@@ -189,8 +188,9 @@ at::Tensor grid_zeros_cpu(const at::Tensor& like, at::IntArrayRef size) {
   return pooled_empty(size, like.options()).zero_();
 }
 
-// The sizes of x in `order` (checked: a permutation of x's dimensions), and
-// the permutation back.
+namespace {
+
+// The permutation back from `order` (checked: each of x's dimensions once).
 std::vector<int64_t> inverse_order(const at::Tensor& x, at::IntArrayRef order) {
   const int64_t n = x.dim();
   TORCH_CHECK(static_cast<int64_t>(order.size()) == n, "relayout: order must list each of x's ", n,
@@ -204,6 +204,8 @@ std::vector<int64_t> inverse_order(const at::Tensor& x, at::IntArrayRef order) {
   }
   return inverse;
 }
+
+}  // namespace
 
 at::Tensor relayout_cpu(const at::Tensor& x, at::IntArrayRef order) {
   const std::vector<int64_t> inverse = inverse_order(x, order);
