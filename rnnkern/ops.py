@@ -290,9 +290,13 @@ def rows_of(x: Tensor) -> Tensor:
 
 
 def dense(x: Tensor) -> Tensor:
-    """A CPU tensor as a row-major (contiguous) copy: rnnkern::relayout, whose
+    """x row-major (contiguous).  A CPU tensor through rnnkern::relayout, whose
     buffer comes from rnnkern's cache and whose gradient comes back laid out
-    as x is (so a transposed caller gets a dense gradient of its own tensor)."""
+    as x is (so a transposed caller gets a dense gradient of its own tensor);
+    elsewhere, under torch.compile and under torch.func transforms (which the
+    op does not batch), ``x.contiguous()``."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or _transformed(x):
+        return x.contiguous()
     return torch.ops.rnnkern.relayout(x, list(range(x.dim())))
 
 

@@ -47,11 +47,9 @@ def fused_process_sequence(features: Tensor, lstm_states: tuple, episode_starts:
     features_sequence = features.reshape((n_seq, -1, lstm.input_size)).swapaxes(0, 1)
     starts = episode_starts.reshape((n_seq, -1)).swapaxes(0, 1)
     lstm_output, lstm_states = lstm(features_sequence, tuple(lstm_states), resets=starts)
-    # Sequence-major again; on the CPU through rnnkern's pooled copy, whose
-    # gradient comes back time-major, as the LSTM's backward reads it.
-    lstm_output = lstm_output.transpose(0, 1)
-    if lstm_output.device.type == "cpu" and not torch.compiler.is_compiling():
-        lstm_output = rnnkern.ops.dense(lstm_output)
+    # Sequence-major again, through rnnkern's copy (on the CPU pooled, its
+    # gradient coming back time-major, as the LSTM's backward reads it).
+    lstm_output = rnnkern.ops.dense(lstm_output.transpose(0, 1))
     return torch.flatten(lstm_output, start_dim=0, end_dim=1), lstm_states
 
 

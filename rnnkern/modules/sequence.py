@@ -72,8 +72,7 @@ class _GridToRows(torch.autograd.Function):
 
     @staticmethod
     def forward(grid: Tensor, time: Tensor, batch: Tensor) -> Tensor:
-        flat = _flat_positions(_Packing(time, batch), grid.size(1))
-        return grid.reshape(-1, grid.size(-1)).index_select(0, flat)
+        return _gather_rows(grid, _Packing(time, batch))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -85,14 +84,20 @@ class _GridToRows(torch.autograd.Function):
         return _rows_to_grid(grad, _Packing(ctx.time, ctx.batch), ctx.T, ctx.B), None, None
 
 
+def _gather_rows(grid: Tensor, packing: _Packing) -> Tensor:
+    return grid.reshape(-1, grid.size(-1)).index_select(0, _flat_positions(packing, grid.size(1)))
+
+
 def _grid_to_rows(grid: Tensor, packing: _Packing) -> Tensor:
     """The packed rows of a time-major grid [T, B, F] -> [N, F]; through
     _GridToRows where its gradient will be needed on the CPU (torch.func
-    transforms, forward-mode AD and torch.compile index directly)."""
+    transforms and forward-mode AD index directly)."""
+    if ops._transformed(grid):
+        return grid[packing.time, packing.batch]
     if (grid.device.type == "cpu" and grid.requires_grad and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and not ops._transformed(grid)):
+            and not torch.compiler.is_compiling()):
         return _GridToRows.apply(grid, packing.time, packing.batch)
-    return grid[packing.time, packing.batch]
+    return _gather_rows(grid, packing)
 
 
 def _packing_of_padded(lengths: Tensor, T: int, device) -> _Packing:
