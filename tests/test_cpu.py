@@ -216,18 +216,39 @@ def test_bfloat16_within_reference_error(cell):
 
 # ------------------------------------------ input projection (linear op) ----
 
-@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40), (3001, 203, 7)])
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40), (3001, 203, 7),
+                                   (9001, 61, 37)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_linear_matches_matmul(M, K, N, dtype):
     """The CPU backend's own GEMM: tails in every dimension, K split into chunks;
-    B packed whole, and (grad_w of the last size: K = 3001 rows of a 203-wide x,
-    over 2 MiB) chunk by chunk."""
+    B packed whole, and (grad_w of the last two sizes: K = 3001 rows of a
+    203-wide x, 9001 of a 61-wide one, over 2 MiB) chunk by chunk; A read where
+    it lies (row-major: y, grad_x) and, for grad_w's transposed A, packed (203
+    columns: 13 panels of B) or read where it lies (61: 4 panels)."""
     g = generator("linear", M, K, N, str(dtype))
     x, w, gy = randn(g, M, K, dtype=dtype), randn(g, N, K, dtype=dtype), randn(g, M, N, dtype=dtype)
     assert_close(torch.ops.rnnkern.linear(x, w), x.double().mm(w.double().t()).to(dtype), what="y")
     gx, gw = torch.ops.rnnkern.linear_backward(gy, x, w, True, True)
     assert_close(gx, gy.double().mm(w.double()).to(dtype), what="grad_x")
     assert_close(gw, gy.double().t().mm(x.double()).to(dtype), what="grad_w")
+
+
+@pytest.mark.parametrize("M,K,N", [(600, 300, 40), (9001, 61, 37), (4096, 128, 512)])
+def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
+    """rnnkern::linear and its gradients split rows of C between threads and
+    pick packed or in-place operands by shape alone: every thread count gives
+    the same bits."""
+    g = generator("linear-bits", M, K, N)
+    x, w, gy = randn(g, M, K), randn(g, N, K), randn(g, M, N)
+
+    def run():
+        return [torch.ops.rnnkern.linear(x, w), *torch.ops.rnnkern.linear_backward(gy, x, w, True, True)]
+
+    want = _results_at(1, lambda: None, lambda _: run())
+    for threads in (2, 3):
+        got = _results_at(threads, lambda: None, lambda _: run())
+        for name, a, b in zip(("y", "grad_x", "grad_w"), got, want):
+            assert torch.equal(a, b), f"{name} differs at {threads} threads"
 
 
 def test_linear_strided_input_and_skipped_gradients():

@@ -106,6 +106,10 @@ struct PackedB {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * nr, nc = std::min<int64_t>(nr, N - n0);
       T* dst = data.data() + p * K * nr;
+      if (sn == 1 && nc == nr) {  // a whole panel of a row-major B: row by row, vector copies
+        for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * nr, src_ + k * sk + n0, nr * sizeof(T));
+        continue;
+      }
       for (int64_t k = 0; k < K; ++k)
         for (int64_t c = 0; c < nr; ++c) dst[k * nr + c] = c < nc ? src_[k * sk + (n0 + c) * sn] : T(0);
     }

@@ -66,11 +66,28 @@ RNNKERN_CPU_CLONES void pack_b(gemm::PackedB<T>& b, const T* src, int64_t sk, in
   b.pack_panels(src, sk, sn, p0, p1);
 }
 
-// One block of rows of C, for one chunk of K.
+// Up to this many panels of B, a transposed A is read where it lies too (see
+// multiply_rows).
+constexpr int64_t kMaxPanelsUnpackedA = 4;
+
+// One block of rows of C, for one chunk of K.  A is packed only where that
+// pays: a row-major A (the input projection, dX) is read where it lies, its
+// kMR rows of the chunk stay in L1 while the panels of B go by, and packing
+// cost more than it saved (M=8192 K=256 N=64, dX of an LSTM at H=64: 57 ->
+// 73 GFLOP/s; M=4096 K=128 N=512, the input projection at H=128: 75 -> 79,
+// Zen 4 at AVX2).  A transposed A (the weight gradients dW = dY^T X: A[m][k]
+// at A[m + k * ld]) is packed, as its reads jump ld per k, unless B has so few
+// panels that each packed element would serve too few of them (M=256
+// K=8192 N=64: 58 -> 70 GFLOP/s; at 64 panels, M=1024 K=8192 N=256,
+// packing wins: 77 against 64).  Each element of C sums in the same order either way.
 template <typename T>
 RNNKERN_CPU_CLONES void multiply_rows(int64_t m0, int64_t m, int64_t M, const T* A,
                                       gemm::StridesA sa, int64_t k0, const gemm::PackedB<T>& b,
                                       T* C, int64_t ldc, bool accumulate, T* a_packed) {
+  if (sa.ks == 1 || b.panels() <= kMaxPanelsUnpackedA) {
+    gemm::multiply(m, A + m0 * sa.rows + k0 * sa.ks, sa, b, C + m0 * ldc, ldc, accumulate);
+    return;
+  }
   gemm::pack_a_block(A, sa, m0, m, M, k0, b.K, a_packed);
   gemm::multiply_packed(m, a_packed, b, C + m0 * ldc, ldc, accumulate, 0, b.panels());
 }
