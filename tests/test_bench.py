@@ -610,6 +610,37 @@ def test_packed_bench_refuses_to_time_a_wrong_answer(monkeypatch):
         packed.measure("lstm", 6, 4, 3, 8, 2.0, rounds=1, seed=0)
 
 
+def test_gemm_bench_checks_agreement_then_times(tmp_path):
+    """`python -m bench.gemm --quick`: rnnkern::linear and its two gradients against
+    torch's matmul, each checked against the float64 product before it is timed."""
+    out = tmp_path / "gemm.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.gemm", "--quick", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [r["product"] for r in doc["results"]] == ["y", "dX", "dW"] * 2
+    for r in doc["results"]:
+        assert all(positive(v) for v in (*r["ms"].values(), *r["gflops"].values()))
+        assert positive(r["speedup_vs_torch"])
+    assert doc["meta"]["fma_peak"]["threads"] == doc["meta"]["threads"]
+
+
+def test_gemm_bench_refuses_to_time_a_wrong_answer(monkeypatch):
+    from bench import gemm
+
+    right = gemm.products
+
+    def off_by_a_thousandth(x, w, gy):
+        table = right(x, w, gy)
+        ours, theirs, exact = table["dW"]
+        table["dW"] = (lambda: ours() * (1 + 1e-3), theirs, exact)
+        return table
+
+    monkeypatch.setattr(gemm, "products", off_by_a_thousandth)
+    with pytest.raises(SystemExit, match="dW at M=70 K=33 N=40: rnnkern is off by"):
+        gemm.measure(70, 33, 40, rounds=1, seed=0)
+
+
 def test_persistent_model_rows():
     """bench.persistent_model: every case has a forward model, the tensor cores for the
     half types only, and the parts add up to the total."""
