@@ -23,7 +23,10 @@ CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Ze
                "bench/results/cpu-zen3-2026-11-27-auto-t1/bench.json",  # the same CPU, 1 thread
                "bench/results/cpu-zen3-2026-11-27-peers-step-t1/bench.json",  # 1 thread
                # a Zen 4 with AVX-512 hidden (the same class), LSTM latency grid, 2 threads
-               "bench/results/cpu-zen4avx2-2026-11-28-lstm-latency-t2/bench.json")
+               "bench/results/cpu-zen4avx2-2026-11-28-lstm-latency-t2/bench.json",
+               # the same Zen 4, peers and step families at 1 thread after c13bd73's products
+               # (its rows replace the Zen 3's of the same cases)
+               "bench/results/cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
 CPU = torch.device("cpu")
 
 
@@ -167,6 +170,12 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     zen4 = {(e["phase"], e["B"], e["H"]): e["speedups"]["cpu"] for e in shipped["entries"]
             if e["source"].endswith("cpu-zen4avx2-2026-11-28-lstm-latency-t2/bench.json")}
     assert len(zen4) == 18 and zen4[("forward", 1, 256)] < auto.LEVEL
+    # One thread, B=64 T=64 H=128 LSTM training: 0.88x on the Zen 3 before c13bd73's
+    # products, 1.01x on the Zen 4 after: its row is the later run's, and auto runs rnnkern.
+    row = next(e for e in shipped["entries"] if e["device"] == "cpu:256bit" and e["cell"] == "lstm"
+               and e["phase"] == "forward_backward" and (e["B"], e["T"], e["H"], e["threads"]) == (64, 64, 128, 1))
+    assert row["source"].endswith("cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
+    assert row["speedups"]["cpu"] >= auto.LEVEL
 
 
 def gpu_entry(cell, dtype, phase, B, T, H, **ratios):
