@@ -78,8 +78,9 @@ constexpr int64_t kMaxPanelsUnpackedA = 4;
 // Zen 4 at AVX2).  A transposed A (the weight gradients dW = dY^T X: A[m][k]
 // at A[m + k * ld]) is packed, as its reads jump ld per k, unless B has so few
 // panels that each packed element would serve too few of them (M=256
-// K=8192 N=64: 58 -> 70 GFLOP/s; at 64 panels, M=1024 K=8192 N=256,
-// packing wins: 77 against 64).  Each element of C sums in the same order either way.
+// K=8192 N=64: 58 -> 70 GFLOP/s; at 16 panels, M=1024 K=8192 N=256,
+// packing wins: 77 against 64; at 8 the two are level).  Each element of C
+// sums in the same order either way.
 template <typename T>
 RNNKERN_CPU_CLONES void multiply_rows(int64_t m0, int64_t m, int64_t M, const T* A,
                                       gemm::StridesA sa, int64_t k0, const gemm::PackedB<T>& b,
