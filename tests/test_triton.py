@@ -287,6 +287,49 @@ def test_half_within_reference_error(cell, proj, dtype):
         assert_low_precision(got[name].cpu(), ref_lp[name], want[name], what=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cell,options", [("lstm", ""), ("rnn_tanh", "lengths-reverse")])
+def test_half_weight_gradient_in_the_input_dtype(cell, options, dtype):
+    """A half call's W_hh gradient is one product in the input dtype summed in
+    float32, as torch.nn's: bitwise the half-precision product of the input
+    gradient the op returns and the states the steps started from (h0 at each
+    sequence's first position), and within one rounding of the exact (float64)
+    product of those operands over all T * B = 256 rows: a sum kept in half
+    precision would be off by several roundings.  (It was a float32 product of
+    float32 gradients: ten times the tensor cores' time on a GPU.)"""
+    T, B, H = 32, 8, 6
+    args = to_device(recurrence_inputs(cell, T, B, H, dtype=dtype, key=("half-dw", options)),
+                     DEVICE)
+    lengths = torch.randint(1, T + 1, (B,), generator=generator("half-dw-lengths")) \
+        if options else None
+    reverse = bool(options)
+    output, h_n, c_n, ws = torch.ops.rnnkern_triton.recurrence(
+        cell, *args.values(), lengths, reverse, True)
+    g = generator("half-dw-cotangent", cell)
+    grad_output = randn(g, *output.shape, dtype=dtype).to(DEVICE)
+    if lengths is not None:  # the op's padding positions get no gradient
+        t = torch.arange(T).unsqueeze(1)
+        grad_output = grad_output * (t < lengths).unsqueeze(2).to(grad_output)
+    grad_h_n = randn(g, *h_n.shape, dtype=dtype).to(DEVICE)
+    grad_c_n = randn(g, *c_n.shape, dtype=dtype).to(DEVICE) if cell == "lstm" else None
+    got = torch.ops.rnnkern_triton.recurrence_backward(
+        cell, grad_output, grad_h_n, grad_c_n, args["h0"], args["c0"], args["w_hh"], None,
+        output, ws, lengths, reverse)
+    dx, grad_w_hh = got[0], got[3]
+    assert dx.dtype == grad_w_hh.dtype == dtype
+    h0 = args["h0"]
+    if reverse:
+        prev = torch.cat([output[1:], h0.unsqueeze(0)])
+        prev[(lengths - 1).to(DEVICE), torch.arange(B, device=DEVICE)] = h0
+    else:
+        prev = torch.cat([h0.unsqueeze(0), output[:-1]])
+    dx_rows, prev_rows = dx.reshape(T * B, -1), prev.reshape(T * B, H)
+    assert torch.equal(grad_w_hh, dx_rows.t() @ prev_rows)
+    exact = dx_rows.double().t() @ prev_rows.double()
+    one_rounding = torch.finfo(dtype).eps * exact.abs() + torch.finfo(dtype).tiny
+    assert ((grad_w_hh.double() - exact).abs() <= one_rounding).all()
+
+
 # ------------------------------------------------- torch.library / compile ----
 
 def test_torch_compile_fullgraph():

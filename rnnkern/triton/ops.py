@@ -20,7 +20,8 @@ recurrence:
 forces one: ``"auto"`` (default), ``"loop"`` or ``"step"``.  Forcing ``"loop"``
 for sizes that do not fit raises instead of running.  The weight gradients
 are one large GEMM each over all steps, after the time loop (torch.matmul on
-tensors the kernels saved in time order).
+tensors the kernels saved in time order), in the input dtype with float32
+accumulation as torch.nn's (:func:`_recurrence_weight_grads`).
 
 The step options and the LayerNorm cell run on both paths, inside the kernels, as constexpr
 flags (the kernels without them are unchanged): ``resets`` and ``zoneout``
@@ -360,10 +361,11 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                                w_hr, ln, output, workspace, lens, dx, grad_h0, grad_c0, *extras,
                                T, B, H, P, rh, rc, grad_rh if own_reset else None,
                                grad_rc if own_reset and has_c else None)
+    dx = dx.to(dtype)
     grads = _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace,
                                      output, h0, lens, reverse, opt.resets, H, P, rh)
     grad_ln = grads[4] if ln_cell else _empty(output)
-    return ((dx.to(dtype), grad_h0.to(dtype), grad_c0.to(dtype))
+    return ((dx, grad_h0.to(dtype), grad_c0.to(dtype))
             + tuple(g.to(dtype) for g in grads[:4])
             + (grad_ln.to(dtype), grad_rh.to(dtype), grad_rc.to(dtype)))
 
@@ -462,46 +464,56 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
                             reverse: bool, resets: Optional[Tensor] = None,
                             reset_h: Optional[Tensor] = None) -> Tensor:
     """sum over steps and rows of d[t, b]^T h_{t-1}[t, b]: d [T, B, N], output
-    [T, B, P], h0 [B, P] -> [N, P].  h_{t-1} of position t is the output one
+    [T, B, P], h0 [B, P] -> [N, P], as one GEMM in output's dtype (see
+    :func:`_recurrence_weight_grads`).  h_{t-1} of position t is the output one
     step earlier (t - 1, or t + 1 in reverse), h0 at each sequence's first
     position, and the reset state ``reset_h`` (h0 unless given) where
-    ``resets`` [T, B] says a later step restarts (the op's rule);
-    padding positions have d = 0 and output 0, so two GEMMs cover every case
-    (as csrc/cpu/backward.cpp, weight_grad_by_prev_state)."""
+    ``resets`` [T, B] says a later step restarts (the op's rule); padding
+    positions have d = 0, so what they pair with does not matter (as
+    csrc/cpu/backward.cpp, weight_grad_by_prev_state).  The previous states are
+    gathered into one [T, B, P] tensor rather than adding the first positions'
+    product to the rest's: a second GEMM into a half-precision result would
+    round the sum twice."""
     T, B, N = d.shape
     P = output.shape[2]
     if T == 0:
-        return d.new_zeros((N, P))
+        return d.new_zeros((N, P), dtype=output.dtype)
+    rows = torch.arange(B, device=d.device)
     if reverse:
-        later, earlier = d[:-1], output[1:]
-        if lens is None:
-            first = d[T - 1]
-        else:
-            first = d[(lens - 1).clamp(min=0), torch.arange(B, device=d.device)]
-            first = first * (lens > 0).unsqueeze(1).to(d.dtype)
+        prev = torch.cat([output[1:], h0.unsqueeze(0)])
+        if lens is not None:  # each row's first position is lens - 1 (rows of length 0: all padding)
+            prev[(lens - 1).clamp(min=0), rows] = h0
     else:
-        later, earlier = d[1:], output[:-1]
-        first = d[0]
+        prev = torch.cat([h0.unsqueeze(0), output[:-1]])
     if resets is not None and T > 1:
-        # A reset step started from the reset state.  (A sequence's first position
-        # pairs with h0 in `first` already: in reverse that is position lens - 1.)
-        restart = resets[:-1] if reverse else resets[1:]
+        # A reset step started from the reset state; a sequence's first position
+        # keeps h0 (in reverse that is position lens - 1, beyond which is padding).
+        restart = resets.clone()
+        restart[T - 1 if reverse else 0] = False
         if reverse and lens is not None:
-            t = torch.arange(1, T, device=d.device)
-            restart = restart & (t.unsqueeze(1) < lens.unsqueeze(0))
-        earlier = torch.where(restart.unsqueeze(2), h0 if reset_h is None else reset_h, earlier)
-    dw = later.reshape(-1, N).t() @ earlier.reshape(-1, P)
-    return dw.addmm_(first.t(), h0)
+            restart &= torch.arange(T, device=d.device).unsqueeze(1) < (lens - 1).unsqueeze(0)
+        prev = torch.where(restart.unsqueeze(2), h0 if reset_h is None else reset_h, prev)
+    return d.reshape(-1, N).to(output.dtype).t() @ prev.reshape(-1, P)
 
 
 def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace, output,
                              h0, lens, reverse, resets, H, P, reset_h):
     """grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr (and for lstm_ln grad_ln),
     one GEMM or sum each over all steps; reset_h: the state a reset step
-    starts from."""
+    starts from.  ``dx`` is the gradient of the input projection in the input
+    dtype (what the op returns); the other per-step gradients are in the
+    kernels' accumulation dtype.  Each GEMM multiplies in the input dtype,
+    as torch.nn's half-precision weight gradients do: the operands are
+    rounded once to it and the products summed in float32 (cuBLAS's compute
+    type for half GEMMs), at the tensor cores' rate instead of float32's,
+    which for B=256 H=1024 T=256 was about ten times the time.  The sums
+    (biases, LayerNorm gains) stay in the accumulation dtype."""
     T, B, GH = dx.shape
-    acc = dx.dtype
-    out, h0, rh = output.to(acc), h0.to(acc), reset_h.to(acc)
+    dtype = output.dtype
+
+    def mm(a, b):  # a [T, B, N], b [T, B, M] -> a^T b [N, M] over all steps and rows
+        return a.reshape(-1, a.shape[-1]).to(dtype).t() @ b.reshape(-1, b.shape[-1]).to(dtype)
+
     if cell == "lstm_ln":
         # b_ih and b_hh add to the pre-activations after the layer norms (da_all);
         # W_hh multiplies the gradient before its norm (dhr_all); the gains pair
@@ -513,25 +525,23 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, wor
         grad_b_ih = da.sum(0)
         grad_ln = torch.cat([(da * ws[:, 5 * H:9 * H]).sum(0), (da * ws[:, 9 * H:13 * H]).sum(0),
                              (dy * ws[:, 13 * H:14 * H]).sum(0), dy.sum(0)])
-        grad_w_hh = _grad_by_previous_state(dhr_all, out, h0, lens, reverse, resets, rh)
+        grad_w_hh = _grad_by_previous_state(dhr_all, output, h0, lens, reverse, resets, reset_h)
         return grad_w_hh, grad_b_ih, grad_b_ih.clone(), _empty(dx), grad_ln
-    grad_b_ih = dx.sum((0, 1))
+    grad_b_ih = dx.sum((0, 1), dtype=acc_dtype(dtype))
     if cell in ("gru", "gru_reset_before"):
-        dw_rz = _grad_by_previous_state(dx[:, :, :2 * H], out, h0, lens, reverse, resets, rh)
+        dw_rz = _grad_by_previous_state(dx[:, :, :2 * H], output, h0, lens, reverse, resets,
+                                        reset_h)
         if cell == "gru":  # n multiplies h_{t-1}; its gradient is dhn
-            dw_n = _grad_by_previous_state(aux_all, out, h0, lens, reverse, resets, rh)
+            dw_n = _grad_by_previous_state(aux_all, output, h0, lens, reverse, resets, reset_h)
             grad_b_hh = torch.cat([grad_b_ih[:2 * H], aux_all.sum((0, 1))])
         else:  # n multiplies r * h_{t-1} (aux_all); its gradient is dn
-            dw_n = dx[:, :, 2 * H:].reshape(-1, H).t() @ aux_all.reshape(-1, H)
+            dw_n = mm(dx[:, :, 2 * H:], aux_all)
             grad_b_hh = grad_b_ih.clone()
         grad_w_hh = torch.cat([dw_rz, dw_n])
     else:
-        grad_w_hh = _grad_by_previous_state(dx, out, h0, lens, reverse, resets, rh)
+        grad_w_hh = _grad_by_previous_state(dx, output, h0, lens, reverse, resets, reset_h)
         grad_b_hh = grad_b_ih.clone()
-    if dh_tot_all is not None:
-        grad_w_hr = dh_tot_all.reshape(-1, P).t() @ aux_all.reshape(-1, H)
-    else:
-        grad_w_hr = _empty(dx)
+    grad_w_hr = mm(dh_tot_all, aux_all) if dh_tot_all is not None else _empty(dx)
     return grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr
 
 
@@ -641,12 +651,14 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
         # [grad_x | grad_h] = [dx W_ih | dh + dA W_hh], one launch.
         step_kernels.input_grad_kernel[_input_grad_grid(B, I, H)](
             dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts, B_CLASS=batch_class(B))
-    xa, ha = x.to(k.acc), h.to(k.acc)
-    grad_w_ih = dx.t() @ xa
+    def mm(a, b):  # a^T b in the input dtype, as the recurrence's weight gradients
+        return a.to(dtype).t() @ b.to(dtype)
+
+    grad_w_ih = mm(dx, x)
     grad_ln = _empty(x)
     if ln_cell:  # the biases add after the layer norms; the gains pair with the saved x^, h^, c^
         grad_b_ih = da_all.sum(0)
-        grad_w_hh = da.t() @ ha
+        grad_w_hh = mm(da, h)
         grad_b_hh = grad_b_ih.clone()
         grad_ln = torch.cat([(da_all * workspace[:, 5 * H:9 * H]).sum(0),
                              (da_all * workspace[:, 9 * H:13 * H]).sum(0),
@@ -654,11 +666,11 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
                              aux_all.sum(0)]).to(dtype)
     elif rb:  # rows r, z multiply h; row n multiplies r * h (aux_all), with gradient dn
         grad_b_ih = dx.sum(0)
-        grad_w_hh = torch.cat([da.t() @ ha, dx[:, 2 * H:].t() @ aux_all])
+        grad_w_hh = torch.cat([mm(da, h), mm(dx[:, 2 * H:], aux_all)])
         grad_b_hh = grad_b_ih.clone()
     else:  # dA = [dr, dz, dhn] for the GRU, the gate gradients otherwise
         grad_b_ih = dx.sum(0)
-        grad_w_hh = da.t() @ ha
+        grad_w_hh = mm(da, h)
         grad_b_hh = da.sum(0)
     grads = (grad_x.to(dtype), grad_h.to(dtype), grad_c.to(dtype), grad_w_ih.to(dtype),
              grad_w_hh.to(dtype), grad_b_ih.to(dtype), grad_b_hh.to(dtype), grad_ln)
