@@ -205,6 +205,57 @@ def test_no_resets_and_all_false_resets_agree():
     compare(flat(m(x, resets=torch.zeros(T, B, dtype=torch.bool))), flat(m(x)), ["output", "h_n", "c_n"])
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32], ids=["bool", "float"])
+@pytest.mark.parametrize("steps", [1, 40], ids=["one-step", "T=40"])
+def test_a_mask_that_resets_nothing_is_dropped_on_the_host(backend, dtype, steps, monkeypatch):
+    """A small CPU mask is read on the host (an RL rollout's step: the tensor
+    ops of the check cost more than the step); one that resets nothing runs
+    the call without resets -- the same bits, and no reset machinery (an
+    all-zero reset state, a masked start) -- unless a reset state was given,
+    which then still gets its (zero) gradient.  Masks beyond the host's size
+    (T=40 x B=8: 320 entries) keep the tensor check and the same results."""
+    m = make_module("lstm", backend, num_layers=2)
+    g = generator("empty-mask", dtype, steps)
+    Bm = 8
+    x = randn(g, steps, Bm, I, requires_grad=True)
+    hx = tuple(h.detach().requires_grad_() for h in state_leaves(m, Bm, ("empty-mask", steps)))
+    calls = []
+    for name in ("run_recurrence_with_reset_state", "run_recurrence", "run_step"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    leaves = [x, *hx, *m.parameters()]
+    want = values_and_grads(flat(m(x, hx)), leaves, ("empty-mask",))
+    plain = list(calls)
+    calls.clear()
+    got = values_and_grads(flat(m(x, hx, resets=torch.zeros(steps, Bm, dtype=dtype))), leaves,
+                           ("empty-mask",))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    host = steps * Bm <= 256
+    assert (calls == plain) == host, (calls, plain)
+    reset_state = tuple(randn(g, *h.shape, requires_grad=True) for h in hx)
+    out, (h, c) = m(x, hx, resets=torch.zeros(steps, Bm, dtype=dtype), reset_state=reset_state)
+    grads = torch.autograd.grad(out.sum() + h.sum() + c.sum(), reset_state)
+    assert all(gr is not None and torch.count_nonzero(gr) == 0 for gr in grads)
+
+
+@pytest.mark.parametrize("steps", [7, 100], ids=["host", "tensor"])
+def test_a_value_other_than_0_or_1_is_named_on_both_checks(steps):
+    """The host's check of a small mask and the tensor check of a large one name
+    the same value: the first (in the mask's own order) that is neither 0 nor 1."""
+    assert (7 * B <= 256) and (100 * B > 256)
+    m = make_module("gru", "reference")
+    x = randn(generator("bad-value", steps), steps, B, I)
+    resets = torch.zeros(steps, B)
+    resets[steps - 2, 1], resets[steps - 1, 0] = 0.25, 2.0
+    with pytest.raises(ValueError, match=r"resets must hold only 0 and 1 \(a torch.float32 mask\), got 0.25"):
+        m(x, resets=resets)
+    resets[steps - 2, 1] = float("nan")
+    with pytest.raises(ValueError, match="got nan"):
+        m(x, resets=resets)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resets_with_dropout_zoneout_training_reproduce_with_a_seed(backend):
     """Every option at once in training: a seeded call reproduces, another seed

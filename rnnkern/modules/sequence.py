@@ -19,6 +19,17 @@ from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _c
 
 # ------------------------------------------------------ sequence modules ----
 
+#: Reset masks up to this many entries, on the CPU, are read on the host
+#: (``_RecurrentMixin._check_resets``).
+_HOST_MASK_SIZE = 256
+
+
+def _on_host(mask: Tensor) -> bool:
+    """Whether a mask's values are read on the host: small, on the CPU, eager."""
+    return (mask.device.type == "cpu" and mask.numel() <= _HOST_MASK_SIZE
+            and not torch.compiler.is_compiling() and not ops._transformed(mask))
+
+
 class _Packing(NamedTuple):
     """Where each row of a packed batch lives in the time-major padded tensor."""
     time: Tensor   # [N] step of each packed row
@@ -182,6 +193,14 @@ class _RecurrentMixin(_RnnkernOptions):
             return torch.float16
         return dtype
 
+    def _torch_nn_lacks(self, lengths: Optional[Tensor], resets: Optional[Tensor]) -> Optional[str]:
+        """What of this module or call torch.nn cannot run (None: it can)."""
+        return (None if self._has_torch_nn_twin else "LayerNorm LSTM") \
+            or ("reset_after=False" if self.cell == "gru_reset_before" else None) \
+            or ("resets=" if resets is not None else None) \
+            or ("lengths=" if lengths is not None else None) \
+            or ("zoneout=" if self.zoneout > 0 else None)
+
     def _auto_choice(self, input, hx=None, lengths: Optional[Tensor] = None,
                      resets: Optional[Tensor] = None) -> auto.Choice:
         """What ``backend="auto"`` runs for this call, and why (rnnkern/auto.py):
@@ -195,11 +214,7 @@ class _RecurrentMixin(_RnnkernOptions):
         if ops._transformed(data, *parts):
             return auto.Choice(backend, "forward-mode AD and torch.func transforms run rnnkern's "
                                         "reference formulation (torch.nn's modules do not batch)")
-        lacks = (None if self._has_torch_nn_twin else "LayerNorm LSTM") \
-            or ("reset_after=False" if self.cell == "gru_reset_before" else None) \
-            or ("resets=" if resets is not None else None) \
-            or ("lengths=" if lengths is not None else None) \
-            or ("zoneout=" if self.zoneout > 0 else None)
+        lacks = self._torch_nn_lacks(lengths, resets)
         weight = getattr(self, self._flat_weights_names[0])
         dtype = (self._run_dtype_under_autocast(device, weight) if _any_autocast() else None) or data.dtype
         if isinstance(input, PackedSequence):
@@ -490,9 +505,11 @@ class _RecurrentMixin(_RnnkernOptions):
 
     # ---- forward
 
-    def _check_resets(self, resets, T: int, B: int, batched: bool, device) -> Tensor:
+    def _check_resets(self, resets, T: int, B: int, batched: bool, device,
+                      keep_empty: bool = True) -> Optional[Tensor]:
         """``resets`` as the ops take it: [T, B] bool, time-major, contiguous, on
-        the input's device.  Accepted as RL libraries keep their episode starts:
+        the input's device; None where it resets nothing and ``keep_empty`` is
+        False (known on the host only: see below).  Accepted as RL libraries keep their episode starts:
         bool, uint8 or floating 0/1 (sb3-contrib's ``episode_starts`` are float),
         laid out [T, B], [B, T] with batch_first, [T] for unbatched input, each
         also with a trailing 1 (torchrl's ``is_init`` is [B, T, 1]).  Errors name
@@ -518,14 +535,31 @@ class _RecurrentMixin(_RnnkernOptions):
                              f"{resets.device}")
         if list(resets.shape) != shape:
             resets = resets.squeeze(-1)
-        if resets.dtype != torch.bool:
-            # A value other than 0 and 1 is not a mask (a probability, a count):
-            # refused rather than read as "nonzero".  The check reads the data,
-            # so eager only (as the lengths check).
-            if not torch.compiler.is_compiling() and bool(((resets != 0) & (resets != 1)).any()):
-                bad = resets[(resets != 0) & (resets != 1)][0].item()
+        # A value other than 0 and 1 is not a mask (a probability, a count):
+        # refused rather than read as "nonzero".  The check reads the data, so
+        # eager only (as the lengths check).  A small mask on the CPU (an RL
+        # rollout's step: one row per environment) is read on the host, where
+        # the tensor ops of the check cost more than the step itself (17 of ~100
+        # us).
+        # One that resets nothing is then dropped where the reset state is zeros
+        # (``keep_empty`` False): the call without resets, one op and no masked
+        # start (an RL rollout's step without a new episode: 44 against 82 us,
+        # LSTM B=1 H=64).  No backend needs to support an option that does
+        # nothing.
+        if _on_host(resets):
+            values = resets.reshape(-1).tolist()
+            if not set(values) <= {0, 1}:
+                bad = next(v for v in values if v != 0 and v != 1)
                 raise ValueError(f"{name}: resets must hold only 0 and 1 (a {resets.dtype} mask), "
                                  f"got {bad}")
+            if not keep_empty and not any(values):
+                return None
+        elif resets.dtype != torch.bool and not torch.compiler.is_compiling() \
+                and bool(((resets != 0) & (resets != 1)).any()):
+            bad = resets[(resets != 0) & (resets != 1)][0].item()
+            raise ValueError(f"{name}: resets must hold only 0 and 1 (a {resets.dtype} mask), "
+                             f"got {bad}")
+        if resets.dtype != torch.bool:
             resets = resets != 0
         if not batched:
             return resets.unsqueeze(1)
@@ -559,8 +593,11 @@ class _RecurrentMixin(_RnnkernOptions):
             reset_state = None  # (nothing restarts: it would change nothing)
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
         backend = self.backend  # auto's choice of rnnkern backend replaces it below (on a GPU: cuda or triton)
-        if self.backend == "auto" and self._has_torch_nn_twin and not torch.compiler.is_compiling() \
-                and not auto.no_torch_choice(input, self.cell):
+        # (A call torch.nn cannot run needs no choice: it runs rnnkern's default
+        # backend, which _run_layers resolves "auto" to.  An RL rollout's step
+        # with resets= is such a call, and it feels every microsecond.)
+        if self.backend == "auto" and self._torch_nn_lacks(lengths, resets) is None \
+                and not torch.compiler.is_compiling() and not auto.no_torch_choice(input, self.cell):
             choice = self._auto_choice(input, hx, lengths, resets)
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
@@ -610,7 +647,8 @@ class _RecurrentMixin(_RnnkernOptions):
         if T == 0:
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         if resets is not None:
-            resets = self._check_resets(resets, T, B, batched, input.device)
+            resets = self._check_resets(resets, T, B, batched, input.device,
+                                        keep_empty=reset_state is not None)
         packing = None
         if lengths is not None:
             lengths = _check_lengths(lengths, T, B, name)
@@ -684,8 +722,9 @@ class _RecurrentMixin(_RnnkernOptions):
             hx = self.permute_hidden(hx, sorted_indices)
             hx = tuple(hx) if self.mode == "LSTM" else (hx,)
         if resets is not None:
-            resets = self._check_resets(resets, T, B, True, data.device)
-            if sorted_indices is not None:
+            resets = self._check_resets(resets, T, B, True, data.device,
+                                        keep_empty=reset_state is not None)
+            if resets is not None and sorted_indices is not None:
                 resets = resets[:, sorted_indices]
         packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
         # Sequence b of the sorted pack has as many steps as batch sizes above b.
