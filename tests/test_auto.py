@@ -281,3 +281,48 @@ def test_modules_follow_the_choice(table, cls, kw, monkeypatch):
     # Explicit backends are never redirected.
     ours.backend = "cpu"
     assert rnnkern.explain(ours, x).implementation == "cpu"
+
+
+def test_a_module_reuses_its_last_choice_only_while_nothing_it_depends_on_changed(table, monkeypatch):
+    """A one-step call in a loop pays the choice once (the module keeps its last
+    one): a new shape, dtype, grad mode, weights' requires_grad, thread count,
+    table entry or CPU class chooses afresh, and every answer is the fresh
+    module's."""
+    asked = []
+    real = auto.choose
+    monkeypatch.setattr(auto, "choose", lambda **kw: asked.append(kw) or real(**kw))
+    torch.manual_seed(0)
+    m = rnnkern.LSTM(4, 8)
+    x = torch.randn(1, 2, 4)
+
+    def explain(module, inp):
+        n = len(asked)
+        choice = rnnkern.explain(module, inp)
+        asks = len(asked) - n  # 1: this module asked auto.choose, 0: it reused its choice
+        fresh = rnnkern.LSTM(4, 8)
+        fresh.load_state_dict(module.state_dict())
+        fresh.requires_grad_(module.weight_ih_l0.requires_grad)
+        fresh.to(module.weight_ih_l0.dtype)
+        assert rnnkern.explain(fresh, inp) == choice
+        return asks
+
+    assert explain(m, x) == 1
+    assert explain(m, x) == 0 and explain(m, x.clone()) == 0
+    assert explain(m, torch.randn(2, 2, 4)) == 1  # T
+    assert explain(m, torch.randn(2, 2, 4)) == 0
+    assert explain(m, x) == 1
+    with torch.no_grad():  # training -> inference
+        assert explain(m, x) == 1
+    m.requires_grad_(False)
+    assert explain(m, x) == 1
+    assert explain(m, x.requires_grad_()) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    assert explain(m, x) == 1
+    table.append(entry(auto.device_class(CPU), "lstm", "float32", "forward_backward", 2, 1, 8, 0.5))
+    assert explain(m, x) == 1 and rnnkern.explain(m, x).uses_torch
+    monkeypatch.setattr(auto, "_this_cpu_class", lambda: "cpu:other")
+    assert explain(m, x) == 1 and not rnnkern.explain(m, x).uses_torch
+    m.double()
+    assert explain(m, x.detach().double()) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # never kept under autocast
+        assert explain(m, x) == 1 and explain(m, x) == 1

@@ -4,6 +4,7 @@ on the input projection of the whole sequence; one fused step for a one-step
 call)."""
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -22,6 +23,12 @@ from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _c
 #: Reset masks up to this many entries, on the CPU, are read on the host
 #: (``_RecurrentMixin._check_resets``).
 _HOST_MASK_SIZE = 256
+
+
+#: Each module's last ``auto`` choice: (what it depended on, the choice); see
+#: ``_RecurrentMixin._auto_choice``.  Weak: it goes with the module, and is
+#: never pickled with it.
+_AUTO_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _on_host(mask: Tensor) -> bool:
@@ -216,7 +223,24 @@ class _RecurrentMixin(_RnnkernOptions):
                                         "reference formulation (torch.nn's modules do not batch)")
         lacks = self._torch_nn_lacks(lengths, resets)
         weight = getattr(self, self._flat_weights_names[0])
-        dtype = (self._run_dtype_under_autocast(device, weight) if _any_autocast() else None) or data.dtype
+        autocast = _any_autocast()
+        # The choice of this module's previous call, where everything it
+        # depends on is the same (a one-step call in a loop pays ~10 us for the
+        # choice, a quarter of the call): not under autocast, nor for packed
+        # input (their sizes are in batch_sizes), and a table or CPU class
+        # changed in between (tests) misses.
+        memo_key = None
+        if not autocast and lacks is None and isinstance(input, Tensor):
+            doc = auto.table()  # (and its entry count: auto's own caches' rule)
+            memo_key = (data.shape, data.dtype, device, data.requires_grad, weight.dtype,
+                        weight.requires_grad, torch.is_grad_enabled(), torch.get_num_threads(),
+                        self.batch_first, self.hidden_size, self.proj_size, doc,
+                        len(doc.get("entries", ())),
+                        auto.device_class(device) if device.type == "cpu" else None)
+            memo = _AUTO_MEMO.get(self)
+            if memo is not None and memo[0] == memo_key:
+                return memo[1]
+        dtype = (self._run_dtype_under_autocast(device, weight) if autocast else None) or data.dtype
         if isinstance(input, PackedSequence):
             T, B = input.batch_sizes.numel(), int(input.batch_sizes[0]) if input.batch_sizes.numel() else 0
         elif data.dim() == 3:
@@ -224,9 +248,12 @@ class _RecurrentMixin(_RnnkernOptions):
         else:
             T, B = data.size(0), 1
         training = torch.is_grad_enabled() and (data.requires_grad or weight.requires_grad)
-        return auto.choose(cell=self.cell, device=device, dtype=dtype, B=B, H=self.hidden_size, T=T,
-                           training=training, torch_lacks=lacks, rnnkern_backend=backend,
-                           proj_size=self.proj_size)
+        choice = auto.choose(cell=self.cell, device=device, dtype=dtype, B=B, H=self.hidden_size,
+                             T=T, training=training, torch_lacks=lacks, rnnkern_backend=backend,
+                             proj_size=self.proj_size)
+        if memo_key is not None:
+            _AUTO_MEMO[self] = (memo_key, choice)
+        return choice
 
     def _zoneout_width(self) -> int:
         """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
