@@ -289,14 +289,21 @@ def test_half_within_reference_error(cell, proj, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("cell,options", [("lstm", ""), ("rnn_tanh", "lengths-reverse")])
-def test_half_weight_gradient_in_the_input_dtype(cell, options, dtype):
+def test_half_weight_gradient_in_the_input_dtype(cell, options, dtype, monkeypatch):
     """A half call's W_hh gradient is one product in the input dtype summed in
     float32, as torch.nn's: bitwise the half-precision product of the input
     gradient the op returns and the states the steps started from (h0 at each
     sequence's first position), and within one rounding of the exact (float64)
     product of those operands over all T * B = 256 rows: a sum kept in half
     precision would be off by several roundings.  (It was a float32 product of
-    float32 gradients: ten times the tensor cores' time on a GPU.)"""
+    float32 gradients: ten times the tensor cores' time on a GPU.)  On a GPU,
+    torch lets cuBLAS reduce split-K partial sums in half precision by default
+    (``allow_fp16/bf16_reduced_precision_reduction``), as for any half matmul:
+    switched off here, so that the sum is float32's throughout."""
+    if HAS_GPU:
+        for flag in ("allow_fp16_reduced_precision_reduction",
+                     "allow_bf16_reduced_precision_reduction"):
+            monkeypatch.setattr(torch.backends.cuda.matmul, flag, False)
     T, B, H = 32, 8, 6
     args = to_device(recurrence_inputs(cell, T, B, H, dtype=dtype, key=("half-dw", options)),
                      DEVICE)

@@ -505,7 +505,9 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, wor
     kernels' accumulation dtype.  Each GEMM multiplies in the input dtype,
     as torch.nn's half-precision weight gradients do: the operands are
     rounded once to it and the products summed in float32 (cuBLAS's compute
-    type for half GEMMs), at the tensor cores' rate instead of float32's,
+    type for half GEMMs; split-K partial sums in half precision where torch
+    allows it, ``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``,
+    as for every half matmul), at the tensor cores' rate instead of float32's,
     which for B=256 H=1024 T=256 was about ten times the time.  The sums
     (biases, LayerNorm gains) stay in the accumulation dtype."""
     T, B, GH = dx.shape
