@@ -213,20 +213,21 @@ class _RecurrentMixin(_RnnkernOptions):
         """What ``backend="auto"`` runs for this call, and why (rnnkern/auto.py):
         torch.nn's forward (the base class's) or rnnkern's kernels."""
         data = input.data if isinstance(input, PackedSequence) else input
-        device = data.device
-        backend = ops.resolve_backend("auto", device)
         if torch.compiler.is_compiling():
-            return auto.Choice(backend, "torch.compile captures rnnkern's ops")
+            return auto.Choice(ops.resolve_backend("auto", data.device),
+                               "torch.compile captures rnnkern's ops")
         parts = () if hx is None else (hx if isinstance(hx, (tuple, list)) else (hx,))
         if ops._transformed(data, *parts):
-            return auto.Choice(backend, "forward-mode AD and torch.func transforms run rnnkern's "
-                                        "reference formulation (torch.nn's modules do not batch)")
+            return auto.Choice(ops.resolve_backend("auto", data.device),
+                               "forward-mode AD and torch.func transforms run rnnkern's "
+                               "reference formulation (torch.nn's modules do not batch)")
         lacks = self._torch_nn_lacks(lengths, resets)
         weight = getattr(self, self._flat_weights_names[0])
         autocast = _any_autocast()
+        device = data.device
         # The choice of this module's previous call, where everything it
-        # depends on is the same (a one-step call in a loop pays ~10 us for the
-        # choice, a quarter of the call): not under autocast, nor for packed
+        # depends on is the same (a one-step call in a loop paid ~8 us for the
+        # choice, a sixth of the call): not under autocast, nor for packed
         # input (their sizes are in batch_sizes), and a table or CPU class
         # changed in between (tests) misses.
         memo_key = None
@@ -236,10 +237,11 @@ class _RecurrentMixin(_RnnkernOptions):
                         weight.requires_grad, torch.is_grad_enabled(), torch.get_num_threads(),
                         self.batch_first, self.hidden_size, self.proj_size, doc,
                         len(doc.get("entries", ())),
-                        auto.device_class(device) if device.type == "cpu" else None)
+                        auto._this_cpu_class() if device.type == "cpu" else None)
             memo = _AUTO_MEMO.get(self)
             if memo is not None and memo[0] == memo_key:
                 return memo[1]
+        backend = ops.resolve_backend("auto", device)
         dtype = (self._run_dtype_under_autocast(device, weight) if autocast else None) or data.dtype
         if isinstance(input, PackedSequence):
             T, B = input.batch_sizes.numel(), int(input.batch_sizes[0]) if input.batch_sizes.numel() else 0
