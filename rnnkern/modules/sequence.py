@@ -538,8 +538,8 @@ class _RecurrentMixin(_RnnkernOptions):
                       keep_empty: bool = True) -> Optional[Tensor]:
         """``resets`` as the ops take it: [T, B] bool, time-major, contiguous, on
         the input's device; None where it resets nothing and ``keep_empty`` is
-        False (known on the host only: see below).  Accepted as RL libraries keep their episode starts:
-        bool, uint8 or floating 0/1 (sb3-contrib's ``episode_starts`` are float),
+        False (known on the host only: see below).  Accepted as RL libraries
+        keep their episode starts: bool, uint8 or floating 0/1 (sb3-contrib's ``episode_starts`` are float),
         laid out [T, B], [B, T] with batch_first, [T] for unbatched input, each
         also with a trailing 1 (torchrl's ``is_init`` is [B, T, 1]).  Errors name
         the argument and what was expected."""
@@ -569,12 +569,11 @@ class _RecurrentMixin(_RnnkernOptions):
         # eager only (as the lengths check).  A small mask on the CPU (an RL
         # rollout's step: one row per environment) is read on the host, where
         # the tensor ops of the check cost more than the step itself (17 of ~100
-        # us).
-        # One that resets nothing is then dropped where the reset state is zeros
-        # (``keep_empty`` False): the call without resets, one op and no masked
-        # start (an RL rollout's step without a new episode: 44 against 82 us,
-        # LSTM B=1 H=64).  No backend needs to support an option that does
-        # nothing.
+        # us).  One that resets nothing is then dropped where the reset state is
+        # zeros (``keep_empty`` False): the call without resets, one op and no
+        # masked start (an RL rollout's step without a new episode: 44 against
+        # 82 us, LSTM B=1 H=64).  No backend needs to support an option that
+        # does nothing.
         if _on_host(resets):
             values = resets.reshape(-1).tolist()
             if not set(values) <= {0, 1}:

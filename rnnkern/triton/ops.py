@@ -653,6 +653,7 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
         # [grad_x | grad_h] = [dx W_ih | dh + dA W_hh], one launch.
         step_kernels.input_grad_kernel[_input_grad_grid(B, I, H)](
             dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts, B_CLASS=batch_class(B))
+
     def mm(a, b):  # a^T b in the input dtype, as the recurrence's weight gradients
         return a.to(dtype).t() @ b.to(dtype)
 
