@@ -57,6 +57,15 @@
 #     RNNKERN_CUDA_PERSISTENT=never STAGES=bench GPU_CHECK_BUDGET=150 BENCH_CAP=140 BENCH_ARGS="--families \
 #       latency headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT5
 #
+# Triton's spread kernels (rnnkern/triton/spread.py: beyond the on-chip limit, the whole
+# sequence in one launch with a grid barrier per step; not yet timed on a GPU), against the
+# per-step path they replaced (each with cuDNN in its own file):
+#
+#     STAGES=bench GPU_CHECK_BUDGET=300 BENCH_CAP=290 BENCH_ARGS="--families headline \
+#       --dtypes bfloat16 float16 --backends triton" bash bench/gpu_check.sh OUT6
+#     RNNKERN_TRITON_PATH=step STAGES=bench GPU_CHECK_BUDGET=300 BENCH_CAP=290 BENCH_ARGS="--families \
+#       headline --dtypes bfloat16 float16 --backends triton" bash bench/gpu_check.sh OUT7
+#
 # A stage that fails does not stop the others.  OUTDIR receives at most six
 # files (the device tool returns eight): summary.json (versions, ceilings, each
 # stage's exit code, time and result, pass counts, sanitizer and benchmark

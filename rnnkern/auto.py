@@ -15,7 +15,7 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    count nearest to the call's (torch.get_num_threads()).  On a GPU, Triton's kernels are a third candidate,
    trusted only where the call would run the same Triton kernel as the
    measurement (the whole-sequence kernel that keeps W_hh on chip, or the
-   per-step path: their speeds differ five- to fifty-fold, :func:`triton_path`)
+   spread or per-step paths: their speeds differ five- to fifty-fold, :func:`triton_path`)
    at a size within a factor of 4 in B and H of it.
 3. Without a measurement: on a GPU, torch.nn (cuDNN) for what it supports; on a
    CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
@@ -212,12 +212,25 @@ def _nearest(entries: list, B: int, H: int, T: int) -> dict:
 TRITON_REACH = 4.0
 
 
-def triton_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool) -> str:
-    """The Triton kernel a plain call of these sizes runs: ``"loop"`` (the
-    whole-sequence kernel, W_hh on chip) or ``"step"`` (one launch per step),
-    as rnnkern/triton/ops.py's ``choose_path`` decides by default."""
+#: SMs of the GPUs the table's Triton rows were measured on (H100 and H200: 132).
+TABLE_SMS = 132
+
+
+def triton_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool, B: int = 1,
+                sms: int = TABLE_SMS) -> str:
+    """The Triton kernel a plain call of these sizes runs on a GPU of ``sms``
+    SMs: ``"loop"`` (the whole-sequence kernel, W_hh on chip), ``"spread"``
+    (one launch over the SMs, a grid barrier per step) or ``"step"`` (one
+    launch per step), as rnnkern/triton/ops.py's ``choose_path`` decides by
+    default.  (The table's Triton rows beyond the on-chip limit predate the
+    spread kernels: they were measured per step, 0.11x - 0.33x of cuDNN, and
+    stand for the spread kernels until a GPU run measures those; below 1x
+    they never make ``auto`` pick Triton.)"""
     from .triton.sequence import fits_on_chip
-    return "loop" if fits_on_chip(cell, H, P, dtype, proj) else "step"
+    from .triton.spread import tiles_for
+    if fits_on_chip(cell, H, P, dtype, proj):
+        return "loop"
+    return "spread" if tiles_for(cell, B, H, proj, sms) is not None else "step"
 
 
 def _triton_usable() -> bool:
@@ -270,9 +283,11 @@ def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int,
             e = _nearest(entries, B, H, T)
             found.append((e["speedups"][rnnkern_backend], rnnkern_backend, e))
     if device.type == "cuda" and any("triton" in e["speedups"] for e in rows) and _triton_usable():
-        path = triton_path(cell, H, proj_size or H, dtype, proj_size > 0)
+        sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if torch.cuda.is_available() else TABLE_SMS)
+        path = triton_path(cell, H, proj_size or H, dtype, proj_size > 0, B, sms)
         entries = [e for e in rows if "triton" in e["speedups"]
-                   and triton_path(cell, e["H"], e["H"], dtype, False) == path
+                   and triton_path(cell, e["H"], e["H"], dtype, False, e["B"]) == path
                    and max(e["B"], B) <= TRITON_REACH * max(min(e["B"], B), 1)
                    and max(e["H"], H) <= TRITON_REACH * max(min(e["H"], H), 1)]
         if entries:

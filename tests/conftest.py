@@ -174,3 +174,17 @@ def require_cuda_emulation() -> None:
                                "emulated CUDA device: rebuild with RNNKERN_CUDA_EMULATION=1")
         pytest.skip("rnnkern was built without the emulated CUDA device (RNNKERN_CUDA_EMULATION=1)",
                     allow_module_level=True)
+
+
+def force_triton_path(monkeypatch, path: str) -> None:
+    """Runs the Triton recurrence on one path for the rest of a test: "loop" and
+    "step" are forced (rnnkern.triton.ops.PATH); "spread" is the automatic
+    choice with no room on chip, so the cells a spread kernel runs take it and
+    the others (the LSTM projection, the reset-before GRU, LSTM-LN) the
+    per-step path, as beyond the on-chip limit on a GPU."""
+    from rnnkern.triton import ops as triton_ops
+    if path == "spread":
+        monkeypatch.setattr(triton_ops, "PATH", "auto")
+        monkeypatch.setattr(triton_ops, "fits_on_chip", lambda *args, **kwargs: False)
+    else:
+        monkeypatch.setattr(triton_ops, "PATH", path)

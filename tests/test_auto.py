@@ -197,18 +197,22 @@ def test_triton_on_a_gpu_only_where_its_measured_kernel_runs(table):
     table += [gpu_entry("rnn_tanh", "bfloat16", "forward", 1, 1024, 256, cuda=0.69, triton=4.74),
               gpu_entry("rnn_tanh", "bfloat16", "forward", 64, 1024, 1024, cuda=1.05, triton=0.2)]
     assert auto.triton_path("rnn_tanh", 256, 256, torch.bfloat16, False) == "loop"
-    assert auto.triton_path("rnn_tanh", 512, 512, torch.bfloat16, False) == "step"
-    assert auto.triton_path("lstm", 256, 256, torch.bfloat16, False) == "step"
+    assert auto.triton_path("rnn_tanh", 512, 512, torch.bfloat16, False) == "spread"
+    assert auto.triton_path("lstm", 256, 256, torch.bfloat16, False) == "spread"
+    assert auto.triton_path("lstm", 256, 128, torch.bfloat16, True) == "step"
+    assert auto.triton_path("gru_reset_before", 256, 256, torch.bfloat16, False) == "step"
+    assert auto.triton_path("lstm", 256, 256, torch.bfloat16, False, B=64 * 133) == "step"
     assert auto.triton_path("lstm", 128, 64, torch.bfloat16, True) == "loop"
     at = choose_gpu()
     assert at.implementation == "triton" and "4.74x" in at.reason, at
     near = choose_gpu(B=4, H=128, T=64)  # the same kernel, within reach
     assert near.implementation == "triton", near
     # Not the measured kernel: the whole-sequence measurement does not speak for H=512
-    # (per-step path, no Triton row within reach): CUDA's nearest row (cuDNN faster) decides.
+    # (spread path, no Triton row within reach): CUDA's nearest row (cuDNN faster) decides.
     wide = choose_gpu(H=512)
     assert wide.uses_torch and "0.69x" in wide.reason, wide
-    # The per-step path's own row (0.2x) within reach loses to CUDA's 1.05x.
+    # The spread path's own row (0.2x, measured per step before the spread kernels) within
+    # reach loses to CUDA's 1.05x.
     big = choose_gpu(B=32, H=1024)
     assert big.implementation == "cuda" and "1.05x" in big.reason, big
     # The same kernel but beyond reach (B 16x the measured): not Triton; CUDA's nearest row decides.

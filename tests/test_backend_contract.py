@@ -5,9 +5,10 @@ One test per clause, run on every backend this machine can run:
 - ``reference`` (the plain-PyTorch formulas; gradcheck only) and ``cpu``;
 - ``cuda_emulated`` when rnnkern was built with the emulated CUDA device
   (RNNKERN_CUDA_EMULATION=1), else skipped with the reason;
-- ``triton-loop`` and ``triton-step`` (the in-kernel time loop and the per-step
-  kernels, forced through rnnkern.triton.ops.PATH) under Triton's interpreter
-  without a GPU (conftest.py sets TRITON_INTERPRET=1), on CUDA tensors with one;
+- ``triton-loop``, ``triton-spread`` and ``triton-step`` (the in-kernel time
+  loop, the spread kernels and the per-step kernels: conftest.force_triton_path)
+  under Triton's interpreter without a GPU (conftest.py sets
+  TRITON_INTERPRET=1), on CUDA tensors with one;
 - ``cuda`` (marker ``gpu``: skipped with the reason without a GPU).
 
 The clauses: float64 gradcheck of the recurrence (outputs and final states,
@@ -24,9 +25,9 @@ import pytest
 import torch
 
 from rnnkern import ops
-from rnnkern.triton import ops as triton_ops
-from conftest import (CELLS, HAS_GPU, assert_close, differentiable, generator, randn,
-                      recurrence_inputs, run_recurrence, step_inputs, to_device)
+from conftest import (CELLS, HAS_GPU, assert_close, differentiable, force_triton_path,
+                      generator, randn, recurrence_inputs, run_recurrence, step_inputs,
+                      to_device)
 
 if (not ops.WITH_CUDA_EMULATION and os.environ.get("RNNKERN_REQUIRE_CUDA_EMULATION") == "1"):
     raise RuntimeError("RNNKERN_REQUIRE_CUDA_EMULATION=1 but rnnkern was built without the "
@@ -42,6 +43,7 @@ BACKENDS = {
     "cpu": ("cpu", "cpu", ()),
     "cuda_emulated": ("cuda_emulated", "cpu", () if ops.WITH_CUDA_EMULATION else (NO_EMU,)),
     "triton-loop": ("triton", TRITON_DEVICE, ()),
+    "triton-spread": ("triton", TRITON_DEVICE, ()),
     "triton-step": ("triton", TRITON_DEVICE, ()),
     "cuda": ("cuda", "cuda", (pytest.mark.gpu,)),
 }
@@ -51,7 +53,7 @@ def use(backend, monkeypatch):
     """(ops backend name, device) of a backend parameter; a triton-* parameter
     forces its path for the duration of the test."""
     if backend.startswith("triton-"):
-        monkeypatch.setattr(triton_ops, "PATH", backend.split("-", 1)[1])
+        force_triton_path(monkeypatch, backend.split("-", 1)[1])
     name, device, _ = BACKENDS[backend]
     return name, device
 
@@ -113,7 +115,7 @@ def _recurrence_gradcheck_cases():
     # Triton: reverse with lengths (one sequence full, one of one step, one
     # empty), every masking rule of the backward at once; the forward direction
     # and no lengths are checked against the reference's gradients in test_triton.
-    for backend in ("triton-loop", "triton-step"):
+    for backend in ("triton-loop", "triton-spread", "triton-step"):
         cases += [param(backend, c, p, (3, 3, 6, 6, [3, 1, 0], True, ("gradcheck",), "flat"),
                         id=case_id(c, p))
                   for c, p in [(c, 0) for c in CELLS] + [("lstm", 5)]]
@@ -176,7 +178,7 @@ def test_step_gradcheck(backend, cell, bias, size, monkeypatch):
 #: ops backend name -> its torch.ops namespace
 NAMESPACES = {"cpu": "rnnkern", "cuda": "rnnkern", "cuda_emulated": "rnnkern_cuda_emu",
               "triton": "rnnkern_triton"}
-KERNEL_BACKENDS = ["cpu", "cuda_emulated", "triton-loop", "triton-step", "cuda"]
+KERNEL_BACKENDS = ["cpu", "cuda_emulated", "triton-loop", "triton-spread", "triton-step", "cuda"]
 
 
 def family(name):
@@ -199,6 +201,7 @@ def _opcheck_recurrence_cases():
     # Triton: every cell on the loop path; on the per-step path the cells with
     # two launches per step (their host code holds the most buffers).
     for backend, cells in [("triton-loop", [(c, 0) for c in CELLS] + [("lstm", 5)]),
+                           ("triton-spread", [("lstm", 0), ("gru", 0)]),
                            ("triton-step", [("gru_reset_before", 0), ("lstm", 5)])]:
         cases += [param(backend, c, p, (3, 3, 6, [3, 1, 2], True, ("opcheck",)), id=case_id(c, p))
                   for c, p in cells]
@@ -274,6 +277,7 @@ def _empty_cases():
     sizes = {"cpu": [(c, s) for c in CELLS for s in cuda_sizes + emu_sizes],
              "cuda_emulated": [(c, s) for c in CELLS for s in emu_sizes],
              "triton-loop": [("lstm", (0, 3, 6)), ("lstm", (3, 0, 6))],
+             "triton-spread": [("lstm", (0, 3, 6)), ("lstm", (3, 0, 6))],
              "triton-step": [("lstm", (0, 3, 6)), ("lstm", (3, 0, 6))],
              "cuda": [(c, s) for c in CELLS for s in cuda_sizes]}
     return [param(backend, cell, *s, id="{}-T{}-B{}-H{}".format(cell, *s))

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from rnnkern import ops
-from rnnkern.triton import ops as triton_ops
-from conftest import assert_close, generator, randn
+from conftest import assert_close, force_triton_path, generator, randn
 from options_truth import BACKENDS
 
-#: Triton twice: its in-kernel time loop and its per-step kernels.
-PATHS = [b for b in BACKENDS if b != "triton"] + ["triton:loop", "triton:step"]
+#: Triton three times: its in-kernel time loop, its spread kernels (per step for
+#: the LSTM with a projection: conftest.force_triton_path) and its per-step kernels.
+PATHS = [b for b in BACKENDS if b != "triton"] + ["triton:loop", "triton:spread", "triton:step"]
 
 T, B, H = 6, 4, 5
 
@@ -85,7 +85,7 @@ def test_every_steps_cell_state_and_its_gradient_match_the_cell_loop(backend, na
                                                                      monkeypatch):
     if backend.startswith("triton:"):
         backend, path = backend.split(":")
-        monkeypatch.setattr(triton_ops, "PATH", path)
+        force_triton_path(monkeypatch, path)
     key = (name, proj)
     a = inputs(proj, key)
     lengths = None if lengths is None else torch.tensor(lengths, dtype=torch.int64)
@@ -115,7 +115,7 @@ def test_zoneout_with_every_steps_cell_state_matches_the_reference(backend, reve
     truth here."""
     if backend.startswith("triton:"):
         backend, path = backend.split(":")
-        monkeypatch.setattr(triton_ops, "PATH", path)
+        force_triton_path(monkeypatch, path)
     a = inputs(0, ("zoneout",))
     args = [a[k] for k in ("xproj", "h0", "c0", "w_hh", "b_ih", "b_hh")]
     g = generator("zoneout-masks", reverse)

@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ..reference import ALL_CELLS, gate_count, workspace_size
-from . import sequence, step
+from . import sequence, spread, step
 from .cells import CELL_IDS
 
 _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -38,14 +38,16 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 _ACC_BUFFERS = {"p_ws", "p_aux", "p_aux_all", "p_dx", "p_da", "p_da_next", "p_dh", "p_dh_out",
                 "p_dc", "p_dc_out", "p_dh_tot", "p_dh_tot_all", "p_h_next", "p_c_next",
                 "p_da_all", "p_dhr", "p_dhr_all", "p_dy_all", "p_dh0_in", "p_dh0_out",
-                "p_dc0_in", "p_dc0_out", "p_xr", "p_hr", "p_tmp"}
+                "p_dc0_in", "p_dc0_out", "p_xr", "p_hr", "p_tmp", "p_hs", "p_cs", "p_dhs",
+                "p_das", "p_dcs", "p_dh0s", "p_dc0s"}
 
 
 def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_warps: int = 4,
                    acc_args=()):
     """Compiles an (autotuned) kernel for sm_<arch> with the given constexprs;
     ``acc_args``: more pointer arguments that hold accumulate-dtype buffers in this use."""
-    fn = kernel.fn  # the JITFunction under the Autotuner
+    # the JITFunction (under the Autotuner, for the autotuned kernels)
+    fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
     acc = "fp64" if dtype == torch.float64 else "fp32"
     signature = {}
     for name in fn.arg_names:
@@ -55,6 +57,8 @@ def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_
             signature[name] = "*i64"
         elif name == "p_resets":
             signature[name] = "*i1"
+        elif name == "p_count":
+            signature[name] = "*i32"
         elif name.startswith("p_"):
             signature[name] = "*" + (acc if name in _ACC_BUFFERS or name in acc_args
                                      else _TYPE[dtype])
@@ -63,6 +67,23 @@ def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_
     src = ASTSource(fn, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=2))
+
+
+def barrier_problems(ptx: str) -> list:
+    """What is wrong with a spread kernel's grid barrier in its PTX: the
+    arrival must be a release atomic and the wait an acquire load (or atomic),
+    both at GPU scope, and no load anywhere may take the non-coherent read-only
+    path (``ld.global.nc``), which could serve another SM's rows stale."""
+    import re
+    problems = []
+    if not re.search(r"atom\.global\.gpu\.(release|acq_rel)\.add", ptx):
+        problems.append("no atom.global.gpu.release.add (the arrival)")
+    if not re.search(r"(ld\.global\.gpu\.acquire|atom\.global\.gpu\.(acquire|acq_rel))", ptx):
+        problems.append("no acquire load or atomic at GPU scope (the wait)")
+    nc = re.findall(r"ld\.global(\.\w+)*\.nc", ptx)
+    if nc:
+        problems.append(f"{len(nc)} non-coherent loads (ld.global.nc)")
+    return problems
 
 
 def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
@@ -126,6 +147,11 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
     if proj:
         out += [(step.projection_forward_kernel, dict(**opts, **common)),
                 (step.projection_backward_kernel, dict(HAS_NEXT=True, **opts, **common))]
+    if cell in spread.CELLS:  # (without the projection: the spread kernels have none)
+        spread_steps = dict(CELL_STEPS=cell == "lstm")
+        out += [(spread.forward_spread_kernel, dict(HAS_B_IH=True, HAS_B_HH=True, TRAIN=True,
+                                                    **spread_steps, **flags, **tile)),
+                (spread.backward_spread_kernel, dict(**spread_steps, **flags, **tile))]
     return [job if len(job) == 3 else job + ((),) for job in out]
 
 
@@ -178,6 +204,7 @@ def main(argv=None) -> int:
                  ("gru_reset_before", torch.bfloat16, False,
                   {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
                  ("gru", torch.float64, False, {"forward_loop_kernel"}),
+                 ("gru", torch.float32, False, {"forward_spread_kernel", "backward_spread_kernel"}),
                  ("lstm", torch.float16, True, None),
                  ("gru_reset_before", torch.bfloat16, True,
                   {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
@@ -202,9 +229,15 @@ def main(argv=None) -> int:
             start = time.time()
             try:
                 compiled = compile_kernel(kernel, dtype, constexprs, args.arch, acc_args=acc_args)
+                checked = ""
+                if "spread" in name:
+                    problems = barrier_problems(compiled.asm["ptx"])
+                    if problems:
+                        raise RuntimeError("grid barrier: " + "; ".join(problems))
+                    checked = "  barrier ok (release/acquire at gpu scope, no ld.global.nc)"
                 print(f"ok    sm_{args.arch} {label:24s} {_TYPE[dtype]} {name:27s} "
-                      f"shared {compiled.metadata.shared:6d} B  {time.time() - start:4.1f} s",
-                      flush=True)
+                      f"shared {compiled.metadata.shared:6d} B  {time.time() - start:4.1f} s"
+                      f"{checked}", flush=True)
             except Exception as e:  # report every kernel, then fail
                 failures += 1
                 print(f"FAIL  sm_{args.arch} {label:24s} {_TYPE[dtype]} {name:27s} "

@@ -13,12 +13,16 @@ recurrence:
 
 ``loop``  the whole time loop in one launch (:mod:`.sequence`), where the
           weights fit on chip (:func:`.sequence.fits_on_chip`);
+``spread`` beyond that, the whole time loop in one launch spread over the SMs,
+          one program per tile of units with a grid barrier per step
+          (:mod:`.spread`), for the cells with one kernel per step and as many
+          tiles as the GPU has SMs (:func:`.spread.tiles`);
 ``step``  one fused launch per step (:mod:`.step`) from a Python loop that never
-          synchronises with the host, for any size.
+          synchronises with the host, for any size: what is left.
 
 :data:`PATH` (initialised from the environment variable ``RNNKERN_TRITON_PATH``)
-forces one: ``"auto"`` (default), ``"loop"`` or ``"step"``.  Forcing ``"loop"``
-for sizes that do not fit raises instead of running.  The weight gradients
+forces one: ``"auto"`` (default), ``"loop"``, ``"spread"`` or ``"step"``.
+Forcing ``"loop"`` or ``"spread"`` where it cannot run raises instead of running.  The weight gradients
 are one large GEMM each over all steps, after the time loop (torch.matmul on
 tensors the kernels saved in time order), in the input dtype with float32
 accumulation as torch.nn's (:func:`_recurrence_weight_grads`).
@@ -44,16 +48,16 @@ from torch import Tensor
 
 from ..library import acc_dtype, define_family, has_cell_state, register_op_family
 from ..reference import gate_count, workspace_size
-from . import sequence, step as step_kernels
+from . import sequence, spread, step as step_kernels
 from .cells import CELL_IDS
 from .checks import check_recurrence, check_recurrence_backward, check_step, check_step_backward
 from .sequence import block_size, fits_on_chip, loop_compiles
 from .tuning import INTERPRET, batch_class
 
 NAMESPACE = "rnnkern_triton"
-PATHS = ("auto", "loop", "step")
+PATHS = ("auto", "loop", "spread", "step")
 
-#: How the recurrence runs: "auto", or forced to "loop" / "step" (see the module docstring).
+#: How the recurrence runs: "auto", or forced to "loop" / "spread" / "step" (see the module docstring).
 PATH = os.environ.get("RNNKERN_TRITON_PATH", "auto")
 
 _TL_DTYPE = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16,
@@ -94,9 +98,11 @@ def _check_device(op: str, t: Tensor) -> None:
 
 
 def choose_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool,
-                options: bool = False) -> str:
-    """"loop" or "step" for these sizes, following :data:`PATH`; ``options``:
-    the call has resets or zoneout."""
+                options: bool = False, B: int = 1,
+                device: Optional[torch.device] = None) -> str:
+    """"loop", "spread" or "step" for these sizes, following :data:`PATH`;
+    ``options``: the call has resets or zoneout; B and device: the spread
+    kernel's grid must fit the device's SMs."""
     if PATH not in PATHS:
         raise ValueError(f"rnnkern_triton: RNNKERN_TRITON_PATH / PATH is {PATH!r}; "
                          f"expected one of {', '.join(PATHS)}")
@@ -111,8 +117,16 @@ def choose_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool,
         raise ValueError(
             f"rnnkern_triton: the in-kernel time loop was forced (PATH='loop') but Triton cannot "
             f"compile it for {dtype} with resets or zoneout on a GPU; use 'auto' or 'step'")
+    if PATH == "loop" or (PATH == "auto" and fits and compiles):
+        return "loop"
+    spreads = spread.tiles(cell, B, H, proj, device) is not None
+    if PATH == "spread" and not spreads:
+        raise ValueError(
+            f"rnnkern_triton: the spread kernel was forced (PATH='spread') but it runs "
+            f"{', '.join(spread.CELLS)} without a projection, at most one tile per SM; got "
+            f"{cell}{' with a projection' if proj else ''}, B={B}, H={H}; use 'auto' or 'step'")
     if PATH == "auto":
-        return "loop" if fits and compiles else "step"
+        return "spread" if spreads else "step"
     return PATH
 
 
@@ -193,7 +207,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     has_c = has_cell_state(cell)
     k = _Call(cell, xproj.dtype, H, z.has_zoneout)
     path = choose_path(cell, H, P, xproj.dtype, z.has_proj,
-                       options=resets is not None or zoneout is not None)
+                       options=resets is not None or zoneout is not None, B=B,
+                       device=xproj.device)
     xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c = _contiguous(
         xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c)
 
@@ -227,6 +242,9 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
             c_n if has_c else dummy, ws if train else dummy, T, B, H, P, *opt.strides,
             BLOCK_H=block_size(H), BLOCK_P=block_size(P), HAS_RESET_STATE=reset_h is not None,
             **flags, B_CLASS=batch_class(B))
+    elif path == "spread":
+        _forward_spread(k, flags, opt, xproj, h0, c0, w_hh, *args, output, h_n, c_n, ws,
+                        T, B, H, P, rh, rc)
     else:
         _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, *args, ln, output, h_n, c_n, ws,
                           T, B, H, P, rh, rc)
@@ -295,6 +313,32 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
         c_n.copy_(c[0])
 
 
+def _forward_spread(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, output, h_n,
+                    c_n, ws, T, B, H, P, rh, rc):
+    """The spread path (:mod:`.spread`): the per-step path's ping-pong buffers
+    as one [2, B, *] tensor each, one launch for all T steps."""
+    cell, dummy, device = k.cell, xproj, xproj.device
+    has_c = has_cell_state(cell)
+    blocks = spread.tiles(cell, B, H, False, device)
+    hs = torch.empty((2, B, P), dtype=k.acc, device=device)
+    hs[0].copy_(h0)
+    cs = torch.empty((2, B, H), dtype=k.acc, device=device) if has_c else dummy
+    if has_c:
+        cs[0].copy_(c0)
+    grid = spread.grid(B, H, blocks)
+    count = torch.zeros(grid[0], dtype=torch.int32, device=device)
+    spread.launch(
+        spread.forward_spread_kernel, grid, xproj, hs, cs, w_hh, b_ih, b_hh, lens, output,
+        ws if flags["TRAIN"] else dummy, rh, rc if has_c else dummy, opt.p_resets, opt.p_zo,
+        c_n if flags["CELL_STEPS"] else dummy, count, T, B, H, P, *opt.strides,
+        CELL=flags["CELL"], G=k.G, WS=k.WS, HAS_B_IH=flags["HAS_B_IH"],
+        HAS_B_HH=flags["HAS_B_HH"], HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"],
+        TRAIN=flags["TRAIN"], CELL_STEPS=flags["CELL_STEPS"], **opt.flags, **k.consts, **blocks)
+    h_n.copy_(hs[T % 2])
+    if has_c and not flags["CELL_STEPS"]:
+        c_n.copy_(cs[T % 2])
+
+
 def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                         grad_c_n: Optional[Tensor], h0: Tensor, c0: Optional[Tensor],
                         w_hh: Tensor, w_hr: Optional[Tensor], output: Tensor, workspace: Tensor,
@@ -309,7 +353,8 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     has_c, proj, ln_cell = has_cell_state(cell), z.has_proj, cell == "lstm_ln"
     dtype = output.dtype
     k = _Call(cell, dtype, H, z.has_zoneout)
-    path = choose_path(cell, H, P, dtype, proj, options=resets is not None or zoneout is not None)
+    path = choose_path(cell, H, P, dtype, proj, options=resets is not None or zoneout is not None,
+                       B=B, device=output.device)
     (grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace, ln, reset_h,
      reset_c) = _contiguous(grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
                             ln, reset_h, reset_c)
@@ -356,6 +401,11 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                 grad_rc if own_reset and has_c else dummy, *extras, T, B, H, P, *opt.strides,
                 BLOCK_H=block_size(H), BLOCK_P=block_size(P), HAS_RESET_STATE=own_reset, **flags,
                 B_CLASS=batch_class(B))
+        elif path == "spread":
+            _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
+                             output, workspace, lens, dx, grad_h0, grad_c0, aux_all, T, B, H, P,
+                             rh, rc, grad_rh if own_reset else None,
+                             grad_rc if own_reset and has_c else None)
         else:
             _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
                                w_hr, ln, output, workspace, lens, dx, grad_h0, grad_c0, *extras,
@@ -458,6 +508,58 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
         B_CLASS=batch_class(B))
     if has_c:
         grad_c0.copy_(dc[0] + dc0[0] if resets and not own_reset else dc[0])
+
+
+def _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, output,
+                     workspace, lens, dx, grad_h0, grad_c0, aux_all, T, B, H, P, rh, rc, grad_rh,
+                     grad_rc):
+    """BPTT on the spread path (:mod:`.spread`): the per-step path's carries,
+    gate gradients and reset-state sums as [2, B, *] ping-pong tensors, one
+    launch for all T steps; grad_h0 is finished as on the per-step path."""
+    cell, dummy, device = k.cell, output, output.device
+    has_c, resets = has_cell_state(cell), flags["HAS_RESETS"]
+    GH = k.G * H
+    blocks = spread.tiles(cell, B, H, False, device)
+
+    def pair(n, first=None):
+        t = torch.empty((2, B, n), dtype=k.acc, device=device)
+        if first is None:
+            t[0].zero_()
+        else:
+            t[0].copy_(first)
+        return t
+
+    dhs = pair(P, grad_h_n)
+    dcs = (pair(H) if flags["CELL_STEPS"] else pair(H, grad_c_n)) if has_c else dummy
+    das = torch.empty((2, B, GH), dtype=k.acc, device=device)
+    das[T % 2].zero_()  # what step T-1 reads as dA of the step after it
+    dh0s = pair(P) if resets else dummy
+    dc0s = pair(H) if resets and has_c else dummy
+    grid = spread.grid(B, H, blocks)
+    count = torch.zeros(grid[0], dtype=torch.int32, device=device)
+    spread.launch(
+        spread.backward_spread_kernel, grid, grad_output, dhs, das, w_hh, dcs,
+        workspace if k.WS else dummy, output, h0, c0 if has_c else dummy, rh,
+        rc if has_c else dummy, lens if lens is not None else dummy, dx,
+        aux_all if aux_all is not None else dummy, opt.p_resets, opt.p_zo, dh0s, dc0s,
+        grad_c_n if flags["CELL_STEPS"] else dummy, count, T, B, H, P, *opt.strides,
+        CELL=flags["CELL"], G=k.G, WS=k.WS, HAS_LENGTHS=flags["HAS_LENGTHS"],
+        REVERSE=flags["REVERSE"], CELL_STEPS=flags["CELL_STEPS"], **opt.flags, **k.consts,
+        **blocks)
+    last = T % 2
+    dh = dhs[last]
+    if grad_rh is not None:
+        grad_rh.copy_(dh0s[last])
+        if has_c:
+            grad_rc.copy_(dc0s[last])
+    elif resets:
+        dh = dh + dh0s[last]
+    # grad_h0 = dh + dA_0 W_hh (the GEMM part of the carry at the first step).
+    step_kernels.input_grad_kernel[_input_grad_grid(B, 0, P)](
+        dummy, dummy, das[0], w_hh, dh, dummy, grad_h0, B, 0, GH, GH, P, **k.consts,
+        B_CLASS=batch_class(B))
+    if has_c:
+        grad_c0.copy_(dcs[last] + dc0s[last] if resets and grad_rh is None else dcs[last])
 
 
 def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optional[Tensor],

@@ -48,6 +48,28 @@ def gates_backward_kernel(
     stops at the output: do into da_all [T, B, 4H] (gate o), dy (the gradient
     of c^ g_c + beta_c) into aux_all, for lstm_ln_backward_kernel.
     """
+    gates_backward_tile(p_gout, p_dh, p_da_next, p_w_hh, p_dc, p_ws, p_out, p_h0, p_c0, p_len,
+                        p_dh_tot, p_w_hr, p_dx, p_da, p_dh_out, p_dc_out, p_aux, p_aux_all,
+                        p_resets, p_zo, p_ln, p_da_all, p_dh0_in, p_dh0_out, p_dc0_in, p_dc0_out,
+                        p_gc_steps, s, T, B, H, P, s_zt, s_zb, s_zu, CELL, G, WS,
+                        HAS_GOUT, HAS_NEXT, HAS_LENGTHS, REVERSE, HAS_PROJ, HAS_RESETS,
+                        HAS_ZONEOUT, CELL_STEPS, ACC, DOT, BLOCK_B, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def gates_backward_tile(
+        p_gout, p_dh, p_da_next, p_w_hh, p_dc, p_ws, p_out, p_h0, p_c0, p_len, p_dh_tot, p_w_hr,
+        p_dx, p_da, p_dh_out, p_dc_out, p_aux, p_aux_all, p_resets, p_zo, p_ln, p_da_all,
+        p_dh0_in, p_dh0_out, p_dc0_in, p_dc0_out, p_gc_steps,
+        s, T, B, H, P, s_zt, s_zb, s_zu,
+        CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_GOUT: tl.constexpr,
+        HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        HAS_PROJ: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
+        CELL_STEPS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The body of gates_backward_kernel: the backward of step s for the tile
+    of program (i_b, i_h), also called once per step by the spread kernel
+    (:mod:`..spread`)."""
     o_b, o_h, m_b, m_h, m, active, act, t, o_b64, row = step_tile(
         p_len, s, T, B, H, HAS_LENGTHS, REVERSE, BLOCK_B, BLOCK_H)
     m_act = act & m_h[None, :]

@@ -37,6 +37,26 @@ def gates_forward_kernel(
     r*h; or [B, H]: o*tanh c~) for the next kernel.  With zoneout ([T, B, Z],
     strides s_z*) the states blend with the ones the step started from (h, c).
     """
+    gates_forward_tile(p_x, p_w_ih, p_xproj, p_h, p_c, p_w_hh, p_b_ih, p_b_hh, p_len, p_out,
+                       p_h_next, p_c_next, p_ws, p_aux, p_h0, p_c0, p_resets, p_zo, p_c_steps, s,
+                       T, B, I, H, P, s_zt, s_zb, s_zu, CELL, G, WS, HAS_X, HAS_B_IH,
+                       HAS_B_HH, HAS_LENGTHS, REVERSE, TRAIN, HAS_PROJ, STORE_STATE, HAS_RESETS,
+                       HAS_ZONEOUT, CELL_STEPS, ACC, DOT, BLOCK_B, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def gates_forward_tile(
+        p_x, p_w_ih, p_xproj, p_h, p_c, p_w_hh, p_b_ih, p_b_hh, p_len,
+        p_out, p_h_next, p_c_next, p_ws, p_aux, p_h0, p_c0, p_resets, p_zo, p_c_steps,
+        s, T, B, I, H, P, s_zt, s_zb, s_zu,
+        CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_X: tl.constexpr,
+        HAS_B_IH: tl.constexpr, HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+        REVERSE: tl.constexpr, TRAIN: tl.constexpr, HAS_PROJ: tl.constexpr,
+        STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
+        CELL_STEPS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The body of gates_forward_kernel: step s for the tile of program
+    (i_b, i_h), also called once per step by the spread kernel (:mod:`..spread`)."""
     o_b, o_h, m_b, m_h, m, active, act, t, o_b64, row = step_tile(
         p_len, s, T, B, H, HAS_LENGTHS, REVERSE, BLOCK_B, BLOCK_H)
     m_act = act & m_h[None, :]
