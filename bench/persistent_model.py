@@ -2,6 +2,18 @@
 before a GPU has timed them: per step, what each CTA does and what it waits for.
 
     python -m bench.persistent_model [--json OUT]
+    python -m bench.persistent_model --triton [--json OUT]   # Triton's spread kernels
+
+Triton's spread kernels (rnnkern/triton/spread.py, :func:`spread_rows`): one
+program per BLOCK_B x BLOCK_H tile (rnnkern.triton.spread.tiles_for on 132
+SMs); per step each program reads its slice of W_hh (G x BLOCK_H rows of P;
+backward, BLOCK_H columns of G*H rows) and its rows of h (dA backward, float32)
+through L2 -- W is not pinned in shared memory, so the model charges it every
+step, an upper bound where L1 keeps it -- at the smaller of the SM's L2 port
+(64 B a clock) and its share of L2's bandwidth; the tl.dot products at the
+tensor cores' rate (half types) or the FMA rate (float32, IEEE); the same
+assumed 1.5 us barrier.  The per-step path it replaces adds a launch per step
+(2-5 us each, issue 26), which the spread kernels do not pay.
 
 The plan is persistent_plan's (units per CTA, outputs, batch tile, split of k,
 4 x 4 register tiles); per step and CTA the model adds
@@ -154,6 +166,50 @@ def rows() -> list[dict]:
     return out
 
 
+L2_PORT_BYTES_PER_CLOCK = 64  # one SM's share of the L2 crossbar
+
+
+def spread_step_seconds(cell: str, B: int, H: int, dtype: str, backward: bool) -> dict:
+    """The model's parts for one step of a spread program (see the docstring)."""
+    from rnnkern.triton.spread import tiles_for
+    t = tiles_for(cell, B, H, False, SMS)
+    if t is None:
+        return {}
+    G, s = GATES[cell], SIZE[dtype]
+    bb, bh = t["BLOCK_B"], t["BLOCK_H"]
+    programs = math.ceil(B / bb) * math.ceil(H / bh)
+    K = G * H if backward else H  # the product's depth: dA [B, G*H] W_hh[:, slice] backward
+    N = bh if backward else G * bh
+    pad = lambda n, m: math.ceil(n / m) * m  # noqa: E731
+    w_bytes = pad(K, t["BLOCK_K"]) * N * s
+    row_bytes = bb * pad(K, t["BLOCK_K"]) * 4  # h (dA) in the float32 ping-pong buffers
+    per_sm = min(L2_PORT_BYTES_PER_CLOCK * CLOCK_HZ, L2_BYTES_PER_S / programs)
+    traffic = (w_bytes + row_bytes) / per_sm
+    fmas = bb * pad(K, t["BLOCK_K"]) * N
+    rate = MMA_FMA_PER_CLOCK if s == 2 else FMA_PER_CLOCK[dtype]
+    products = fmas / rate / CLOCK_HZ
+    return dict(programs=programs, BLOCK_B=bb, BLOCK_H=bh, traffic=traffic, products=products,
+                barrier=GRID_BARRIER_S, total=max(traffic, products) + GRID_BARRIER_S)
+
+
+def spread_rows() -> list[dict]:
+    seen = measured()
+    out = []
+    for cell, B, H in CASES:
+        for dtype in DTYPES:
+            fwd = spread_step_seconds(cell, B, H, dtype, False)
+            if not fwd:
+                continue
+            bwd = spread_step_seconds(cell, B, H, dtype, True)
+            _, torch_f = seen.get((cell, B, H, dtype, "forward"), (None, None))
+            _, torch_fb = seen.get((cell, B, H, dtype, "forward_backward"), (None, None))
+            out.append(dict(cell=cell, B=B, H=H, dtype=dtype, forward_us=fwd, backward_us=bwd,
+                            model_forward_us=fwd["total"] * 1e6,
+                            model_forward_backward_us=(fwd["total"] + bwd["total"]) * 1e6,
+                            torch_forward_us=torch_f, torch_forward_backward_us=torch_fb))
+    return out
+
+
 def fmt(v):
     """A figure, or "-": not measured (host loop, cuDNN), or the backward does not fit (model)."""
     return "-" if v is None else f"{v:.1f}"
@@ -162,7 +218,23 @@ def fmt(v):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--triton", action="store_true", help="Triton's spread kernels instead")
     args = parser.parse_args()
+    if args.triton:
+        table = spread_rows()
+        print("| cell | B | H | dtype | programs (tile) | model fwd us/step (max(L2, products) + "
+              "barrier) | cuDNN fwd | model fwd+bwd | cuDNN fwd+bwd |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in table:
+            f = r["forward_us"]
+            print(f"| {r['cell']} | {r['B']} | {r['H']} | {r['dtype']} | {f['programs']} "
+                  f"({f['BLOCK_B']}x{f['BLOCK_H']}) | {r['model_forward_us']:.1f} "
+                  f"(max({f['traffic'] * 1e6:.2f}, {f['products'] * 1e6:.2f}) + "
+                  f"{f['barrier'] * 1e6:.1f}) | {fmt(r['torch_forward_us'])} | "
+                  f"{r['model_forward_backward_us']:.1f} | {fmt(r['torch_forward_backward_us'])} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=1, default=float) + "\n")
+        return
     table = rows()
     print("| cell | B | H | dtype | CTAs x units | model fwd us/step (products + staging + barrier) "
           "| host loop fwd | cuDNN fwd | model fwd+bwd | host loop fwd+bwd | cuDNN fwd+bwd |")
