@@ -180,8 +180,7 @@ def force_triton_path(monkeypatch, path: str) -> None:
     """Runs the Triton recurrence on one path for the rest of a test: "loop" and
     "step" are forced (rnnkern.triton.ops.PATH); "spread" is the automatic
     choice with no room on chip, so the cells a spread kernel runs take it and
-    the others (the LSTM projection, the reset-before GRU, LSTM-LN) the
-    per-step path, as beyond the on-chip limit on a GPU."""
+    LSTM-LN the per-step path, as beyond the on-chip limit on a GPU."""
     from rnnkern.triton import ops as triton_ops
     if path == "spread":
         monkeypatch.setattr(triton_ops, "PATH", "auto")

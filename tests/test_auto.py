@@ -199,8 +199,9 @@ def test_triton_on_a_gpu_only_where_its_measured_kernel_runs(table):
     assert auto.triton_path("rnn_tanh", 256, 256, torch.bfloat16, False) == "loop"
     assert auto.triton_path("rnn_tanh", 512, 512, torch.bfloat16, False) == "spread"
     assert auto.triton_path("lstm", 256, 256, torch.bfloat16, False) == "spread"
-    assert auto.triton_path("lstm", 256, 128, torch.bfloat16, True) == "step"
-    assert auto.triton_path("gru_reset_before", 256, 256, torch.bfloat16, False) == "step"
+    assert auto.triton_path("lstm", 256, 128, torch.bfloat16, True) == "spread"
+    assert auto.triton_path("gru_reset_before", 256, 256, torch.bfloat16, False) == "spread"
+    assert auto.triton_path("lstm_ln", 256, 256, torch.bfloat16, False) == "step"
     assert auto.triton_path("lstm", 256, 256, torch.bfloat16, False, B=64 * 133) == "step"
     assert auto.triton_path("lstm", 128, 64, torch.bfloat16, True) == "loop"
     at = choose_gpu()

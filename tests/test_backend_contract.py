@@ -201,7 +201,7 @@ def _opcheck_recurrence_cases():
     # Triton: every cell on the loop path; on the per-step path the cells with
     # two launches per step (their host code holds the most buffers).
     for backend, cells in [("triton-loop", [(c, 0) for c in CELLS] + [("lstm", 5)]),
-                           ("triton-spread", [("lstm", 0), ("gru", 0)]),
+                           ("triton-spread", [("lstm", 0), ("gru_reset_before", 0), ("lstm", 5)]),
                            ("triton-step", [("gru_reset_before", 0), ("lstm", 5)])]:
         cases += [param(backend, c, p, (3, 3, 6, [3, 1, 2], True, ("opcheck",)), id=case_id(c, p))
                   for c, p in cells]

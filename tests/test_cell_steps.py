@@ -18,8 +18,7 @@ from rnnkern import ops
 from conftest import assert_close, force_triton_path, generator, randn
 from options_truth import BACKENDS
 
-#: Triton three times: its in-kernel time loop, its spread kernels (per step for
-#: the LSTM with a projection: conftest.force_triton_path) and its per-step kernels.
+#: Triton three times: its in-kernel time loop, its spread kernels and its per-step kernels.
 PATHS = [b for b in BACKENDS if b != "triton"] + ["triton:loop", "triton:spread", "triton:step"]
 
 T, B, H = 6, 4, 5

@@ -390,7 +390,7 @@ def test_kernels_compile_for_sm90():
     assert "lstm+options" in done.stdout and "lstm_ln+options" in done.stdout, done.stdout
     # the spread kernels' grid barrier, read from their PTX (rnnkern.triton.aot.barrier_problems)
     spread_lines = [line for line in done.stdout.splitlines() if "spread_kernel" in line]
-    assert len(spread_lines) >= 6, done.stdout
+    assert len(spread_lines) >= 10, done.stdout
     assert all(line.startswith("ok") and "barrier ok" in line for line in spread_lines), done.stdout
 
 
@@ -503,19 +503,20 @@ def test_options_gradcheck_per_step(cell, proj, variant, monkeypatch):
     assert gradcheck_flat(f, [tensors[n] for n in names])
 
 
-SPREAD_OPTION_CASES = [(c, v) for c in spread_module.CELLS
+SPREAD_OPTION_CASES = [(c, p, v) for c, p in [(c, 0) for c in spread_module.CELLS] + [("lstm", 3)]
                        for v in ("all-lengths-reverse", "reset-state-all")]
+SPREAD_OPTION_IDS = [f"{c}-proj{p}-{v}" if p else f"{c}-{v}" for c, p, v in SPREAD_OPTION_CASES]
 
 
-@pytest.mark.parametrize("cell,variant", SPREAD_OPTION_CASES,
-                         ids=[f"{c}-{v}" for c, v in SPREAD_OPTION_CASES])
-def test_options_gradcheck_spread(cell, variant, monkeypatch):
+@pytest.mark.parametrize("cell,proj,variant", SPREAD_OPTION_CASES, ids=SPREAD_OPTION_IDS)
+def test_options_gradcheck_spread(cell, proj, variant, monkeypatch):
     """float64 gradcheck of the spread kernels with resets, zoneout, lengths
     and reverse at once (and a reset state of its own): B = 5 and H = 5 make
     four programs (two row tiles, two unit tiles) that exchange h and dA at
-    the barrier every step."""
+    the barrier every step (the projection's and the reset-before GRU's
+    intermediate rows at a second one)."""
     monkeypatch.setattr(triton_ops, "PATH", "spread")
-    tensors, consts = options_on_device(*case_inputs(cell, 0, variant, T=4, B=5, H=5,
+    tensors, consts = options_on_device(*case_inputs(cell, proj, variant, T=4, B=5, H=5,
                                                      requires_grad=True,
                                                      key=("gradcheck-spread",)))
     assert math.prod(spread_module.grid(5, 5, spread_module.tiles(
@@ -531,13 +532,12 @@ def test_options_gradcheck_spread(cell, variant, monkeypatch):
 
 @pytest.mark.skipif(HAS_GPU, reason="the interpreter's tiles: a GPU's spread and per-step "
                                     "tiles differ, and so does the order of their sums")
-@pytest.mark.parametrize("cell,variant", SPREAD_OPTION_CASES,
-                         ids=[f"{c}-{v}" for c, v in SPREAD_OPTION_CASES])
-def test_spread_equals_per_step_bitwise(cell, variant, monkeypatch):
+@pytest.mark.parametrize("cell,proj,variant", SPREAD_OPTION_CASES, ids=SPREAD_OPTION_IDS)
+def test_spread_equals_per_step_bitwise(cell, proj, variant, monkeypatch):
     """The spread kernels run the per-step kernels' tile body once per step:
     with the same tiles (the interpreter's 4 x 4, K in blocks of 4), every
     output and every gradient is the per-step path's, bit for bit."""
-    tensors, consts = options_on_device(*case_inputs(cell, 0, variant, T=5, B=5, H=5,
+    tensors, consts = options_on_device(*case_inputs(cell, proj, variant, T=5, B=5, H=5,
                                                      requires_grad=True, key=("bitwise",)))
     blocks = spread_module.tiles(cell, 5, 5, False, torch.device(DEVICE))
     assert (blocks["BLOCK_B"], blocks["BLOCK_H"], blocks["BLOCK_K"]) == (4, 4, 4)
@@ -545,7 +545,7 @@ def test_spread_equals_per_step_bitwise(cell, variant, monkeypatch):
     for path in ("spread", "step"):
         monkeypatch.setattr(triton_ops, "PATH", path)
         results[path] = options_outputs_and_grads("triton", cell, tensors, consts,
-                                                  key=("bitwise", cell, variant))
+                                                  key=("bitwise", cell, proj, variant))
     assert set(results["spread"]) == set(results["step"])
     for name, want in results["step"].items():
         got = results["spread"][name]
@@ -580,15 +580,17 @@ def _barrier_one_extra(p_count, target):
 @pytest.mark.skipif(HAS_GPU, reason="mutates the kernels the interpreter runs")
 @pytest.mark.parametrize("mutant", [_barrier_removed, _barrier_one_short],
                          ids=["barrier-removed", "barrier-one-short"])
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_spread_without_its_barrier_is_wrong(cell, mutant, monkeypatch):
+@pytest.mark.parametrize("cell,proj", [("lstm", 0), ("gru", 0), ("lstm", 3),
+                                       ("gru_reset_before", 0)],
+                         ids=["lstm", "gru", "lstm-proj3", "gru_reset_before"])
+def test_spread_without_its_barrier_is_wrong(cell, proj, mutant, monkeypatch):
     """The barrier is what makes the spread kernels right: without it, or
     waiting for one program fewer, a program reads the next step's h before
     the other programs have written it.  The interpreter's schedule runs a
     program until it spins, so the early read happens in every run, not by
     chance: the results differ from the reference (the buffers a program
     reads too early hold NaN, conftest's poison)."""
-    tensors, consts = options_on_device(*case_inputs(cell, 0, "all-lengths-reverse", T=4, B=5,
+    tensors, consts = options_on_device(*case_inputs(cell, proj, "all-lengths-reverse", T=4, B=5,
                                                      H=5, requires_grad=True, key=("mutant",)))
     want = options_outputs_and_grads("reference", cell, tensors, consts, key=("mutant",))
     monkeypatch.setattr(triton_ops, "PATH", "spread")
@@ -617,13 +619,12 @@ def test_spread_programs_that_never_meet_are_reported(monkeypatch):
 
 
 def test_forced_spread_where_it_cannot_run_raises(monkeypatch):
-    """Never a wrong answer or a hang: a forced spread kernel for a cell with
-    two stages per step, or with more tiles than SMs, raises before any launch."""
+    """Never a wrong answer or a hang: a forced spread kernel for LSTM-LN, or
+    with more tiles than SMs, raises before any launch."""
     monkeypatch.setattr(triton_ops, "PATH", "spread")
-    args = to_device(recurrence_inputs("gru_reset_before", 2, 2, 6, key=("forced",)), DEVICE)
-    with pytest.raises(ValueError, match="PATH='spread'.*gru_reset_before"):
-        torch.ops.rnnkern_triton.recurrence("gru_reset_before", *args.values(), None, False,
-                                            False)
+    with pytest.raises(ValueError, match="PATH='spread'.*lstm_ln"):
+        triton_ops.choose_path("lstm_ln", 6, 6, torch.float64, False, B=2,
+                               device=torch.device(DEVICE))
     B = 64 * (spread_module._programs(torch.device(DEVICE)) + 1)
     args = to_device(recurrence_inputs("rnn_tanh", 1, B, 6, key=("forced",)), DEVICE)
     with pytest.raises(ValueError, match=f"PATH='spread'.*B={B}"):
@@ -921,9 +922,10 @@ def test_auto_path_follows_the_limit(monkeypatch):
     assert choose("lstm", 65, 65, torch.float32) == "spread"
     assert choose("gru", 1024, 1024, torch.bfloat16) == "spread"
     assert choose("rnn_relu", 300, 300, torch.float32, B=2) == "spread"
-    # two stages per step: per step
-    assert choose("gru_reset_before", 1024, 1024, torch.bfloat16) == "step"
-    assert choose("lstm", 256, 128, torch.float16, proj=True) == "step"
+    # two stages per step, two barriers
+    assert choose("gru_reset_before", 1024, 1024, torch.bfloat16) == "spread"
+    assert choose("lstm", 256, 128, torch.float16, proj=True) == "spread"
+    # whole-row layer norms: per step
     assert choose("lstm_ln", 256, 256, torch.float16) == "step"
     # more row tiles than SMs, even at the widest unit tile: per step
     assert choose("lstm", 65, 65, torch.float32, B=64 * (programs + 1)) == "step"
@@ -932,16 +934,15 @@ def test_auto_path_follows_the_limit(monkeypatch):
     assert math.prod(spread_module.grid(2, 300, blocks)) <= programs
 
 
-@pytest.mark.parametrize("cell,want", [("lstm", "spread"), ("gru_reset_before", "step")])
-def test_auto_path_beyond_the_limit(cell, want, monkeypatch):
+@pytest.mark.parametrize("cell", ["lstm", "gru_reset_before"])
+def test_auto_path_beyond_the_limit(cell, monkeypatch):
     """With the limit lowered to one 16 x 16 float64 block, H = 6 no longer
-    fits: "auto" runs the spread kernels (the LSTM) or the per-step ones (the
-    reset-before GRU), which agree with the reference."""
+    fits: "auto" runs the spread kernels, which agree with the reference."""
     monkeypatch.setattr(triton_ops, "PATH", "auto")
     monkeypatch.setattr(sequence, "ON_CHIP_BYTES", 16 * 16 * 8)
     H = 6
     assert triton_ops.choose_path(cell, H, H, torch.float64, False, B=2,
-                                  device=torch.device(DEVICE)) == want
+                                  device=torch.device(DEVICE)) == "spread"
     args = to_device(recurrence_inputs(cell, 3, 2, H, requires_grad=True, key=("beyond",)), DEVICE)
     want = outputs_and_grads("reference", cell, args, key=("beyond",))
     got = outputs_and_grads("triton", cell, args, key=("beyond",))

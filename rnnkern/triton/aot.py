@@ -39,7 +39,7 @@ _ACC_BUFFERS = {"p_ws", "p_aux", "p_aux_all", "p_dx", "p_da", "p_da_next", "p_dh
                 "p_dc", "p_dc_out", "p_dh_tot", "p_dh_tot_all", "p_h_next", "p_c_next",
                 "p_da_all", "p_dhr", "p_dhr_all", "p_dy_all", "p_dh0_in", "p_dh0_out",
                 "p_dc0_in", "p_dc0_out", "p_xr", "p_hr", "p_tmp", "p_hs", "p_cs", "p_dhs",
-                "p_das", "p_dcs", "p_dh0s", "p_dc0s"}
+                "p_das", "p_dcs", "p_dh0s", "p_dc0s", "p_dh_mid"}
 
 
 def compile_kernel(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_warps: int = 4,
@@ -147,11 +147,12 @@ def jobs(cell: str, dtype: torch.dtype, H: int = 64, options: bool = False):
     if proj:
         out += [(step.projection_forward_kernel, dict(**opts, **common)),
                 (step.projection_backward_kernel, dict(HAS_NEXT=True, **opts, **common))]
-    if cell in spread.CELLS:  # (without the projection: the spread kernels have none)
-        spread_steps = dict(CELL_STEPS=cell == "lstm")
+    if cell in spread.CELLS:
+        DA = 2 if cell == "gru_reset_before" else G
         out += [(spread.forward_spread_kernel, dict(HAS_B_IH=True, HAS_B_HH=True, TRAIN=True,
-                                                    **spread_steps, **flags, **tile)),
-                (spread.backward_spread_kernel, dict(**spread_steps, **flags, **tile))]
+                                                    HAS_PROJ=proj, **steps, **flags, **tile)),
+                (spread.backward_spread_kernel, dict(HAS_PROJ=proj, DA=DA, **steps, **flags,
+                                                     **tile))]
     return [job if len(job) == 3 else job + ((),) for job in out]
 
 
@@ -202,12 +203,14 @@ def main(argv=None) -> int:
         # tl.dot, then every kernel with resets and zoneout (lstm_ln: all of its own)
         cases = [("lstm", torch.float16, False, None),
                  ("gru_reset_before", torch.bfloat16, False,
-                  {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
+                  {"gru_rb_candidate_kernel", "gru_rb_reset_kernel", "forward_spread_kernel",
+                   "backward_spread_kernel"}),
                  ("gru", torch.float64, False, {"forward_loop_kernel"}),
                  ("gru", torch.float32, False, {"forward_spread_kernel", "backward_spread_kernel"}),
                  ("lstm", torch.float16, True, None),
                  ("gru_reset_before", torch.bfloat16, True,
-                  {"gru_rb_candidate_kernel", "gru_rb_reset_kernel"}),
+                  {"gru_rb_candidate_kernel", "gru_rb_reset_kernel", "forward_spread_kernel",
+                   "backward_spread_kernel"}),
                  ("lstm_ln", torch.bfloat16, True, None)]
     if args.case:
         cell, dtype, options = args.case.split(":")

@@ -15,7 +15,7 @@ recurrence:
           weights fit on chip (:func:`.sequence.fits_on_chip`);
 ``spread`` beyond that, the whole time loop in one launch spread over the SMs,
           one program per tile of units with a grid barrier per step
-          (:mod:`.spread`), for the cells with one kernel per step and as many
+          (:mod:`.spread`), for every cell but LSTM-LN, with at most as many
           tiles as the GPU has SMs (:func:`.spread.tiles`);
 ``step``  one fused launch per step (:mod:`.step`) from a Python loop that never
           synchronises with the host, for any size: what is left.
@@ -123,8 +123,8 @@ def choose_path(cell: str, H: int, P: int, dtype: torch.dtype, proj: bool,
     if PATH == "spread" and not spreads:
         raise ValueError(
             f"rnnkern_triton: the spread kernel was forced (PATH='spread') but it runs "
-            f"{', '.join(spread.CELLS)} without a projection, at most one tile per SM; got "
-            f"{cell}{' with a projection' if proj else ''}, B={B}, H={H}; use 'auto' or 'step'")
+            f"{', '.join(spread.CELLS)}, at most one tile per SM; got {cell}, B={B}, H={H}; "
+            f"use 'auto' or 'step'")
     if PATH == "auto":
         return "spread" if spreads else "step"
     return PATH
@@ -318,22 +318,29 @@ def _forward_spread(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, 
     """The spread path (:mod:`.spread`): the per-step path's ping-pong buffers
     as one [2, B, *] tensor each, one launch for all T steps."""
     cell, dummy, device = k.cell, xproj, xproj.device
-    has_c = has_cell_state(cell)
-    blocks = spread.tiles(cell, B, H, False, device)
+    has_c, proj = has_cell_state(cell), flags["HAS_PROJ"]
+    blocks = spread.tiles(cell, B, H, proj, device)
     hs = torch.empty((2, B, P), dtype=k.acc, device=device)
     hs[0].copy_(h0)
     cs = torch.empty((2, B, H), dtype=k.acc, device=device) if has_c else dummy
     if has_c:
         cs[0].copy_(c0)
+    # between the two stages of a step (as _forward_by_steps)
+    aux = dummy
+    if cell == "gru_reset_before":
+        aux = torch.empty((B, 4 * H), dtype=k.acc, device=device)
+    elif proj:
+        aux = torch.empty((B, H), dtype=k.acc, device=device)
     grid = spread.grid(B, H, blocks)
     count = torch.zeros(grid[0], dtype=torch.int32, device=device)
     spread.launch(
-        spread.forward_spread_kernel, grid, xproj, hs, cs, w_hh, b_ih, b_hh, lens, output,
-        ws if flags["TRAIN"] else dummy, rh, rc if has_c else dummy, opt.p_resets, opt.p_zo,
-        c_n if flags["CELL_STEPS"] else dummy, count, T, B, H, P, *opt.strides,
+        spread.forward_spread_kernel, grid, xproj, hs, cs, w_hh, b_ih, b_hh, w_hr, lens, output,
+        ws if flags["TRAIN"] else dummy, aux, rh, rc if has_c else dummy, opt.p_resets,
+        opt.p_zo, c_n if flags["CELL_STEPS"] else dummy, count, T, B, H, P, *opt.strides,
         CELL=flags["CELL"], G=k.G, WS=k.WS, HAS_B_IH=flags["HAS_B_IH"],
-        HAS_B_HH=flags["HAS_B_HH"], HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"],
-        TRAIN=flags["TRAIN"], CELL_STEPS=flags["CELL_STEPS"], **opt.flags, **k.consts, **blocks)
+        HAS_B_HH=flags["HAS_B_HH"], HAS_PROJ=proj, HAS_LENGTHS=flags["HAS_LENGTHS"],
+        REVERSE=flags["REVERSE"], TRAIN=flags["TRAIN"], CELL_STEPS=flags["CELL_STEPS"],
+        **opt.flags, **k.consts, **blocks)
     h_n.copy_(hs[T % 2])
     if has_c and not flags["CELL_STEPS"]:
         c_n.copy_(cs[T % 2])
@@ -403,8 +410,8 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
                 B_CLASS=batch_class(B))
         elif path == "spread":
             _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
-                             output, workspace, lens, dx, grad_h0, grad_c0, aux_all, T, B, H, P,
-                             rh, rc, grad_rh if own_reset else None,
+                             w_hr, output, workspace, lens, dx, grad_h0, grad_c0, aux_all,
+                             dh_tot_all, T, B, H, P, rh, rc, grad_rh if own_reset else None,
                              grad_rc if own_reset and has_c else None)
         else:
             _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
@@ -510,19 +517,24 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
         grad_c0.copy_(dc[0] + dc0[0] if resets and not own_reset else dc[0])
 
 
-def _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, output,
-                     workspace, lens, dx, grad_h0, grad_c0, aux_all, T, B, H, P, rh, rc, grad_rh,
-                     grad_rc):
+def _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                     workspace, lens, dx, grad_h0, grad_c0, aux_all, dh_tot_all, T, B, H, P, rh,
+                     rc, grad_rh, grad_rc):
     """BPTT on the spread path (:mod:`.spread`): the per-step path's carries,
     gate gradients and reset-state sums as [2, B, *] ping-pong tensors, one
     launch for all T steps; grad_h0 is finished as on the per-step path."""
     cell, dummy, device = k.cell, output, output.device
-    has_c, resets = has_cell_state(cell), flags["HAS_RESETS"]
+    has_c, resets, proj = has_cell_state(cell), flags["HAS_RESETS"], flags["HAS_PROJ"]
+    rb = cell == "gru_reset_before"
     GH = k.G * H
-    blocks = spread.tiles(cell, B, H, False, device)
+    DA = 2 if rb else k.G  # the gate gradients that multiply W_hh, in units of H
+    blocks = spread.tiles(cell, B, H, proj, device)
+
+    def acc_empty(*shape):
+        return torch.empty(shape, dtype=k.acc, device=device)
 
     def pair(n, first=None):
-        t = torch.empty((2, B, n), dtype=k.acc, device=device)
+        t = acc_empty(2, B, n)
         if first is None:
             t[0].zero_()
         else:
@@ -531,21 +543,23 @@ def _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
 
     dhs = pair(P, grad_h_n)
     dcs = (pair(H) if flags["CELL_STEPS"] else pair(H, grad_c_n)) if has_c else dummy
-    das = torch.empty((2, B, GH), dtype=k.acc, device=device)
+    das = acc_empty(2, B, DA * H)
     das[T % 2].zero_()  # what step T-1 reads as dA of the step after it
     dh0s = pair(P) if resets else dummy
     dc0s = pair(H) if resets and has_c else dummy
     grid = spread.grid(B, H, blocks)
     count = torch.zeros(grid[0], dtype=torch.int32, device=device)
     spread.launch(
-        spread.backward_spread_kernel, grid, grad_output, dhs, das, w_hh, dcs,
-        workspace if k.WS else dummy, output, h0, c0 if has_c else dummy, rh,
-        rc if has_c else dummy, lens if lens is not None else dummy, dx,
-        aux_all if aux_all is not None else dummy, opt.p_resets, opt.p_zo, dh0s, dc0s,
+        spread.backward_spread_kernel, grid, grad_output, dhs, das, w_hh,
+        w_hr if proj else dummy, dcs, workspace if k.WS else dummy, output, h0,
+        c0 if has_c else dummy, rh, rc if has_c else dummy, lens if lens is not None else dummy,
+        dx, acc_empty(B, H) if rb else dummy, aux_all if aux_all is not None else dummy,
+        acc_empty(B, H) if rb else dummy, acc_empty(B, P) if proj else dummy,
+        dh_tot_all if proj else dummy, opt.p_resets, opt.p_zo, dh0s, dc0s,
         grad_c_n if flags["CELL_STEPS"] else dummy, count, T, B, H, P, *opt.strides,
-        CELL=flags["CELL"], G=k.G, WS=k.WS, HAS_LENGTHS=flags["HAS_LENGTHS"],
-        REVERSE=flags["REVERSE"], CELL_STEPS=flags["CELL_STEPS"], **opt.flags, **k.consts,
-        **blocks)
+        CELL=flags["CELL"], G=k.G, DA=DA, WS=k.WS, HAS_PROJ=proj,
+        HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"],
+        CELL_STEPS=flags["CELL_STEPS"], **opt.flags, **k.consts, **blocks)
     last = T % 2
     dh = dhs[last]
     if grad_rh is not None:
@@ -556,7 +570,7 @@ def _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
         dh = dh + dh0s[last]
     # grad_h0 = dh + dA_0 W_hh (the GEMM part of the carry at the first step).
     step_kernels.input_grad_kernel[_input_grad_grid(B, 0, P)](
-        dummy, dummy, das[0], w_hh, dh, dummy, grad_h0, B, 0, GH, GH, P, **k.consts,
+        dummy, dummy, das[0], w_hh, dh, dummy, grad_h0, B, 0, GH, DA * H, P, **k.consts,
         B_CLASS=batch_class(B))
     if has_c:
         grad_c0.copy_(dcs[last] + dc0s[last] if resets and grad_rh is None else dcs[last])

@@ -36,10 +36,11 @@ the CPU: without the barrier, or with one that waits for one program fewer,
 the results are wrong in every run, and programs that can never meet are
 reported instead of hanging (tests/test_triton.py).
 
-Cells: the ones whose step is one per-step kernel (tanh/ReLU RNN, GRU, LSTM
-without projection), with lengths, reverse, resets, the reset state, zoneout
-and every step's c.  The reset-before GRU, the LSTM projection and LSTM-LN
-need two stages per step (two barriers) and stay on the per-step path.
+Cells: tanh/ReLU RNN, GRU, LSTM, each with lengths, reverse, resets, the
+reset state, zoneout and every step's c; the reset-before GRU and the LSTM
+projection, whose step runs in two stages (the second reads what every
+program's first wrote), with a barrier after each stage.  LSTM-LN's layer
+norms reduce whole rows (row kernels on the per-step path): it stays there.
 """
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .step.backward import gates_backward_tile
-from .step.forward import gates_forward_tile
+from .cells import GRU_RESET_BEFORE
+from .step.backward import gates_backward_tile, gru_rb_reset_tile, projection_backward_tile
+from .step.forward import gates_forward_tile, gru_rb_candidate_tile, projection_forward_tile
 from .tuning import INTERPRET
 
-#: The cells a spread kernel runs (one per-step kernel per step).
-CELLS = ("rnn_tanh", "rnn_relu", "gru", "lstm")
+#: The cells a spread kernel runs (LSTM-LN's layer norms need whole rows: per step).
+CELLS = ("rnn_tanh", "rnn_relu", "gru", "gru_reset_before", "lstm")
 
 #: Under the interpreter: the "SMs" a spread grid may use (threads).
 INTERPRET_PROGRAMS = 8
@@ -77,21 +79,25 @@ def grid_barrier(p_count, target):
 
 @triton.jit(do_not_specialize=["T"])
 def forward_spread_kernel(
-        p_xproj, p_hs, p_cs, p_w_hh, p_b_ih, p_b_hh, p_len, p_out, p_ws, p_h0, p_c0,
-        p_resets, p_zo, p_c_steps, p_count,
+        p_xproj, p_hs, p_cs, p_w_hh, p_b_ih, p_b_hh, p_w_hr, p_len, p_out, p_ws, p_aux, p_h0,
+        p_c0, p_resets, p_zo, p_c_steps, p_count,
         T, B, H, P, s_zt, s_zb, s_zu,
         CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_B_IH: tl.constexpr,
-        HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
-        TRAIN: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
-        CELL_STEPS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        HAS_B_HH: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+        REVERSE: tl.constexpr, TRAIN: tl.constexpr, HAS_RESETS: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, CELL_STEPS: tl.constexpr, ACC: tl.constexpr,
+        DOT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """The forward of all T steps for the tile of program (i_b, i_h).
 
     hs [2, B, P] and cs [2, B, H]: the ping-pong states in the accumulate
     dtype, hs[0] / cs[0] holding h0 / c0; step s reads buffer s % 2 and writes
     the other, so the final states are in buffer T % 2.  p_h0 / p_c0: the
     state a reset restarts from.  count [programs(0)] int32 zeros: the
-    barrier counters.  The rest as gates_forward_kernel."""
+    barrier counters.  The reset-before GRU and the LSTM projection run their
+    step in two stages, the second reading what every program's first wrote
+    to aux ([B, 4H] / [B, H], as on the per-step path): a barrier after each
+    (the projection's stage on P of the H columns' programs).  The rest as
+    gates_forward_kernel."""
     n_h = tl.num_programs(1)
     p_count += tl.program_id(0)
     for s in range(T):
@@ -99,28 +105,50 @@ def forward_spread_kernel(
         nxt = 1 - now
         size_h = (now * 0 + B) * P  # int64, whatever B and P were specialised to
         size_c = (now * 0 + B) * H
-        # (x, w_ih and aux: unused placeholders, the single-step op's and the two-stage cells')
-        gates_forward_tile(p_xproj, p_xproj, p_xproj, p_hs + now * size_h, p_cs + now * size_c,
-                           p_w_hh, p_b_ih, p_b_hh, p_len, p_out, p_hs + nxt * size_h,
-                           p_cs + nxt * size_c, p_ws, p_xproj, p_h0, p_c0, p_resets, p_zo,
-                           p_c_steps, s, T, B, 0, H, P, s_zt, s_zb, s_zu, CELL=CELL, G=G, WS=WS,
-                           HAS_X=False, HAS_B_IH=HAS_B_IH, HAS_B_HH=HAS_B_HH,
-                           HAS_LENGTHS=HAS_LENGTHS, REVERSE=REVERSE, TRAIN=TRAIN, HAS_PROJ=False,
-                           STORE_STATE=True, HAS_RESETS=HAS_RESETS, HAS_ZONEOUT=HAS_ZONEOUT,
+        p_h, p_h_next = p_hs + now * size_h, p_hs + nxt * size_h
+        # (x, w_ih: unused placeholders, the single-step op's)
+        gates_forward_tile(p_xproj, p_xproj, p_xproj, p_h, p_cs + now * size_c, p_w_hh, p_b_ih,
+                           p_b_hh, p_len, p_out, p_h_next, p_cs + nxt * size_c, p_ws, p_aux,
+                           p_h0, p_c0, p_resets, p_zo, p_c_steps, s, T, B, 0, H, P, s_zt, s_zb,
+                           s_zu, CELL=CELL, G=G, WS=WS, HAS_X=False, HAS_B_IH=HAS_B_IH,
+                           HAS_B_HH=HAS_B_HH, HAS_LENGTHS=HAS_LENGTHS, REVERSE=REVERSE,
+                           TRAIN=TRAIN, HAS_PROJ=HAS_PROJ, STORE_STATE=True,
+                           HAS_RESETS=HAS_RESETS, HAS_ZONEOUT=HAS_ZONEOUT,
                            CELL_STEPS=CELL_STEPS, ACC=ACC, DOT=DOT, BLOCK_B=BLOCK_B,
                            BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K)
-        grid_barrier(p_count, (s + 1) * n_h)
+        if CELL == GRU_RESET_BEFORE or HAS_PROJ:
+            grid_barrier(p_count, (2 * s + 1) * n_h)
+            if CELL == GRU_RESET_BEFORE:
+                gru_rb_candidate_tile(p_aux, p_h, p_w_hh, p_b_hh, p_len, p_out, p_h_next, p_ws,
+                                      p_h0, p_resets, p_zo, s, T, B, H, s_zt, s_zb, s_zu,
+                                      HAS_B_HH=HAS_B_HH, HAS_LENGTHS=HAS_LENGTHS,
+                                      REVERSE=REVERSE, TRAIN=TRAIN, STORE_STATE=True,
+                                      HAS_RESETS=HAS_RESETS, HAS_ZONEOUT=HAS_ZONEOUT, ACC=ACC,
+                                      DOT=DOT, BLOCK_B=BLOCK_B, BLOCK_H=BLOCK_H,
+                                      BLOCK_K=BLOCK_K)
+            else:
+                projection_forward_tile(p_aux, p_w_hr, p_h, p_len, p_out, p_h_next, p_h0,
+                                        p_resets, p_zo, s, T, B, H, P, s_zt, s_zb, s_zu,
+                                        HAS_LENGTHS=HAS_LENGTHS, REVERSE=REVERSE,
+                                        HAS_RESETS=HAS_RESETS, HAS_ZONEOUT=HAS_ZONEOUT, ACC=ACC,
+                                        DOT=DOT, BLOCK_B=BLOCK_B, BLOCK_H=BLOCK_H,
+                                        BLOCK_K=BLOCK_K)
+            grid_barrier(p_count, (2 * s + 2) * n_h)
+        else:
+            grid_barrier(p_count, (s + 1) * n_h)
 
 
 @triton.jit(do_not_specialize=["T"])
 def backward_spread_kernel(
-        p_gout, p_dhs, p_das, p_w_hh, p_dcs, p_ws, p_out, p_h0, p_c0, p_rh, p_rc, p_len, p_dx,
-        p_aux_all, p_resets, p_zo, p_dh0s, p_dc0s, p_gc_steps, p_count,
+        p_gout, p_dhs, p_das, p_w_hh, p_w_hr, p_dcs, p_ws, p_out, p_h0, p_c0, p_rh, p_rc,
+        p_len, p_dx, p_aux, p_aux_all, p_dh_mid, p_dh_tot, p_dh_tot_all, p_resets, p_zo,
+        p_dh0s, p_dc0s, p_gc_steps, p_count,
         T, B, H, P, s_zt, s_zb, s_zu,
-        CELL: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-        REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr,
-        CELL_STEPS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        CELL: tl.constexpr, G: tl.constexpr, DA: tl.constexpr, WS: tl.constexpr,
+        HAS_PROJ: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        HAS_RESETS: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, CELL_STEPS: tl.constexpr, ACC: tl.constexpr,
+        DOT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """BPTT over all T steps (s = T-1 down to 0) for the tile of program (i_b, i_h).
 
     Ping-pong pairs in the accumulate dtype, indexed by k = T-1-s: the carried
@@ -128,10 +156,14 @@ def backward_spread_kernel(
     (dcs[0] = grad_c_n, or zeros with every step's c), and with resets the
     sums of the reset state's gradient dh0s, dc0s (zeros in [0]); step s reads
     k % 2 and writes the other, so the results are in buffer T % 2.  The gate
-    gradients dA ping-pong by s: das [2, B, G*H], the one step T-1 reads
-    (das[T % 2]) zeros, so every step adds its product.  The start states:
-    h0 / c0 at s = 0, rh / rc (the reset state) after.  The rest as
-    gates_backward_kernel."""
+    gradients dA ping-pong by s: das [2, B, DA*H] (DA = G; 2 for the
+    reset-before GRU's [dr, dz]), the one step T-1 reads (das[T % 2]) zeros, so every
+    step adds its product.  The start states: h0 / c0 at s = 0, rh / rc (the
+    reset state) after.  Two stages per step, as on the per-step path, a
+    barrier after each: the LSTM projection's total gradient of h (dh_tot
+    [B, P], by P of the H columns' programs) before the gates; the
+    reset-before GRU's dn (aux [B, H]) before its reset gate (dh_mid [B, H]
+    between them).  The rest as gates_backward_kernel."""
     n_h = tl.num_programs(1)
     p_count += tl.program_id(0)
     for k in range(T):
@@ -141,26 +173,49 @@ def backward_spread_kernel(
         a_now = tl.cast(s % 2, tl.int64)
         size_h = (now * 0 + B) * P  # int64, whatever B and P were specialised to
         size_c = (now * 0 + B) * H
-        size_a = (now * 0 + B) * (G * H)
+        size_a = (now * 0 + B) * (DA * H)
+        p_dh_in, p_dh_out = p_dhs + now * size_h, p_dhs + nxt * size_h
+        p_da_next, p_da_now = p_das + (1 - a_now) * size_a, p_das + a_now * size_a
         p_hs = p_rh
         p_cst = p_rc
         if s == 0:
             p_hs = p_h0
             p_cst = p_c0
-        # (p_gout also stands for what only the projection, the reset-before GRU and LSTM-LN
-        # read: dh_tot, w_hr, aux, ln, da_all)
-        gates_backward_tile(p_gout, p_dhs + now * size_h, p_das + (1 - a_now) * size_a, p_w_hh,
-                            p_dcs + now * size_c, p_ws, p_out, p_hs, p_cst, p_len, p_gout,
-                            p_gout, p_dx, p_das + a_now * size_a, p_dhs + nxt * size_h,
-                            p_dcs + nxt * size_c, p_gout, p_aux_all, p_resets, p_zo, p_gout,
-                            p_gout, p_dh0s + now * size_h, p_dh0s + nxt * size_h,
+        if HAS_PROJ:
+            projection_backward_tile(p_gout, p_dh_in, p_da_next, p_w_hh, p_len, p_dh_tot,
+                                     p_dh_out, p_dh_tot_all, p_resets, p_zo,
+                                     p_dh0s + now * size_h, p_dh0s + nxt * size_h, s, T, B, H, P,
+                                     s_zt, s_zb, s_zu, HAS_NEXT=True, HAS_LENGTHS=HAS_LENGTHS,
+                                     REVERSE=REVERSE, HAS_RESETS=HAS_RESETS,
+                                     HAS_ZONEOUT=HAS_ZONEOUT, ACC=ACC, DOT=DOT,
+                                     BLOCK_B=BLOCK_B, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K)
+            grid_barrier(p_count, (2 * k + 1) * n_h)
+        if CELL == GRU_RESET_BEFORE:
+            p_dh_gates = p_dh_mid  # the direct part before stage 2 adds the path through r*h
+        else:
+            p_dh_gates = p_dh_out
+        # (p_gout also stands for what only LSTM-LN reads: ln, da_all)
+        gates_backward_tile(p_gout, p_dh_in, p_da_next, p_w_hh, p_dcs + now * size_c, p_ws,
+                            p_out, p_hs, p_cst, p_len, p_dh_tot, p_w_hr, p_dx, p_da_now,
+                            p_dh_gates, p_dcs + nxt * size_c, p_aux, p_aux_all, p_resets, p_zo,
+                            p_gout, p_gout, p_dh0s + now * size_h, p_dh0s + nxt * size_h,
                             p_dc0s + now * size_c, p_dc0s + nxt * size_c, p_gc_steps, s, T, B,
                             H, P, s_zt, s_zb, s_zu, CELL=CELL, G=G, WS=WS, HAS_GOUT=True,
                             HAS_NEXT=True, HAS_LENGTHS=HAS_LENGTHS, REVERSE=REVERSE,
-                            HAS_PROJ=False, HAS_RESETS=HAS_RESETS, HAS_ZONEOUT=HAS_ZONEOUT,
+                            HAS_PROJ=HAS_PROJ, HAS_RESETS=HAS_RESETS, HAS_ZONEOUT=HAS_ZONEOUT,
                             CELL_STEPS=CELL_STEPS, ACC=ACC, DOT=DOT, BLOCK_B=BLOCK_B,
                             BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K)
-        grid_barrier(p_count, (k + 1) * n_h)
+        if CELL == GRU_RESET_BEFORE:
+            grid_barrier(p_count, (2 * k + 1) * n_h)
+            gru_rb_reset_tile(p_aux, p_w_hh, p_ws, p_out, p_hs, p_len, p_dh_mid, p_dx, p_da_now,
+                              p_dh_out, p_aux_all, p_resets, s, T, B, H,
+                              HAS_LENGTHS=HAS_LENGTHS, REVERSE=REVERSE, HAS_RESETS=HAS_RESETS,
+                              ACC=ACC, DOT=DOT, BLOCK_B=BLOCK_B, BLOCK_H=BLOCK_H,
+                              BLOCK_K=BLOCK_K)
+        if CELL == GRU_RESET_BEFORE or HAS_PROJ:
+            grid_barrier(p_count, (2 * k + 2) * n_h)
+        else:
+            grid_barrier(p_count, (k + 1) * n_h)
 
 
 def _programs(device: torch.device) -> int:
@@ -178,12 +233,12 @@ def tiles(cell: str, B: int, H: int, proj: bool, device: torch.device) -> Option
 def tiles_for(cell: str, B: int, H: int, proj: bool, programs: int,
               interpret: bool = False) -> Optional[dict]:
     """The tile sizes of a spread launch on a device of ``programs`` SMs, or
-    None where it cannot run: a cell with two stages per step, or more tiles
-    than SMs even at the widest unit tile.  The narrowest unit tile whose grid
+    None where it cannot run: LSTM-LN, or more tiles than SMs even at the
+    widest unit tile.  The narrowest unit tile whose grid
     fits, so that the recurrent product spreads over as many SMs as it can.
     ``interpret``: the interpreter's tiles (small, so that tests at small
     sizes still take several programs)."""
-    if cell not in CELLS or proj:
+    if cell not in CELLS:
         return None
     if interpret:
         block_b, widths, block_k, warps = 4, (4, 8, 16, 32, 64, 128), 4, 1

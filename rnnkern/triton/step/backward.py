@@ -226,6 +226,20 @@ def gru_rb_reset_kernel(
     """Reset-before GRU, backward stage 2 of step s: drh = dn W_hn from the dn of
     every unit (aux), the reset gate's gradient, and the part of dh_{t-1}
     through r*h added to the direct part dh.  Records r*h_{t-1} in aux_all for dW_hn."""
+    gru_rb_reset_tile(p_aux, p_w_hh, p_ws, p_out, p_h0, p_len, p_dh, p_dx, p_da, p_dh_out,
+                      p_aux_all, p_resets, s, T, B, H, HAS_LENGTHS, REVERSE, HAS_RESETS, ACC, DOT,
+                      BLOCK_B, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def gru_rb_reset_tile(
+        p_aux, p_w_hh, p_ws, p_out, p_h0, p_len, p_dh, p_dx, p_da, p_dh_out, p_aux_all, p_resets,
+        s, T, B, H,
+        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        ACC: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The body of gru_rb_reset_kernel, also called once per step by the spread kernel
+    (:mod:`..spread`)."""
     o_b, o_h, m_b, m_h, m, active, act, t, o_b64, row = step_tile(
         p_len, s, T, B, H, HAS_LENGTHS, REVERSE, BLOCK_B, BLOCK_H)
     m_act = act & m_h[None, :]
@@ -264,6 +278,22 @@ def projection_backward_kernel(
     gates_backward_kernel) and dh_tot_all [T, B, P] (for dW_hr).  The LSTM has
     no direct path from h_{t-1} to h_t: dh_out is 0 (with zoneout, the start
     state's share), or the whole carry for a finished row."""
+    projection_backward_tile(p_gout, p_dh, p_da_next, p_w_hh, p_len, p_dh_tot, p_dh_out,
+                             p_dh_tot_all, p_resets, p_zo, p_dh0_in, p_dh0_out, s, T, B, H, P,
+                             s_zt, s_zb, s_zu, HAS_NEXT, HAS_LENGTHS, REVERSE, HAS_RESETS,
+                             HAS_ZONEOUT, ACC, DOT, BLOCK_B, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def projection_backward_tile(
+        p_gout, p_dh, p_da_next, p_w_hh, p_len, p_dh_tot, p_dh_out, p_dh_tot_all, p_resets, p_zo,
+        p_dh0_in, p_dh0_out,
+        s, T, B, H, P, s_zt, s_zb, s_zu,
+        HAS_NEXT: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        HAS_RESETS: tl.constexpr, HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The body of projection_backward_kernel, also called once per step by the spread kernel
+    (:mod:`..spread`)."""
     o_b, o_p, m_b, m_p, m, active, act, t, o_b64, row = step_tile(
         p_len, s, T, B, P, HAS_LENGTHS, REVERSE, BLOCK_B, BLOCK_H)
     o_bp = o_b64[:, None] * P + o_p[None, :]

@@ -165,6 +165,22 @@ def gru_rb_candidate_kernel(
     """Reset-before GRU, stage 2 of step s: hn = (r*h) W_hn^T + b_hn from the
     r*h of every unit (aux, from gates_forward_kernel), the candidate and h
     (zoneout, the next step's start state as gates_forward_kernel)."""
+    gru_rb_candidate_tile(p_aux, p_h, p_w_hh, p_b_hh, p_len, p_out, p_h_next, p_ws, p_h0,
+                          p_resets, p_zo, s, T, B, H, s_zt, s_zb, s_zu, HAS_B_HH, HAS_LENGTHS,
+                          REVERSE, TRAIN, STORE_STATE, HAS_RESETS, HAS_ZONEOUT, ACC, DOT, BLOCK_B,
+                          BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def gru_rb_candidate_tile(
+        p_aux, p_h, p_w_hh, p_b_hh, p_len, p_out, p_h_next, p_ws, p_h0, p_resets, p_zo,
+        s, T, B, H, s_zt, s_zb, s_zu,
+        HAS_B_HH: tl.constexpr, HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr,
+        TRAIN: tl.constexpr, STORE_STATE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The body of gru_rb_candidate_kernel, also called once per step by the spread kernel
+    (:mod:`..spread`)."""
     o_b, o_h, m_b, m_h, m, active, act, t, o_b64, row = step_tile(
         p_len, s, T, B, H, HAS_LENGTHS, REVERSE, BLOCK_B, BLOCK_H)
     o_bh = o_b64[:, None] * H + o_h[None, :]
@@ -205,6 +221,20 @@ def projection_forward_kernel(
     """LSTM projection of step s for a tile of rows x outputs (BLOCK_H of the P
     outputs): h = (o * tanh c) W_hr^T, from aux [B, H] (zoneout, the next
     step's start state as gates_forward_kernel)."""
+    projection_forward_tile(p_aux, p_w_hr, p_h, p_len, p_out, p_h_next, p_h0, p_resets, p_zo, s,
+                            T, B, H, P, s_zt, s_zb, s_zu, HAS_LENGTHS, REVERSE, HAS_RESETS,
+                            HAS_ZONEOUT, ACC, DOT, BLOCK_B, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def projection_forward_tile(
+        p_aux, p_w_hr, p_h, p_len, p_out, p_h_next, p_h0, p_resets, p_zo,
+        s, T, B, H, P, s_zt, s_zb, s_zu,
+        HAS_LENGTHS: tl.constexpr, REVERSE: tl.constexpr, HAS_RESETS: tl.constexpr,
+        HAS_ZONEOUT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The body of projection_forward_kernel, also called once per step by the spread kernel
+    (:mod:`..spread`)."""
     o_b, o_p, m_b, m_p, m, active, act, t, o_b64, row = step_tile(
         p_len, s, T, B, P, HAS_LENGTHS, REVERSE, BLOCK_B, BLOCK_H)
     o_bp = o_b64[:, None] * P + o_p[None, :]
