@@ -8,9 +8,9 @@ cell and GRU form, the LSTM projection, lengths and reverse.  The spread
 kernels' programs wait for each other at a grid barrier every step; the
 interpreter runs them as threads (rnnkern/triton/spread.py), and the tests
 check that the barrier is needed (without it, or one arrival short, the
-results are wrong) and that programs that never meet are reported.  The interpreter's blocks are 4 wide
-(rnnkern/triton/tuning.py), so H = 6, P = 5 and B = 5 run several tiles with
-masked tails.  The interpreter costs ~0.3 ms per block operation: sizes are
+results are wrong) and that programs that never meet are reported.  The
+interpreter's blocks are 4 wide (rnnkern/triton/tuning.py), so H = 6, P = 5
+and B = 5 run several tiles with masked tails.  The interpreter costs ~0.3 ms per block operation: sizes are
 small and gradcheck runs in fast mode on all inputs at once.
 The backend contract (gradcheck of recurrence and step, opcheck, empty sizes,
 no workspace without grad) runs on both paths in tests/test_backend_contract.py.

@@ -22,10 +22,11 @@ recurrence:
 
 :data:`PATH` (initialised from the environment variable ``RNNKERN_TRITON_PATH``)
 forces one: ``"auto"`` (default), ``"loop"``, ``"spread"`` or ``"step"``.
-Forcing ``"loop"`` or ``"spread"`` where it cannot run raises instead of running.  The weight gradients
-are one large GEMM each over all steps, after the time loop (torch.matmul on
-tensors the kernels saved in time order), in the input dtype with float32
-accumulation as torch.nn's (:func:`_recurrence_weight_grads`).
+Forcing ``"loop"`` or ``"spread"`` where it cannot run raises instead of
+running.  The weight gradients are one large GEMM each over all steps, after
+the time loop (torch.matmul on tensors the kernels saved in time order), in the
+input dtype with float32 accumulation as torch.nn's
+(:func:`_recurrence_weight_grads`).
 
 The step options and the LayerNorm cell run on both paths, inside the kernels, as constexpr
 flags (the kernels without them are unchanged): ``resets`` and ``zoneout``
@@ -57,7 +58,7 @@ from .tuning import INTERPRET, batch_class
 NAMESPACE = "rnnkern_triton"
 PATHS = ("auto", "loop", "spread", "step")
 
-#: How the recurrence runs: "auto", or forced to "loop" / "spread" / "step" (see the module docstring).
+#: How the recurrence runs: "auto", or forced to "loop" / "spread" / "step" (module docstring).
 PATH = os.environ.get("RNNKERN_TRITON_PATH", "auto")
 
 _TL_DTYPE = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16,
