@@ -595,11 +595,10 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
     P = output.shape[2]
     if T == 0:
         return d.new_zeros((N, P), dtype=output.dtype)
-    rows = torch.arange(B, device=d.device)
     if reverse:
         prev = torch.cat([output[1:], h0.unsqueeze(0)])
         if lens is not None:  # each row's first position is lens - 1 (rows of length 0: all padding)
-            prev[(lens - 1).clamp(min=0), rows] = h0
+            prev[(lens - 1).clamp(min=0), torch.arange(B, device=d.device)] = h0
     else:
         prev = torch.cat([h0.unsqueeze(0), output[:-1]])
     if resets is not None and T > 1:
@@ -610,7 +609,15 @@ def _grad_by_previous_state(d: Tensor, output: Tensor, h0: Tensor, lens: Optiona
         if reverse and lens is not None:
             restart &= torch.arange(T, device=d.device).unsqueeze(1) < (lens - 1).unsqueeze(0)
         prev = torch.where(restart.unsqueeze(2), h0 if reset_h is None else reset_h, prev)
-    return d.reshape(-1, N).to(output.dtype).t() @ prev.reshape(-1, P)
+    return _rows_product(d, prev, output.dtype)
+
+
+def _rows_product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """a^T b summed over every leading index (steps and rows): a [..., N],
+    b [..., M] -> [N, M], one GEMM with both operands in ``dtype``, the input
+    dtype (cuBLAS accumulates half types in float32, as torch.nn's weight
+    gradients); every weight gradient of the Triton ops is one of these."""
+    return a.reshape(-1, a.shape[-1]).to(dtype).t() @ b.reshape(-1, b.shape[-1]).to(dtype)
 
 
 def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace, output,
@@ -629,9 +636,6 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, wor
     (biases, LayerNorm gains) stay in the accumulation dtype."""
     T, B, GH = dx.shape
     dtype = output.dtype
-
-    def mm(a, b):  # a [T, B, N], b [T, B, M] -> a^T b [N, M] over all steps and rows
-        return a.reshape(-1, a.shape[-1]).to(dtype).t() @ b.reshape(-1, b.shape[-1]).to(dtype)
 
     if cell == "lstm_ln":
         # b_ih and b_hh add to the pre-activations after the layer norms (da_all);
@@ -654,13 +658,14 @@ def _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, wor
             dw_n = _grad_by_previous_state(aux_all, output, h0, lens, reverse, resets, reset_h)
             grad_b_hh = torch.cat([grad_b_ih[:2 * H], aux_all.sum((0, 1))])
         else:  # n multiplies r * h_{t-1} (aux_all); its gradient is dn
-            dw_n = mm(dx[:, :, 2 * H:], aux_all)
+            dw_n = _rows_product(dx[:, :, 2 * H:], aux_all, dtype)
             grad_b_hh = grad_b_ih.clone()
         grad_w_hh = torch.cat([dw_rz, dw_n])
     else:
         grad_w_hh = _grad_by_previous_state(dx, output, h0, lens, reverse, resets, reset_h)
         grad_b_hh = grad_b_ih.clone()
-    grad_w_hr = mm(dh_tot_all, aux_all) if dh_tot_all is not None else _empty(dx)
+    grad_w_hr = (_rows_product(dh_tot_all, aux_all, dtype) if dh_tot_all is not None
+                 else _empty(dx))
     return grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr
 
 
@@ -771,14 +776,11 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
         step_kernels.input_grad_kernel[_input_grad_grid(B, I, H)](
             dx, w_ih, da, w_hh, dh, grad_x, grad_h, B, I, GH, DA, H, **k.consts, B_CLASS=batch_class(B))
 
-    def mm(a, b):  # a^T b in the input dtype, as the recurrence's weight gradients
-        return a.to(dtype).t() @ b.to(dtype)
-
-    grad_w_ih = mm(dx, x)
+    grad_w_ih = _rows_product(dx, x, dtype)
     grad_ln = _empty(x)
     if ln_cell:  # the biases add after the layer norms; the gains pair with the saved x^, h^, c^
         grad_b_ih = da_all.sum(0)
-        grad_w_hh = mm(da, h)
+        grad_w_hh = _rows_product(da, h, dtype)
         grad_b_hh = grad_b_ih.clone()
         grad_ln = torch.cat([(da_all * workspace[:, 5 * H:9 * H]).sum(0),
                              (da_all * workspace[:, 9 * H:13 * H]).sum(0),
@@ -786,11 +788,12 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
                              aux_all.sum(0)]).to(dtype)
     elif rb:  # rows r, z multiply h; row n multiplies r * h (aux_all), with gradient dn
         grad_b_ih = dx.sum(0)
-        grad_w_hh = torch.cat([mm(da, h), mm(dx[:, 2 * H:], aux_all)])
+        grad_w_hh = torch.cat([_rows_product(da, h, dtype),
+                               _rows_product(dx[:, 2 * H:], aux_all, dtype)])
         grad_b_hh = grad_b_ih.clone()
     else:  # dA = [dr, dz, dhn] for the GRU, the gate gradients otherwise
         grad_b_ih = dx.sum(0)
-        grad_w_hh = mm(da, h)
+        grad_w_hh = _rows_product(da, h, dtype)
         grad_b_hh = da.sum(0)
     grads = (grad_x.to(dtype), grad_h.to(dtype), grad_c.to(dtype), grad_w_ih.to(dtype),
              grad_w_hh.to(dtype), grad_b_ih.to(dtype), grad_b_hh.to(dtype), grad_ln)
