@@ -67,6 +67,17 @@ def path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["loop", "step"])
+def loop_or_step(request, monkeypatch):
+    """The in-kernel time loop, then the per-step kernels: for the tests whose
+    spread run would repeat another's (the options matrix: the spread kernels
+    equal the per-step path bit for bit under every option,
+    test_spread_equals_per_step_bitwise; LSTM-LN runs per step there anyway;
+    re-running kernels: the spread kernels are not autotuned)."""
+    force_triton_path(monkeypatch, request.param)
+    return request.param
+
+
 def gradcheck_flat(f, tensors):
     """float64 gradcheck of f(*tensors) in fast mode, with respect to all the
     tensors at once (one flat vector) and of all the outputs at once (one flat
@@ -460,7 +471,7 @@ def run_options(cell, tensors, consts, backend="triton"):
 
 
 @pytest.mark.parametrize("cell,proj,variant", OPTION_CASES, ids=OPTION_IDS)
-def test_options_match_reference_float64(cell, proj, variant, path):
+def test_options_match_reference_float64(cell, proj, variant, loop_or_step):
     """tests/test_options.py's matrix (resets, zoneout in training and in
     evaluation, everything with lengths and reverse, lstm_ln) on the in-kernel
     loop and on the per-step kernels: outputs, final states and every gradient
@@ -474,7 +485,7 @@ def test_options_match_reference_float64(cell, proj, variant, path):
     got = options_outputs_and_grads("triton", cell, tensors, consts, key=key)
     assert set(got) == set(want)
     for name in want:
-        assert_close(got[name], want[name], what=f"{path} {name}")
+        assert_close(got[name], want[name], what=f"{loop_or_step} {name}")
 
 
 @pytest.mark.parametrize("cell,proj,variant",
@@ -717,7 +728,7 @@ class _LaunchTwice:
 
 @pytest.mark.parametrize("cell,proj", [("lstm_ln", 0), ("lstm", 3), ("gru_reset_before", 0)],
                          ids=["lstm_ln", "lstm-proj3", "gru_reset_before"])
-def test_kernels_can_rerun(cell, proj, path, monkeypatch):
+def test_kernels_can_rerun(cell, proj, loop_or_step, monkeypatch):
     """Every kernel reads its inputs and writes separate outputs, so the
     autotuner may re-run it (under the interpreter there is one configuration,
     so nothing re-runs): with every launch run twice, both paths with every
@@ -851,7 +862,7 @@ def test_opcheck_recurrence_options(path, cell, proj):
                            c["zoneout"].contiguous(), t["ln"]))
 
 
-def test_opcheck_lstm_ln_ops(path):
+def test_opcheck_lstm_ln_ops(loop_or_step):
     """opcheck of lstm_ln's step op, step_backward and recurrence_backward."""
     s = to_device(step_case(key=("opcheck",)), DEVICE)
     args = [s[n] for n in ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh")]
