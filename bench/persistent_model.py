@@ -215,37 +215,41 @@ def fmt(v):
     return "-" if v is None else f"{v:.1f}"
 
 
+def _persistent_line(r: dict) -> str:
+    f = r["forward_us"]
+    return (f"| {r['cell']} | {r['B']} | {r['H']} | {r['dtype']} | {r['plan_forward']['grid']} x "
+            f"{r['plan_forward']['units']} | {r['model_forward_us']:.1f} ({f['products'] * 1e6:.1f} + "
+            f"{f['staging'] * 1e6:.2f} + {f['barrier'] * 1e6:.1f}) | {fmt(r['host_loop_forward_us'])} | "
+            f"{fmt(r['torch_forward_us'])} | {fmt(r['model_forward_backward_us'])} | "
+            f"{fmt(r['host_loop_forward_backward_us'])} | {fmt(r['torch_forward_backward_us'])} |")
+
+
+def _spread_line(r: dict) -> str:
+    f = r["forward_us"]
+    return (f"| {r['cell']} | {r['B']} | {r['H']} | {r['dtype']} | {f['programs']} "
+            f"({f['BLOCK_B']}x{f['BLOCK_H']}) | {r['model_forward_us']:.1f} "
+            f"(max({f['traffic'] * 1e6:.2f}, {f['products'] * 1e6:.2f}) + "
+            f"{f['barrier'] * 1e6:.1f}) | {fmt(r['torch_forward_us'])} | "
+            f"{r['model_forward_backward_us']:.1f} | {fmt(r['torch_forward_backward_us'])} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--triton", action="store_true", help="Triton's spread kernels instead")
     args = parser.parse_args()
     if args.triton:
-        table = spread_rows()
-        print("| cell | B | H | dtype | programs (tile) | model fwd us/step (max(L2, products) + "
-              "barrier) | cuDNN fwd | model fwd+bwd | cuDNN fwd+bwd |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in table:
-            f = r["forward_us"]
-            print(f"| {r['cell']} | {r['B']} | {r['H']} | {r['dtype']} | {f['programs']} "
-                  f"({f['BLOCK_B']}x{f['BLOCK_H']}) | {r['model_forward_us']:.1f} "
-                  f"(max({f['traffic'] * 1e6:.2f}, {f['products'] * 1e6:.2f}) + "
-                  f"{f['barrier'] * 1e6:.1f}) | {fmt(r['torch_forward_us'])} | "
-                  f"{r['model_forward_backward_us']:.1f} | {fmt(r['torch_forward_backward_us'])} |")
-        if args.json:
-            Path(args.json).write_text(json.dumps(table, indent=1, default=float) + "\n")
-        return
-    table = rows()
-    print("| cell | B | H | dtype | CTAs x units | model fwd us/step (products + staging + barrier) "
-          "| host loop fwd | cuDNN fwd | model fwd+bwd | host loop fwd+bwd | cuDNN fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+        table, line, header = spread_rows(), _spread_line, (
+            "| cell | B | H | dtype | programs (tile) | model fwd us/step (max(L2, products) + "
+            "barrier) | cuDNN fwd | model fwd+bwd | cuDNN fwd+bwd |")
+    else:
+        table, line, header = rows(), _persistent_line, (
+            "| cell | B | H | dtype | CTAs x units | model fwd us/step (products + staging + barrier) "
+            "| host loop fwd | cuDNN fwd | model fwd+bwd | host loop fwd+bwd | cuDNN fwd+bwd |")
+    print(header)
+    print("|---" * header.count(" | ") + "|---|")
     for r in table:
-        f = r["forward_us"]
-        print(f"| {r['cell']} | {r['B']} | {r['H']} | {r['dtype']} | {r['plan_forward']['grid']} x "
-              f"{r['plan_forward']['units']} | {r['model_forward_us']:.1f} ({f['products'] * 1e6:.1f} + "
-              f"{f['staging'] * 1e6:.2f} + {f['barrier'] * 1e6:.1f}) | {fmt(r['host_loop_forward_us'])} | "
-              f"{fmt(r['torch_forward_us'])} | {fmt(r['model_forward_backward_us'])} | "
-              f"{fmt(r['host_loop_forward_backward_us'])} | {fmt(r['torch_forward_backward_us'])} |")
+        print(line(r))
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1, default=float) + "\n")
 

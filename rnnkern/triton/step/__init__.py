@@ -1,15 +1,19 @@
 """Per-step kernels: one time step, tiled over (batch rows, hidden units).
 
-They serve two callers:
+They serve three callers:
   * the single-step op (cells, token-by-token generation), where the product
     ``[x_t, h_{t-1}] [W_ih; W_hh]^T`` runs as one accumulation over the
     concatenated K: the K blocks of x against W_ih, then those of h against
     W_hh, into the same accumulators, fused with the gates;
-  * the recurrence for hidden sizes too large for the in-kernel time loop
-    (:mod:`.sequence`): a Python loop launches them once per step (twice for
+  * the recurrence beyond the in-kernel time loop (:mod:`.sequence`) where
+    the spread kernels do not run (LSTM-LN, more tiles than SMs, or
+    RNNKERN_TRITON_PATH=step): a Python loop launches them once per step (twice for
     the reset-before GRU and the LSTM projection) with the step index as a
     kernel argument, never synchronising with the host, so the loop can be
     captured in a CUDA graph.  The recurrent GEMM is fused with the gates.
+  * the spread kernels (:mod:`..spread`), which call the bodies of the
+    recurrence's kernels (the ``*_tile`` jit functions each kernel wraps) once
+    per step inside one launch, with a grid barrier between steps.
 
 Every kernel reads its inputs and writes separate outputs (states ping-pong
 between two buffers), so a kernel can be re-run by the autotuner without
