@@ -11,9 +11,12 @@ recurrent PPO's sequence batches): here B sequences, one of the longest length T
 and the others drawn from an exponential distribution of mean ``--mean`` steps
 (rounded up, at most T), so the [T, B] grid is mostly padding.  torch.nn's packed
 path costs the real steps; a kernel that runs rows x longest costs the grid.
-Forward + backward (the gradients of the input and every weight under a random
-functional of the packed output and h_n, c_n), float32; before any timing the two
-must agree in float64 (outputs and every gradient, to 1e-10).  The dense batch:
+Forward + backward (the gradients of the packed data and every weight under a
+random functional of the packed output and h_n, c_n), float32; before any timing
+the two must agree in float64 (outputs and every gradient, to 1e-10).  The
+PackedSequence is built before the clock (packing a padded batch is the
+caller's, the same whichever module runs it, and costs the padded grid; until
+2026-11-28 it was inside the clock).  The dense batch:
 T steps of round(steps / T) rows, the same work if the packed one cost only its
 real steps.  Timed as the main suite times (bench/timing.py): interleaved
 rounds, medians.
@@ -24,7 +27,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from torch.nn.utils.rnn import pack_padded_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import rnnkern
 
@@ -52,21 +55,24 @@ def pair(cell: str, I: int, H: int, dtype, seed: int):
 
 
 def packed_inputs(T: int, B: int, I: int, H: int, lengths, dtype, seed: int):
+    """A PackedSequence of random [T, B, I] sequences with ``lengths`` (batch order
+    unsorted), and a cotangent of its output's rows."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, B, I, generator=g, dtype=torch.float64).to(dtype)
     cot = torch.randn(int(lengths.sum()), H, generator=g, dtype=torch.float64).to(dtype)
-    return x, lengths, cot
+    return pack_padded_sequence(x, lengths, enforce_sorted=False), cot
 
 
 def forward_backward(m, inputs):
-    """The packed output, the final states and the gradients of x and every
-    parameter under sum(out.data * cot) + sum(h_n) (+ sum(c_n))."""
-    x, lengths, cot = inputs
-    x = x.detach().requires_grad_()
-    out, hidden = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+    """The packed output, the final states and the gradients of the packed data
+    and every parameter under sum(out.data * cot) + sum(h_n) (+ sum(c_n))."""
+    packed, cot = inputs
+    data = packed.data.detach().requires_grad_()
+    out, hidden = m(PackedSequence(data, packed.batch_sizes, packed.sorted_indices,
+                                   packed.unsorted_indices))
     states = list(hidden) if isinstance(hidden, tuple) else [hidden]
     loss = (out.data * cot).sum() + sum(s.sum() for s in states)
-    return [out.data, *states, *torch.autograd.grad(loss, [x, *m.parameters()])]
+    return [out.data, *states, *torch.autograd.grad(loss, [data, *m.parameters()])]
 
 
 def dense_forward_backward(m, inputs):

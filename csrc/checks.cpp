@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 
 #include <sstream>
+#include <vector>
 
 namespace rnnkern {
 
@@ -70,15 +71,20 @@ void check_floating(const char* op, const char* name, const Tensor& t) {
                    " of a floating dtype (float64, float32, float16, bfloat16), got ", st);
 }
 
-void check_lengths(const char* op, const OptTensor& lengths, int64_t T, int64_t B) {
-  if (!lengths.has_value()) return;
-  const Tensor& l = *lengths;
+// lengths' shape [B], dtype and device.
+void check_lengths_tensor(const char* op, const Tensor& l, int64_t B) {
   TORCH_CHECK_VALUE(l.dim() == 1 && l.size(0) == B, op, ": expected lengths of shape [", B,
                     "] (one per sequence), got ", shape_str(l));
   TORCH_CHECK_TYPE(l.scalar_type() == at::kLong, op, ": expected lengths of dtype int64, got ",
                    l.scalar_type());
   TORCH_CHECK_VALUE(l.device().is_cpu(), op, ": expected lengths on the CPU (as ",
                     "torch.nn.utils.rnn.pack_padded_sequence), got ", l.device());
+}
+
+void check_lengths(const char* op, const OptTensor& lengths, int64_t T, int64_t B) {
+  if (!lengths.has_value()) return;
+  const Tensor& l = *lengths;
+  check_lengths_tensor(op, l, B);
   if (B == 0) return;
   const auto c = l.contiguous();
   const int64_t* p = c.const_data_ptr<int64_t>();
@@ -86,6 +92,41 @@ void check_lengths(const char* op, const OptTensor& lengths, int64_t T, int64_t 
     TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= T, op, ": lengths[", b, "] = ", p[b],
                       " is outside [0, ", T, "] (T = xproj.size(0))");
   }
+}
+
+// The sizes of a call on packed rows (RecurrenceSizes::packed_rows), `rows`
+// being xproj or output [N, *]: B from lengths, T their first (largest),
+// checked sorted longest first and summing to N.  The options read per
+// position of the grid (resets, zoneout, cell_steps, a reset state) keep the
+// grid layout.
+void check_packed_rows(const char* op, const char* name, const Tensor& rows,
+                       const OptTensor& lengths, bool grid_options, RecurrenceSizes& s) {
+  TORCH_CHECK_VALUE(lengths.has_value(), op, ": expected ", name,
+                    " to be 3-D [T, B, *], or 2-D [N, *] (the rows of a packed batch) with "
+                    "lengths, one per sequence, longest first; got ", name, " of shape ",
+                    shape_str(rows), " without lengths");
+  TORCH_CHECK_VALUE(!grid_options, op, ": resets, zoneout, reset states and cell_steps need ",
+                    name, " as the 3-D [T, B, *] grid, not packed rows");
+  const Tensor& l = *lengths;
+  TORCH_CHECK_VALUE(l.dim() == 1, op, ": expected lengths of shape [B] (one per sequence), got ",
+                    shape_str(l));
+  check_lengths_tensor(op, l, l.size(0));
+  s.B = l.size(0);
+  const auto c = l.contiguous();
+  const int64_t* p = c.const_data_ptr<int64_t>();
+  int64_t sum = 0;
+  for (int64_t b = 0; b < s.B; ++b) {
+    TORCH_CHECK_VALUE(p[b] >= 0, op, ": lengths[", b, "] = ", p[b], " is negative");
+    TORCH_CHECK_VALUE(b == 0 || p[b] <= p[b - 1], op,
+                      ": packed rows need lengths sorted longest first (non-increasing), got "
+                      "lengths[", b - 1, "] = ", p[b - 1], " < lengths[", b, "] = ", p[b]);
+    sum += p[b];
+  }
+  s.T = s.B > 0 ? p[0] : 0;
+  TORCH_CHECK_VALUE(rows.size(0) == sum, op, ": expected ", name, " to have ", sum,
+                    " rows (the sum of lengths), got ", rows.size(0));
+  s.N = sum;
+  s.packed_rows = true;
 }
 
 // ln: the layer norms' gains and shift of lstm_ln ([10H]), absent for every other cell.
@@ -173,19 +214,30 @@ RecurrenceSizes check_recurrence(c10::string_view cell_str, const Tensor& xproj,
                                  const OptTensor& lengths, const OptTensor& resets,
                                  const OptTensor& zoneout, const OptTensor& ln,
                                  const OptTensor& reset_h, const OptTensor& reset_c,
-                                 bool cell_steps) {
+                                 bool cell_steps, bool allow_packed_rows) {
   const char* op = "rnnkern.recurrence";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
   check_floating(op, "xproj", xproj);
-  TORCH_CHECK_VALUE(xproj.dim() == 3, op, ": expected xproj to be 3-D [T, B, G*H], got ",
-                    shape_str(xproj));
+  const bool rows = allow_packed_rows && xproj.dim() == 2;
+  TORCH_CHECK_VALUE(rows || xproj.dim() == 3, op, ": expected xproj to be 3-D [T, B, G*H]",
+                    allow_packed_rows ? " or 2-D [N, G*H] (the rows of a packed batch)" : "",
+                    ", got ", shape_str(xproj));
   sizes_from_weights(op, s.cell, w_hh, w_hr, s.H, s.P, s.G);
-  s.T = xproj.size(0);
-  s.B = xproj.size(1);
+  if (rows) {
+    check_packed_rows(op, "xproj", xproj, lengths,
+                      resets.has_value() || zoneout.has_value() || reset_h.has_value() ||
+                          reset_c.has_value() || cell_steps,
+                      s);
+  } else {
+    s.T = xproj.size(0);
+    s.B = xproj.size(1);
+    s.N = s.T * s.B;
+  }
   s.has_proj = w_hr.has_value();
-  TORCH_CHECK_VALUE(xproj.size(2) == s.G * s.H, op, ": expected xproj.size(2) == ", s.G * s.H,
-                    " (", s.G, " gates x hidden size ", s.H, "), got ", xproj.size(2));
+  const int64_t width = xproj.size(xproj.dim() - 1);
+  TORCH_CHECK_VALUE(width == s.G * s.H, op, ": expected xproj.size(", xproj.dim() - 1, ") == ",
+                    s.G * s.H, " (", s.G, " gates x hidden size ", s.H, "), got ", width);
   check_arg(op, "w_hh", w_hh, {s.G * s.H, s.P}, xproj);
   check_arg(op, "h0", h0, {s.B, s.P}, xproj);
   if (has_cell_state(s.cell)) {
@@ -219,19 +271,33 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
                                           const Tensor& workspace, const OptTensor& lengths,
                                           const OptTensor& resets, const OptTensor& zoneout,
                                           const OptTensor& ln, const OptTensor& reset_h,
-                                          const OptTensor& reset_c) {
+                                          const OptTensor& reset_c, bool allow_packed_rows) {
   const char* op = "rnnkern.recurrence_backward";
   RecurrenceSizes s{};
   s.cell = parse_cell(cell_str);
   check_floating(op, "output", output);
-  TORCH_CHECK_VALUE(output.dim() == 3, op, ": expected output to be 3-D [T, B, P], got ",
-                    shape_str(output));
+  const bool rows = allow_packed_rows && output.dim() == 2;
+  TORCH_CHECK_VALUE(rows || output.dim() == 3, op, ": expected output to be 3-D [T, B, P]",
+                    allow_packed_rows ? " or 2-D [N, P] (the rows of a packed batch)" : "",
+                    ", got ", shape_str(output));
   sizes_from_weights(op, s.cell, w_hh, w_hr, s.H, s.P, s.G);
-  s.T = output.size(0);
-  s.B = output.size(1);
+  if (rows) {
+    check_packed_rows(op, "output", output, lengths,
+                      resets.has_value() || zoneout.has_value() || reset_h.has_value() ||
+                          reset_c.has_value() || (grad_c_n.has_value() && grad_c_n->dim() == 3),
+                      s);
+  } else {
+    s.T = output.size(0);
+    s.B = output.size(1);
+    s.N = s.T * s.B;
+  }
   s.has_proj = w_hr.has_value();
-  check_arg(op, "output", output, {s.T, s.B, s.P}, output);
-  check_arg(op, "grad_output", grad_output, {s.T, s.B, s.P}, output);
+  // The rows' layout: [T, B, *], or [N, *] with packed rows.
+  auto layout = [&](int64_t width) -> std::vector<int64_t> {
+    return rows ? std::vector<int64_t>{s.N, width} : std::vector<int64_t>{s.T, s.B, width};
+  };
+  check_arg(op, "output", output, layout(s.P), output);
+  check_arg(op, "grad_output", grad_output, layout(s.P), output);
   check_arg(op, "grad_h_n", grad_h_n, {s.B, s.P}, output);
   check_arg(op, "h0", h0, {s.B, s.P}, output);
   check_arg(op, "w_hh", w_hh, {s.G * s.H, s.P}, output);
@@ -249,10 +315,10 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
   }
   const int64_t W = workspace_size(s.cell, s.H, zoneout.has_value());
   if (W > 0) {
-    TORCH_CHECK_VALUE(workspace.dim() == 3, op,
+    TORCH_CHECK_VALUE(workspace.dim() == output.dim(), op,
                       ": the workspace is empty; the forward ran with train=False");
-    TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef({s.T, s.B, W}), op,
-                      ": expected workspace of shape [", s.T, ", ", s.B, ", ", W, "], got ",
+    TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef(layout(W)), op,
+                      ": expected workspace of shape ", at::IntArrayRef(layout(W)), ", got ",
                       shape_str(workspace));
     TORCH_CHECK_TYPE(workspace.scalar_type() == acc_type(output.scalar_type()), op,
                      ": expected workspace of dtype ", acc_type(output.scalar_type()), ", got ",

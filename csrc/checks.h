@@ -36,6 +36,14 @@ struct RecurrenceSizes {
   // Backward: grad_c_n is that tensor's gradient, [T, B, H], added to the
   // carried dc at each step.
   bool cell_steps = false;
+  // xproj (output, the workspace, their gradients) hold the rows of a packed
+  // batch, [N, *], time-major, where the others hold the [T, B] grid: the
+  // sequences sorted longest first (lengths non-increasing), row b of step t at
+  // (rows of the steps before t) + b, as PackedSequence.data.  No padding
+  // positions, so a batch of skewed lengths costs its real steps in memory
+  // too.  With lengths, on the CPU only.
+  bool packed_rows = false;
+  int64_t N = 0;  // rows of xproj: T * B, or the real steps with packed_rows
 };
 
 // Zoneout mask units per row: h's P then c's H for the cells with a cell
@@ -46,14 +54,16 @@ int64_t zoneout_width(Cell cell, int64_t H, int64_t P);
 //            b_hh[G*H]?, w_hr[P,H]?, lengths[B]?, reverse, train,
 //            resets[T,B] bool?, zoneout[T,B,Z]?, ln[10H]? (lstm_ln only),
 //            reset_h[B,P]? and reset_c[B,H]? (LSTMs): the state a reset step
-//            starts from, when it is not h0 (needs resets)), cell_steps (lstm only)
+//            starts from, when it is not h0 (needs resets)), cell_steps (lstm only).
+// allow_packed_rows: the backend takes xproj [N, G*H] (RecurrenceSizes::
+// packed_rows); else xproj must be 3-D.
 RecurrenceSizes check_recurrence(c10::string_view cell, const Tensor& xproj, const Tensor& h0,
                                  const OptTensor& c0, const Tensor& w_hh, const OptTensor& b_ih,
                                  const OptTensor& b_hh, const OptTensor& w_hr,
                                  const OptTensor& lengths, const OptTensor& resets,
                                  const OptTensor& zoneout, const OptTensor& ln,
                                  const OptTensor& reset_h, const OptTensor& reset_c,
-                                 bool cell_steps = false);
+                                 bool cell_steps = false, bool allow_packed_rows = false);
 
 RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& grad_output,
                                           const Tensor& grad_h_n, const OptTensor& grad_c_n,
@@ -62,7 +72,7 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell, const Tensor& g
                                           const Tensor& workspace, const OptTensor& lengths,
                                           const OptTensor& resets, const OptTensor& zoneout,
                                           const OptTensor& ln, const OptTensor& reset_h,
-                                          const OptTensor& reset_c);
+                                          const OptTensor& reset_c, bool allow_packed_rows = false);
 
 // Sizes of one call of the single-step op.
 struct StepSizes {

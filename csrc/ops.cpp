@@ -12,6 +12,10 @@
 //   lengths   [B] int64 on the CPU: steps of each sequence; a finished
 //             sequence keeps its state and its outputs are 0.  With reverse,
 //             each sequence runs from its own last step back to 0.
+//             On the CPU xproj may instead be packed rows [N, G*H]: the real
+//             positions only, time-major as PackedSequence.data, with lengths
+//             sorted longest first (checks.h: RecurrenceSizes::packed_rows);
+//             output, workspace and their gradients are then [N, *] likewise.
 //   output    [T, B, P]    h_t at its time position
 //   workspace [T, B, workspace_size(cell, H)]  what the backward needs (cells.h);
 //             empty when train=False

@@ -46,14 +46,15 @@ def has_cell_state(cell: str) -> bool:
 def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train,
                      resets=None, zoneout=None, ln=None, reset_h=None, reset_c=None,
                      cell_steps=False):
-    T, B = xproj.shape[0], xproj.shape[1]
+    rows = tuple(xproj.shape[:-1])  # (T, B), or (N,) for packed rows (csrc/checks.h)
+    B = h0.shape[0]
     H = w_hh.shape[0] // gate_count(cell)
     P = h0.shape[1]
-    output = xproj.new_empty((T, B, P))
+    output = xproj.new_empty((*rows, P))
     h_n = xproj.new_empty((B, P))
-    c_n = (xproj.new_empty((T, B, H) if cell_steps else (B, H)) if has_cell_state(cell)
+    c_n = (xproj.new_empty((*rows, H) if cell_steps else (B, H)) if has_cell_state(cell)
            else xproj.new_empty((0,)))
-    ws_shape = (T, B, workspace_size(cell, H, zoneout is not None)) if train else (0,)
+    ws_shape = (*rows, workspace_size(cell, H, zoneout is not None)) if train else (0,)
     workspace = xproj.new_empty(ws_shape, dtype=acc_dtype(xproj.dtype))
     return output, h_n, c_n, workspace
 
@@ -61,12 +62,13 @@ def _recurrence_fake(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, rever
 def _recurrence_backward_fake(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
                               workspace, lengths, reverse, resets=None, zoneout=None, ln=None,
                               reset_h=None, reset_c=None):
-    T, B = output.shape[0], output.shape[1]
+    rows = tuple(output.shape[:-1])  # (T, B), or (N,) for packed rows
+    B = h0.shape[0]
     G = gate_count(cell)
     H = w_hh.shape[0] // G
     P = h0.shape[1]
     new = output.new_empty
-    return (new((T, B, G * H)), new((B, P)), new((B, H)) if has_cell_state(cell) else new((0,)),
+    return (new((*rows, G * H)), new((B, P)), new((B, H)) if has_cell_state(cell) else new((0,)),
             new((G * H, P)), new((G * H,)), new((G * H,)),
             new((P, H)) if w_hr is not None else new((0,)),
             new((ln_width(cell) * H,)) if ln is not None else new((0,)),

@@ -203,7 +203,10 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     int64 on the CPU; resets [T, B] bool, zoneout [T, B, Z] (a mask, not
     differentiated), ln [10H] (``lstm_ln``), reset_h [B, P] and reset_c [B, H]
     (the state a reset step starts from; h0 enters only each row's first step)
-    as in :mod:`rnnkern.reference`.
+    as in :mod:`rnnkern.reference`.  On the CPU backend xproj may instead be the
+    rows of a packed batch, [N, G*H] time-major as PackedSequence.data, with
+    lengths sorted longest first (no resets, zoneout or cell_steps); the output
+    is then [N, P] likewise.
     Returns ``(output [T, B, P], h_n [B, P], c_n [B, H] or None)``.  With
     ``cell_steps=True`` (``lstm`` only) c_n is the cell state after every step,
     [T, B, H] at the steps' time positions (zeros past a row's length),

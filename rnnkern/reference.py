@@ -201,6 +201,24 @@ def step(cell: str, x: Tensor, h: Tensor, c: Optional[Tensor], w_ih: Tensor, w_h
     return (1 - z) * n + z * h, None
 
 
+def packed_positions(lengths: Tensor, T: int, device) -> tuple:
+    """(time, batch) [N] of each row of a packed batch whose sequences, sorted
+    longest first, have ``lengths``: time-major, as PackedSequence.data (step t
+    holds one row for each sequence longer than t)."""
+    batch_sizes = (lengths.cpu().unsqueeze(0) > torch.arange(T).unsqueeze(1)).sum(1)
+    return rows_of_batch_sizes(batch_sizes, int(batch_sizes.sum()), device)
+
+
+def rows_of_batch_sizes(batch_sizes: Tensor, rows: int, device) -> tuple:
+    """(time, batch) of the ``rows`` rows of a packed batch of ``batch_sizes``;
+    sizes come from shapes only, so this traces under torch.compile."""
+    steps = torch.arange(batch_sizes.numel())
+    time = torch.repeat_interleave(steps, batch_sizes, output_size=rows)
+    starts = torch.cumsum(batch_sizes, 0) - batch_sizes
+    batch = torch.arange(rows) - starts[time]
+    return time.to(device), batch.to(device)
+
+
 def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh: Tensor,
                b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
                w_hr: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
@@ -210,7 +228,8 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                cell_steps: bool = False):
     """The time loop of one layer in one direction.
 
-    xproj [T, B, G*H] (``X W_ih^T``, the bias ``b_ih`` is added here), h0 [B, P],
+    xproj [T, B, G*H] (``X W_ih^T``, the bias ``b_ih`` is added here; or packed
+    rows [N, G*H], lengths sorted longest first, and the output likewise), h0 [B, P],
     c0 [B, H] (LSTM), w_hh [G*H, P], b_ih, b_hh [G*H], w_hr [P, H] (LSTM
     projection), lengths [B] int64:
     sequence b has ``lengths[b]`` steps; after them its state stays and its
@@ -226,6 +245,15 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     if cell_steps and cell != "lstm":
         raise ValueError(f"rnnkern.recurrence: cell_steps (the cell state after every step) "
                          f"needs cell 'lstm', got '{cell}'")
+    if xproj.dim() == 2:
+        # Packed rows [N, G*H] (csrc/checks.h: lengths sorted longest first): the
+        # same loop on the grid they fill, and its output's rows.
+        T = int(lengths[0]) if lengths.numel() else 0
+        time, batch = packed_positions(lengths.to(torch.long), T, xproj.device)
+        grid = xproj.new_zeros((T, h0.shape[0], xproj.shape[1])).index_put((time, batch), xproj)
+        out, h, c = recurrence(cell, grid, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
+                               resets, zoneout, ln, reset_h, reset_c, cell_steps)
+        return out[time, batch], h, c
     T, B = xproj.shape[0], xproj.shape[1]
     P = h0.shape[1]
     ln_cell = cell == "lstm_ln"

@@ -622,6 +622,99 @@ def test_mostly_padding_batches_match_reference_at_every_thread_count(threads, c
             assert torch.equal(results[n_threads][name], results[1][name]), (name, n_threads)
 
 
+PACKED_ROWS_ARGS = ("h0", "c0", "w_hh", "b_ih", "b_hh", "w_hr", "ln")
+
+
+def packed_rows_results(backend, cell, args, lengths, reverse, layout, key):
+    """Outputs and every gradient of one call whose xproj is the packed rows of
+    args["xproj"]'s real positions (layout "rows": csrc/checks.h, packed_rows)
+    or those rows in a zero [T, B] grid ("grid"), under one random functional
+    of the output rows and final states: the same numbers either way."""
+    T, B = args["xproj"].shape[:2]
+    time, batch = reference.packed_positions(lengths, T, "cpu")
+    rows = args["xproj"].detach()[time, batch].requires_grad_()
+    xproj = rows if layout == "rows" else rows.new_zeros(args["xproj"].shape).index_put((time, batch), rows)
+    rest = [args[n] for n in PACKED_ROWS_ARGS]
+    out, h, c = ops.recurrence(cell, xproj, *rest[:6], lengths, reverse, backend=backend, ln=rest[6])
+    out_rows = out if layout == "rows" else out[time, batch]
+    g = generator("packed-rows-cotangent", *key)
+    outs = [o for o in (out_rows, h, c) if o is not None]
+    loss = sum((o * randn(g, *o.shape)).sum() for o in outs)
+    leaves = [rows] + [t for t in rest if t is not None]
+    return outs + list(torch.autograd.grad(loss, leaves))
+
+
+@pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_packed_rows_equal_the_grid_bit_for_bit_at_every_thread_count(threads, cell, proj, reverse):
+    """xproj as the rows of a packed batch, [N, G*H] time-major with lengths
+    sorted longest first (what rnnkern's modules pass for a PackedSequence on
+    the CPU): the output as rows likewise, and the same bits as the [T, B]
+    grid holding those rows (mostly padding: the grid's weight gradients
+    gather the same rows in the same order), outputs and every gradient, at
+    1, 2 and 3 threads; the reference's numbers in float64."""
+    T, B, H = 12, len(SKEWED_LENGTHS), 16
+    args, _ = option_inputs(cell, proj and 9, T, B, H, "plain", key=("packed-rows", reverse))
+    lengths = torch.tensor(SKEWED_LENGTHS)
+    key = (cell, proj, reverse)
+    threads(1)
+    grid = packed_rows_results("cpu", cell, args, lengths, reverse, "grid", key)
+    for n_threads in (1, 2, 3):
+        threads(n_threads)
+        rows = packed_rows_results("cpu", cell, args, lengths, reverse, "rows", key)
+        assert rows[0].shape == (sum(SKEWED_LENGTHS), 9 if proj else H)
+        for i, (a, b) in enumerate(zip(rows, grid)):
+            assert torch.equal(a, b), (i, n_threads)
+    want = packed_rows_results("reference", cell, args, lengths, reverse, "rows", key)
+    for i, (a, b) in enumerate(zip(rows, want)):
+        assert_close(a, b, what=str(i))
+
+
+@pytest.mark.parametrize("cell,proj", [("lstm", 0), ("lstm", 3), ("gru", 0),
+                                       ("gru_reset_before", 0), ("rnn_relu", 0), ("lstm_ln", 0)],
+                         ids=["lstm", "lstm_proj3", "gru", "gru_reset_before", "rnn_relu", "lstm_ln"])
+def test_packed_rows_gradcheck_and_gradgradcheck(cell, proj):
+    """Packed rows in float64: first derivatives from the kernels' backward,
+    second ones through the reference's packed rows (rnnkern.reference)."""
+    T, B, H = 4, 3, 3
+    args, _ = option_inputs(cell, proj and 2, T, B, H, "plain", key=("packed-rows-gradcheck",))
+    lengths = torch.tensor([4, 2, 1])
+    time, batch = reference.packed_positions(lengths, T, "cpu")
+    rows = args["xproj"].detach()[time, batch].requires_grad_()
+    names = [n for n in PACKED_ROWS_ARGS if args[n] is not None]
+
+    def f(rows, *tensors):
+        t = dict(zip(names, tensors))
+        out, h, c = ops.recurrence(cell, rows, t["h0"], t.get("c0"), t["w_hh"], t["b_ih"], t["b_hh"],
+                                   t.get("w_hr"), lengths, True, backend="cpu", ln=t.get("ln"))
+        return (out, h) if c is None else (out, h, c)
+
+    inputs = (rows, *(args[n] for n in names))
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(lengths=torch.tensor([2, 3, 1])), ["sorted longest first", "lengths[0] = 2 < lengths[1] = 3"]),
+    (dict(lengths=torch.tensor([3, 2, 1])), ["xproj", "6 rows", "got 7"]),
+    (dict(lengths=None), ["xproj", "3-D", "without lengths"]),
+    (dict(resets=torch.zeros(3, 3, dtype=torch.bool)), ["resets", "3-D", "packed rows"]),
+])
+def test_packed_rows_reject_what_they_cannot_be(change, words):
+    """Packed rows need lengths sorted longest first that sum to their count,
+    and no option read per grid position."""
+    args = recurrence_inputs("gru", 3, 3, 5, key=("packed-rows-errors",))
+    lengths = torch.tensor([3, 3, 1])
+    time, batch = reference.packed_positions(lengths, 3, "cpu")
+    args["xproj"] = args["xproj"].detach()[time, batch]
+    call = dict(lengths=lengths, resets=None) | change
+    with pytest.raises(ValueError) as e:
+        torch.ops.rnnkern.recurrence("gru", *args.values(), call["lengths"], False, False,
+                                     resets=call["resets"])
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
 @pytest.mark.parametrize("cell,proj", OPTION_CASES, ids=OPTION_IDS)
 @pytest.mark.parametrize("n_threads,T,B", [(1, 5, 2), (2, 6, 5), (2, 4, 1)],
                          ids=["two-rows", "two-rows-per-thread", "one-row"])

@@ -286,15 +286,30 @@ def test_lengths_forms_agree():
     assert_close(m(x, lengths=[T] * B)[0], m(x)[0])
 
 
+def graph_nodes(t: torch.Tensor) -> set:
+    """The names of the autograd nodes t's gradient passes through."""
+    names, seen, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
 @pytest.mark.parametrize("cell,proj", [("lstm", 0), ("lstm", 3), ("gru", 0), ("rnn_tanh", 0)],
                          ids=["lstm", "lstm_proj3", "gru", "rnn_tanh"])
-def test_mostly_padding_packed_batch_second_order(cell, proj):
-    """A packed batch mostly padding: the input projection runs over the real
-    rows, scattered into a grid from rnnkern's buffer cache, and the packed
-    output is gathered through _GridToRows, whose backward scatters into that
-    cache's zeros (modules/sequence.py).  Against torch.nn in float64: outputs,
-    states, every first gradient, and the second derivatives (create_graph
-    through both scatters)."""
+@pytest.mark.parametrize("form", ["packed", "lengths"])
+def test_mostly_padding_packed_batch_second_order(cell, proj, form):
+    """A batch mostly padding.  Packed: the CPU kernels take the PackedSequence's
+    rows themselves, no grid anywhere (csrc/checks.h, packed_rows).  lengths=:
+    the input projection runs over the real rows, scattered into a grid from
+    rnnkern's buffer cache, gathered back through _GridToRows, whose backward
+    scatters into that cache's zeros (modules/sequence.py).  Against torch.nn
+    in float64: outputs, states, every first gradient, and the second
+    derivatives (create_graph through the op's reference and the scatters)."""
     case = Case(cell, proj, 2, True, False, True, "packed_unsorted", True)
     ours, theirs = make_pair(case)
     g = generator("mostly-padding-second-order", cell, proj)
@@ -302,18 +317,25 @@ def test_mostly_padding_packed_batch_second_order(cell, proj):
     x = randn(g, 9, 8, I, requires_grad=True)
     params_ours, params_theirs = list(ours.parameters()), list(theirs.parameters())
 
-    def run(m, params):
-        out, hidden = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+    def run(m, params, form):
+        if form == "lengths":
+            out, hidden = m(x, lengths=lengths)
+            time, batch = rnnkern.reference.packed_positions(lengths.sort(descending=True).values, 9, "cpu")
+            order = lengths.sort(descending=True).indices
+            rows = out[time, order[batch]]
+        else:
+            out, hidden = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+            rows = out.data
         states = list(hidden) if isinstance(hidden, tuple) else [hidden]
-        cot = randn(generator("mostly-padding-cot", cell, proj), *out.data.shape)
-        loss = (out.data * cot).sum() + sum((s * s).sum() for s in states)
+        cot = randn(generator("mostly-padding-cot", cell, proj), *rows.shape)
+        loss = (rows * cot).sum() + sum((s * s).sum() for s in states)
         first = torch.autograd.grad(loss, [x, *params], create_graph=True)
         second = torch.autograd.grad(sum((f * f).sum() for f in first), [x, *params])
-        return out, [out.data, *states, *first, *second]
+        return rows, [rows, *states, *first, *second]
 
-    out, got = run(ours, params_ours)
-    assert "_GridToRows" in type(out.data.grad_fn).__name__
-    _, want = run(theirs, params_theirs)
+    rows, got = run(ours, params_ours, form)
+    assert ("_GridToRowsBackward" in graph_nodes(rows)) == (form == "lengths")
+    _, want = run(theirs, params_theirs, "packed")
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert_close(a, b)

@@ -41,6 +41,7 @@ namespace {
 // one row of each operand per position, where the GEMM multiplies each by a
 // whole matrix).  Below four fifths of the grid real, say.
 bool gathers_real_positions(const Positions& pos, int64_t T, int64_t B) {
+  if (!pos.padded()) return true;  // packed rows: the real positions alone, but not in pairs
   if (!pos.lengths || T * B == 0) return false;
   int64_t real = 0;
   for (int64_t b = 0; b < B; ++b) real += pos.length(b);
@@ -67,20 +68,22 @@ void gathered_weight_gemm(int64_t N, int64_t P, const std::vector<std::pair<int6
   blocked_gemm<A>(N, P, R, cptr<A>(dg), 1, N, cptr<A>(xg), P, 1, c, ldc, accumulate);
 }
 
-// The real positions p * B + b of the grid, time-major.
+// The rows of the real positions (Positions::row), time-major.
 std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, int64_t T, int64_t B) {
   std::vector<std::pair<int64_t, int64_t>> rows;
   for (int64_t p = 0; p < T; ++p)
     for (int64_t b = 0; b < B; ++b)
-      if (p < pos.length(b)) rows.emplace_back(p * B + b, p * B + b);
+      if (p < pos.length(b)) rows.emplace_back(pos.row(p, b), pos.row(p, b));
   return rows;
 }
 
+// d: the gradients of the N rows of W (unit stride, row stride ld) at every
+// row of the layout (Positions::row), out: the output (row stride P).
 template <typename A>
-void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, const Tensor& h0,
-                               const Positions& pos, const bool* resets, const Tensor& reset_h) {
-  const int64_t T = d.size(0), B = d.size(1), N = d.size(2), P = out.size(2);
-  const int64_t ld = d.stride(1);
+void weight_grad_by_prev_state(Tensor& dw, const A* d, int64_t ld, int64_t N, const Tensor& out,
+                               const Tensor& h0, const Positions& pos, int64_t T, int64_t B,
+                               const bool* resets, const Tensor& reset_h) {
+  const int64_t P = out.size(-1);
   A* c = ptr<A>(dw);
   if (T == 0 || B == 0) {
     dw.zero_();
@@ -93,21 +96,21 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
       for (int64_t b = 0; b < B; ++b) {
         const int64_t earlier = pos.reverse ? p + 1 : p - 1;
         if (p < pos.length(b) && earlier >= 0 && earlier < pos.length(b))
-          pairs.emplace_back(p * B + b, earlier * B + b);
+          pairs.emplace_back(pos.row(p, b), pos.row(earlier, b));
       }
-    gathered_weight_gemm<A>(N, P, pairs, cptr<A>(d), ld, cptr<A>(out), P, c, dw.stride(0), false,
-                            d.options());
+    gathered_weight_gemm<A>(N, P, pairs, d, ld, cptr<A>(out), P, c, dw.stride(0), false,
+                            out.options());
   } else {
-    const A* d_later = cptr<A>(d) + (pos.reverse ? 0 : B * ld);
+    const A* d_later = d + (pos.reverse ? 0 : B * ld);
     const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
     blocked_gemm<A>(N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0), false);
   }
   // Each sequence's gradient at its first step, against h0.
-  Tensor d_first = at::zeros({B, N}, d.options());
+  Tensor d_first = at::zeros({B, N}, out.options());
   A* df = ptr<A>(d_first);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = pos.reverse ? pos.length(b) - 1 : (pos.length(b) > 0 ? 0 : -1);
-    if (first >= 0) copy_row(df + b * N, cptr<A>(d) + (first * B + b) * ld, N);
+    if (first >= 0) copy_row(df + b * N, d + pos.row(first, b) * ld, N);
   }
   blocked_gemm<A>(N, P, B, df, 1, N, cptr<A>(h0), P, 1, c, dw.stride(0), true);
   if (resets == nullptr) return;
@@ -119,13 +122,13 @@ void weight_grad_by_prev_state(Tensor& dw, const Tensor& d, const Tensor& out, c
   }
   if (restarted.empty()) return;
   const int64_t R = static_cast<int64_t>(restarted.size());
-  Tensor d_r = at::empty({R, N}, d.options()), x_r = at::empty({R, P}, d.options());
+  Tensor d_r = at::empty({R, N}, out.options()), x_r = at::empty({R, P}, out.options());
   const A* o = cptr<A>(out);
   const A* h = cptr<A>(reset_h);
   for (int64_t i = 0; i < R; ++i) {
     const int64_t p = restarted[i] / B, b = restarted[i] % B;
-    const A* earlier = o + ((pos.reverse ? p + 1 : p - 1) * B + b) * P;
-    copy_row(ptr<A>(d_r) + i * N, cptr<A>(d) + (p * B + b) * ld, N);
+    const A* earlier = o + pos.row(pos.reverse ? p + 1 : p - 1, b) * P;
+    copy_row(ptr<A>(d_r) + i * N, d + pos.row(p, b) * ld, N);
     A* x = ptr<A>(x_r) + i * P;
     for (int64_t k = 0; k < P; ++k) x[k] = h[b * P + k] - earlier[k];
   }
@@ -146,7 +149,7 @@ void column_sums(const A* d, int64_t ld, int64_t T, int64_t B, const Positions& 
     for (int64_t p = 0; p < T; ++p)
       for (int64_t b = 0; b < B; ++b)
         if (p < pos.length(b)) {
-          const A* row = d + (p * B + b) * ld;
+          const A* row = d + pos.row(p, b) * ld;
           for (int64_t j = j0; j < j1; ++j) sum[j] += static_cast<double>(row[j]);
         }
   });
@@ -193,6 +196,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t GH = G * H;
   const int64_t W = workspace_size(z.cell, H, z.has_zoneout);  // per row and step
+  const int64_t rows = z.packed_rows ? z.N : T * B;  // of the layout (Positions::row)
   const auto opt = a.output.options();
   const bool lstm = has_cell_state(z.cell);
   const bool gru = z.cell == Cell::Gru;
@@ -255,7 +259,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // lengths that is the step's da likewise.
   const bool da_in_dx = !a.pos.lengths && !gru && !reset_before && !ln_cell;
   const bool da_in_dhp = !a.pos.lengths && ln_cell;
-  Tensor dhp_all = ln_cell ? pooled_empty({T, B, GH}, opt) : Tensor();
+  Tensor dhp_all = ln_cell ? pooled_empty({rows, GH}, opt) : Tensor();
   Tensor da[2];
   if (!da_in_dx && !da_in_dhp)
     da[0] = at::zeros({B, da_width}, opt), da[1] = at::zeros({B, da_width}, opt);
@@ -264,13 +268,14 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
            : da_in_dhp ? ptr<A>(dhp_all) + a.pos.at(0, s) * B * GH
                        : ptr<A>(da[s & 1]);
   };
-  // Time-ordered inputs of the final weight GEMMs.
-  Tensor dhn_all = gru ? pooled_empty({T, B, H}, opt) : Tensor();
-  Tensor rh_all = reset_before ? pooled_empty({T, B, H}, opt) : Tensor();
+  // Time-ordered inputs of the final weight GEMMs, a row per row of the
+  // layout (Positions::row).
+  Tensor dhn_all = gru ? pooled_empty({rows, H}, opt) : Tensor();
+  Tensor rh_all = reset_before ? pooled_empty({rows, H}, opt) : Tensor();
   Tensor dn = reset_before ? at::empty({B, H}, opt) : Tensor();
   Tensor dh_tot = z.has_proj ? at::empty({B, P}, opt) : Tensor();
-  Tensor dh_tot_all = z.has_proj ? pooled_empty({T, B, P}, opt) : Tensor();
-  Tensor h_full_all = z.has_proj ? pooled_empty({T, B, H}, opt) : Tensor();
+  Tensor dh_tot_all = z.has_proj ? pooled_empty({rows, P}, opt) : Tensor();
+  Tensor h_full_all = z.has_proj ? pooled_empty({rows, H}, opt) : Tensor();
   // With resets: the gradients of the reset state the restarting steps leave.
   Tensor dh0_acc = resets ? at::zeros({B, P}, opt) : Tensor();
   Tensor dc0_acc = resets && lstm ? at::zeros({B, H}, opt) : Tensor();
@@ -296,11 +301,11 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   };
   auto h_prev_of = [&](int64_t b, int64_t s) {
     const int64_t q = prev_pos(b, s);
-    return q == -1 ? h0 + b * P : q == -2 ? reset_hp + b * P : out + (q * B + b) * P;
+    return q == -1 ? h0 + b * P : q == -2 ? reset_hp + b * P : out + a.pos.row(q, b) * P;
   };
   auto c_prev_of = [&](int64_t b, int64_t s) {
     const int64_t q = prev_pos(b, s);
-    return q == -1 ? c0 + b * H : q == -2 ? reset_cp + b * H : wsp + (q * B + b) * W + 4 * H;
+    return q == -1 ? c0 + b * H : q == -2 ? reset_cp + b * H : wsp + a.pos.row(q, b) * W + 4 * H;
   };
   // Whether row b restarted at step s + 1: its carry at step s, once the
   // GEMM part is in, belongs to h0 (c0).
@@ -328,27 +333,34 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
         zero_row(dt + b * P + c.j0, c.n);
-        zero_row(ptr<A>(dh_tot_all) + (s * B + b) * P + c.j0, c.n);
+        if (a.pos.padded()) zero_row(ptr<A>(dh_tot_all) + (s * B + b) * P + c.j0, c.n);
         continue;
       }
+      const int64_t row = a.pos.row(p, b);
       A* di = d + (b - r.b0) * c.n;
       if (restarted_after(b, s)) move_row(ptr<A>(dh0_acc) + b * P + c.j0, di, c.n);
       if (zone) {
-        zoneout_total_row<A>(c.n, di, gout + (p * B + b) * P + c.j0, opts.mask(p, b) + c.j0,
+        zoneout_total_row<A>(c.n, di, gout + row * P + c.j0, opts.mask(p, b) + c.j0,
                              dt + b * P + c.j0);
       } else {
-        for (int64_t k = 0; k < c.n; ++k) dt[b * P + c.j0 + k] = di[k] + gout[(p * B + b) * P + c.j0 + k];
+        for (int64_t k = 0; k < c.n; ++k) dt[b * P + c.j0 + k] = di[k] + gout[row * P + c.j0 + k];
         zero_row(di, c.n);  // LSTM: no direct path from h_t to h_{t-1}
       }
-      copy_row(ptr<A>(dh_tot_all) + (p * B + b) * P + c.j0, dt + b * P + c.j0, c.n);
+      copy_row(ptr<A>(dh_tot_all) + row * P + c.j0, dt + b * P + c.j0, c.n);
     }
   };
 
   // Phase 1, per unit slice: the pointwise backward of the step.
+  // The rows of a step's da (and dn) that a product reads: up to the last row
+  // still running at that step, in whichever worker's block (Positions::
+  // live_rows).  A finished row past them needs no zeros there: a packed
+  // batch's finished rows (most of its rows, most of the time) cost nothing.
+  auto read_rows = [&](int64_t s) { return a.pos.live_rows(0, B, s); };
   auto pointwise = [&](size_t t, int64_t s) {
     const auto [r, u, sl] = split.unit_work(t);
     const int64_t j0 = sl.j0, n = sl.n;
     A* da_s = da_of(s);
+    const int64_t read = read_rows(s);
     if (z.has_proj) {
       step_gemm<A>(a.pos.live_rows(r.b0, r.nb, s), ptr<A>(dh_tot) + r.b0 * P, P, w_r_cols[u],
                    ptr<A>(dh_full[t]), false);
@@ -360,19 +372,18 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
         // Finished sequence: no gradient here, the carry passes through.
-        for (int64_t k = 0; k < G; ++k) {
-          if (k < da_width / H) zero_row(da_s + b * da_width + k * H + j0, n);
-          zero_row(dx + (s * B + b) * GH + k * H + j0, n);
+        if (b < read) {
+          for (int64_t k = 0; k < da_width / H; ++k) zero_row(da_s + b * da_width + k * H + j0, n);
+          if (reset_before) zero_row(ptr<A>(dn) + b * H + j0, n);
         }
+        if (!a.pos.padded()) continue;  // (no position s for the row)
+        for (int64_t k = 0; k < G; ++k) zero_row(dx + (s * B + b) * GH + k * H + j0, n);
         if (gru) zero_row(ptr<A>(dhn_all) + (s * B + b) * H + j0, n);
-        if (reset_before) {
-          zero_row(ptr<A>(dn) + b * H + j0, n);
-          zero_row(ptr<A>(rh_all) + (s * B + b) * H + j0, n);
-        }
+        if (reset_before) zero_row(ptr<A>(rh_all) + (s * B + b) * H + j0, n);
         if (z.has_proj) zero_row(ptr<A>(h_full_all) + (s * B + b) * H + j0, n);
         continue;
       }
-      const int64_t row = p * B + b;
+      const int64_t row = a.pos.row(p, b);
       const A* hprev = h_prev_of(b, s) + j0;
       A* d = dht + (b - r.b0) * n;
       const A* g = gout + row * P + j0;
@@ -444,7 +455,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) continue;
-      const int64_t row = p * B + b, i = b - r.b0;
+      const int64_t row = a.pos.row(p, b), i = b - r.b0;
       gru_rb_backward_reset_row<A>(n, ptr<A>(dh[t]) + i * n, ptr<A>(drh[t]) + i * n,
                                    wsp + row * W + j0, h_prev_of(b, s) + j0, dx + row * GH + j0,
                                    da_s + b * da_width + j0, ptr<A>(rh_all) + row * H + j0);
@@ -458,15 +469,17 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     const Rows r = split.rows_of(t);
     A* da_s = da_of(s);
     A* dchat = ptr<A>(ln_scratch[t]);
+    const int64_t read = read_rows(s);
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
-        zero_row(da_s + b * GH, GH);
+        if (b < read) zero_row(da_s + b * GH, GH);
+        if (!a.pos.padded()) continue;
         zero_row(dx + (s * B + b) * GH, GH);
         zero_row(ptr<A>(dhp_all) + (s * B + b) * GH, GH);
         continue;
       }
-      const int64_t row = p * B + b;
+      const int64_t row = a.pos.row(p, b);
       // The row's carry: the worker's own (all units), or gathered from the slices.
       A* d = split.by_rows ? ptr<A>(dh[t]) + (b - r.b0) * H : ptr<A>(ln_dh[t]);
       if (!split.by_rows)
@@ -548,37 +561,37 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   }
 
   // Weight gradients: one GEMM over all steps each.
-  const Tensor dx3 = d_xproj.view({T, B, GH});
+  // sum over the real positions of d^T x, both by row of the layout: packed
+  // rows are all real, in time order; the grid's are gathered where mostly
+  // padding.
+  auto real_rows_gemm = [&](int64_t M, int64_t K, const A* d, int64_t ld_d, const A* x,
+                            int64_t ld_x, A* c) {
+    if (!a.pos.padded())
+      blocked_gemm<A>(M, K, rows, d, 1, ld_d, x, ld_x, 1, c, K, false);
+    else if (gathers_real_positions(a.pos, T, B))
+      gathered_weight_gemm<A>(M, K, real_positions(a.pos, T, B), d, ld_d, x, ld_x, c, K, false, opt);
+    else
+      blocked_gemm<A>(M, K, T * B, d, 1, ld_d, x, ld_x, 1, c, K, false);
+  };
   if (gru || reset_before) {
     // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
-    const Tensor d_rz = dx3.narrow(2, 0, 2 * H);
-    weight_grad_by_prev_state<A>(dw_rz, d_rz, a.output, a.h0, a.pos, opts.resets, a.reset_h);
+    weight_grad_by_prev_state<A>(dw_rz, dx, GH, 2 * H, a.output, a.h0, a.pos, T, B, opts.resets,
+                                 a.reset_h);
     if (gru) {
-      weight_grad_by_prev_state<A>(dw_n, dhn_all, a.output, a.h0, a.pos, opts.resets,
-                                   a.reset_h);
+      weight_grad_by_prev_state<A>(dw_n, cptr<A>(dhn_all), H, H, a.output, a.h0, a.pos, T, B,
+                                   opts.resets, a.reset_h);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
-      if (gathers_real_positions(a.pos, T, B))
-        gathered_weight_gemm<A>(H, H, real_positions(a.pos, T, B), cptr<A>(dx3) + 2 * H, GH,
-                                cptr<A>(rh_all), H, ptr<A>(dw_n), H, false, opt);
-      else
-        blocked_gemm<A>(H, H, T * B, ptr<A>(dx3) + 2 * H, 1, GH, ptr<A>(rh_all), H, 1, ptr<A>(dw_n),
-                        H, false);
+      real_rows_gemm(H, H, dx + 2 * H, GH, cptr<A>(rh_all), H, ptr<A>(dw_n));
     }
   } else {
-    weight_grad_by_prev_state<A>(d_w_hh, ln_cell ? dhp_all : dx3, a.output, a.h0, a.pos,
-                                 opts.resets, a.reset_h);
+    weight_grad_by_prev_state<A>(d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx, GH, GH, a.output, a.h0,
+                                 a.pos, T, B, opts.resets, a.reset_h);
   }
-  if (z.has_proj) {
-    if (gathers_real_positions(a.pos, T, B))
-      gathered_weight_gemm<A>(P, H, real_positions(a.pos, T, B), cptr<A>(dh_tot_all), P,
-                              cptr<A>(h_full_all), H, ptr<A>(d_w_hr), H, false, opt);
-    else
-      blocked_gemm<A>(P, H, T * B, ptr<A>(dh_tot_all), 1, P, ptr<A>(h_full_all), H, 1,
-                      ptr<A>(d_w_hr), H, false);
-  }
+  if (z.has_proj)
+    real_rows_gemm(P, H, cptr<A>(dh_tot_all), P, cptr<A>(h_full_all), H, ptr<A>(d_w_hr));
 }
 
 template void backward_impl<float>(const BackwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&,

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "../checks.h"
 #include "buffers.h"
@@ -49,11 +50,19 @@ Tensor mask_to_acc(const OptTensor& m, at::ScalarType acc) {
 Tensor bools(const OptTensor& t) { return t.has_value() ? t->contiguous() : Tensor(); }
 
 struct LengthsHolder {
-  Tensor lengths;  // keeps the contiguous copy alive while Positions points into it
-  Positions positions(const OptTensor& l, int64_t T, bool reverse) {
-    if (!l.has_value()) return Positions{nullptr, T, reverse};
+  Tensor lengths;                // keeps the contiguous copy alive while Positions points into it
+  std::vector<int64_t> offsets;  // packed rows: each step's first row
+  Positions positions(const OptTensor& l, const RecurrenceSizes& z, bool reverse) {
+    if (!l.has_value()) return Positions{nullptr, z.T, reverse, z.B};
     lengths = l->contiguous();
-    return Positions{lengths.const_data_ptr<int64_t>(), T, reverse};
+    const int64_t* n = lengths.const_data_ptr<int64_t>();
+    if (!z.packed_rows) return Positions{n, z.T, reverse, z.B};
+    // Step p has a row for each sequence longer than p (sorted: the first ones).
+    offsets.assign(static_cast<size_t>(z.T) + 1, 0);
+    for (int64_t b = 0; b < z.B; ++b)
+      for (int64_t p = 0; p < n[b]; ++p) ++offsets[p + 1];
+    for (int64_t p = 0; p < z.T; ++p) offsets[p + 1] += offsets[p];
+    return Positions{n, z.T, reverse, z.B, offsets.data()};
   }
 };
 
@@ -70,12 +79,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
   const bool lstm = has_cell_state(z.cell);
-  Tensor output = pooled_empty({z.T, z.B, z.P}, opt);
+  // [T, B, *], or [N, *] with packed rows.
+  auto layout = [&](int64_t width) -> std::vector<int64_t> {
+    return z.packed_rows ? std::vector<int64_t>{z.N, width} : std::vector<int64_t>{z.T, z.B, width};
+  };
+  Tensor output = pooled_empty(layout(z.P), opt);
   Tensor h_n = at::empty({z.B, z.P}, opt);
   Tensor c_n = z.cell_steps ? at::empty({z.T, z.B, z.H}, opt)
                : lstm       ? at::empty({z.B, z.H}, opt)
                             : empty_like_options(h0, acc);
-  Tensor ws = train ? pooled_empty({z.T, z.B, workspace_size(z.cell, z.H, z.has_zoneout)}, opt)
+  Tensor ws = train ? pooled_empty(layout(workspace_size(z.cell, z.H, z.has_zoneout)), opt)
                     : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
@@ -115,7 +128,9 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const auto opt = h0.options().dtype(acc);
   const bool lstm = has_cell_state(z.cell);
   BackwardResult r;
-  r.d_xproj = pooled_empty({z.T, z.B, z.G * z.H}, opt);
+  r.d_xproj = pooled_empty(z.packed_rows ? std::vector<int64_t>{z.N, z.G * z.H}
+                                          : std::vector<int64_t>{z.T, z.B, z.G * z.H},
+                           opt);
   r.d_h0 = at::empty({z.B, z.P}, opt);
   r.d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
   r.d_w_hh = pooled_empty({z.G * z.H, z.P}, opt);  // 1 MiB at LSTM H = 256: fresh pages cost
@@ -157,11 +172,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
     const OptTensor& reset_c, bool cell_steps) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z = check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths,
-                                             resets, zoneout, ln, reset_h, reset_c, cell_steps);
+                                             resets, zoneout, ln, reset_h, reset_c, cell_steps,
+                                             /*allow_packed_rows=*/true);
   LengthsHolder holder;
   auto [output, h_n, c_n, ws] =
       run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
-                  holder.positions(lengths, z.T, reverse), train, resets, zoneout, ln, reset_h,
+                  holder.positions(lengths, z, reverse), train, resets, zoneout, ln, reset_h,
                   reset_c);
   const auto dtype = xproj.scalar_type();
   return {output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws};
@@ -177,11 +193,12 @@ recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const 
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const RecurrenceSizes z =
       check_recurrence_backward(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
-                                workspace, lengths, resets, zoneout, ln, reset_h, reset_c);
+                                workspace, lengths, resets, zoneout, ln, reset_h, reset_c,
+                                /*allow_packed_rows=*/true);
   LengthsHolder holder;
   const BackwardResult r =
       run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
-                   holder.positions(lengths, z.T, reverse), resets, zoneout, ln, reset_h, reset_c);
+                   holder.positions(lengths, z, reverse), resets, zoneout, ln, reset_h, reset_c);
   const auto dtype = output.scalar_type();
   return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),   r.d_w_hh.to(dtype),
           r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype),
@@ -215,7 +232,7 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   });
   auto [output, h_new, c_new, ws] =
       run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
-                  std::nullopt, Positions{nullptr, 1, false}, true, std::nullopt, std::nullopt,
+                  std::nullopt, Positions{nullptr, 1, false, s.B}, true, std::nullopt, std::nullopt,
                   ln, std::nullopt, std::nullopt);
   return {h_new.to(dtype), c_new.to(dtype), ws.view({s.B, workspace_size(s.cell, s.H)})};
 }
@@ -242,7 +259,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   const BackwardResult r = run_backward(
       step_as_recurrence(s), at::zeros({1, s.B, s.H}, h.options().dtype(acc)), grad_h_new,
       grad_c_new, h, c, w_hh, std::nullopt, h_new.unsqueeze(0),
-      workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false}, std::nullopt,
+      workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false, s.B}, std::nullopt,
       std::nullopt, ln, std::nullopt, std::nullopt);
   // dX = dXproj W_ih, dW_ih = dXproj^T X (the GEMMs of rnnkern::linear's
   // backward: in place at small batch, outputs pooled).

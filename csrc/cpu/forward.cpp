@@ -136,7 +136,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
         const int64_t p = a.pos.at(b, s + 1);
         if (p < 0) continue;
-        const char* row = reinterpret_cast<const char*>(xp + (p * B + b) * GH + j0);
+        const char* row = reinterpret_cast<const char*>(xp + a.pos.row(p, b) * GH + j0);
         for (int64_t k = 0; k < G; ++k)
           for (int64_t off = 0; off < n * int64_t(sizeof(A)); off += 64)
             __builtin_prefetch(row + k * H * int64_t(sizeof(A)) + off);
@@ -154,18 +154,18 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
-        // Finished sequence: state unchanged, zeros at the padding position s.
-        if (!z.has_proj) {
-          copy_row(h_next + b * H + j0, h_prev + b * H + j0, n);
-          zero_row(out + (s * B + b) * H + j0, n);
-        }
+        // Finished sequence: state unchanged, zeros at the padding position s
+        // (where the layout has one).
+        if (!z.has_proj) copy_row(h_next + b * H + j0, h_prev + b * H + j0, n);
         if (lstm) copy_row(c_next + b * H + j0, c_prev + b * H + j0, n);
-        if (c_steps) zero_row(c_steps + (s * B + b) * H + j0, n);
         if (reset_before) zero_row(ptr<A>(rh) + b * H + j0, n);
+        if (!a.pos.padded()) continue;
+        if (!z.has_proj) zero_row(out + (s * B + b) * H + j0, n);
+        if (c_steps) zero_row(c_steps + (s * B + b) * H + j0, n);
         for (int64_t k = 0; k < nsave && save; ++k) zero_row(wsp + (s * B + b) * W + k * H + j0, n);
         continue;
       }
-      const int64_t row = p * B + b;
+      const int64_t row = a.pos.row(p, b);
       const A* x = xp + row * GH + j0;
       A* hh = hp + (b - r.b0) * hrow;
       A* w = save ? wsp + row * W + j0 : nullptr;
@@ -232,7 +232,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) continue;
-      const int64_t row = p * B + b;
+      const int64_t row = a.pos.row(p, b);
       const int64_t i = b - r.b0;
       A* h = h_next + b * H + j0;
       A* w = save ? wsp + row * W + j0 : nullptr;
@@ -260,7 +260,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
         copy_row(h_next + b * P + o.j0, h_prev + b * P + o.j0, o.n);
-        zero_row(out + (s * B + b) * P + o.j0, o.n);
+        if (a.pos.padded()) zero_row(out + (s * B + b) * P + o.j0, o.n);
         continue;
       }
       if (zone) {
@@ -270,7 +270,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       } else {
         copy_row(h_next + b * P + o.j0, q + (b - r.b0) * o.n, o.n);
       }
-      copy_row(out + (p * B + b) * P + o.j0, h_next + b * P + o.j0, o.n);
+      copy_row(out + a.pos.row(p, b) * P + o.j0, h_next + b * P + o.j0, o.n);
     }
   };
 
@@ -317,12 +317,13 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
         copy_row(h_next + b * H, h_prev + b * H, H);
-        zero_row(out + (s * B + b) * H, H);
         copy_row(c_next + b * H, c_prev + b * H, H);
+        if (!a.pos.padded()) continue;
+        zero_row(out + (s * B + b) * H, H);
         if (save) zero_row(wsp + (s * B + b) * W, W);
         continue;
       }
-      const int64_t row = p * B + b;
+      const int64_t row = a.pos.row(p, b);
       A* hh = split.by_rows ? ptr<A>(hproj[t]) + (b - r.b0) * GH : ptr<A>(hfull) + b * GH;
       const bool restart = restarts(p, b, s);
       if (resets && !own_reset && s == 0) copy_row(ptr<A>(hproj0_ln) + b * GH, hh, GH);  // h0 W_hh^T

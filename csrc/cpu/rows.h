@@ -18,6 +18,17 @@ struct Positions {
   const int64_t* lengths;  // null: every sequence has T steps
   int64_t T;
   bool reverse;
+  int64_t B;                         // batch rows: the grid's stride along T
+  const int64_t* offsets = nullptr;  // packed rows: each step's first row; null: the grid
+
+  // The row of time position p of sequence b in xproj, the output, the
+  // workspace and their gradients: p * B + b in the [T, B] grid, or with packed
+  // rows (RecurrenceSizes::packed_rows: lengths sorted longest first) the
+  // rows of the steps before p, plus b.
+  int64_t row(int64_t p, int64_t b) const { return offsets ? offsets[p] + b : p * B + b; }
+  // Whether the layout holds the positions past a sequence's length (the
+  // grid), which a finished row fills with zeros.  Packed rows have none.
+  bool padded() const { return offsets == nullptr; }
 
   int64_t length(int64_t b) const { return lengths ? lengths[b] : T; }
   // Time position of sequence b at step s, or -1 once the sequence has ended.

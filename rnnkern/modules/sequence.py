@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .. import auto, ops
+from .. import auto, ops, reference
 from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _current,
                      _dtype_mismatch, _no_torch_nn_twin, _promote, _RnnkernOptions,
                      _runs_torch_nn_forward)
@@ -44,13 +44,8 @@ class _Packing(NamedTuple):
 
 
 def _packing_from_batch_sizes(batch_sizes: Tensor, rows: int, device) -> _Packing:
-    """Rows of a PackedSequence (sorted by length) -> positions in [T, B]; sizes
-    come from shapes only, so this traces under torch.compile."""
-    steps = torch.arange(batch_sizes.numel())
-    time = torch.repeat_interleave(steps, batch_sizes, output_size=rows)
-    starts = torch.cumsum(batch_sizes, 0) - batch_sizes
-    batch = torch.arange(rows) - starts[time]
-    return _Packing(time.to(device), batch.to(device))
+    """Rows of a PackedSequence (sorted by length) -> positions in [T, B]."""
+    return _Packing(*reference.rows_of_batch_sizes(batch_sizes, rows, device))
 
 
 def _flat_positions(packing: _Packing, B: int) -> Tensor:
@@ -269,8 +264,9 @@ class _RecurrentMixin(_RnnkernOptions):
                     resets: Optional[Tensor] = None, reset_state=None,
                     reset_is_hx: bool = False, backend: Optional[str] = None,
                     cell_steps: bool = False, x_rows: Optional[Tensor] = None):
-        """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
-        or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
+        """x [T, B, I] time-major (or the rows of a packed batch [N, I], lengths
+        sorted longest first, on the CPU backend: _forward_packed), hx: (h0[, c0])
+        of shape [L*D, B, *], lengths [B] or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
         or None (zeros; ``reset_is_hx``: hx is those zeros, so the kernels' own
         rule, restarting from h0, is the modules') -> output [T, B, D*P],
         (h_n[, c_n]).  ``packing``
@@ -399,7 +395,7 @@ class _RecurrentMixin(_RnnkernOptions):
                 h_n.append(h)
                 if lstm:
                     c_n.append(c)
-            x = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
+            x = torch.cat(outputs, dim=-1) if D == 2 else outputs[0]
             if self.dropout > 0 and self.training and layer + 1 < self.num_layers:
                 x = self._dropout(x, packing)
         stack = torch.stack if len(h_n) > 1 else (lambda hs: hs[0].unsqueeze(0))
@@ -418,6 +414,8 @@ class _RecurrentMixin(_RnnkernOptions):
         into a zero grid, so that the projection and its gradients cost the real
         steps, as the kernels' steps do (they skip finished rows).  ``x_rows``: the
         real rows of x where the caller has them (else gathered from x)."""
+        if x.dim() == 2:  # packed rows (_run_layers)
+            return ops.input_projection(x.unsqueeze(0), w_ih, backend).squeeze(0)
         T, B = x.size(0), x.size(1)
         # (Not under torch.compile: the real rows' count is data-dependent there.)
         if packing is None or torch.compiler.is_compiling() or packing.time.numel() * 5 >= T * B * 4:
@@ -717,8 +715,9 @@ class _RecurrentMixin(_RnnkernOptions):
 
     def _forward_packed(self, input: PackedSequence, hx, resets: Optional[Tensor], reset_state,
                         backend: Optional[str] = None):
-        """A PackedSequence runs as one padded, length-sorted batch with per-sequence
-        lengths (one kernel call per layer and direction, padding never computed).
+        """A PackedSequence runs as one length-sorted batch with per-sequence lengths
+        (one kernel call per layer and direction, padding never computed): on the
+        CPU backend as its rows, elsewhere padded.
         ``resets`` comes padded in the original batch order and is sorted here."""
         name = type(self).__name__
         data, batch_sizes, sorted_indices, unsorted_indices = input
@@ -754,14 +753,23 @@ class _RecurrentMixin(_RnnkernOptions):
                                         keep_empty=reset_state is not None)
             if resets is not None and sorted_indices is not None:
                 resets = resets[:, sorted_indices]
-        packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
         # Sequence b of the sorted pack has as many steps as batch sizes above b.
         lengths = (batch_sizes.unsqueeze(1) > torch.arange(B).unsqueeze(0)).sum(0)
-        padded = _rows_to_grid(data, packing, T, B)
-        out, hidden = self._run_layers(padded, hx, lengths, packing, resets, reset_state,
-                                       reset_is_hx=hx_zeros and reset_state is None, backend=backend,
-                                       x_rows=data)
-        out_data = _grid_to_rows(out, packing)
+        reset_is_hx = hx_zeros and reset_state is None
+        if (ops.resolve_backend(backend or self.backend, data.device) == "cpu" and resets is None
+                and not self.zoneout and not torch.compiler.is_compiling()):
+            # The CPU kernels take the packed rows themselves (csrc/checks.h,
+            # packed_rows): no [T, B] grid to fill, scatter into and gather
+            # from, whose padding cost a batch of skewed lengths more than its
+            # real steps.  (Resets and zoneout are read per grid position.)
+            out_data, hidden = self._run_layers(data, hx, lengths, None, resets, reset_state,
+                                                reset_is_hx=reset_is_hx, backend=backend)
+        else:
+            packing = _packing_from_batch_sizes(batch_sizes, N, data.device)
+            padded = _rows_to_grid(data, packing, T, B)
+            out, hidden = self._run_layers(padded, hx, lengths, packing, resets, reset_state,
+                                           reset_is_hx=reset_is_hx, backend=backend, x_rows=data)
+            out_data = _grid_to_rows(out, packing)
         hidden = hidden if self.mode == "LSTM" else hidden[0]
         return (PackedSequence(out_data, batch_sizes, sorted_indices, unsorted_indices),
                 self.permute_hidden(hidden, unsorted_indices))
