@@ -41,7 +41,7 @@ namespace {
 // one row of each operand per position, where the GEMM multiplies each by a
 // whole matrix).  Below four fifths of the grid real, say.
 bool gathers_real_positions(const Positions& pos, int64_t T, int64_t B) {
-  if (!pos.padded()) return true;  // packed rows: the real positions alone, but not in pairs
+  if (!pos.padded()) return true;  // packed rows: a row's earlier output is no fixed stride away
   if (!pos.lengths || T * B == 0) return false;
   int64_t real = 0;
   for (int64_t b = 0; b < B; ++b) real += pos.length(b);
