@@ -264,12 +264,13 @@ class _RecurrentMixin(_RnnkernOptions):
                     resets: Optional[Tensor] = None, reset_state=None,
                     reset_is_hx: bool = False, backend: Optional[str] = None,
                     cell_steps: bool = False, x_rows: Optional[Tensor] = None):
-        """x [T, B, I] time-major (or the rows of a packed batch [N, I], lengths
-        sorted longest first, on the CPU backend: _forward_packed), hx: (h0[, c0])
-        of shape [L*D, B, *], lengths [B] or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
+        """x [T, B, I] time-major, hx: (h0[, c0]) of shape [L*D, B, *], lengths [B]
+        or None, resets [T, B] bool (checked) or None, reset_state like hx (checked)
         or None (zeros; ``reset_is_hx``: hx is those zeros, so the kernels' own
         rule, restarting from h0, is the modules') -> output [T, B, D*P],
-        (h_n[, c_n]).  ``packing``
+        (h_n[, c_n]).  On the CPU backend x may be the rows of a packed batch
+        [N, I] instead, lengths sorted longest first (_forward_packed): the
+        output is then [N, D*P] likewise.  ``packing``
         (variable lengths only) says which rows torch.nn would see packed:
         dropout draws its mask over them, in that order, as torch.nn does.
         ``backend``: the backend to run (default the module's; ``auto``'s choice).
