@@ -36,6 +36,10 @@ const char* cell_name(Cell cell) {
 
 int64_t zoneout_width(Cell cell, int64_t H, int64_t P) { return has_cell_state(cell) ? P + H : H; }
 
+std::vector<int64_t> layout_sizes(const RecurrenceSizes& s, int64_t width) {
+  return s.packed_rows ? std::vector<int64_t>{s.N, width} : std::vector<int64_t>{s.T, s.B, width};
+}
+
 at::ScalarType acc_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }
@@ -292,12 +296,8 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
     s.N = s.T * s.B;
   }
   s.has_proj = w_hr.has_value();
-  // The rows' layout: [T, B, *], or [N, *] with packed rows.
-  auto layout = [&](int64_t width) -> std::vector<int64_t> {
-    return rows ? std::vector<int64_t>{s.N, width} : std::vector<int64_t>{s.T, s.B, width};
-  };
-  check_arg(op, "output", output, layout(s.P), output);
-  check_arg(op, "grad_output", grad_output, layout(s.P), output);
+  check_arg(op, "output", output, layout_sizes(s, s.P), output);
+  check_arg(op, "grad_output", grad_output, layout_sizes(s, s.P), output);
   check_arg(op, "grad_h_n", grad_h_n, {s.B, s.P}, output);
   check_arg(op, "h0", h0, {s.B, s.P}, output);
   check_arg(op, "w_hh", w_hh, {s.G * s.H, s.P}, output);
@@ -317,8 +317,9 @@ RecurrenceSizes check_recurrence_backward(c10::string_view cell_str, const Tenso
   if (W > 0) {
     TORCH_CHECK_VALUE(workspace.dim() == output.dim(), op,
                       ": the workspace is empty; the forward ran with train=False");
-    TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef(layout(W)), op,
-                      ": expected workspace of shape ", at::IntArrayRef(layout(W)), ", got ",
+    const std::vector<int64_t> want = layout_sizes(s, W);
+    TORCH_CHECK_VALUE(workspace.sizes() == at::IntArrayRef(want), op,
+                      ": expected workspace of shape ", at::IntArrayRef(want), ", got ",
                       shape_str(workspace));
     TORCH_CHECK_TYPE(workspace.scalar_type() == acc_type(output.scalar_type()), op,
                      ": expected workspace of dtype ", acc_type(output.scalar_type()), ", got ",

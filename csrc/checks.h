@@ -9,6 +9,8 @@
 #include <c10/util/Optional.h>
 #include <c10/util/string_view.h>
 
+#include <vector>
+
 #include "cells.h"
 
 namespace rnnkern {
@@ -49,6 +51,11 @@ struct RecurrenceSizes {
 // Zoneout mask units per row: h's P then c's H for the cells with a cell
 // state, H otherwise.
 int64_t zoneout_width(Cell cell, int64_t H, int64_t P);
+
+// The sizes of a tensor with `width` values per row of the call's layout
+// (xproj, output, workspace, their gradients): [T, B, width], or [N, width]
+// with packed rows.
+std::vector<int64_t> layout_sizes(const RecurrenceSizes& s, int64_t width);
 
 // recurrence(cell, xproj[T,B,G*H], h0[B,P], c0[B,H]?, w_hh[G*H,P], b_ih[G*H]?,
 //            b_hh[G*H]?, w_hr[P,H]?, lengths[B]?, reverse, train,

@@ -79,17 +79,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const auto acc = acc_type(h0.scalar_type());
   const auto opt = h0.options().dtype(acc);
   const bool lstm = has_cell_state(z.cell);
-  // [T, B, *], or [N, *] with packed rows.
-  auto layout = [&](int64_t width) -> std::vector<int64_t> {
-    return z.packed_rows ? std::vector<int64_t>{z.N, width} : std::vector<int64_t>{z.T, z.B, width};
-  };
-  Tensor output = pooled_empty(layout(z.P), opt);
+  Tensor output = pooled_empty(layout_sizes(z, z.P), opt);
   Tensor h_n = at::empty({z.B, z.P}, opt);
   Tensor c_n = z.cell_steps ? at::empty({z.T, z.B, z.H}, opt)
                : lstm       ? at::empty({z.B, z.H}, opt)
                             : empty_like_options(h0, acc);
-  Tensor ws = train ? pooled_empty(layout(workspace_size(z.cell, z.H, z.has_zoneout)), opt)
-                    : empty_like_options(h0, acc);
+  const int64_t W = workspace_size(z.cell, z.H, z.has_zoneout);
+  Tensor ws = train ? pooled_empty(layout_sizes(z, W), opt) : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     ForwardArgs<scalar_t> a{z,
@@ -128,9 +124,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const auto opt = h0.options().dtype(acc);
   const bool lstm = has_cell_state(z.cell);
   BackwardResult r;
-  r.d_xproj = pooled_empty(z.packed_rows ? std::vector<int64_t>{z.N, z.G * z.H}
-                                          : std::vector<int64_t>{z.T, z.B, z.G * z.H},
-                           opt);
+  r.d_xproj = pooled_empty(layout_sizes(z, z.G * z.H), opt);
   r.d_h0 = at::empty({z.B, z.P}, opt);
   r.d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
   r.d_w_hh = pooled_empty({z.G * z.H, z.P}, opt);  // 1 MiB at LSTM H = 256: fresh pages cost
