@@ -84,21 +84,78 @@ RAW_NAMES = ["output", "h_n", "c_n", "workspace", "grad_xproj", "grad_h0", "grad
              "grad_b_ih", "grad_b_hh", "grad_w_hr"]
 
 
+# Lengths and direction of test_ops_match_cpu_backend's variants: unsorted with a
+# zero inside; sorted longest first (a packed batch: the rows past each step's
+# live ones drop out of the loop); unsorted ending in zero-length rows (none of
+# them in step 0's products).
+RAW_VARIANTS = {"plain": (None, False), "lengths-reverse": ([7, 3, 0, 6, 1], True),
+                "sorted": ([7, 6, 4, 4, 1], False), "sorted-reverse": ([7, 6, 4, 4, 1], True),
+                "trailing-zero": ([3, 7, 0, 5, 0], False)}
+
+
 @pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("variant", ["plain", "lengths-reverse"])
+@pytest.mark.parametrize("variant", list(RAW_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_ops_match_cpu_backend(cell, proj, variant, dtype):
     """Output, states, workspace, placeholders and every gradient as the CPU
     kernels give them, in shape, dtype and value."""
     T, B, H = 7, 5, 37
     args = recurrence_inputs(cell, T, B, H, dtype=dtype, proj=proj and 11, key=("emu-raw", variant))
-    lengths = torch.tensor([7, 3, 0, 6, 1]) if variant != "plain" else None
-    reverse = variant != "plain"
+    lengths, reverse = RAW_VARIANTS[variant]
+    lengths = None if lengths is None else torch.tensor(lengths)
     want = raw_ops_results("rnnkern", cell, args, lengths, reverse)
     got = raw_ops_results("rnnkern_cuda_emu", cell, args, lengths, reverse)
     for name, a, b in zip(RAW_NAMES, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
         assert_close(a, b, what=name)
+
+
+def live_rows(lengths, T):
+    """Per step, the rows up to the last one still running (a row runs while
+    the step is below its length): what a step's products must cover."""
+    n = list(lengths)
+    return [max((b + 1 for b in range(len(n)) if n[b] > s), default=0) for s in range(T)]
+
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("lengths", [[8, 6, 6, 3, 1, 1], [2, 8, 1, 3, 1, 0]],
+                         ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_lengths_cost_their_live_rows(cell, proj, lengths, reverse):
+    """The host loops' GEMMs take at each step only the rows up to the last
+    one still running, forward and backward: a batch sorted longest first (a
+    packed batch) costs its real steps in multiply-adds, not rows x longest.
+    Counted by the emulated cuBLAS against the same call without lengths."""
+    T, B, H = 8, 6, 5
+    args = recurrence_inputs(cell, T, B, H, proj=proj and 3, key=("emu-live", cell))
+    a = {k: None if v is None else v.detach() for k, v in args.items()}
+    family = torch.ops.rnnkern_cuda_emu
+
+    def multiply_adds(n):
+        before = cuda_emulated.gemm_multiply_adds()
+        out, h_n, c_n, ws = family.recurrence(cell, *a.values(), n, reverse, True)
+        middle = cuda_emulated.gemm_multiply_adds()
+        assert not out.isnan().any() and not h_n.isnan().any()
+        grads = family.recurrence_backward(
+            cell, torch.ones_like(out), torch.ones_like(h_n),
+            torch.ones_like(c_n) if cell == "lstm" else None, a["h0"], a["c0"], a["w_hh"],
+            a["w_hr"], out, ws, n, reverse)
+        assert not any(g.isnan().any() for g in grads)
+        return middle - before, cuda_emulated.gemm_multiply_adds() - middle
+
+    mode = cuda_emulated.persistent()
+    cuda_emulated.set_persistent("never")  # the host loop (the persistent kernel takes all rows)
+    try:
+        full = multiply_adds(None)
+        live = multiply_adds(torch.tensor(lengths))
+    finally:
+        cuda_emulated.set_persistent(mode)
+    rows = sum(live_rows(lengths, T))
+    if lengths == sorted(lengths, reverse=True):
+        assert rows == sum(lengths)  # the real steps
+    assert full[0] > 0 and full[1] > 0
+    assert live[0] * T * B == full[0] * rows, (live, full, rows)
+    assert live[1] * T * B == full[1] * rows, (live, full, rows)
 
 
 @pytest.mark.parametrize("order", ORDERS)

@@ -13,6 +13,9 @@
 // with ATen after the backward's time loop.
 #pragma once
 
+#include <algorithm>
+#include <vector>
+
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
@@ -64,6 +67,27 @@ Tensor device_lengths(const OptTensor& lengths, const at::TensorOptions& opt, cu
   Tensor dev = Dev::empty({host.size(0)}, opt.dtype(at::kLong));
   upload_lengths(host.const_data_ptr<int64_t>(), host.size(0), dev.data_ptr<int64_t>(), stream);
   return dev;
+}
+
+// Per step s, the rows [0, live[s]) its products cover (params.h's live_rows):
+// up to the last row still running at s, a row running while s < its length.
+// The rows from b on are all finished at s once s reaches the longest of
+// their lengths, so live[s] counts the rows whose suffix maximum exceeds s.
+// Empty without lengths (every step covers all rows).
+std::vector<int64_t> live_rows(const OptTensor& lengths, int64_t T) {
+  if (!lengths.has_value()) return {};
+  const Tensor host = lengths->contiguous();
+  const int64_t* n = host.const_data_ptr<int64_t>();
+  const int64_t B = host.size(0);
+  std::vector<int64_t> suffix_max(B + 1, 0);
+  for (int64_t b = B - 1; b >= 0; --b) suffix_max[b] = std::max(suffix_max[b + 1], n[b]);
+  std::vector<int64_t> live(T);
+  int64_t k = B;
+  for (int64_t s = 0; s < T; ++s) {
+    while (k > 0 && suffix_max[k - 1] <= s) --k;
+    live[s] = k;
+  }
+  return live;
 }
 
 const int64_t kStepsAndRows[] = {0, 1};
@@ -154,6 +178,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const Tensor lnc = contiguous_or_undefined(ln);
   const Tensor rhc = contiguous_or_undefined(reset_h), rcc = contiguous_or_undefined(reset_c);
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
+  const std::vector<int64_t> live = live_rows(lengths, T);
   // The state lives in ping-pong slots with lengths and with resets.
   const bool slots = lengths.has_value() || resets.has_value();
   // Scratch of the time loop (params.h).
@@ -176,6 +201,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   p.T = T, p.B = B, p.H = H, p.P = P;
   p.reverse = reverse;
   p.lengths = lengths_dev.defined() ? lengths_dev.data_ptr<int64_t>() : nullptr;
+  p.live_rows = live.empty() ? nullptr : live.data();
   p.xproj = ptr(x);
   p.xproj_stride_t = x.stride(0), p.xproj_stride_b = x.stride(1);
   p.h0 = ptr(h0c);
@@ -280,6 +306,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const Tensor lnc = contiguous_or_undefined(ln);
   const Tensor rhc = contiguous_or_undefined(reset_h), rcc = contiguous_or_undefined(reset_c);
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
+  const std::vector<int64_t> live = live_rows(lengths, T);
   // The carried gradients (updated in place: fresh copies) and the scratch.
   Tensor dh = Dev::empty({B, P}, acc_opt);
   dh.copy_(grad_h_n);
@@ -326,6 +353,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   p.T = T, p.B = B, p.H = H, p.P = P;
   p.reverse = reverse;
   p.lengths = lengths_dev.defined() ? lengths_dev.data_ptr<int64_t>() : nullptr;
+  p.live_rows = live.empty() ? nullptr : live.data();
   p.grad_output = gout.defined() ? ptr(gout) : nullptr;
   p.grad_output_stride_t = gout.defined() ? gout.stride(0) : 0;
   p.grad_output_stride_b = gout.defined() ? gout.stride(1) : 0;

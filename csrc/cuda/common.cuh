@@ -184,6 +184,23 @@ inline unsigned int pointwise_blocks(int64_t n) {
   return static_cast<unsigned int>(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
 }
 
+// ------------------------------------------------------------ live rows ----
+
+// With lengths, step s's products cover only rows [0, live_rows[s]): up to the
+// last row still running (params.h).  The rows past them are finished at s, and
+// a [T, B, width] array (the output, the workspace, the gate gradients) wants 0
+// at their padding position s, which the finished-row branches of the step
+// kernels write for the rows they visit.  For the rest, one launch before the
+// time loop sets every padding position (t >= lengths[b]) of the array to 0
+// (params.h's zero_padding_words).
+template <typename V>
+void zero_padding(V* a, int64_t T, int64_t B, int64_t width, const int64_t* lengths,
+                  cudaStream_t stream) {
+  static_assert(sizeof(V) % sizeof(uint16_t) == 0, "zero_padding: a storage or accumulate type");
+  if (a == nullptr || T * B * width == 0) return;
+  zero_padding_words(a, T, B, width * int64_t(sizeof(V) / sizeof(uint16_t)), lengths, stream);
+}
+
 // Runtime flags as template parameters (mamba's BOOL_SWITCH, without the
 // macro): f(std::bool_constant<a>{}, std::bool_constant<b>{}), so that
 // `decltype(x)::value` is a constant in f and every combination is compiled.

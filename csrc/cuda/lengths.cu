@@ -1,4 +1,5 @@
-// Host lengths -> device memory through kernel parameters (see params.h).
+// Host lengths -> device memory through kernel parameters, and the padding
+// positions past them set to 0 (see params.h).
 //
 // A copy from pageable host memory would synchronise (and is illegal during
 // CUDA-graph capture); one from a pinned staging buffer would be captured as
@@ -23,6 +24,17 @@ __global__ void upload_lengths_kernel(const LengthsChunk chunk) {
   if (i < chunk.n) chunk.dst[i] = chunk.values[i];
 }
 
+__global__ void __launch_bounds__(kPointwiseThreads)
+    zero_padding_kernel(uint16_t* a, int64_t T, int64_t B, int64_t words,
+                        const int64_t* lengths) {
+  const int64_t n = T * B * words;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / words, t = row / B, b = row - t * B;
+    if (t >= lengths[b]) a[i] = 0;
+  }
+}
+
 }  // namespace
 
 void upload_lengths(const int64_t* host, int64_t B, int64_t* device, cudaStream_t stream) {
@@ -35,6 +47,13 @@ void upload_lengths(const int64_t* host, int64_t B, int64_t* device, cudaStream_
     RNNKERN_LAUNCH((kChunk + 127) / 128, 128, 0, stream, upload_lengths_kernel)(chunk);
     RNNKERN_LAUNCH_CHECK();
   }
+}
+
+void zero_padding_words(void* a, int64_t T, int64_t B, int64_t words, const int64_t* lengths,
+                        cudaStream_t stream) {
+  RNNKERN_LAUNCH(pointwise_blocks(T * B * words), kPointwiseThreads, 0, stream,
+                 zero_padding_kernel)(static_cast<uint16_t*>(a), T, B, words, lengths);
+  RNNKERN_LAUNCH_CHECK();
 }
 
 }  // namespace rnnkern::cuda

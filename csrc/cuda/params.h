@@ -92,6 +92,11 @@ struct RecurrenceForwardParams {
   int64_t T, B, H, P;
   bool reverse;
   const int64_t* lengths;  // device [B], or null: every sequence has T steps
+  // Host [T], with lengths: step s's products cover rows [0, live_rows[s]), up
+  // to the last row still running (live_rows()), so a batch whose lengths fall
+  // along its rows -- a packed batch, sorted longest first -- costs its real
+  // steps, not rows x longest.  Null: every step covers all B rows.
+  const int64_t* live_rows;
 
   const void* xproj;  // S [T, B, G*H], row (t, b) at t*xproj_stride_t + b*xproj_stride_b
   int64_t xproj_stride_t, xproj_stride_b;
@@ -128,7 +133,8 @@ struct RecurrenceBackwardParams {
   Cell cell;
   int64_t T, B, H, P;
   bool reverse;
-  const int64_t* lengths;  // device [B] or null
+  const int64_t* lengths;    // device [B] or null
+  const int64_t* live_rows;  // host [T] or null (as in the forward)
 
   const void* grad_output;  // S [T, B, P] with strides below, or null (zeros)
   int64_t grad_output_stride_t, grad_output_stride_b;
@@ -205,5 +211,11 @@ void step_forward(const StepParams& p, const Context& ctx);
 // pinned staging buffer and no host synchronisation, so the values are part
 // of a captured CUDA graph (as every other argument of the op is).
 void upload_lengths(const int64_t* host, int64_t B, int64_t* device, cudaStream_t stream);
+
+// Sets the padding positions (t >= lengths[b], lengths on the device) of a
+// [T, B, words] array of 16-bit words to 0: all-zero bits, +0 in every storage
+// and accumulate type (each a whole number of words), one kernel for all.
+void zero_padding_words(void* a, int64_t T, int64_t B, int64_t words, const int64_t* lengths,
+                        cudaStream_t stream);
 
 }  // namespace rnnkern::cuda

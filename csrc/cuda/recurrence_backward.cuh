@@ -84,8 +84,9 @@ __global__ void __launch_bounds__(kRowThreads) lstm_ln_backward_kernel(const Bac
 }
 
 template <typename S, bool kResets, bool kZoneout>
-void launch_lstm_ln_backward(const BackwardStep<S>& st, cudaStream_t stream) {
-  RNNKERN_LAUNCH(row_blocks(st.B), kRowThreads, 0, stream,
+void launch_lstm_ln_backward(const BackwardStep<S>& st, int64_t rows, cudaStream_t stream) {
+  if (rows == 0) return;
+  RNNKERN_LAUNCH(row_blocks(rows), kRowThreads, 0, stream,
                  lstm_ln_backward_kernel<S, kResets, kZoneout>)(st);
   RNNKERN_LAUNCH_CHECK();
 }
@@ -151,44 +152,65 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
       persistent_backward<S>(st, cell, w_hh, static_cast<S*>(p.da_other), p.resets != nullptr,
                              p.zoneout != nullptr, stream))
     return;
+  // With lengths step s visits rows [0, live(s)) only (params.h): the rows
+  // past them have not started (backwards), their carried gradients wait
+  // untouched, and their padding at s is written before the loop.
+  auto live = [&](int64_t s) { return p.live_rows == nullptr ? B : p.live_rows[s]; };
+  if (live(T - 1) < B) {
+    zero_padding(st.dx, T, B, G * H, p.lengths, stream);
+    zero_padding(st.dhn_all, T, B, H, p.lengths, stream);
+    zero_padding(st.rh_all, T, B, H, p.lengths, stream);
+    zero_padding(st.dh_tot_all, T, B, P, p.lengths, stream);
+    zero_padding(st.h_full_all, T, B, H, p.lengths, stream);
+    zero_padding(st.dhproj_all, T, B, 4 * H, p.lengths, stream);
+  }
   bool_switch(p.resets != nullptr, p.zoneout != nullptr, [&](auto r, auto z) {
     constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
     for (int64_t s = T - 1; s >= 0; --s) {
+      const int64_t rows = live(s);
       st.start_at(s);
       if (proj) {
-        launch_backward_pointwise<S, BackwardPhase::Projection, R, Z>(st, B * P, stream);
-        gemm<S, A>(ctx, false, false, B, H, P, st.dh_tot, P, w_hr, H, 0.f,
+        launch_backward_pointwise<S, BackwardPhase::Projection, R, Z>(st, rows * P, stream);
+        gemm<S, A>(ctx, false, false, rows, H, P, st.dh_tot, P, w_hr, H, 0.f,
                    static_cast<A*>(p.dh_full), H);
       }
       switch (cell) {
         case Cell::RnnTanh:
-          launch_backward_pointwise<S, BackwardPhase::RnnTanh, R, Z>(st, B * H, stream);
+          launch_backward_pointwise<S, BackwardPhase::RnnTanh, R, Z>(st, rows * H, stream);
           break;
         case Cell::RnnRelu:
-          launch_backward_pointwise<S, BackwardPhase::RnnRelu, R, Z>(st, B * H, stream);
+          launch_backward_pointwise<S, BackwardPhase::RnnRelu, R, Z>(st, rows * H, stream);
           break;
         case Cell::Lstm:
-          launch_backward_pointwise<S, BackwardPhase::Lstm, R, Z>(st, B * H, stream);
+          launch_backward_pointwise<S, BackwardPhase::Lstm, R, Z>(st, rows * H, stream);
           break;
         case Cell::Gru:
-          launch_backward_pointwise<S, BackwardPhase::Gru, R, Z>(st, B * H, stream);
+          launch_backward_pointwise<S, BackwardPhase::Gru, R, Z>(st, rows * H, stream);
           break;
         case Cell::GruResetBefore:
-          launch_backward_pointwise<S, BackwardPhase::GruRbCandidate, R, Z>(st, B * H, stream);
-          gemm<S, A>(ctx, false, false, B, H, H, st.dn, H, w_hh + 2 * H * H, H, 0.f,
+          launch_backward_pointwise<S, BackwardPhase::GruRbCandidate, R, Z>(st, rows * H,
+                                                                            stream);
+          gemm<S, A>(ctx, false, false, rows, H, H, st.dn, H, w_hh + 2 * H * H, H, 0.f,
                      static_cast<A*>(p.drh), H);
-          launch_backward_pointwise<S, BackwardPhase::GruRbReset, R, Z>(st, B * H, stream);
+          launch_backward_pointwise<S, BackwardPhase::GruRbReset, R, Z>(st, rows * H, stream);
           break;
         case Cell::LstmLn:
-          launch_lstm_ln_backward<S, R, Z>(st, stream);
+          launch_lstm_ln_backward<S, R, Z>(st, rows, stream);
           break;
       }
       // dh_{t-1} += da W_hh[rows]: after step 0 this is the gradient of h0
       // (each row's step 0 starts from h0, whatever resets says).
-      gemm<S, A>(ctx, false, false, B, P, st.da_width, st.da, st.da_width, w_hh, P, 1.f, st.dh,
-                 P);
+      gemm<S, A>(ctx, false, false, rows, P, st.da_width, st.da, st.da_width, w_hh, P, 1.f,
+                 st.dh, P);
     }
   });
+  // The caller pairs `da` of step 0 with h0 in dW_hh: rows of zero length
+  // (none of step 0's) add nothing.
+  if (const int64_t r0 = live(0); r0 < B) {
+    const size_t row_bytes = sizeof(S) * st.da_width;
+    RNNKERN_CUDA_CHECK(
+        cudaMemset2DAsync(st.da + r0 * st.da_width, row_bytes, 0, row_bytes, B - r0, stream));
+  }
 }
 
 }  // namespace rnnkern::cuda

@@ -88,8 +88,10 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 template <typename S, bool kResets, bool kZoneout>
-void launch_lstm_ln_forward(const ForwardStep<S>& st, acc_t<S>* hproj, cudaStream_t stream) {
-  RNNKERN_LAUNCH(row_blocks(st.B), kRowThreads, 0, stream,
+void launch_lstm_ln_forward(const ForwardStep<S>& st, acc_t<S>* hproj, int64_t rows,
+                            cudaStream_t stream) {
+  if (rows == 0) return;
+  RNNKERN_LAUNCH(row_blocks(rows), kRowThreads, 0, stream,
                  lstm_ln_forward_kernel<S, kResets, kZoneout>)(st, hproj);
   RNNKERN_LAUNCH_CHECK();
 }
@@ -150,9 +152,22 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   // output row of the previous step is the state (no copies); else ping-pong.
   auto row_of_step = [&](int64_t s) { return p.reverse ? T - 1 - s : s; };
 
+  // With lengths step s's products take rows [0, live(s)), its step kernels
+  // rows [0, live(s - 1)): a row finishing at s is visited once more, which
+  // copies its state into the next slot -- both slots then hold it, whichever
+  // T & 1 is read at the end -- and writes its padding at s.  After that no
+  // kernel visits it: its later padding is written before the loop.
+  auto live = [&](int64_t s) { return s < 0 || p.live_rows == nullptr ? B : p.live_rows[s]; };
+  if (T > 1 && live(T - 2) < B) {
+    zero_padding(out, T, B, P, p.lengths, ctx.stream);
+    zero_padding(st.ws, T, B, workspace_size(cell, H, zoneout), p.lengths, ctx.stream);
+    zero_padding(st.c_steps, T, B, H, p.lengths, ctx.stream);
+  }
+
   bool_switch(resets, zoneout, [&](auto r, auto z) {
     constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
     for (int64_t s = 0; s < T; ++s) {
+      const int64_t rows = live(s), visited = live(s - 1);
       st.s = s;
       st.h_prev = slots ? h_state + (s & 1) * B * P
                         : (s == 0 ? h0 : out + row_of_step(s - 1) * B * P);
@@ -162,41 +177,45 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
         st.c_next = c_state + ((s + 1) & 1) * B * H;
       }
 
-      gemm<S, A>(ctx, false, true, B, hproj_width, P, st.h_prev, P, w_hh, P, 0.f, hproj,
+      gemm<S, A>(ctx, false, true, rows, hproj_width, P, st.h_prev, P, w_hh, P, 0.f, hproj,
                  hproj_width);
       switch (cell) {
         case Cell::RnnTanh:
-          launch_forward_pointwise<S, ForwardPhase::RnnTanh, R, Z>(st, hproj, B * H, ctx.stream);
+          launch_forward_pointwise<S, ForwardPhase::RnnTanh, R, Z>(st, hproj, visited * H,
+                                                                   ctx.stream);
           break;
         case Cell::RnnRelu:
-          launch_forward_pointwise<S, ForwardPhase::RnnRelu, R, Z>(st, hproj, B * H, ctx.stream);
+          launch_forward_pointwise<S, ForwardPhase::RnnRelu, R, Z>(st, hproj, visited * H,
+                                                                   ctx.stream);
           break;
         case Cell::Lstm:
-          launch_forward_pointwise<S, ForwardPhase::Lstm, R, Z>(st, hproj, B * H, ctx.stream);
+          launch_forward_pointwise<S, ForwardPhase::Lstm, R, Z>(st, hproj, visited * H,
+                                                                ctx.stream);
           if (proj) {
             // h_t = (o * tanh c) W_hr^T, straight into the output row (no
             // slots) or into the next state, then the per-row epilogue (the
             // finished rows, zoneout's blend, the reset rows' h0).
             S* dst = slots ? st.h_next : out + row_of_step(s) * B * P;
-            gemm<S, S>(ctx, false, true, B, P, H, st.h_full, H, w_hr, H, 0.f, dst, P);
+            gemm<S, S>(ctx, false, true, rows, P, H, st.h_full, H, w_hr, H, 0.f, dst, P);
             if (slots || Z)
-              launch_forward_pointwise<S, ForwardPhase::Projection, R, Z>(st, hproj, B * P,
+              launch_forward_pointwise<S, ForwardPhase::Projection, R, Z>(st, hproj, visited * P,
                                                                           ctx.stream);
           }
           break;
         case Cell::Gru:
-          launch_forward_pointwise<S, ForwardPhase::Gru, R, Z>(st, hproj, B * H, ctx.stream);
+          launch_forward_pointwise<S, ForwardPhase::Gru, R, Z>(st, hproj, visited * H,
+                                                               ctx.stream);
           break;
         case Cell::GruResetBefore:
-          launch_forward_pointwise<S, ForwardPhase::GruRbGates, R, Z>(st, hproj, B * H,
+          launch_forward_pointwise<S, ForwardPhase::GruRbGates, R, Z>(st, hproj, visited * H,
                                                                       ctx.stream);
-          gemm<S, A>(ctx, false, true, B, H, H, st.rh, H, w_hh + 2 * H * H, H, 0.f,
+          gemm<S, A>(ctx, false, true, rows, H, H, st.rh, H, w_hh + 2 * H * H, H, 0.f,
                      static_cast<A*>(p.hn), H);
-          launch_forward_pointwise<S, ForwardPhase::GruRbCandidate, R, Z>(st, hproj, B * H,
+          launch_forward_pointwise<S, ForwardPhase::GruRbCandidate, R, Z>(st, hproj, visited * H,
                                                                           ctx.stream);
           break;
         case Cell::LstmLn:
-          launch_lstm_ln_forward<S, R, Z>(st, hproj, ctx.stream);
+          launch_lstm_ln_forward<S, R, Z>(st, hproj, visited, ctx.stream);
           break;
       }
     }

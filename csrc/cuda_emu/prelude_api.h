@@ -14,6 +14,9 @@ void set_order(Order order, unsigned seed);
 int64_t launches();
 // Of them, the cooperative launches that ran.
 int64_t cooperative_launches();
+// Multiply-adds of the cublasGemmEx calls so far (m * n * k each): the work
+// the host loops give the GEMMs, which the tests count against the real steps.
+int64_t gemm_multiply_adds();
 
 // The device model of the occupancy query and the cooperative launch's check:
 // multiprocessors (132, an H100's) and the registers each thread of a kernel

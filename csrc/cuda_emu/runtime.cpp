@@ -122,6 +122,7 @@ struct Scheduler {
   cudaError_t last_error = cudaSuccess;
   int64_t launches = 0;
   int64_t cooperative_launches = 0;
+  int64_t gemm_multiply_adds = 0;
   // TSan sync addresses: the launch's start (host writes before it happen
   // before every thread) and end (every thread's writes before what the host
   // does next, as a stream synchronisation gives), and the current block's
@@ -497,6 +498,7 @@ RNNKERN_EMU_OWN void set_order(Order order, unsigned seed) {
 
 RNNKERN_EMU_OWN int64_t launches() { return sched().launches; }
 RNNKERN_EMU_OWN int64_t cooperative_launches() { return sched().cooperative_launches; }
+RNNKERN_EMU_OWN int64_t gemm_multiply_adds() { return sched().gemm_multiply_adds; }
 
 [[noreturn]] RNNKERN_EMU_OWN void wmma_precondition_failed(const std::string& what) {
   const ThreadCoords& c = current();
@@ -692,6 +694,7 @@ extern "C" cublasStatus_t rnnkern_emu_cublasGemmEx(
     return CUBLAS_STATUS_INVALID_VALUE;
   if (Atype != Btype || !supported_types(Atype, Ctype, compute)) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+  rnnkern::emu::sched().gemm_multiply_adds += int64_t(m) * n * k;
   const bool f64 = compute == CUBLAS_COMPUTE_64F;
   const double al = f64 ? *static_cast<const double*>(alpha) : *static_cast<const float*>(alpha);
   const double be = f64 ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
