@@ -120,8 +120,10 @@ def test_gradcheck_undefined_grads(path):
 # The per-step path shares positions() and the host code with the loop path:
 # two variants cover its own masking (lengths and reverse at once) and its
 # constexpr variant without lengths.
-PATH_VARIANTS = ([("loop", v) for v in ("plain", "reverse", "lengths", "lengths-reverse")]
-                 + [(p, v) for p in ("spread", "step") for v in ("plain", "lengths-reverse")])
+PATH_VARIANTS = ([("loop", v) for v in ("plain", "reverse", "lengths", "lengths-reverse",
+                                         "lengths-sorted-reverse")]
+                 + [(p, v) for p in ("spread", "step") for v in ("plain", "lengths-reverse")]
+                 + [("step", "lengths-sorted-reverse")])
 
 
 @pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
@@ -131,17 +133,53 @@ def test_recurrence_matches_reference_float64(cell, proj, path, variant):
     """Outputs, final states and every gradient, float64, both directions, with
     and without lengths.  H = 6 spans two column tiles of the interpreter's
     blocks; with lengths B = 5 spans two row blocks, and the lengths cover
-    full, empty and one-step sequences."""
-    T, B, H = 3, (5 if "lengths" in variant else 3), 6
+    full, empty and one-step sequences.  Sorted longest first (a packed
+    batch), B = 9 makes three row blocks whose loops stop at 3, 2 and 0
+    steps, the rest of each block's positions written as padding."""
+    lengths = {"lengths": [3, 2, 0, 3, 1], "lengths-reverse": [3, 2, 0, 3, 1],
+               "lengths-sorted-reverse": [3, 3, 3, 2, 2, 2, 1, 1, 0]}.get(variant)
+    T, B, H = 3, (3 if lengths is None else len(lengths)), 6
     args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
                                        key=("reference", variant)), DEVICE)
-    lengths = torch.tensor([3, 2, 0, 3, 1]) if "lengths" in variant else None
+    lengths = None if lengths is None else torch.tensor(lengths)
     reverse = "reverse" in variant
     key = (cell, variant)
     want = outputs_and_grads("reference", cell, args, lengths, reverse, key=key)
     got = outputs_and_grads("triton", cell, args, lengths, reverse, key=key)
     for name in want:
         assert_close(got[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+def test_per_step_grids_cover_the_live_rows(cell, proj, monkeypatch):
+    """The per-step path launches each step's kernels over the rows up to the
+    last one still running (forward: of the step before, which a finishing
+    row needs once more; backward: of the step), so a batch sorted longest
+    first costs its real steps.  The grids' row counts, recorded."""
+    force_triton_path(monkeypatch, "step")
+    from rnnkern.triton import ops as triton_ops
+    rows = []
+    grid = triton_ops._grid
+    monkeypatch.setattr(triton_ops, "_grid", lambda B, N: rows.append(B) or grid(B, N))
+    lengths = [5, 4, 4, 2, 1, 1]
+    T, B, H = 5, len(lengths), 6
+    args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
+                                       key=("live-grids", cell)), DEVICE)
+    want = outputs_and_grads("reference", cell, args, torch.tensor(lengths), False,
+                             key=("live-grids", cell))
+    rows.clear()
+    got = outputs_and_grads("triton", cell, args, torch.tensor(lengths), False,
+                            key=("live-grids", cell))
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+    live = [sum(n > s for n in lengths) for s in range(T)]  # sorted: the running rows
+    visited_forward = [B] + live[:-1]
+    launches = 1 + (cell == "gru_reset_before") + bool(proj)  # the step's kernels with _grid
+    if cell == "lstm_ln":
+        launches = 1  # (its row kernel takes _loop_grid)
+    want_rows = ([r for r in visited_forward for _ in range(launches)]
+                 + [r for r in reversed(live) for _ in range(launches)])
+    assert rows == want_rows, (rows, want_rows)
 
 
 @pytest.mark.parametrize("cell", CELLS)

@@ -168,6 +168,25 @@ def _lengths_on(device: torch.device, lengths: Optional[Tensor]) -> Optional[Ten
     return lengths.to(device)
 
 
+def _live_rows(lengths: Optional[Tensor], T: int) -> Optional[list]:
+    """Per step s, the rows [0, live[s]) the per-step path's kernels take: up to
+    the last row still running (a row runs while s < its length), as the CUDA
+    host loop (csrc/cuda/params.h's live_rows).  A batch sorted longest first
+    (a packed batch) then costs its real steps, not rows x longest.  None
+    without lengths (or for lengths already on the GPU: every step takes all rows)."""
+    if lengths is None or lengths.device.type != "cpu":
+        return None
+    n = lengths.tolist()
+    live, k, suffix_max = [], len(n), [0] * (len(n) + 1)
+    for b in reversed(range(len(n))):
+        suffix_max[b] = max(suffix_max[b + 1], n[b])
+    for s in range(T):
+        while k > 0 and suffix_max[k - 1] <= s:
+            k -= 1
+        live.append(k)
+    return live
+
+
 def _loop_grid(B: int):
     return lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),)
 
@@ -214,12 +233,18 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
         xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c)
 
     dtype, rd = xproj.dtype, _result_dtype(xproj.dtype)
-    output = xproj.new_empty((T, B, P), dtype=rd)
+    # The per-step path with lengths visits only each step's live rows
+    # (_forward_by_steps); where some step leaves rows unvisited, the [T, B]
+    # arrays start as zeros, their padding (a finished row writes zeros there).
+    live = _live_rows(lengths, T) if path == "step" else None
+    grid = (xproj.new_zeros if live is not None and T > 1 and live[T - 2] < B
+            else xproj.new_empty)
+    output = grid((T, B, P), dtype=rd)
     h_n = xproj.new_empty((B, P), dtype=rd)
     # With cell_steps c_n is every step's c, [T, B, H] (the kernels write every position).
-    c_n = (xproj.new_empty((T, B, H) if z.cell_steps else (B, H), dtype=rd) if has_c
-           else _empty(xproj))
-    ws = xproj.new_empty((T, B, k.WS), dtype=k.acc) if train else _empty(xproj, k.acc)
+    c_n = ((grid((T, B, H), dtype=rd) if z.cell_steps else xproj.new_empty((B, H), dtype=rd))
+           if has_c else _empty(xproj))
+    ws = grid((T, B, k.WS), dtype=k.acc) if train else _empty(xproj, k.acc)
     if T == 0 or B == 0:
         h_n.copy_(h0)
         if has_c and not z.cell_steps:
@@ -248,17 +273,23 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
                         T, B, H, P, rh, rc)
     else:
         _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, *args, ln, output, h_n, c_n, ws,
-                          T, B, H, P, rh, rc)
+                          T, B, H, P, rh, rc, live)
     return output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws
 
 
 def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens, ln, output,
-                      h_n, c_n, ws, T, B, H, P, rh, rc):
+                      h_n, c_n, ws, T, B, H, P, rh, rc, live=None):
     """The per-step path: the states ping-pong between two buffers in the
     accumulate dtype; nothing waits for the GPU, so the loop can be captured.
     Each step stores the state the next step starts from (the reset state rh /
     rc where that step is a reset), so the products read one buffer whatever
-    the resets."""
+    the resets.
+
+    With ``live`` (_live_rows) step s takes rows [0, live[s - 1]): a row that
+    finishes at s is visited once more, which copies its state into the other
+    buffer -- both then hold it, whichever is read at the end -- and writes its
+    padding at s; after that no kernel visits it (output, ws and c_n then come
+    zeroed: recurrence).  Its products thus cost its real steps plus one."""
     cell, dummy = k.cell, xproj
     has_c, rb, proj = has_cell_state(cell), cell == "gru_reset_before", flags["HAS_PROJ"]
     device = xproj.device
@@ -285,26 +316,29 @@ def _forward_by_steps(k, flags, opt, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lens
                          TRAIN=flags["TRAIN"], STORE_STATE=True, **common)
         row_flags.pop("DOT")
     for s in range(T):
+        rows = B if live is None or s == 0 else live[s - 1]  # (the grids; strides stay B)
+        if rows == 0:
+            break  # every row has finished: its state and padding are written
         if cell == "lstm_ln":
-            step_kernels.ln_projections_kernel[_grid(B, H)](
+            step_kernels.ln_projections_kernel[_grid(rows, H)](
                 dummy, dummy, h[0], w_hh, dummy, hr, B, 0, H, HAS_X=False, **k.consts,
                 B_CLASS=batch_class(B))
-            step_kernels.lstm_ln_forward_kernel[_loop_grid(B)](
+            step_kernels.lstm_ln_forward_kernel[_loop_grid(rows)](
                 xproj, hr, h[0], c[0], b_ih, b_hh, ln, lens, output, h[1], c[1], ws_, tmp,
                 rh, rc, *options, s, T, B, H, *opt.strides, **row_flags, B_CLASS=batch_class(B))
         else:
-            step_kernels.gates_forward_kernel[_grid(B, H)](
+            step_kernels.gates_forward_kernel[_grid(rows, H)](
                 dummy, dummy, xproj, h[0], c[0], w_hh, b_ih, b_hh, lens,
                 output, h[1], c[1], ws_, aux, rh, rc_, *options, c_n if flags["CELL_STEPS"]
                 else dummy, s, T, B, 0, H, P,
                 *opt.strides, HAS_X=False, STORE_STATE=True, **flags, B_CLASS=batch_class(B))
         if rb:
-            step_kernels.gru_rb_candidate_kernel[_grid(B, H)](
+            step_kernels.gru_rb_candidate_kernel[_grid(rows, H)](
                 aux, h[0], w_hh, b_hh, lens, output, h[1], ws_, rh, *options, s, T, B, H,
                 *opt.strides, HAS_B_HH=flags["HAS_B_HH"], TRAIN=flags["TRAIN"],
                 STORE_STATE=True, **common, B_CLASS=batch_class(B))
         if proj:
-            step_kernels.projection_forward_kernel[_grid(B, P)](
+            step_kernels.projection_forward_kernel[_grid(rows, P)](
                 aux, w_hr, h[0], lens, output, h[1], rh, *options, s, T, B, H, P, *opt.strides,
                 **common, B_CLASS=batch_class(B))
         h.reverse()
@@ -373,18 +407,24 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
     def acc_empty(*shape):
         return torch.empty(shape, dtype=k.acc, device=device)
 
-    dx = acc_empty(T, B, G * H)
+    # The per-step path with lengths visits only each step's live rows
+    # (_backward_by_steps); where some step leaves rows unvisited, the [T, B]
+    # arrays start as zeros, their padding.
+    live = _live_rows(lengths, T) if path == "step" else None
+    acc_grid = (acc_empty if not live or live[T - 1] == B
+                else lambda *shape: torch.zeros(shape, dtype=k.acc, device=device))
+    dx = acc_grid(T, B, G * H)
     rd = _result_dtype(dtype)
     grad_h0 = output.new_empty((B, P), dtype=rd)
     grad_c0 = output.new_empty((B, H), dtype=rd) if has_c else _empty(output)
     grad_rh = output.new_empty((B, P), dtype=rd) if own_reset else _empty(output)
     grad_rc = output.new_empty((B, H), dtype=rd) if own_reset and has_c else _empty(output)
     # Time-ordered extras of the weight gradients (see backward_loop_kernel).
-    aux_all = (acc_empty(T, B, H) if (cell in ("gru", "gru_reset_before", "lstm_ln") or proj)
+    aux_all = (acc_grid(T, B, H) if (cell in ("gru", "gru_reset_before", "lstm_ln") or proj)
                else None)
-    dh_tot_all = acc_empty(T, B, P) if proj else None
-    da_all = acc_empty(T, B, G * H) if ln_cell else None
-    dhr_all = acc_empty(T, B, G * H) if ln_cell else None
+    dh_tot_all = acc_grid(T, B, P) if proj else None
+    da_all = acc_grid(T, B, G * H) if ln_cell else None
+    dhr_all = acc_grid(T, B, G * H) if ln_cell else None
     lens = _lengths_on(device, lengths)
     opt = _Options(resets, zoneout, output)
     if T == 0 or B == 0:
@@ -418,7 +458,7 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
             _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh,
                                w_hr, ln, output, workspace, lens, dx, grad_h0, grad_c0, *extras,
                                T, B, H, P, rh, rc, grad_rh if own_reset else None,
-                               grad_rc if own_reset and has_c else None)
+                               grad_rc if own_reset and has_c else None, live)
     dx = dx.to(dtype)
     grads = _recurrence_weight_grads(cell, dx, aux_all, dh_tot_all, da_all, dhr_all, workspace,
                                      output, h0, lens, reverse, opt.resets, H, P, rh)
@@ -430,7 +470,7 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
 
 def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, ln,
                        output, workspace, lens, dx, grad_h0, grad_c0, aux_all, dh_tot_all, da_all,
-                       dhr_all, T, B, H, P, rh, rc, grad_rh, grad_rc):
+                       dhr_all, T, B, H, P, rh, rc, grad_rh, grad_rc, live=None):
     """The per-step BPTT: per step, one launch adds the GEMM part of the carried
     gradient (dA_{s+1} W_hh) for its columns and runs the step's backward
     (two launches for the reset-before GRU, the LSTM projection and LSTM-LN).
@@ -440,7 +480,13 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
     well, so that every kernel can be re-run by the autotuner), added at the
     end, or the gradients of the reset state (grad_rh, grad_rc, where not
     None).  A step's kernels read its start state where it has no previous
-    one from the h0 / c0 arguments: h0, c0 at step 0, rh, rc after."""
+    one from the h0 / c0 arguments: h0, c0 at step 0, rh, rc after.
+
+    With ``live`` (_live_rows) step s takes rows [0, live[s]) only: the rows
+    past them have not started (backwards).  Both buffers of each carry start
+    as its initial value (grad_h_n, grad_c_n or 0; the gate gradients 0), so a
+    row finds it in either when it starts; its padding comes zeroed
+    (recurrence_backward)."""
     cell, dummy, device = k.cell, output, output.device
     has_c, rb, proj = has_cell_state(cell), cell == "gru_reset_before", flags["HAS_PROJ"]
     GH = k.G * H
@@ -449,21 +495,26 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
     def acc_empty(*shape):
         return torch.empty(shape, dtype=k.acc, device=device)
 
-    da = [acc_empty(B, DA), acc_empty(B, DA)]
-    dh = [acc_empty(B, P), acc_empty(B, P)]
-    dh[0].copy_(grad_h_n)
-    dc = [acc_empty(B, H), acc_empty(B, H)] if has_c else [dummy] * 2
+    skips = live is not None and live[T - 1] < B  # some step leaves rows unvisited
+
+    def pair(shape, first=None):
+        """A ping-pong pair starting at `first` (0 where None); with skipped rows
+        both buffers (see above), else the second one is written before read."""
+        t = [acc_empty(*shape), acc_empty(*shape)]
+        for u in t if skips else t[:1]:
+            u.zero_() if first is None else u.copy_(first)
+        return t
+
+    da = pair((B, DA)) if skips else [acc_empty(B, DA), acc_empty(B, DA)]
+    dh = pair((B, P), grad_h_n)
     cell_steps = flags["CELL_STEPS"]  # grad_c_n [T, B, H]: added at each step, the carry from 0
-    if has_c:
-        dc[0].zero_() if cell_steps else dc[0].copy_(grad_c_n)
+    dc = pair((B, H), None if cell_steps else grad_c_n) if has_c else [dummy] * 2
     dh_mid = acc_empty(B, H) if rb else dummy  # between the two stages of the reset-before GRU
     dn = acc_empty(B, H) if rb else dummy
     dh_tot = acc_empty(B, P) if proj else dummy
     resets = flags["HAS_RESETS"]
-    dh0 = ([torch.zeros((B, P), dtype=k.acc, device=device), acc_empty(B, P)] if resets
-           else [dummy] * 2)
-    dc0 = ([torch.zeros((B, H), dtype=k.acc, device=device), acc_empty(B, H)]
-           if resets and has_c else [dummy] * 2)
+    dh0 = pair((B, P)) if resets else [dummy] * 2
+    dc0 = pair((B, H)) if resets and has_c else [dummy] * 2
     lens_ = lens if lens is not None else dummy
     ws = workspace if k.WS else dummy
     aux_all_, da_all_, dhr_all_ = (dummy if t is None else t for t in (aux_all, da_all, dhr_all))
@@ -471,15 +522,23 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
     common = dict(HAS_LENGTHS=flags["HAS_LENGTHS"], REVERSE=flags["REVERSE"], **k.consts)
     options = (opt.p_resets, opt.p_zo)
     for s in reversed(range(T)):
+        rows = B if live is None else live[s]  # (the grids; strides stay B)
         da_next, da_now = da[(s + 1) & 1], da[s & 1]
         has_next = s + 1 < T
         h_start, c_start = (h0, c0) if s == 0 else (rh, rc)
+        if rows == 0:  # no row has started yet: nothing to run, the carries wait in both buffers
+            dh.reverse()
+            dc.reverse()
+            if resets:
+                dh0.reverse()
+                dc0.reverse()
+            continue
         if proj:
-            step_kernels.projection_backward_kernel[_grid(B, P)](
+            step_kernels.projection_backward_kernel[_grid(rows, P)](
                 grad_output, dh[0], da_next, w_hh, lens_, dh_tot, dh[1], dh_tot_all, *options,
                 *dh0, s, T, B, H, P, *opt.strides, HAS_NEXT=has_next, **opt.flags, **common,
                 B_CLASS=batch_class(B))
-        step_kernels.gates_backward_kernel[_grid(B, H)](
+        step_kernels.gates_backward_kernel[_grid(rows, H)](
             grad_output, dh[0], da_next, w_hh, dc[0], ws, output, h_start,
             c_start if has_c else dummy,
             lens_, dh_tot, w_hr if proj else dummy,
@@ -488,11 +547,11 @@ def _backward_by_steps(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w
             HAS_GOUT=True, HAS_NEXT=has_next,
             **flags, B_CLASS=batch_class(B))
         if rb:
-            step_kernels.gru_rb_reset_kernel[_grid(B, H)](
+            step_kernels.gru_rb_reset_kernel[_grid(rows, H)](
                 dn, w_hh, ws, output, h_start, lens_, dh_mid, dx, da_now, dh[1], aux_all_,
                 opt.p_resets, s, T, B, H, HAS_RESETS=resets, **common, B_CLASS=batch_class(B))
         if cell == "lstm_ln":
-            step_kernels.lstm_ln_backward_kernel[_loop_grid(B)](
+            step_kernels.lstm_ln_backward_kernel[_loop_grid(rows)](
                 ws, aux_all_, da_all_, dc[0], c_start, ln, lens_, *options, dx, da_now, dhr_all_,
                 dc[1],
                 *dc0, s, T, B, H, *opt.strides, WS=k.WS, ACC=k.consts["ACC"],

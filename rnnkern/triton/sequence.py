@@ -7,6 +7,9 @@ one tl.dot per gate, fused with the gates; only xproj is read and the outputs
 and the workspace written.  The backward runs BPTT the same way, carrying dh
 and dc on chip.  The programs are independent (no grid-wide barrier), so the
 interpreter, which runs them one after another, computes the same thing.
+With lengths a program runs the steps of its longest row only, and writes the
+zeros of the padding positions after them (tiles.sequence_steps): the blocks
+of a packed batch's short rows (sorted longest first) cost their real steps.
 
 That needs the weights to fit on chip: :func:`fits_on_chip` states the limit
 and the host wrapper (:mod:`.ops`) takes the per-step kernels of :mod:`.step`
@@ -31,7 +34,8 @@ from .cells import (GRU, GRU_RESET_BEFORE, LSTM, LSTM_LN, RNN_RELU, gru_backward
                     lstm_ln_backward_output, lstm_ln_output, lstm_ln_pre_activation, rnn_backward,
                     rnn_forward, zoneout_forward, zoneout_to_candidate, zoneout_to_prev)
 from .tiles import (load_gate_vectors, load_rows, load_vector, load_weight, positions,
-                    previous_position, reset_rows, store_rows, zoneout_rows)
+                    previous_position, reset_rows, sequence_steps, store_rows, zero_rows,
+                    zoneout_rows)
 from .tuning import INTERPRET, MIN_DOT, loop_configs
 
 #: Bytes of weights (W_hh, plus W_hr with a projection, in their storage dtype,
@@ -147,7 +151,8 @@ def forward_loop_kernel(
             if CELL == LSTM or CELL == LSTM_LN:
                 b_rc = b_c
 
-    for s in range(0, T):
+    T_run = sequence_steps(p_len, o_b, m_b, T, HAS_LENGTHS)
+    for s in range(0, T_run):
         active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
         act = active[:, None]
         m_act = act & m_h[None, :]
@@ -280,6 +285,13 @@ def forward_loop_kernel(
             h = zoneout_forward(m_zh, b_h, h)
         b_h = tl.where(act, h, b_h)
         tl.store(p_out + row * P + o_p[None, :], tl.where(act, h, 0.0).to(OUT_DTYPE), mask=m_bp)
+    for s in range(T_run, T):  # padding for every row: zeros, as a finished row writes
+        row_s = s * B + row_b
+        zero_rows(p_out, row_s, P, o_p, m_b, BLOCK_P)
+        if TRAIN:
+            zero_rows(p_ws, row_s, WS, o_h, m_b, BLOCK_H)
+        if CELL_STEPS:
+            zero_rows(p_c_n, row_s, H, o_h, m_b, BLOCK_H)
 
     store_rows(p_h_n, row_b, P, o_p, m_bp, b_h)
     if (CELL == LSTM or CELL == LSTM_LN) and not CELL_STEPS:
@@ -356,7 +368,19 @@ def backward_loop_kernel(
 
     DX_DTYPE = p_dx.dtype.element_ty
     AUX_DTYPE = p_aux_all.dtype.element_ty
-    for i_s in range(0, T):
+    # The steps past every row's length first: zeros where a finished row writes them.
+    T_run = sequence_steps(p_len, o_b, m_b, T, HAS_LENGTHS)
+    for s in range(T_run, T):
+        row_s = s * B + row_b
+        zero_rows(p_dx, row_s, GH, o_h, m_b, BLOCK_H)
+        if CELL == GRU or CELL == GRU_RESET_BEFORE or CELL == LSTM_LN or HAS_PROJ:
+            zero_rows(p_aux_all, row_s, H, o_h, m_b, BLOCK_H)
+        if HAS_PROJ:
+            zero_rows(p_dh_tot_all, row_s, P, o_p, m_b, BLOCK_P)
+        if CELL == LSTM_LN:
+            zero_rows(p_da_all, row_s, GH, o_h, m_b, BLOCK_H)
+            zero_rows(p_dhr_all, row_s, GH, o_h, m_b, BLOCK_H)
+    for i_s in range(T - T_run, T):
         s = T - 1 - i_s
         active, t = positions(p_len, o_b, m_b, s, T, HAS_LENGTHS, REVERSE)
         act = active[:, None]

@@ -30,6 +30,30 @@ def store_rows(p, row, stride, o_c, m, value):
 
 
 @triton.jit
+def zero_rows(p, row, width, o, m_b, BLOCK: tl.constexpr):
+    """Zeros into columns [0, width) of the rows ``row`` ([R] int64, row-major
+    with stride width) where m_b holds, BLOCK (o's length) columns at a time."""
+    zeros = tl.zeros([BLOCK], p.dtype.element_ty)[None, :]
+    for k in range(0, width, BLOCK):
+        tl.store(p + row[:, None] * width + k + o[None, :], zeros,
+                 mask=m_b[:, None] & (k + o[None, :] < width))
+
+
+@triton.jit
+def sequence_steps(p_len, o_b, m_b, T, HAS_LENGTHS: tl.constexpr):
+    """The steps a loop kernel's rows run: T, or with lengths the longest of
+    them.  The steps after are padding for every row of the program (only
+    zeros to write), so a program of short rows -- a packed batch's later
+    rows, sorted longest first -- costs their real steps, not the batch's
+    longest."""
+    if HAS_LENGTHS:
+        n = tl.max(tl.load(p_len + o_b, mask=m_b, other=0), axis=0).to(tl.int32)
+    else:
+        n = T
+    return n
+
+
+@triton.jit
 def load_vector(p, o, m, HAS: tl.constexpr, ACC: tl.constexpr):
     """A bias slice, or zeros when the bias is absent."""
     if HAS:
