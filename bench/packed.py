@@ -1,6 +1,6 @@
 """Packed batches of skewed lengths: rnnkern against torch.nn on a PackedSequence of
 a few long and many short sequences, and against rnnkern's own dense batch with the
-same number of steps.
+same number of steps; rnnkern's ``lengths=`` on the same batch padded (unsorted) too.
 
     python -m bench.packed                      # LSTM H=128, 232 sequences, longest 100
     python -m bench.packed --cells lstm gru rnn_tanh --threads 1
@@ -18,8 +18,10 @@ PackedSequence is built before the clock (packing a padded batch is the
 caller's, the same whichever module runs it, and costs the padded grid; until
 2026-11-28 it was inside the clock).  The dense batch:
 T steps of round(steps / T) rows, the same work if the packed one cost only its
-real steps.  Timed as the main suite times (bench/timing.py): interleaved
-rounds, medians.
+real steps.  ``lengths=`` (since 2026-11-29): the padded [T, B] batch with its
+unsorted lengths and the cotangent padded with zeros, inside the clock whatever
+rnnkern does with it (it packs it: modules/sequence.py, _sorting_saves_steps).
+Timed as the main suite times (bench/timing.py): interleaved rounds, medians.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import rnnkern
 
@@ -56,17 +58,30 @@ def pair(cell: str, I: int, H: int, dtype, seed: int):
 
 def packed_inputs(T: int, B: int, I: int, H: int, lengths, dtype, seed: int):
     """A PackedSequence of random [T, B, I] sequences with ``lengths`` (batch order
-    unsorted), and a cotangent of its output's rows."""
+    unsorted), a cotangent of its output's rows, and the same as a padded batch:
+    x, lengths, the cotangent padded with zeros."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, B, I, generator=g, dtype=torch.float64).to(dtype)
     cot = torch.randn(int(lengths.sum()), H, generator=g, dtype=torch.float64).to(dtype)
-    return pack_padded_sequence(x, lengths, enforce_sorted=False), cot
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    cot_grid, _ = pad_packed_sequence(PackedSequence(cot, *packed[1:]), total_length=T)
+    return packed, cot, x, lengths, cot_grid
+
+
+def lengths_forward_backward(m, inputs):
+    """forward_backward's loss on the padded batch with lengths=: the final states
+    and the gradients of every parameter (the input's gradient is padded here)."""
+    x, lengths, cot = inputs[2:]
+    out, hidden = m(x, lengths=lengths)
+    states = list(hidden) if isinstance(hidden, tuple) else [hidden]
+    loss = (out * cot).sum() + sum(s.sum() for s in states)
+    return [*states, *torch.autograd.grad(loss, list(m.parameters()))]
 
 
 def forward_backward(m, inputs):
     """The packed output, the final states and the gradients of the packed data
     and every parameter under sum(out.data * cot) + sum(h_n) (+ sum(c_n))."""
-    packed, cot = inputs
+    packed, cot = inputs[:2]
     data = packed.data.detach().requires_grad_()
     out, hidden = m(PackedSequence(data, packed.batch_sizes, packed.sorted_indices,
                                    packed.unsorted_indices))
@@ -89,8 +104,11 @@ def measure(cell: str, T: int, B: int, I: int, H: int, mean: float, rounds: int,
     steps = int(lengths.sum())
     theirs, ours = pair(cell, I, H, torch.float64, seed)
     inputs = packed_inputs(T, B, I, H, lengths, torch.float64, seed)
+    want = forward_backward(theirs, inputs)
+    n_states = 2 if cell == "lstm" else 1
     worst = max((a - b).abs().max().item()
-                for a, b in zip(forward_backward(ours, inputs), forward_backward(theirs, inputs)))
+                for a, b in zip(forward_backward(ours, inputs) + lengths_forward_backward(ours, inputs),
+                                want + want[1:1 + n_states] + want[2 + n_states:]))
     if not worst <= TOLERANCE:
         raise SystemExit(f"bench.packed: {cell} T={T} B={B} H={H}: rnnkern and torch.nn differ by "
                          f"{worst:.3g} in float64 (> {TOLERANCE}); not timing a wrong answer")
@@ -101,13 +119,16 @@ def measure(cell: str, T: int, B: int, I: int, H: int, mean: float, rounds: int,
     dense_pool = [(torch.randn(T, Bd, I, generator=g), torch.randn(T, Bd, H, generator=g)) for _ in range(2)]
     fns = {"torch.nn packed": lambda inp: forward_backward(theirs, inp),
            "rnnkern packed": lambda inp: forward_backward(ours, inp),
+           "rnnkern lengths=": lambda inp: lengths_forward_backward(ours, inp),
            "rnnkern dense": lambda inp: dense_forward_backward(ours, inp)}
-    pools = {"torch.nn packed": pool, "rnnkern packed": pool, "rnnkern dense": dense_pool}
+    pools = {"torch.nn packed": pool, "rnnkern packed": pool, "rnnkern lengths=": pool,
+             "rnnkern dense": dense_pool}
     device = torch.device("cpu")
     stats = {}
     # Two interleaved measurements: the packed pair on the same inputs, then the
     # packed rnnkern against its dense batch (different inputs by design).
-    for names in (("torch.nn packed", "rnnkern packed"), ("rnnkern packed", "rnnkern dense")):
+    for names in (("torch.nn packed", "rnnkern packed", "rnnkern lengths="),
+                  ("rnnkern packed", "rnnkern dense")):
         sub = {n: fns[n] for n in names}
         plans = {}
         for n in names:
@@ -129,6 +150,7 @@ def measure(cell: str, T: int, B: int, I: int, H: int, mean: float, rounds: int,
     return {"cell": cell, "T": T, "B": B, "I": I, "H": H, "mean_length": mean, "steps": steps,
             "grid": T * B, "dense_B": Bd, "float64_max_difference": worst, "ms": ms,
             "speedup_vs_torch": ms["torch.nn packed"] / ms["rnnkern packed"],
+            "lengths_speedup_vs_torch": ms["torch.nn packed"] / ms["rnnkern lengths="],
             "packed_over_dense": ms["rnnkern packed (vs dense)"] / ms["rnnkern dense"],
             "stats_s": stats}
 
@@ -159,7 +181,8 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"{cell} B={r['B']} longest {r['T']} H={r['H']}: {r['steps']} steps of a {r['grid']} grid; "
               f"torch.nn {r['ms']['torch.nn packed']:.3g} ms, rnnkern {r['ms']['rnnkern packed']:.3g} ms: "
-              f"{r['speedup_vs_torch']:.2f}x; packed / dense of the same steps "
+              f"{r['speedup_vs_torch']:.2f}x (lengths= {r['ms']['rnnkern lengths=']:.3g} ms: "
+              f"{r['lengths_speedup_vs_torch']:.2f}x); packed / dense of the same steps "
               f"{r['packed_over_dense']:.2f} (float64 agreement {r['float64_max_difference']:.1e})", flush=True)
     report.write_study(args.json, {"meta": meta, "results": results})
 

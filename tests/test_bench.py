@@ -580,8 +580,8 @@ def test_resets_bench_refuses_to_time_a_wrong_answer(monkeypatch):
 
 def test_packed_bench_checks_agreement_then_times(tmp_path):
     """`python -m bench.packed --quick`: a packed batch of skewed lengths, rnnkern
-    against torch.nn (float64 agreement first) and against its own dense batch of
-    the same number of steps."""
+    against torch.nn (float64 agreement first), its lengths= on the padded batch,
+    and against its own dense batch of the same number of steps."""
     out = tmp_path / "packed.json"
     proc = subprocess.run([sys.executable, "-m", "bench.packed", "--quick", "--cells", "lstm", "gru",
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -591,8 +591,9 @@ def test_packed_bench_checks_agreement_then_times(tmp_path):
     for r in doc["results"]:
         assert r["float64_max_difference"] <= 1e-10
         assert r["T"] <= r["steps"] < r["grid"] and r["dense_B"] * r["T"] <= 2 * r["steps"]
-        assert all(positive(v) for v in r["ms"].values()) and len(r["ms"]) == 4
+        assert all(positive(v) for v in r["ms"].values()) and len(r["ms"]) == 5
         assert positive(r["speedup_vs_torch"]) and positive(r["packed_over_dense"])
+        assert positive(r["lengths_speedup_vs_torch"])
     assert "isa" in doc["meta"] and doc["meta"]["threads"] >= 1
 
 
@@ -606,6 +607,12 @@ def test_packed_bench_refuses_to_time_a_wrong_answer(monkeypatch):
         return [results[0] * (1 + 1e-6) if isinstance(m, rnnkern.LSTM) else results[0], *results[1:]]
 
     monkeypatch.setattr(packed, "forward_backward", off_by_a_millionth)
+    with pytest.raises(SystemExit, match="differ by"):
+        packed.measure("lstm", 6, 4, 3, 8, 2.0, rounds=1, seed=0)
+    monkeypatch.setattr(packed, "forward_backward", right)
+    right_lengths = packed.lengths_forward_backward
+    monkeypatch.setattr(packed, "lengths_forward_backward",
+                        lambda m, inputs: [r * (1 + 1e-6) for r in right_lengths(m, inputs)])
     with pytest.raises(SystemExit, match="differ by"):
         packed.measure("lstm", 6, 4, 3, 8, 2.0, rounds=1, seed=0)
 

@@ -301,24 +301,27 @@ def graph_nodes(t: torch.Tensor) -> set:
 
 @pytest.mark.parametrize("cell,proj", [("lstm", 0), ("lstm", 3), ("gru", 0), ("rnn_tanh", 0)],
                          ids=["lstm", "lstm_proj3", "gru", "rnn_tanh"])
-@pytest.mark.parametrize("form", ["packed", "lengths"])
+@pytest.mark.parametrize("form", ["packed", "lengths", "lengths-unsorted"])
 def test_mostly_padding_packed_batch_second_order(cell, proj, form):
     """A batch mostly padding.  Packed: the CPU kernels take the PackedSequence's
-    rows themselves, no grid anywhere (csrc/checks.h, packed_rows).  lengths=:
-    the input projection runs over the real rows, scattered into a grid from
-    rnnkern's buffer cache, gathered back through _GridToRows, whose backward
-    scatters into that cache's zeros (modules/sequence.py).  Against torch.nn
-    in float64: outputs, states, every first gradient, and the second
+    rows themselves, no grid anywhere (csrc/checks.h, packed_rows).  lengths=,
+    sorted longest first: the input projection runs over the real rows,
+    scattered into a grid from rnnkern's buffer cache, gathered back through
+    _GridToRows, whose backward scatters into that cache's zeros
+    (modules/sequence.py).  lengths=, unsorted: as the packed batch (rows, no
+    grid: sorting saves steps, _sorting_saves_steps).  Against torch.nn in
+    float64: outputs, states, every first gradient, and the second
     derivatives (create_graph through the op's reference and the scatters)."""
     case = Case(cell, proj, 2, True, False, True, "packed_unsorted", True)
     ours, theirs = make_pair(case)
     g = generator("mostly-padding-second-order", cell, proj)
-    lengths = torch.tensor([2, 9, 1, 3, 1, 2, 1, 1])  # 20 real positions of a 9 x 8 grid
+    # 20 real positions of a 9 x 8 grid
+    lengths = torch.tensor([9, 3, 2, 2, 1, 1, 1, 1] if form == "lengths" else [2, 9, 1, 3, 1, 2, 1, 1])
     x = randn(g, 9, 8, I, requires_grad=True)
     params_ours, params_theirs = list(ours.parameters()), list(theirs.parameters())
 
     def run(m, params, form):
-        if form == "lengths":
+        if form.startswith("lengths"):
             out, hidden = m(x, lengths=lengths)
             time, batch = rnnkern.reference.packed_positions(lengths.sort(descending=True).values, 9, "cpu")
             order = lengths.sort(descending=True).indices
@@ -335,6 +338,7 @@ def test_mostly_padding_packed_batch_second_order(cell, proj, form):
 
     rows, got = run(ours, params_ours, form)
     assert ("_GridToRowsBackward" in graph_nodes(rows)) == (form == "lengths")
+    assert ("PackPaddedSequenceBackward0" in graph_nodes(rows)) == (form != "lengths")
     _, want = run(theirs, params_theirs, "packed")
     assert len(got) == len(want)
     for a, b in zip(got, want):

@@ -138,6 +138,24 @@ def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
     return lengths
 
 
+def _sorting_saves_steps(lengths: Tensor) -> bool:
+    """Whether a padded batch with these ``lengths`` (CPU int64) costs clearly
+    more than its real steps as it stands.  Each step's products take the rows
+    up to the last one still running (csrc/cpu/rows.h, csrc/cuda/params.h:
+    live_rows), so the batch costs the sum over rows of the longest length
+    from that row on: its real steps when sorted longest first.  Sorting (a
+    pack) pays for its two copies when that sum exceeds the real steps by a
+    tenth; torch.nn packs for the same reason.  Zero lengths cannot be packed."""
+    n = lengths.tolist()
+    if not n or min(n) < 1:
+        return False
+    rows, longest = 0, 0
+    for v in reversed(n):
+        longest = max(longest, v)
+        rows += longest
+    return rows * 10 > sum(n) * 11
+
+
 class _RecurrentMixin(_RnnkernOptions):
     """forward() shared by RNN, GRU, LSTM and LayerNormLSTM (the torch.nn base,
     ``nn.RNNBase`` or one of its subclasses, provides the rest)."""
@@ -634,6 +652,7 @@ class _RecurrentMixin(_RnnkernOptions):
             if lengths is not None:
                 raise ValueError(f"{name}: lengths= is for padded input; a PackedSequence carries its own")
             return self._forward_packed(input, hx, resets, reset_state, backend)
+        user_hx, user_resets, user_reset_state = hx, resets, reset_state
 
         if not isinstance(input, Tensor):
             raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
@@ -673,12 +692,27 @@ class _RecurrentMixin(_RnnkernOptions):
         T = input.size(0)
         if T == 0:
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
+        if lengths is not None:
+            lengths = _check_lengths(lengths, T, B, name)
+            if not torch.compiler.is_compiling() and not (self.zoneout and self.training) \
+                    and not ops._transformed(input) and _sorting_saves_steps(lengths):
+                # Unsorted lengths run as the packed batch torch.nn would make
+                # of them (sorted longest first): its real steps, on the CPU as
+                # rows without a grid.  The same numbers (packed rows equal the
+                # grid bit for bit) and dropout in torch.nn's order either way;
+                # zoneout's masks are drawn per grid position, so a training
+                # call with zoneout keeps its batch order.  (Under torch.func
+                # the reference runs: nothing to save.)
+                packed = pack_padded_sequence(input, lengths, enforce_sorted=False)
+                out, hidden = self._forward_packed(packed, user_hx, user_resets,
+                                                   user_reset_state, backend)
+                out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
+                return out, hidden
         if resets is not None:
             resets = self._check_resets(resets, T, B, batched, input.device,
                                         keep_empty=reset_state is not None)
         packing = None
         if lengths is not None:
-            lengths = _check_lengths(lengths, T, B, name)
             dropout = self.dropout > 0 and self.training and self.num_layers > 1
             if not torch.compiler.is_compiling() and (dropout or int(lengths.sum()) * 5 < T * B * 4):
                 # Where the real rows lie: dropout draws over them as torch.nn
