@@ -166,12 +166,18 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help="default: torch's (one per core)")
     p.add_argument("--quick", action="store_true", help="T=12 B=9 I=4 H=8, 3 rounds")
+    p.add_argument("--lengths-grid", action="store_true",
+                   help="lengths= on the padded grid whatever its order (as before 2026-11-29: "
+                        "no packing of unsorted lengths), for a before/after comparison")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
         args.T, args.B, args.I, args.H, args.mean, args.rounds = 12, 9, 4, 8, 3.0, 3
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.lengths_grid:
+        from rnnkern.modules import sequence
+        sequence._sorting_saves_steps = lambda lengths: False
     meta = report.study_meta("bench.packed", argv)
     print(f"bench.packed on {meta['cpu']}, {meta['threads']} thread(s), load average "
           f"{meta['load_average_at_start']}: forward + backward, float32", flush=True)

@@ -8,8 +8,9 @@ for the whole table::
     | cell | torch.nn forward | rnnkern `cpu` forward | ... |
 
 Each column header names a candidate (``torch.nn``, ``rnnkern `cpu```, ``ONNX Runtime``,
-``OpenVINO``, ``torch.nn pieces``, ``rnnkern `resets=```, ``rnnkern packed`` and
-``packed / dense`` (its time over a dense batch's of the same steps)...) and may name a phase
+``OpenVINO``, ``torch.nn pieces``, ``rnnkern `resets=```, ``rnnkern packed``, ``rnnkern
+`lengths=``` (the packed batch padded) and ``packed / dense`` (its time over a dense batch's
+of the same steps)...) and may name a phase
 (``forward``, ``forward + backward``) and a thread count (``2 threads``); each row label names
 a cell (``LSTM``, ``GRU``, ``RNN (tanh)``) and may name a size (``B=32 T=256 H=256``) and a
 dtype.  A cell of the table is then the results that match all of these:
@@ -40,6 +41,7 @@ FIGURE = re.compile(r"\d(?:\.\d+)?\s*(?:x|ms|µs|us)\b")
 CELLS = {"LSTM": "lstm", "GRU": "gru", "RNN (tanh)": "rnn_tanh", "RNN (ReLU)": "rnn_relu", "RNN": "rnn_tanh"}
 # Longest first: "torch.nn pieces" before "torch.nn".
 CANDIDATES = [("torch.nn pieces", "torch_pieces"), ("rnnkern `resets=`", "resets"),
+              ("rnnkern `lengths=`", "lengths"),
               ("packed / dense", "packed_over_dense"), ("rnnkern packed", "packed"),
               ("torch.nn", "torch"), ("rnnkern `cpu`", "cpu"), ("rnnkern `cuda`", "cuda"),
               ("rnnkern `triton`", "triton"), ("ONNX Runtime", "onnxruntime"), ("OpenVINO", "openvino")]
@@ -68,7 +70,10 @@ def records(path: Path) -> List[dict]:
                             phase="forward_backward", threads=meta["threads"],
                             values={"torch": {"ms": r["ms"]["torch.nn packed"], "x": 1.0},
                                     "packed": {"ms": r["ms"]["rnnkern packed"], "x": r["speedup_vs_torch"]},
-                                    "packed_over_dense": {"x": r["packed_over_dense"]}}))
+                                    "packed_over_dense": {"x": r["packed_over_dense"]},
+                                    **({"lengths": {"ms": r["ms"]["rnnkern lengths="],
+                                                    "x": r["lengths_speedup_vs_torch"]}}
+                                       if "lengths_speedup_vs_torch" in r else {})}))
         return out
     threads = meta["device"].get("threads")
     for r in data["results"]:

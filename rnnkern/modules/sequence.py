@@ -113,14 +113,20 @@ def _grid_to_rows(grid: Tensor, packing: _Packing) -> Tensor:
     return _gather_rows(grid, packing)
 
 
-def _packing_of_padded(lengths: Tensor, T: int, device) -> _Packing:
-    """The rows torch.nn sees for a padded batch with ``lengths``:
-    ``pack_padded_sequence(x, lengths, enforce_sorted=False)`` (same sort call,
-    so the same order; zero lengths simply contribute no rows)."""
+def _pack_by_lengths(lengths: Tensor, T: int, device):
+    """The packed batch torch.nn makes of a padded one with ``lengths``
+    (``pack_padded_sequence(x, lengths, enforce_sorted=False)``: the same sort
+    call, so the same order; zero lengths simply contribute no rows): its
+    batch_sizes, sorted_indices, and where its rows lie in the padded [T, B]."""
     sorted_lengths, sorted_indices = torch.sort(lengths, descending=True)
     batch_sizes = (sorted_lengths.unsqueeze(0) > torch.arange(T).unsqueeze(1)).sum(1)
     time, column = _packing_from_batch_sizes(batch_sizes, int(sorted_lengths.sum()), "cpu")
-    return _Packing(time.to(device), sorted_indices[column].to(device))
+    return batch_sizes, sorted_indices, _Packing(time.to(device), sorted_indices[column].to(device))
+
+
+def _packing_of_padded(lengths: Tensor, T: int, device) -> _Packing:
+    """The rows torch.nn sees for a padded batch with ``lengths`` (_pack_by_lengths)."""
+    return _pack_by_lengths(lengths, T, device)[2]
 
 
 def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
@@ -702,12 +708,16 @@ class _RecurrentMixin(_RnnkernOptions):
                 # grid bit for bit) and dropout in torch.nn's order either way;
                 # zoneout's masks are drawn per grid position, so a training
                 # call with zoneout keeps its batch order.  (Under torch.func
-                # the reference runs: nothing to save.)
-                packed = pack_padded_sequence(input, lengths, enforce_sorted=False)
+                # the reference runs: nothing to save.)  The rows move by
+                # _grid_to_rows / _rows_to_grid: pad_packed_sequence's backward
+                # copies the whole grid once per step.
+                batch_sizes, order, packing = _pack_by_lengths(lengths, T, input.device)
+                packed = PackedSequence(_grid_to_rows(input, packing), batch_sizes,
+                                        order.to(input.device))
                 out, hidden = self._forward_packed(packed, user_hx, user_resets,
                                                    user_reset_state, backend)
-                out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=T)
-                return out, hidden
+                out = _rows_to_grid(out.data, packing, T, B)
+                return (out.transpose(0, 1) if self.batch_first else out), hidden
         if resets is not None:
             resets = self._check_resets(resets, T, B, batched, input.device,
                                         keep_empty=reset_state is not None)
