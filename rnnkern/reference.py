@@ -209,6 +209,22 @@ def packed_positions(lengths: Tensor, T: int, device) -> tuple:
     return rows_of_batch_sizes(batch_sizes, int(batch_sizes.sum()), device)
 
 
+def live_rows(lengths: list, T: int) -> list:
+    """Per step s < T, how many leading rows the step's products cover when
+    sequence b has ``lengths[b]`` steps: up to the last row still running (a
+    row runs while s < its length) -- csrc/cpu/rows.h's and csrc/cuda/params.h's
+    rule.  Its sum is what a padded batch costs: the real steps exactly when
+    the lengths are sorted longest first (a packed batch)."""
+    live, k, suffix_max = [], len(lengths), [0] * (len(lengths) + 1)
+    for b in reversed(range(len(lengths))):
+        suffix_max[b] = max(suffix_max[b + 1], lengths[b])
+    for s in range(T):
+        while k > 0 and suffix_max[k - 1] <= s:
+            k -= 1
+        live.append(k)
+    return live
+
+
 def rows_of_batch_sizes(batch_sizes: Tensor, rows: int, device) -> tuple:
     """(time, batch) of the ``rows`` rows of a packed batch of ``batch_sizes``;
     sizes come from shapes only, so this traces under torch.compile."""

@@ -147,19 +147,14 @@ def _check_lengths(lengths, T: int, B: int, name: str) -> Tensor:
 def _sorting_saves_steps(lengths: Tensor) -> bool:
     """Whether a padded batch with these ``lengths`` (CPU int64) costs clearly
     more than its real steps as it stands.  Each step's products take the rows
-    up to the last one still running (csrc/cpu/rows.h, csrc/cuda/params.h:
-    live_rows), so the batch costs the sum over rows of the longest length
-    from that row on: its real steps when sorted longest first.  Sorting (a
-    pack) pays for its two copies when that sum exceeds the real steps by a
-    tenth; torch.nn packs for the same reason.  Zero lengths cannot be packed."""
+    up to the last one still running (reference.live_rows), so the batch costs
+    their sum: its real steps when sorted longest first.  Sorting (a pack) pays
+    for its two copies when that sum exceeds the real steps by a tenth;
+    torch.nn packs for the same reason.  Zero lengths cannot be packed."""
     n = lengths.tolist()
     if not n or min(n) < 1:
         return False
-    rows, longest = 0, 0
-    for v in reversed(n):
-        longest = max(longest, v)
-        rows += longest
-    return rows * 10 > sum(n) * 11
+    return sum(reference.live_rows(n, max(n))) * 10 > sum(n) * 11
 
 
 class _RecurrentMixin(_RnnkernOptions):

@@ -48,6 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..library import acc_dtype, define_family, has_cell_state, register_op_family
+from .. import reference
 from ..reference import gate_count, workspace_size
 from . import sequence, spread, step as step_kernels
 from .cells import CELL_IDS
@@ -176,15 +177,7 @@ def _live_rows(lengths: Optional[Tensor], T: int) -> Optional[list]:
     without lengths (or for lengths already on the GPU: every step takes all rows)."""
     if lengths is None or lengths.device.type != "cpu":
         return None
-    n = lengths.tolist()
-    live, k, suffix_max = [], len(n), [0] * (len(n) + 1)
-    for b in reversed(range(len(n))):
-        suffix_max[b] = max(suffix_max[b + 1], n[b])
-    for s in range(T):
-        while k > 0 and suffix_max[k - 1] <= s:
-            k -= 1
-        live.append(k)
-    return live
+    return reference.live_rows(lengths.tolist(), T)
 
 
 def _loop_grid(B: int):
