@@ -1,6 +1,8 @@
 """What ``backend="auto"`` runs: the fastest correct implementation, torch.nn's own included.
 
-A module with ``backend="auto"`` asks :func:`choose` on every call.  The answer
+A module with ``backend="auto"`` asks :func:`choose` for a call (and keeps the
+answer while nothing it depends on changes: the input's shape and dtype, grad
+mode, the weights' requires_grad, the thread count, the table).  The answer
 is torch.nn's implementation (the module's torch.nn base class: cuDNN on a GPU,
 oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
 
@@ -47,9 +49,7 @@ TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "auto_tabl
 TORCH = "torch.nn"
 
 #: A measured ratio (torch.nn's time / rnnkern's) at or above this is level or
-#: better, and rnnkern runs: the benchmark's VMs spread by ~10% from run to run,
-#: and a table with no row below it lets the modules skip the choice (~10 us a
-#: call, which a one-step call would feel more than a 3% difference).
+#: better, and rnnkern runs: the benchmark's VMs spread by ~10% from run to run.
 LEVEL = 0.97
 
 
@@ -128,7 +128,6 @@ def device_class(device: torch.device) -> str:
 # reused by another one while the caches stand.
 _CACHED_FOR: list = [None, -1]
 _INDEXES: dict = {}
-_TORCH_FASTER_SOMEWHERE: dict = {}
 _CHOICES: dict = {}
 
 
@@ -136,7 +135,7 @@ def _current_table() -> dict:
     doc = table()
     n = len(doc.get("entries", []))
     if _CACHED_FOR[0] is not doc or _CACHED_FOR[1] != n:
-        for cache in (_INDEXES, _TORCH_FASTER_SOMEWHERE, _CHOICES):
+        for cache in (_INDEXES, _CHOICES):
             cache.clear()
         _CACHED_FOR[:] = [doc, n]
     return doc
@@ -168,38 +167,6 @@ def _at_threads(rows: list, threads: int) -> list:
     2-thread row does not speak for a 1-thread call where a 1-thread row exists."""
     n = _nearest_threads(rows, threads)
     return rows if n is None else [e for e in rows if e.get("threads") in (n, None)]
-
-
-def _torch_faster_somewhere(key: str, threads: int = 0, cell: Optional[str] = None) -> bool:
-    """Whether any of the table's rows for device class ``key`` (and ``cell``,
-    if given), at the thread count nearest to ``threads`` (default torch's),
-    measured torch.nn faster than rnnkern, below :data:`LEVEL` (cached per table)."""
-    doc = _current_table()
-    threads = threads or torch.get_num_threads()
-    cache_key = (key, threads, cell)
-    if cache_key not in _TORCH_FASTER_SOMEWHERE:
-        rows = _at_threads([e for e in doc.get("entries", []) if e["device"] == key
-                            and cell in (None, e["cell"])], threads)
-        _TORCH_FASTER_SOMEWHERE[cache_key] = any(min(e["speedups"].values()) < LEVEL for e in rows)
-    return _TORCH_FASTER_SOMEWHERE[cache_key]
-
-
-def no_torch_choice(input, cell: Optional[str] = None) -> bool:
-    """True when ``auto`` cannot choose torch.nn for this input (of a module of
-    ``cell``, if given): a CPU whose table rows (if any; of that cell) at the
-    thread count nearest to torch's all measured rnnkern level or faster, and no
-    bfloat16 on a CPU with the bf16 dot products (rule 3).  The modules then
-    skip the choice: a one-step call feels every microsecond (the choice costs
-    ~8 us, this test ~1 us)."""
-    data = getattr(input, "data", input) if not isinstance(input, torch.Tensor) else input
-    if not isinstance(data, torch.Tensor):
-        return True  # not an input at all: the module's own checks name the argument
-    if not data.is_cpu:
-        return False
-    key = _this_cpu_class()
-    if key.endswith("+bf16") and (data.dtype == torch.bfloat16 or torch.is_autocast_enabled("cpu")):
-        return False
-    return not _torch_faster_somewhere(key, 0, cell)
 
 
 def _nearest(entries: list, B: int, H: int, T: int) -> dict:
@@ -253,7 +220,7 @@ def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: in
     ``device_key``: the table's key for the device (default :func:`device_class`);
     ``proj_size``: the LSTM's projection (0: none), for Triton's kernel choice;
     ``threads``: the call's thread count (default torch's), for the CPU rows.
-    Answers are remembered per table and arguments (the modules ask on every call)."""
+    Answers are remembered per table and arguments (each module also keeps its last)."""
     if torch_lacks is not None:
         return Choice(rnnkern_backend, f"torch.nn has no {torch_lacks}")
     key = device_key or device_class(device)

@@ -37,9 +37,31 @@ def entry(device, cell, dtype, phase, B, T, H, ratio, backend="cpu", threads=Non
 
 @pytest.fixture
 def table(monkeypatch):
-    """Replaces the shipped table by the entries the test appends."""
-    doc = {"entries": []}
-    monkeypatch.setattr(auto, "table", lambda: doc)
+    """Replaces the shipped table by the entries the test appends.  Each edit
+    installs a new table function, as loading another table file would: the
+    modules' kept choices hold the function, not the document's contents."""
+    doc = {"entries": None}
+
+    class Entries(list):
+        def _edited(self):
+            monkeypatch.setattr(auto, "table", lambda: doc)
+
+        def append(self, e):
+            super().append(e)
+            self._edited()
+
+        def __iadd__(self, es):
+            out = super().__iadd__(es)
+            self._edited()
+            return out
+
+        def pop(self, *a):
+            out = super().pop(*a)
+            self._edited()
+            return out
+
+    doc["entries"] = Entries()
+    doc["entries"]._edited()
     return doc["entries"]
 
 
@@ -83,8 +105,7 @@ def test_level_counts_as_rnnkern(table):
 
 def test_cpu_rows_at_the_nearest_thread_count(table, monkeypatch):
     """oneDNN and rnnkern scale differently with threads: a CPU call decides by
-    the rows measured at the thread count nearest to its own, and the modules
-    skip the choice only where no such row of their cell measured torch.nn faster."""
+    the rows measured at the thread count nearest to its own."""
     table += [entry("cpu:256bit", "lstm", "float32", "forward_backward", 64, 64, 128, 0.88, threads=1),
               entry("cpu:256bit", "lstm", "float32", "forward_backward", 64, 64, 128, 1.25, threads=2)]
     one = choose(training=True, B=64, T=64, H=128, threads=1)
@@ -92,13 +113,6 @@ def test_cpu_rows_at_the_nearest_thread_count(table, monkeypatch):
     for threads in (2, 3, 16):  # 3 and 16: nearer to 2 than to 1
         many = choose(training=True, B=64, T=64, H=128, threads=threads)
         assert many.implementation == "cpu" and "1.25x" in many.reason and "2 threads" in many.reason
-    monkeypatch.setattr(auto, "_this_cpu_class", lambda: "cpu:256bit")
-    x = torch.zeros(1)
-    for threads, lstm_skips in ((1, False), (2, True)):
-        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
-        assert auto.no_torch_choice(x, "lstm") == lstm_skips
-        assert auto.no_torch_choice(x, "gru")  # no GRU row measured torch.nn faster
-        assert auto.no_torch_choice(x) == lstm_skips
     # Rows that name no thread count speak for every count.
     table.append(entry("cpu:256bit", "gru", "float32", "forward", 16, 128, 256, 0.5))
     assert choose(cell="gru", threads=1).uses_torch and choose(cell="gru", threads=2).uses_torch
@@ -117,27 +131,6 @@ def test_without_a_measurement(table):
         assert choose(dtype=torch.float32, device_key=key).implementation == "cpu"
     table.append(entry("cpu:512bit+bf16", "lstm", "bfloat16", "forward", 16, 128, 256, 1.3))
     assert choose(dtype=torch.bfloat16, device_key="cpu:512bit+bf16").implementation == "cpu"
-
-
-@pytest.mark.parametrize("key", ["cpu:256bit", "cpu:512bit+bf16"])
-def test_when_the_modules_skip_the_choice(table, monkeypatch, key):
-    """The modules skip the choice (~25 us a call) on CPU tensors where it can only
-    say rnnkern: no row of this CPU class measured torch.nn faster, and no bfloat16
-    (input or CPU autocast) on a CPU with the bf16 dot products.  Never on CUDA."""
-    monkeypatch.setattr(auto, "_this_cpu_class", lambda: key)
-    bf16_cpu = key.endswith("+bf16")
-    assert auto.no_torch_choice(torch.zeros(1))
-    assert auto.no_torch_choice(torch.zeros(1, dtype=torch.bfloat16)) != bf16_cpu
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert auto.no_torch_choice(torch.zeros(1)) != bf16_cpu
-    table.append(entry(key, "gru", "float32", "forward", 16, 128, 256, 1.5))  # rnnkern faster
-    assert auto.no_torch_choice(torch.zeros(1))
-    table.append(entry("cpu:other", "lstm", "float32", "forward", 16, 128, 256, 0.5))  # another CPU
-    assert auto.no_torch_choice(torch.zeros(1))
-    table.append(entry(key, "lstm", "float32", "forward", 16, 128, 256, 0.5))  # torch.nn faster
-    assert not auto.no_torch_choice(torch.zeros(1))
-    if torch.cuda.is_available():
-        assert not auto.no_torch_choice(torch.zeros(1, device="cuda"))
 
 
 def test_the_shipped_table_is_the_committed_results(tmp_path):
@@ -244,7 +237,6 @@ def test_modules_run_the_backend_auto_chose(monkeypatch):
     ran = []
     family = ops._op_family
     monkeypatch.setattr(ops, "_op_family", lambda backend: ran.append(backend) or family(backend))
-    monkeypatch.setattr(auto, "no_torch_choice", lambda input, cell=None: False)
     monkeypatch.setattr(auto, "choose", lambda **kw: auto.Choice("triton", "test"))
     g = generator("auto", "modules_run_the_backend_auto_chose")
     x = randn(g, 6, 3, 5)
@@ -331,3 +323,59 @@ def test_a_module_reuses_its_last_choice_only_while_nothing_it_depends_on_change
     assert explain(m, x.detach().double()) == 1
     with torch.autocast("cpu", dtype=torch.bfloat16):  # never kept under autocast
         assert explain(m, x) == 1 and explain(m, x) == 1
+    # A call with an option torch.nn lacks keeps its choice too (an RL rollout's
+    # step with resets=), apart from the plain call's.
+    x = x.detach()
+    resets = torch.tensor([[True, False]])
+    n = len(asked)
+    assert rnnkern.explain(m, x, resets=resets).implementation == "cpu"
+    assert rnnkern.explain(m, x, resets=resets).implementation == "cpu"
+    assert len(asked) == n + 1
+    assert explain(m, x) == 1
+    # Packed input: kept for the same steps and batch (its batch_sizes), whatever its rows.
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 4).double(), torch.tensor([3, 2]))
+    assert explain(m, packed) == 1 and explain(m, packed) == 0
+    other = nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 4).double(), torch.tensor([3, 1]))
+    assert explain(m, other) == 0
+    assert explain(m, nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 4).double(),
+                                                       torch.tensor([4, 1]))) == 1
+
+
+def test_the_forward_runs_the_kept_choice(table, monkeypatch):
+    """The forward and rnnkern.explain share one choice: a table change between
+    calls of a one-step loop switches the forward between torch.nn and rnnkern at
+    once, and a choice torch.nn makes is torch.nn's bits."""
+    torch.manual_seed(0)
+    theirs = nn.LSTM(4, 8).double()
+    ours = rnnkern.LSTM(4, 8).double()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(1, 2, 4, dtype=torch.float64)
+    ran = []
+    torch_forward = type(ours)._torch_nn_forward
+    monkeypatch.setattr(type(ours), "_torch_nn_forward",
+                        lambda self, *a: ran.append("torch.nn") or torch_forward(self, *a))
+    ours(x)
+    assert ran == []
+    table.append(entry(auto.device_class(CPU), "lstm", "float64", "forward_backward", 2, 1, 8, 0.5))
+    got = ours(x)
+    assert ran == ["torch.nn"] and torch.equal(got[0], theirs(x)[0])
+    # An option set on the module drops the kept choice: zoneout, which torch.nn lacks.
+    ours(x)
+    assert ran == ["torch.nn"] * 2
+    ours.zoneout = 0.25
+    ours(x)
+    assert ran == ["torch.nn"] * 2
+    ours.zoneout = 0.0
+    table.pop()
+    ours(x)
+    assert ran == ["torch.nn"] * 2
+    # The kept choice stays with the module object: not in its pickles or copies
+    # (nor in a converted module's).
+    import copy
+    import pickle
+    converted = rnnkern.convert(nn.LSTM(4, 8).double())
+    converted(x)
+    for module in (ours, converted):
+        assert "_auto_kept" in module.__dict__
+        for clone in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):
+            assert "_auto_kept" not in clone.__dict__ and torch.equal(clone(x)[0], module(x)[0])

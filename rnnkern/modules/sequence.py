@@ -4,13 +4,13 @@ on the input projection of the whole sequence; one fused step for a one-step
 call)."""
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import auto, ops, reference
@@ -25,10 +25,7 @@ from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _c
 _HOST_MASK_SIZE = 256
 
 
-#: Each module's last ``auto`` choice: (what it depended on, the choice); see
-#: ``_RecurrentMixin._auto_choice``.  Weak: it goes with the module, and is
-#: never pickled with it.
-_AUTO_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
 
 def _on_host(mask: Tensor) -> bool:
@@ -225,7 +222,61 @@ class _RecurrentMixin(_RnnkernOptions):
     def _auto_choice(self, input, hx=None, lengths: Optional[Tensor] = None,
                      resets: Optional[Tensor] = None) -> auto.Choice:
         """What ``backend="auto"`` runs for this call, and why (rnnkern/auto.py):
-        torch.nn's forward (the base class's) or rnnkern's kernels."""
+        torch.nn's forward (the base class's) or rnnkern's kernels.
+
+        The module keeps its last choice with what the call brought to it
+        (``key``: the input's shape, dtype, device and requires_grad, the
+        weights' dtype and requires_grad, grad mode, thread count, whether
+        lengths= and resets= came, the table and CPU-class functions), and
+        reuses it while that is the same: a one-step call in a loop (an RL
+        rollout) paid 8-25 us for the choice, up to a fifth of the call (Zen 3,
+        LSTM B=1).  The module's own options drop it when set (__setattr__).
+        Each read costs ~0.3 us inside a one-step forward (cold caches after
+        the kernel), so the key is built inline, of as few reads as that.  Not
+        kept: calls under autocast, torch.compile, forward-mode AD or torch.func."""
+        key = None
+        if not (_any_autocast() or _peek_interpreter_stack() is not None
+                or forward_ad._current_level >= 0 or torch.compiler.is_compiling()):
+            if isinstance(input, Tensor):
+                data, size = input, input.shape
+            elif isinstance(input, PackedSequence):
+                data = input.data
+                steps = input.batch_sizes.numel()  # (T and B: the rows' total is no size of the call)
+                size = (steps, int(input.batch_sizes[0]) if steps else 0, data.size(-1))
+            else:
+                data = None
+            if data is not None:
+                name = self._flat_weights_names[0]
+                weight = self._parameters.get(name)
+                if weight is None:
+                    weight = getattr(self, name)
+                key = (size, data.dtype, data.device, data.requires_grad, weight.dtype,
+                       weight.requires_grad, torch.is_grad_enabled(), torch.get_num_threads(),
+                       lengths is None, resets is None, auto.table, auto._this_cpu_class)
+                kept = self.__dict__.get("_auto_kept")
+                if kept is not None and kept[0] == key:
+                    return kept[1]
+        choice = self._choose_afresh(input, hx, lengths, resets)
+        if key is not None:
+            # (In the instance's __dict__, not through nn.Module.__setattr__;
+            # __getstate__ leaves it out of pickles and copies.)
+            self.__dict__["_auto_kept"] = (key, choice)
+        return choice
+
+    def __setattr__(self, name, value):
+        # An option or parameter set anew (zoneout, batch_first, a weight, ...)
+        # may change auto's choice: the kept one goes.
+        self.__dict__.pop("_auto_kept", None)
+        super().__setattr__(name, value)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_auto_kept", None)
+        return state
+
+    def _choose_afresh(self, input, hx, lengths: Optional[Tensor],
+                       resets: Optional[Tensor]) -> auto.Choice:
+        """``_auto_choice`` without the memo."""
         data = input.data if isinstance(input, PackedSequence) else input
         if torch.compiler.is_compiling():
             return auto.Choice(ops.resolve_backend("auto", data.device),
@@ -237,25 +288,9 @@ class _RecurrentMixin(_RnnkernOptions):
                                "reference formulation (torch.nn's modules do not batch)")
         lacks = self._torch_nn_lacks(lengths, resets)
         weight = getattr(self, self._flat_weights_names[0])
-        autocast = _any_autocast()
         device = data.device
-        # The choice of this module's previous call, where everything it
-        # depends on is the same (a one-step call in a loop paid ~8 us for the
-        # choice, a sixth of the call): not under autocast, nor for packed
-        # input (their sizes are in batch_sizes), and a table or CPU class
-        # changed in between (tests) misses.
-        memo_key = None
-        if not autocast and lacks is None and isinstance(input, Tensor):
-            doc = auto.table()  # (and its entry count: auto's own caches' rule)
-            memo_key = (data.shape, data.dtype, device, data.requires_grad, weight.dtype,
-                        weight.requires_grad, torch.is_grad_enabled(), torch.get_num_threads(),
-                        self.batch_first, self.hidden_size, self.proj_size, doc,
-                        len(doc.get("entries", ())),
-                        auto._this_cpu_class() if device.type == "cpu" else None)
-            memo = _AUTO_MEMO.get(self)
-            if memo is not None and memo[0] == memo_key:
-                return memo[1]
         backend = ops.resolve_backend("auto", device)
+        autocast = _any_autocast()
         dtype = (self._run_dtype_under_autocast(device, weight) if autocast else None) or data.dtype
         if isinstance(input, PackedSequence):
             T, B = input.batch_sizes.numel(), int(input.batch_sizes[0]) if input.batch_sizes.numel() else 0
@@ -264,12 +299,9 @@ class _RecurrentMixin(_RnnkernOptions):
         else:
             T, B = data.size(0), 1
         training = torch.is_grad_enabled() and (data.requires_grad or weight.requires_grad)
-        choice = auto.choose(cell=self.cell, device=device, dtype=dtype, B=B, H=self.hidden_size,
-                             T=T, training=training, torch_lacks=lacks, rnnkern_backend=backend,
-                             proj_size=self.proj_size)
-        if memo_key is not None:
-            _AUTO_MEMO[self] = (memo_key, choice)
-        return choice
+        return auto.choose(cell=self.cell, device=device, dtype=dtype, B=B, H=self.hidden_size,
+                           T=T, training=training, torch_lacks=lacks, rnnkern_backend=backend,
+                           proj_size=self.proj_size)
 
     def _zoneout_width(self) -> int:
         """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
@@ -354,6 +386,16 @@ class _RecurrentMixin(_RnnkernOptions):
             reset_state = tuple(torch.zeros_like(h) for h in hx)
         r0 = None if reset_state is None else reset_state[0]
         rc0 = reset_state[1] if lstm and reset_state is not None else None
+        # One step (a streaming or token-by-token call): the fused step op, x W_ih^T
+        # inside, instead of an input projection and a recurrence of one step --
+        # one op call instead of two, which is most of such a call's cost.
+        if x.size(0) == 1 and not packed and not p and self.proj_size == 0 and not cell_steps:
+            x, hidden = self._one_step_layers(backend, x, h0, c0, weights, lns, D,
+                                              None if reset_is_hx else resets, r0, rc0)
+            if result_dtypes is not None:
+                x = x.to(result_dtypes[0])
+                hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
+            return x, hidden
         # Per direction, the resets the op sees: a boundary before position t+1
         # makes the reverse direction's step at t start afresh (not at a row's
         # last position: the boundary there lies past its end).
@@ -370,12 +412,6 @@ class _RecurrentMixin(_RnnkernOptions):
             Z = self._zoneout_width()
             if not self.training:  # the expectation: one [Z] vector, broadcast
                 zoneout = torch.full((Z,), p, dtype=x.dtype, device=x.device).expand(T, B, Z)
-        # One step (a streaming or token-by-token call): the fused step op, x W_ih^T
-        # inside, instead of an input projection and a recurrence of one step --
-        # one op call instead of two, which is most of such a call's cost.  (A
-        # reset there makes the forward direction start from the reset state.)
-        one_step = (x.size(0) == 1 and lengths is None and not p and self.proj_size == 0
-                    and not cell_steps)
         steps = {"cell_steps": True} if cell_steps else {}  # (the plain calls keep their form)
         h_n, c_n = [], []
         for layer in range(self.num_layers):
@@ -383,21 +419,6 @@ class _RecurrentMixin(_RnnkernOptions):
             for d in range(D):
                 idx = layer * D + d
                 w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
-                if one_step:
-                    h_in, c_in = h0[idx], c0[idx] if lstm else None
-                    if resets is not None and d == 0 and not reset_is_hx:
-                        restart = resets[0].unsqueeze(1)
-                        h_in = torch.where(restart, r0[idx], h_in)
-                        c_in = torch.where(restart, rc0[idx], c_in) if lstm else None
-                    h, c = ops.run_step(backend, cell, x[0], h_in, c_in,
-                                        w_ih, w_hh, b_ih, b_hh, None if lns is None else lns[idx])
-                    outputs.append(h.unsqueeze(0))
-                    # h_n apart from the output, as on every other path (an
-                    # in-place edit of one must not show in the other)
-                    h_n.append(h.clone() if self.num_layers * D == 1 else h)
-                    if lstm:
-                        c_n.append(c)
-                    continue
                 if p and self.training:  # a fresh Bernoulli mask per layer and direction
                     zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
                 xproj = self._input_projection(x, w_ih, backend, packing, x_rows if layer == 0 else None)
@@ -424,6 +445,45 @@ class _RecurrentMixin(_RnnkernOptions):
             x = x.to(result_dtypes[0])
             hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
         return x, hidden
+
+    def _one_step_layers(self, backend: str, x: Tensor, h0: Tensor, c0: Optional[Tensor],
+                         weights: list, lns: Optional[list], D: int, resets: Optional[Tensor],
+                         r0: Optional[Tensor], rc0: Optional[Tensor]):
+        """:meth:`_run_layers_cast` for x of one step [1, B, I]: the layers and
+        directions by the fused step op.  ``resets`` [1, B] (None: no reset, or
+        hx is the reset state) makes the forward direction start from the reset
+        state (r0, rc0) in the rows it marks."""
+        cell = self.cell
+        lstm = c0 is not None
+        restart = None if resets is None else resets[0].unsqueeze(1)
+        h_n, c_n = [], []
+        x = x[0]
+        for layer in range(self.num_layers):
+            outputs = []
+            for d in range(D):
+                idx = layer * D + d
+                w_ih, w_hh, b_ih, b_hh, _ = weights[idx]
+                h_in, c_in = h0[idx], c0[idx] if lstm else None
+                if restart is not None and d == 0:
+                    h_in = torch.where(restart, r0[idx], h_in)
+                    c_in = torch.where(restart, rc0[idx], c_in) if lstm else None
+                h, c = ops.run_step(backend, cell, x, h_in, c_in, w_ih, w_hh, b_ih, b_hh,
+                                    None if lns is None else lns[idx])
+                outputs.append(h)
+                h_n.append(h)
+                if lstm:
+                    c_n.append(c)
+            x = torch.cat(outputs, dim=-1) if D == 2 else outputs[0]
+            if self.dropout > 0 and self.training and layer + 1 < self.num_layers:
+                x = F.dropout(x, self.dropout, True)
+        out = x.unsqueeze(0)
+        if len(h_n) == 1:
+            # h_n apart from the output, as on every other path (an in-place
+            # edit of one must not show in the other)
+            hidden = (out.clone(), c_n[0].unsqueeze(0)) if lstm else (out.clone(),)
+        else:
+            hidden = (torch.stack(h_n), torch.stack(c_n)) if lstm else (torch.stack(h_n),)
+        return out, hidden
 
     @staticmethod
     def _input_projection(x: Tensor, w_ih: Tensor, backend: str, packing: Optional[_Packing],
@@ -639,11 +699,7 @@ class _RecurrentMixin(_RnnkernOptions):
             reset_state = None  # (nothing restarts: it would change nothing)
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
         backend = self.backend  # auto's choice of rnnkern backend replaces it below (on a GPU: cuda or triton)
-        # (A call torch.nn cannot run needs no choice: it runs rnnkern's default
-        # backend, which _run_layers resolves "auto" to.  An RL rollout's step
-        # with resets= is such a call, and it feels every microsecond.)
-        if self.backend == "auto" and self._torch_nn_lacks(lengths, resets) is None \
-                and not torch.compiler.is_compiling() and not auto.no_torch_choice(input, self.cell):
+        if self.backend == "auto":
             choice = self._auto_choice(input, hx, lengths, resets)
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
