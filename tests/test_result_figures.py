@@ -43,7 +43,8 @@ CELLS = {"LSTM": "lstm", "GRU": "gru", "RNN (tanh)": "rnn_tanh", "RNN (ReLU)": "
 CANDIDATES = [("torch.nn pieces", "torch_pieces"), ("rnnkern `resets=`", "resets"),
               ("rnnkern `lengths=`", "lengths"),
               ("packed / dense", "packed_over_dense"), ("rnnkern packed", "packed"),
-              ("torch.nn", "torch"), ("rnnkern `cpu`", "cpu"), ("rnnkern `cuda`", "cuda"),
+              ("torch.nn", "torch"), ("rnnkern `cpu`", "cpu"), ("rnnkern `auto`", "auto"),
+              ("rnnkern `cuda`", "cuda"),
               ("rnnkern `triton`", "triton"), ("ONNX Runtime", "onnxruntime"), ("OpenVINO", "openvino")]
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
