@@ -235,8 +235,8 @@ class _RecurrentMixin(_RnnkernOptions):
         the kernel), so the key is built inline, of as few reads as that.  Not
         kept: calls under autocast, torch.compile, forward-mode AD or torch.func."""
         key = None
-        if not (_any_autocast() or _peek_interpreter_stack() is not None
-                or forward_ad._current_level >= 0 or torch.compiler.is_compiling()):
+        if not (torch.compiler.is_compiling() or _any_autocast()
+                or _peek_interpreter_stack() is not None or forward_ad._current_level >= 0):
             if isinstance(input, Tensor):
                 data, size = input, input.shape
             elif isinstance(input, PackedSequence):
