@@ -96,6 +96,17 @@ def test_rnn_unbatched_cpu():
     compare_with_eager(m, lambda k: ((randn(generator("unbatched"), 5, 3, requires_grad=True),), {}, []))
 
 
+@pytest.mark.parametrize("T", [4, 1])
+def test_auto_compiles_after_eager_calls_kept_a_choice(T):
+    """backend="auto": an eager call first (the module keeps its choice), then the
+    compiled module -- the whole sequence path and the one-step path -- agrees
+    with eager, forward and backward; Dynamo traces no part of the kept choice."""
+    m = rnnkern.LSTM(3, 6, num_layers=2, dtype=torch.float64)
+    m(torch.zeros(T, 2, 3, dtype=torch.float64))
+    assert "_auto_kept" in m.__dict__
+    compare_with_eager(m, padded_args(T, 2, 3, hx_shapes=((2, 2, 6), (2, 2, 6))))
+
+
 def test_lstm_packed_unsorted_cpu_recompiles_for_new_lengths():
     """A pack's batch size comes from its permutation's shape; a second batch
     with other lengths runs through the graph's guards and still agrees."""
