@@ -323,8 +323,9 @@ def test_a_module_reuses_its_last_choice_only_while_nothing_it_depends_on_change
     assert explain(m, x.detach().double()) == 1
     with torch.autocast("cpu", dtype=torch.bfloat16):  # never kept under autocast
         assert explain(m, x) == 1 and explain(m, x) == 1
-    # A call with an option torch.nn lacks keeps its choice too (an RL rollout's
-    # step with resets=), apart from the plain call's.
+    # A call with an option torch.nn lacks: rnnkern (the forward runs rnnkern's default
+    # backend without asking; explain asks once and keeps the answer apart from the
+    # plain call's).
     x = x.detach()
     resets = torch.tensor([[True, False]])
     n = len(asked)
@@ -359,9 +360,21 @@ def test_the_forward_runs_the_kept_choice(table, monkeypatch):
     table.append(entry(auto.device_class(CPU), "lstm", "float64", "forward_backward", 2, 1, 8, 0.5))
     got = ours(x)
     assert ran == ["torch.nn"] and torch.equal(got[0], theirs(x)[0])
-    # An option set on the module drops the kept choice: zoneout, which torch.nn lacks.
+    # resets= and lengths= (torch.nn has neither): rnnkern, without asking for a choice.
+    asked = []
+    choice = type(ours)._auto_choice
+    monkeypatch.setattr(type(ours), "_auto_choice", lambda self, *a: asked.append(a) or choice(self, *a))
+    resets = torch.tensor([[True, False]])
+    got = ours(x, resets=resets)
+    assert ran == ["torch.nn"] and asked == []
+    twin = rnnkern.LSTM(4, 8, backend="cpu").double()
+    twin.load_state_dict(ours.state_dict())
+    assert torch.equal(got[0], twin(x, resets=resets)[0])
+    ours(x, lengths=torch.tensor([1, 1]))
+    assert ran == ["torch.nn"] and asked == []
     ours(x)
-    assert ran == ["torch.nn"] * 2
+    assert ran == ["torch.nn"] * 2 and len(asked) == 1
+    # An option set on the module drops the kept choice: zoneout, which torch.nn lacks.
     ours.zoneout = 0.25
     ours(x)
     assert ran == ["torch.nn"] * 2

@@ -699,7 +699,11 @@ class _RecurrentMixin(_RnnkernOptions):
             reset_state = None  # (nothing restarts: it would change nothing)
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
         backend = self.backend  # auto's choice of rnnkern backend replaces it below (on a GPU: cuda or triton)
-        if self.backend == "auto":
+        # (A call with lengths= or resets=, which torch.nn has not, needs no
+        # choice: it runs rnnkern's default backend, which _run_layers resolves
+        # "auto" to -- what the choice would say.  An RL rollout's step with
+        # resets= feels every microsecond, and a kept choice costs 4-5.)
+        if self.backend == "auto" and lengths is None and resets is None:
             choice = self._auto_choice(input, hx, lengths, resets)
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
