@@ -475,7 +475,7 @@ class _RecurrentMixin(_RnnkernOptions):
                     c_n.append(c)
             x = torch.cat(outputs, dim=-1) if D == 2 else outputs[0]
             if self.dropout > 0 and self.training and layer + 1 < self.num_layers:
-                x = F.dropout(x, self.dropout, True)
+                x = self._dropout(x, None)
         out = x.unsqueeze(0)
         if len(h_n) == 1:
             # h_n apart from the output, as on every other path (an in-place
@@ -704,7 +704,7 @@ class _RecurrentMixin(_RnnkernOptions):
         # "auto" to -- what the choice would say.  An RL rollout's step with
         # resets= feels every microsecond, and a kept choice costs 4-5.)
         if self.backend == "auto" and lengths is None and resets is None:
-            choice = self._auto_choice(input, hx, lengths, resets)
+            choice = self._auto_choice(input, hx)
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
             backend = choice.implementation
