@@ -74,6 +74,15 @@ TORCH_LIBRARY(rnnkern, m) {
       "int needs=255) "
       "-> (Tensor grad_x, Tensor grad_h, Tensor grad_c, Tensor grad_w_ih, Tensor grad_w_hh, "
       "Tensor grad_b_ih, Tensor grad_b_hh, Tensor grad_ln)");
+  // One step of a whole layer stack by `step`, per layer and direction
+  // (CompositeImplicitAutograd, every family: layers_step.cpp): a one-step
+  // call of a module.  input [1, B, I] ([B, 1, I] with batch_first), h0 (c0)
+  // [L*D, B, H] and weights as torch.nn's hx and _flat_weights (w_ih, w_hh[,
+  // b_ih, b_hh] per layer and direction).  c_n: empty [0] without a cell state.
+  m.def(
+      "layers_step(str cell, Tensor input, Tensor h0, Tensor? c0, Tensor[] weights, "
+      "int num_layers, bool bidirectional, bool batch_first) "
+      "-> (Tensor output, Tensor h_n, Tensor c_n)");
   // step_backward's `needs`: bit i set when output i is wanted (grad_x = bit 0
   // ... grad_ln = bit 7); an unwanted output is an empty [0] tensor, and a
   // backend may skip its work (one step's products are the call's cost: a

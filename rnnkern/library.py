@@ -27,6 +27,9 @@ WITH_CUDA_EMULATION = importlib.util.find_spec("rnnkern._C_cuda_emu") is not Non
 
 #: The ops of every family, in schema order.
 OP_NAMES = ("recurrence", "recurrence_backward", "step", "step_backward")
+#: The family's ops made of its others (CompositeImplicitAutograd, C++: one
+#: implementation for every family, registered by :func:`register_op_family`).
+COMPOSITE_NAMES = ("layers_step",)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -148,20 +151,22 @@ def _reference_grads(op, cell, inputs, grads, constants, reverse, needs):
 def register_op_family(namespace: str) -> None:
     """Registers the fake implementations and the autograd formulas of
     ``torch.ops.<namespace>.{recurrence, recurrence_backward, step, step_backward}``
-    (the formulas are C++, csrc/autograd.cpp, one source for every family)."""
+    (the formulas are C++, csrc/autograd.cpp, one source for every family),
+    and its composite ``layers_step`` (csrc/layers_step.cpp)."""
     torch.library.register_fake(f"{namespace}::recurrence")(_recurrence_fake)
     torch.library.register_fake(f"{namespace}::recurrence_backward")(_recurrence_backward_fake)
     torch.library.register_fake(f"{namespace}::step")(_step_fake)
     torch.library.register_fake(f"{namespace}::step_backward")(_step_backward_fake)
     _C.register_autograd(namespace)
+    _C.register_layers_step(namespace)
 
 
 def define_family(namespace: str, impls: Optional[dict] = None,
                   keys: Sequence[str] = ()) -> torch.library.Library:
     """Defines ``torch.ops.<namespace>.{recurrence, recurrence_backward, step,
-    step_backward}`` with the schemas of ``torch.ops.rnnkern`` (one source:
-    csrc/ops.cpp) and implements each op of ``impls`` (name -> function) for the
-    dispatch ``keys``.  The caller keeps the returned library alive and calls
+    step_backward}`` and the composite ``layers_step`` with the schemas of
+    ``torch.ops.rnnkern`` (one source: csrc/ops.cpp) and implements each op of
+    ``impls`` (name -> function) for the dispatch ``keys``.  The caller keeps the returned library alive and calls
     :func:`register_op_family` once the implementations are in place."""
     lib = torch.library.Library(namespace, "DEF")
     for name in OP_NAMES:
@@ -169,6 +174,8 @@ def define_family(namespace: str, impls: Optional[dict] = None,
         lib.define(schema.split("::", 1)[1])
         for key in keys:
             lib.impl(name, (impls or {})[name], key)
+    for name in COMPOSITE_NAMES:
+        lib.define(str(getattr(torch.ops.rnnkern, name).default._schema).split("::", 1)[1])
     return lib
 
 

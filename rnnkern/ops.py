@@ -46,8 +46,9 @@ BACKENDS = ("auto", "reference", "cpu", "cuda", "triton") + (
 WITH_CUDA = bool(_C.WITH_CUDA)
 
 __all__ = ["BACKENDS", "CELLS", "ALL_CELLS", "WITH_CUDA", "recurrence", "step", "input_projection",
-           "run_recurrence", "run_step", "resolve_backend", "register_op_family", "empty_cpu_cache",
-           "set_cuda_persistent", "cuda_persistent", "PERSISTENT_MODES"]
+           "run_recurrence", "run_step", "run_layers_step", "resolve_backend",
+           "register_op_family", "empty_cpu_cache", "set_cuda_persistent", "cuda_persistent",
+           "PERSISTENT_MODES"]
 
 
 #: The persistent kernels' modes, by their code in the extension (Context::persistent).
@@ -324,3 +325,17 @@ def run_step(backend: str, cell: str, x: Tensor, h: Tensor, c: Optional[Tensor],
         return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
     h_new, c_new, _ = _op_family(backend).step.default(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
     return h_new, (c_new if has_cell_state(cell) else None)
+
+
+def run_layers_step(backend: str, cell: str, input: Tensor, h0: Tensor, c0: Optional[Tensor],
+                    weights: list, num_layers: int, bidirectional: bool, batch_first: bool):
+    """One step of a whole layer stack, every layer and direction by the fused
+    step (the family's ``layers_step``, csrc/layers_step.cpp): input [1, B, I]
+    ([B, 1, I] with ``batch_first``), h0 (c0) [L*D, B, H] and ``weights`` as
+    torch.nn's hx and ``_flat_weights`` (no projection) -> (output, h_n, c_n or
+    None).  On a backend with kernels (not ``reference``), tensors outside
+    forward-mode AD and torch.func (:func:`_transformed`: the caller steps
+    the reference); no dropout between layers and no resets (the caller's)."""
+    output, h_n, c_n = _op_family(backend).layers_step.default(
+        cell, input, h0, c0, weights, num_layers, bidirectional, batch_first)
+    return output, h_n, (c_n if c0 is not None else None)

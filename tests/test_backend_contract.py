@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from rnnkern import ops
+from rnnkern import ops, reference
 from conftest import (CELLS, HAS_GPU, assert_close, differentiable, force_triton_path,
                       generator, randn, recurrence_inputs, run_recurrence, step_inputs,
                       to_device)
@@ -304,3 +304,125 @@ def test_empty_and_tiny(backend, cell, T, B, H, monkeypatch):
     for i, (got, want) in enumerate(zip(results[1], results[0])):
         assert got.shape == want.shape, i
         assert_close(got, want, what=f"result {i}")
+
+
+# ------------------------------------------- one step of a layer stack ----
+
+def layers_step_inputs(cell, L, D, B, I, H, *, bias=True, batch_first=False, requires_grad=False,
+                       key=()):
+    """Random arguments of layers_step: input, h0, c0 and torch.nn's flat weights."""
+    g = generator("layers_step", cell, L, D, B, I, H, bias, batch_first, *key)
+    G = reference.gate_count(cell)
+    s, rg = H ** -0.5, requires_grad
+    weights = []
+    for layer in range(L):
+        width = I if layer == 0 else D * H
+        for _ in range(D):
+            weights += [randn(g, G * H, width, scale=s, requires_grad=rg),
+                        randn(g, G * H, H, scale=s, requires_grad=rg)]
+            if bias:
+                weights += [randn(g, G * H, scale=s, requires_grad=rg) for _ in range(2)]
+    return dict(input=randn(g, *((B, 1, I) if batch_first else (1, B, I)), requires_grad=rg),
+                h0=randn(g, L * D, B, H, scale=0.5, requires_grad=rg),
+                c0=randn(g, L * D, B, H, scale=0.5, requires_grad=rg) if cell == "lstm" else None,
+                weights=weights)
+
+
+def layers_by_steps(step, cell, input, h0, c0, weights, L, D, batch_first):
+    """layers_step's result from one ``step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh)``
+    per layer and direction (what the op promises to be)."""
+    per = len(weights) // (L * D)
+    x = input[:, 0] if batch_first else input[0]
+    h_n, c_n = [], []
+    for layer in range(L):
+        outs = []
+        for d in range(D):
+            i = layer * D + d
+            w = weights[i * per:(i + 1) * per] + [None] * (4 - per)
+            h, c = step(cell, x, h0[i], None if c0 is None else c0[i], *w)
+            outs.append(h)
+            h_n.append(h)
+            c_n.append(c)
+        x = torch.cat(outs, -1)
+    out = x.unsqueeze(1 if batch_first else 0)
+    return out, torch.stack(h_n), (torch.stack(c_n) if c0 is not None else None)
+
+
+def _layers_step_cases():
+    """(backend, size): size = (L, D, B, I, H, bias, batch_first, input key, gradcheck kind)."""
+    forms = [(1, 1, True, False), (2, 2, True, True), (2, 1, False, False), (1, 2, False, True)]
+    sizes = {"cpu": (3, 5, 4, ("lstep",), "full"), "cuda_emulated": (2, 3, 3, ("emu",), "fast"),
+             "triton-loop": (2, 3, 4, ("lstep",), "flat"), "cuda": (3, 5, 4, ("lstep",), "full")}
+    return [param(backend, cell, (L, D, B, I, H, bias, bf, key, kind),
+                  id=f"{cell}-L{L}-D{D}-{'bias' if bias else 'nobias'}{'-bf' if bf else ''}")
+            for backend, (B, I, H, key, kind) in sizes.items()
+            for cell in CELLS for L, D, bias, bf in forms]
+
+
+@pytest.mark.parametrize("backend,cell,size", _layers_step_cases())
+def test_layers_step_is_its_steps(backend, cell, size, monkeypatch):
+    """layers_step (the one-step call of a module's whole stack) gives the bits
+    of the family's step op called per layer and direction, the reference's
+    numbers in float64, and float64 gradcheck holds through it (its steps'
+    autograd formulas)."""
+    name, device = use(backend, monkeypatch)
+    L, D, B, I, H, bias, batch_first, key, kind = size
+    args = layers_step_inputs(cell, L, D, B, I, H, bias=bias, batch_first=batch_first, key=key)
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else
+            None if v is None else [w.to(device) for w in v] for k, v in args.items()}
+    fam = family(name)
+    got = fam.layers_step(cell, args["input"], args["h0"], args["c0"], args["weights"], L, D == 2,
+                          batch_first)
+    lstm = cell == "lstm"
+    assert got[2].shape == ((L * D, B, H) if lstm else (0,))
+
+    def fam_step(cell, x, h, c, *w):
+        h_new, c_new, _ = fam.step(cell, x, h, c, *w)
+        return h_new, c_new
+    same = layers_by_steps(fam_step, cell, args["input"], args["h0"], args["c0"], args["weights"],
+                           L, D, batch_first)
+    ref = layers_by_steps(reference.step, cell, args["input"].cpu(), args["h0"].cpu(),
+                          None if args["c0"] is None else args["c0"].cpu(),
+                          [w.cpu() for w in args["weights"]], L, D, batch_first)
+    for i in range(3 if lstm else 2):
+        assert torch.equal(got[i], same[i]), f"result {i}: not the bits of its steps"
+        assert_close(got[i].cpu(), ref[i], what=f"result {i} against the reference")
+
+    tensors = [args["input"], args["h0"]] + ([args["c0"]] if lstm else []) + args["weights"]
+
+    def f(*ts):
+        x, h0, *rest = ts
+        c0 = rest.pop(0) if lstm else None
+        out, h_n, c_n = fam.layers_step(cell, x, h0, c0, list(rest), L, D == 2, batch_first)
+        return (out, h_n, c_n) if lstm else (out, h_n)
+    assert gradcheck(kind, f, [t.detach().requires_grad_() for t in tensors])
+
+
+@pytest.mark.parametrize("backend", [param(b, id="lstm") for b in ("cpu", "cuda_emulated", "cuda")])
+def test_opcheck_layers_step(backend, monkeypatch):
+    """Schema, autograd (through its steps), fake tensors (by decomposition)."""
+    name, device = use(backend, monkeypatch)
+    args = layers_step_inputs("lstm", 2, 2, 2, 3, 4, requires_grad=True, key=("opcheck",))
+    torch.library.opcheck(family(name).layers_step.default,
+                          ("lstm", args["input"].to(device), args["h0"].to(device),
+                           args["c0"].to(device), [w.to(device) for w in args["weights"]], 2, True,
+                           False))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(cell="lstm_ln"), "cell must be"),
+    (dict(num_layers=0), "num_layers must be at least 1"),
+    (dict(input=lambda a: a["input"].expand(2, -1, -1)), r"input must be \[1, B, I\]"),
+    (dict(h0=lambda a: a["h0"][:1]), r"h0 must be \[num_layers \* directions, B, H\]"),
+    (dict(c0=lambda a: None), "c0 is required"),
+    (dict(c0=lambda a: a["c0"][:, :1]), "c0 must have h0's shape"),
+    (dict(weights=lambda a: a["weights"][:-1]), r"weights must hold \(w_ih, w_hh"),
+], ids=["cell", "layers", "input", "h0", "no-c0", "c0-shape", "weights"])
+def test_layers_step_rejects_bad_arguments(change, message):
+    """Each bad argument is named before any step runs."""
+    a = layers_step_inputs("lstm", 2, 1, 3, 4, 5, key=("bad",))
+    call = dict(cell="lstm", input=a["input"], h0=a["h0"], c0=a["c0"], weights=a["weights"],
+                num_layers=2, bidirectional=False, batch_first=False)
+    call.update({k: v(a) if callable(v) else v for k, v in change.items()})
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.rnnkern.layers_step(*call.values())

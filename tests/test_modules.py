@@ -366,6 +366,140 @@ def test_one_op_call_per_layer_and_direction(monkeypatch, bidirectional, form):
     assert len(calls) == 3 * (2 if bidirectional else 1)
 
 
+ONE_STEP_MODULES = [("RNN", {}), ("RNN", {"nonlinearity": "relu"}), ("GRU", {}),
+                    ("GRU", {"reset_after": False}), ("LSTM", {})]
+
+
+@pytest.mark.parametrize("name,kwargs", ONE_STEP_MODULES,
+                         ids=["tanh", "relu", "gru", "gru-reset-before", "lstm"])
+@pytest.mark.parametrize("layers,bidirectional,batch_first,bias,hx", [
+    (1, False, False, True, True), (1, False, True, False, False), (2, True, False, True, False),
+    (2, False, True, True, True), (3, True, True, False, True)],
+    ids=["L1", "L1-bf-nobias-nohx", "L2-bi-nohx", "L2-bf", "L3-bi-bf-nobias"])
+def test_one_step_call_is_one_op(monkeypatch, name, kwargs, layers, bidirectional, batch_first,
+                                 bias, hx):
+    """A module's one-step call (streaming, an RL rollout's action step) runs its
+    whole stack as one layers_step op, none of the full forward's layer loop:
+    torch.nn's numbers and gradients (float64), with the output and h_n apart
+    (an in-place edit of one leaves the other alone)."""
+    calls = []
+    real = ops.run_layers_step
+    monkeypatch.setattr(ops, "run_layers_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loops = []
+    run_layers = getattr(rnnkern, name)._run_layers
+    monkeypatch.setattr(getattr(rnnkern, name), "_run_layers",
+                        lambda self, *a, **k: loops.append(self) or run_layers(self, *a, **k))
+    g = generator("one-step-op", name, str(kwargs), layers, bidirectional, batch_first, bias, hx)
+    I, H, B, D = 3, 5, 4, 2 if bidirectional else 1
+    options = dict(num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
+                   bias=bias, dtype=torch.float64)
+    ours = getattr(rnnkern, name)(I, H, backend="cpu", **options, **kwargs)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(randn(g, *p.shape, scale=H ** -0.5))
+    twin = kwargs.get("reset_after", True)
+    theirs = getattr(nn, name)(I, H, **options, **kwargs) if twin else \
+        getattr(rnnkern, name)(I, H, backend="reference", **options, **kwargs)
+    theirs.load_state_dict(ours.state_dict())
+    x = randn(g, *((B, 1, I) if batch_first else (1, B, I)), requires_grad=True)
+    state = None
+    if hx:
+        state = tuple(randn(g, layers * D, B, H, scale=0.5, requires_grad=True)
+                      for _ in range(2 if name == "LSTM" else 1))
+    results = []
+    for m in (ours, theirs):
+        out, h_n = m(x, None if state is None else state if name == "LSTM" else state[0])
+        finals = h_n if name == "LSTM" else (h_n,)
+        loss = (out * randn(generator("cot", 1), *out.shape)).sum() + sum(
+            (f * randn(generator("cot", 2 + i), *f.shape)).sum() for i, f in enumerate(finals))
+        wrt = [x, *(state or ()), *m.parameters()]
+        results.append([out, *finals, *torch.autograd.grad(loss, wrt)])
+    assert len(calls) == 1 and not any(m is ours for m in loops)
+    for i, (got, want) in enumerate(zip(*results)):
+        assert got.shape == want.shape, i
+        assert_close(got, want, what=f"result {i}")
+    out, h_n = ours(x.detach(), None if state is None else
+                    tuple(s.detach() for s in state) if name == "LSTM" else state[0].detach())
+    h_n = h_n[0] if name == "LSTM" else h_n
+    before = out.clone()
+    h_n.add_(1.0)
+    assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("name,kwargs,call", [
+    ("LSTM", {"num_layers": 2, "dropout": 0.5}, "train"),
+    ("LSTM", {"proj_size": 2}, "eval"),
+    ("GRU", {"zoneout": 0.3}, "eval"),
+    ("LayerNormLSTM", {}, "eval"),
+    ("RNN", {}, "unbatched"),
+    ("RNN", {}, "two-steps"),
+    ("GRU", {}, "autocast"),
+])
+def test_one_step_calls_the_op_cannot_take(monkeypatch, name, kwargs, call):
+    """What the one-step forward leaves out (dropout to draw, a projection,
+    zoneout, LayerNorm, unbatched input, more steps, autocast) runs the full
+    forward: the same results as the reference backend's."""
+    answers = []
+    cls = getattr(rnnkern, name)
+    real = cls._one_step_forward
+    monkeypatch.setattr(cls, "_one_step_forward",
+                        lambda *a, **k: answers.append(real(*a, **k)) or answers[-1])
+    g = generator("not-one-op", name, call)
+    ours = getattr(rnnkern, name)(3, 4, backend="cpu", **kwargs)
+    ref = getattr(rnnkern, name)(3, 4, backend="reference", **kwargs)
+    ref.load_state_dict(ours.state_dict())
+    if call != "train":
+        ours.eval(), ref.eval()
+    shape = {"unbatched": (1, 3), "two-steps": (2, 2, 3)}.get(call, (1, 2, 3))
+    x = randn(g, *shape, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=call == "autocast"):
+        torch.manual_seed(0)
+        got = ours(x)
+        torch.manual_seed(0)
+        want = ref(x)
+    assert answers[0] is None
+    flat = lambda r: [r[0], *(r[1] if isinstance(r[1], tuple) else (r[1],))]  # noqa: E731
+    if call == "autocast":  # run in bfloat16: within the reference's own bfloat16 error
+        exact = flat(ref(x))
+        for a, b, c in zip(flat(got), flat(want), exact):
+            assert a.dtype == b.dtype
+            assert_low_precision(a, b, c)
+        return
+    for a, b in zip(flat(got), flat(want)):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("bad", ["hx-shape", "hx-batch", "input-size", "input-dtype", "hx-dtype"])
+def test_one_step_call_errors_as_torch_nn(name, bad):
+    """A one-step call with a bad argument raises the full forward's error
+    (torch.nn's type and message where torch.nn has one), not the op's."""
+    g = generator("one-step-errors", name, bad)
+    ours = getattr(rnnkern, name)(3, 4, backend="cpu")
+    theirs = getattr(nn, name)(3, 4)
+    theirs.load_state_dict(ours.state_dict())
+    x = randn(g, 1, 2, 3, dtype=torch.float32)
+    h = randn(g, 1, 2, 4, dtype=torch.float32)
+    hx = {"hx-shape": randn(g, 2, 2, 4, dtype=torch.float32), "hx-batch": h[:, :1],
+          "hx-dtype": h.double()}.get(bad, h)
+    if bad == "input-size":
+        x = randn(g, 1, 2, 5, dtype=torch.float32)
+    if bad == "input-dtype":
+        x = x.double()
+    if name == "LSTM":
+        hx = (hx, h)
+    errors = []
+    for m in (ours, theirs):
+        with pytest.raises((RuntimeError, ValueError, TypeError)) as info:
+            m(x, hx)
+        errors.append(info)
+    if bad == "hx-dtype":  # torch.nn: its kernel's error; rnnkern's names the module and hx
+        assert errors[0].type is RuntimeError and "hx" in str(errors[0].value) \
+            and name in str(errors[0].value)
+    else:
+        assert errors[0].type is errors[1].type and str(errors[1].value) in str(errors[0].value)
+
+
 # ---------------------------------------------------------------- dropout ----
 
 class DropoutSpy:

@@ -446,6 +446,56 @@ class _RecurrentMixin(_RnnkernOptions):
             hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
         return x, hidden
 
+    def _one_step_forward(self, input: Tensor, hx, backend: str):
+        """The forward of the commonest one-step call (streaming inference, an
+        RL rollout's action step) as one op, or None for any other call: the
+        full forward then runs it, or raises its error.  The call: batched input
+        of one step, hx None or of the right shapes and the input's dtype, the
+        input of the weights' dtype, no option torch.nn lacks (zoneout,
+        LayerNorm) and no projection, no dropout to draw, eager, without
+        autocast, forward-mode AD or torch.func.  Then nothing of the full
+        forward's set-up changes the result, and its Python (checks, layouts,
+        the layer loop: ~30 us, against a 5 us op for a small RNN on a Zen 3
+        core) would make the call as slow as torch.nn's.  The same op and bits
+        as the full forward's one-step path (_one_step_layers)."""
+        shape = input.shape
+        batch_first = self.batch_first
+        if len(shape) != 3 or shape[1 if batch_first else 0] != 1 or shape[2] != self.input_size \
+                or self.zoneout or self.proj_size or self._ln_names is not None:
+            return None
+        L = self.num_layers
+        if (self.dropout and self.training and L > 1) or torch.compiler.is_compiling() \
+                or _any_autocast() or _peek_interpreter_stack() is not None \
+                or forward_ad._current_level >= 0:
+            return None
+        flat = _current(self, self._flat_weights_names)
+        dtype = input.dtype
+        if flat[0].dtype != dtype:
+            return None
+        state = (L * 2 if self.bidirectional else L, shape[0 if batch_first else 1], self.hidden_size)
+        lstm = self.mode == "LSTM"
+        if hx is None:
+            h0 = input.new_zeros(state)
+            c0 = input.new_zeros(state) if lstm else None
+        elif lstm:
+            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+                return None
+            h0, c0 = hx
+            if not (isinstance(h0, Tensor) and isinstance(c0, Tensor)) or h0.shape != state \
+                    or c0.shape != state or h0.dtype != dtype or c0.dtype != dtype:
+                return None
+        elif isinstance(hx, Tensor) and hx.shape == state and hx.dtype == dtype:
+            h0, c0 = hx, None
+        else:
+            return None
+        backend = ops.resolve_backend(backend, input.device)
+        if backend == "reference":
+            return None
+        _check_supported(type(self).__name__, backend, self.cell, dtype)
+        out, h_n, c_n = ops.run_layers_step(backend, self.cell, input, h0, c0, flat, L,
+                                            self.bidirectional, batch_first)
+        return out, ((h_n, c_n) if lstm else h_n)
+
     def _one_step_layers(self, backend: str, x: Tensor, h0: Tensor, c0: Optional[Tensor],
                          weights: list, lns: Optional[list], D: int, resets: Optional[Tensor],
                          r0: Optional[Tensor], rc0: Optional[Tensor]):
@@ -455,6 +505,15 @@ class _RecurrentMixin(_RnnkernOptions):
         state (r0, rc0) in the rows it marks."""
         cell = self.cell
         lstm = c0 is not None
+        dropout = self.dropout > 0 and self.training and self.num_layers > 1
+        if resets is None and lns is None and not dropout and backend != "reference":
+            flat = [w for ws in weights for w in ws[:4] if w is not None]
+            if not ops._transformed(x, h0, c0, *flat):
+                out, h_n, c_n = ops.run_layers_step(backend, cell, x, h0, c0, flat,
+                                                    self.num_layers, D == 2, False)
+                return out, ((h_n, c_n) if lstm else (h_n,))
+        # Resets, LayerNorm gains or dropout between the layers; the reference
+        # and torch.func's transforms: the layers step by step here.
         restart = None if resets is None else resets[0].unsqueeze(1)
         h_n, c_n = [], []
         x = x[0]
@@ -474,7 +533,7 @@ class _RecurrentMixin(_RnnkernOptions):
                 if lstm:
                     c_n.append(c)
             x = torch.cat(outputs, dim=-1) if D == 2 else outputs[0]
-            if self.dropout > 0 and self.training and layer + 1 < self.num_layers:
+            if dropout and layer + 1 < self.num_layers:
                 x = self._dropout(x, None)
         out = x.unsqueeze(0)
         if len(h_n) == 1:
@@ -708,6 +767,10 @@ class _RecurrentMixin(_RnnkernOptions):
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
             backend = choice.implementation
+        if lengths is None and resets is None and type(input) is Tensor:
+            result = self._one_step_forward(input, hx, backend)
+            if result is not None:
+                return result
         name = type(self).__name__
         if isinstance(input, PackedSequence):
             if lengths is not None:
