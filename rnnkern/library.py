@@ -3,7 +3,8 @@ downward by :mod:`rnnkern.ops`, :mod:`rnnkern.triton.ops` and
 :mod:`rnnkern.cuda_emulated`).
 
 An op family is ``torch.ops.<namespace>.{recurrence, recurrence_backward, step,
-step_backward}`` with rnnkern's schemas (csrc/ops.cpp): ``rnnkern`` (the C++ CPU
+step_backward}`` and the composite ``layers_step`` (one step of a layer stack by
+``step``) with rnnkern's schemas (csrc/ops.cpp): ``rnnkern`` (the C++ CPU
 and CUDA kernels, defined by rnnkern._C), ``rnnkern_triton`` and
 ``rnnkern_cuda_emu``.  :func:`define_family` defines a family with those schemas;
 :func:`register_op_family` adds what every family shares: the fake (meta)

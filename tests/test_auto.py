@@ -362,8 +362,9 @@ def test_the_forward_runs_the_kept_choice(table, monkeypatch):
     assert ran == ["torch.nn"] and torch.equal(got[0], theirs(x)[0])
     # resets= and lengths= (torch.nn has neither): rnnkern, without asking for a choice.
     asked = []
-    choice = type(ours)._auto_choice
-    monkeypatch.setattr(type(ours), "_auto_choice", lambda self, *a: asked.append(a) or choice(self, *a))
+    mixin = rnnkern.modules.sequence._RecurrentMixin  # (every sequence module's)
+    choice = mixin._auto_choice
+    monkeypatch.setattr(mixin, "_auto_choice", lambda self, *a: asked.append(a) or choice(self, *a))
     resets = torch.tensor([[True, False]])
     got = ours(x, resets=resets)
     assert ran == ["torch.nn"] and asked == []
@@ -374,10 +375,14 @@ def test_the_forward_runs_the_kept_choice(table, monkeypatch):
     assert ran == ["torch.nn"] and asked == []
     ours(x)
     assert ran == ["torch.nn"] * 2 and len(asked) == 1
-    # An option set on the module drops the kept choice: zoneout, which torch.nn lacks.
+    # An option set on the module drops the kept choice: zoneout, which torch.nn
+    # lacks (rnnkern runs, without asking).
     ours.zoneout = 0.25
     ours(x)
-    assert ran == ["torch.nn"] * 2
+    assert ran == ["torch.nn"] * 2 and len(asked) == 1
+    for other in (rnnkern.LayerNormLSTM(4, 8), rnnkern.GRU(4, 8, reset_after=False)):
+        other.double()(x)
+    assert len(asked) == 1
     ours.zoneout = 0.0
     table.pop()
     ours(x)

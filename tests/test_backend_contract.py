@@ -375,6 +375,11 @@ def test_layers_step_is_its_steps(backend, cell, size, monkeypatch):
                           batch_first)
     lstm = cell == "lstm"
     assert got[2].shape == ((L * D, B, H) if lstm else (0,))
+    # The modules' eager call (unboxed, rnnkern._C.layers_step): the same op.
+    eager = ops.run_layers_step(name, cell, args["input"], args["h0"], args["c0"],
+                                args["weights"], L, D == 2, batch_first)
+    assert all(torch.equal(a, b) for a, b in zip(eager, got[:3 if lstm else 2]))
+    assert (eager[2] is None) == (not lstm)
 
     def fam_step(cell, x, h, c, *w):
         h_new, c_new, _ = fam.step(cell, x, h, c, *w)
@@ -426,3 +431,21 @@ def test_layers_step_rejects_bad_arguments(change, message):
     call.update({k: v(a) if callable(v) else v for k, v in change.items()})
     with pytest.raises(RuntimeError, match=message):
         torch.ops.rnnkern.layers_step(*call.values())
+
+
+@pytest.mark.parametrize("position,value,message", [
+    (2, "x", "input must be a Tensor, got str"),
+    (4, 1.0, "c0 must be a Tensor, got float"),
+    (5, None, "weights must be a list of Tensors"),
+    (5, "weights", "weights\\[1\\] must be a Tensor, got int"),
+    (6, "two", None),
+], ids=["input", "c0", "weights", "weight", "num_layers"])
+def test_eager_layers_step_call_rejects_bad_arguments(position, value, message):
+    """rnnkern._C.layers_step (the modules' unboxed call of the op) names a bad
+    argument with a TypeError, as torch.ops does."""
+    from rnnkern import _C
+    a = layers_step_inputs("lstm", 1, 1, 2, 3, 4, key=("bad-eager",))
+    call = ["rnnkern", "lstm", a["input"], a["h0"], a["c0"], a["weights"], 1, False, False]
+    call[position] = [a["weights"][0], 1] if value == "weights" else value
+    with pytest.raises(TypeError, match=message):
+        _C.layers_step(*call)

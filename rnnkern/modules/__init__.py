@@ -5,7 +5,11 @@ names and shapes, initialisation, ``extra_repr``, ``state_dict``, pickling and
 ``isinstance`` checks are torch's own; only ``forward`` changes.  Layers,
 directions, packing, dropout and hidden-state handling live here; each
 (layer, direction) is one call of :func:`rnnkern.ops.recurrence` on the input
-projection of the whole sequence, so no Python runs per time step.
+projection of the whole sequence, so no Python runs per time step.  A call of
+one step (streaming, an RL rollout's action step) runs the whole stack as one
+op, ``layers_step`` (the fused step per layer and direction, in C++), and the
+commonest such call reaches it without the rest of the forward's Python
+(``_one_step_forward``): a small module's one-step call was that Python's.
 
 Extra keyword arguments: ``backend`` (see :data:`rnnkern.ops.BACKENDS`) on every
 class, ``reset_after`` on :class:`GRU` and :class:`GRUCell` (``False`` selects the

@@ -14,8 +14,8 @@ from torch.autograd import forward_ad
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import auto, ops, reference
-from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _current,
-                     _dtype_mismatch, _no_torch_nn_twin, _promote, _RnnkernOptions,
+from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
+                     _current, _dtype_mismatch, _no_torch_nn_twin, _promote, _RnnkernOptions,
                      _runs_torch_nn_forward)
 
 # ------------------------------------------------------ sequence modules ----
@@ -488,11 +488,16 @@ class _RecurrentMixin(_RnnkernOptions):
             h0, c0 = hx, None
         else:
             return None
-        backend = ops.resolve_backend(backend, input.device)
-        if backend == "reference":
-            return None
-        _check_supported(type(self).__name__, backend, self.cell, dtype)
-        out, h_n, c_n = ops.run_layers_step(backend, self.cell, input, h0, c0, flat, L,
+        if input.is_cpu and (backend == "cpu" or backend == "auto"):
+            backend = "cpu"  # (resolve_backend's common case, without building input.device)
+        else:
+            backend = ops.resolve_backend(backend, input.device)
+            if backend == "reference":
+                return None
+        cell = self.cell
+        if UNSUPPORTED[backend]:  # (a backend lacking an option checks it; none does today)
+            _check_supported(type(self).__name__, backend, cell, dtype)
+        out, h_n, c_n = ops.run_layers_step(backend, cell, input, h0, c0, flat, L,
                                             self.bidirectional, batch_first)
         return out, ((h_n, c_n) if lstm else h_n)
 
@@ -758,11 +763,13 @@ class _RecurrentMixin(_RnnkernOptions):
             reset_state = None  # (nothing restarts: it would change nothing)
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
         backend = self.backend  # auto's choice of rnnkern backend replaces it below (on a GPU: cuda or triton)
-        # (A call with lengths= or resets=, which torch.nn has not, needs no
+        # (A call with lengths= or resets=, or of a module with an option
+        # torch.nn lacks (LayerNorm, reset_after=False, zoneout), needs no
         # choice: it runs rnnkern's default backend, which _run_layers resolves
         # "auto" to -- what the choice would say.  An RL rollout's step with
-        # resets= feels every microsecond, and a kept choice costs 4-5.)
-        if self.backend == "auto" and lengths is None and resets is None:
+        # resets= feels every microsecond, and a kept choice costs 2-5.)
+        if self.backend == "auto" and lengths is None and resets is None \
+                and self._has_torch_nn_twin and self.reset_after and not self.zoneout:
             choice = self._auto_choice(input, hx)
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
