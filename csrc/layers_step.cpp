@@ -21,9 +21,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/stack.h>
-#include <pybind11/pybind11.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <deque>
@@ -31,7 +28,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "module.h"
@@ -45,9 +41,6 @@ using StepSig = std::tuple<Tensor, Tensor, Tensor>(c10::string_view, const Tenso
                                                    const OptTensor&, const Tensor&, const Tensor&,
                                                    const OptTensor&, const OptTensor&,
                                                    const OptTensor&);
-using LayersStepSig = std::tuple<Tensor, Tensor, Tensor>(c10::string_view, const Tensor&,
-                                                         const Tensor&, const OptTensor&,
-                                                         at::TensorList, int64_t, bool, bool);
 
 std::tuple<Tensor, Tensor, Tensor> layers_step(const c10::TypedOperatorHandle<StepSig>& step,
                                                c10::string_view cell, const Tensor& input,
@@ -142,76 +135,7 @@ PyObject* register_layers_step(PyObject*, PyObject* ns_object) {
   Py_RETURN_NONE;
 }
 
-// _C.layers_step(ns, cell, input, h0, c0, weights, num_layers, bidirectional,
-// batch_first): `ns`::layers_step called unboxed through the dispatcher (so
-// every dispatch key, autograd and Python modes included, sees the op as from
-// torch.ops).  Why not torch.ops: its boxed call parses a list argument into
-// IValues at ~4 us (torch.ops.aten.cat against torch.cat, Zen 3), most of
-// what the op saves a small one-step call.  Eager only: torch.compile traces
-// torch.ops (rnnkern/ops.py's run_layers_step chooses).
-Tensor tensor_argument(PyObject* obj, const char* name) {
-  TORCH_CHECK_TYPE(THPVariable_Check(obj), "layers_step: ", name, " must be a Tensor, got ",
-                   Py_TYPE(obj)->tp_name);
-  return THPVariable_Unpack(obj);
-}
-
-PyObject* layers_step_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == 9, "layers_step: expected 9 arguments (ns, cell, input, h0, c0, ",
-                   "weights, num_layers, bidirectional, batch_first), got ", nargs);
-  const char* ns = PyUnicode_AsUTF8(args[0]);
-  const char* cell = ns == nullptr ? nullptr : PyUnicode_AsUTF8(args[1]);
-  if (cell == nullptr) return nullptr;
-  const Tensor input = tensor_argument(args[2], "input");
-  const Tensor h0 = tensor_argument(args[3], "h0");
-  const OptTensor c0 = args[4] == Py_None ? OptTensor() : OptTensor(tensor_argument(args[4], "c0"));
-  TORCH_CHECK_TYPE(PyList_Check(args[5]) || PyTuple_Check(args[5]),
-                   "layers_step: weights must be a list of Tensors");
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(args[5]);
-  PyObject** items = PySequence_Fast_ITEMS(args[5]);
-  std::vector<Tensor> weights;
-  weights.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i)
-    weights.push_back(tensor_argument(items[i], ("weights[" + std::to_string(i) + "]").c_str()));
-  const int64_t num_layers = PyLong_AsLongLong(args[6]);
-  if (num_layers == -1 && PyErr_Occurred()) return nullptr;
-  const int bidirectional = PyObject_IsTrue(args[7]), batch_first = PyObject_IsTrue(args[8]);
-  if (bidirectional < 0 || batch_first < 0) return nullptr;
-
-  static std::mutex handles_mutex;
-  static std::unordered_map<std::string, c10::TypedOperatorHandle<LayersStepSig>> handles;
-  std::optional<c10::TypedOperatorHandle<LayersStepSig>> op;
-  {
-    std::lock_guard<std::mutex> lock(handles_mutex);
-    auto it = handles.find(ns);
-    if (it == handles.end())
-      it = handles
-               .emplace(ns, c10::Dispatcher::singleton()
-                                .findSchemaOrThrow((std::string(ns) + "::layers_step").c_str(), "")
-                                .typed<LayersStepSig>())
-               .first;
-    op = it->second;
-  }
-  std::tuple<Tensor, Tensor, Tensor> result;
-  {
-    pybind11::gil_scoped_release no_gil;  // as torch.ops releases it around an op
-    result = op->call(cell, input, h0, c0, weights, num_layers, bidirectional != 0,
-                      batch_first != 0);
-  }
-  PyObject* tuple = PyTuple_New(3);
-  if (tuple == nullptr) return nullptr;
-  PyTuple_SET_ITEM(tuple, 0, THPVariable_Wrap(std::move(std::get<0>(result))));
-  PyTuple_SET_ITEM(tuple, 1, THPVariable_Wrap(std::move(std::get<1>(result))));
-  PyTuple_SET_ITEM(tuple, 2, THPVariable_Wrap(std::move(std::get<2>(result))));
-  return tuple;
-  END_HANDLE_TH_ERRORS
-}
-
 const ModuleFunctions functions({
-    {"layers_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layers_step_call)),
-     METH_FASTCALL,
-     "ns::layers_step(cell, input, h0, c0, weights, num_layers, bidirectional, batch_first), "
-     "called unboxed (eager calls; torch.compile traces torch.ops)."},
     {"register_layers_step", register_layers_step, METH_O,
      "Registers the family's layers_step (CompositeImplicitAutograd: its step op per layer "
      "and direction) in the given namespace, whose step and layers_step must be defined."},

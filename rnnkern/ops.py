@@ -323,8 +323,26 @@ def run_step(backend: str, cell: str, x: Tensor, h: Tensor, c: Optional[Tensor],
     checked cell name: the modules' per-call path."""
     if backend == "reference" or _transformed(x, h, c, w_ih, w_hh, b_ih, b_hh, ln):
         return reference.step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
-    h_new, c_new, _ = _op_family(backend).step.default(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
+    if _unboxed_call(x, h, c, w_ih, w_hh, b_ih, b_hh, ln):
+        h_new, c_new, _ = _C.step(_family_name(backend), cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln)
+    else:
+        h_new, c_new, _ = _op_family(backend).step.default(cell, x, h, c, w_ih, w_hh, b_ih, b_hh,
+                                                           ln)
     return h_new, (c_new if has_cell_state(cell) else None)
+
+
+def _unboxed_call(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call of the step ops may go through rnnkern._C's unboxed entry
+    (csrc/eager_calls.cpp: the same op through the dispatcher, without
+    torch.ops' boxing, which costs a small step ~2-4 us): in eager, with no
+    __torch_function__ override among the arguments nor a TorchFunctionMode
+    (torch.ops honours them; torch.compile traces torch.ops)."""
+    return not torch.compiler.is_compiling() and not torch._C._has_torch_function(tensors)
+
+
+def _family_name(backend: str) -> str:
+    """The torch.ops namespace of a backend's op family."""
+    return "rnnkern" if backend == "cpu" or backend == "cuda" else _op_family(backend).name
 
 
 def run_layers_step(backend: str, cell: str, input: Tensor, h0: Tensor, c0: Optional[Tensor],
@@ -336,11 +354,10 @@ def run_layers_step(backend: str, cell: str, input: Tensor, h0: Tensor, c0: Opti
     None).  On a backend with kernels (not ``reference``), tensors outside
     forward-mode AD and torch.func (:func:`_transformed`: the caller steps
     the reference); no dropout between layers and no resets (the caller's)."""
-    if torch.compiler.is_compiling():
+    if _unboxed_call(input, h0, c0, *weights):
+        output, h_n, c_n = _C.layers_step(_family_name(backend), cell, input, h0, c0, weights,
+                                          num_layers, bidirectional, batch_first)
+    else:
         output, h_n, c_n = _op_family(backend).layers_step.default(
             cell, input, h0, c0, weights, num_layers, bidirectional, batch_first)
-    else:  # the same op, called unboxed: torch.ops' call costs a small step ~4 us more
-        family = "rnnkern" if backend == "cpu" or backend == "cuda" else _op_family(backend).name
-        output, h_n, c_n = _C.layers_step(family, cell, input, h0, c0, weights, num_layers,
-                                          bidirectional, batch_first)
     return output, h_n, (c_n if c0 is not None else None)

@@ -426,6 +426,57 @@ def test_one_step_call_is_one_op(monkeypatch, name, kwargs, layers, bidirectiona
     assert torch.equal(out, before)
 
 
+@pytest.mark.parametrize("name,kwargs", [("RNNCell", {}), ("RNNCell", {"nonlinearity": "relu"}),
+                                         ("GRUCell", {}), ("GRUCell", {"reset_after": False}),
+                                         ("LSTMCell", {})],
+                         ids=["tanh", "relu", "gru", "gru-reset-before", "lstm"])
+@pytest.mark.parametrize("hx,bias", [(True, True), (False, False)], ids=["hx", "nohx-nobias"])
+def test_cell_call_takes_the_common_path(monkeypatch, name, kwargs, hx, bias):
+    """A cell's common call (batched CPU input, hx None or well-formed, no
+    zoneout, autocast or LayerNorm) skips the full forward and gives torch.nn's
+    numbers and gradients (float64); anything else runs the full forward."""
+    answers = []
+    cls = getattr(rnnkern, name)
+    real = cls._common_call
+    monkeypatch.setattr(cls, "_common_call",
+                        lambda *a, **k: answers.append(real(*a, **k)) or answers[-1])
+    g = generator("cell-common", name, str(kwargs), hx, bias)
+    I, H, B = 3, 5, 4
+    ours = cls(I, H, bias=bias, dtype=torch.float64, **kwargs)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(randn(g, *p.shape, scale=H ** -0.5))
+    twin = kwargs.get("reset_after", True)
+    theirs = getattr(nn, name)(I, H, bias=bias, dtype=torch.float64, **kwargs) if twin else \
+        cls(I, H, bias=bias, backend="reference", dtype=torch.float64, **kwargs)
+    theirs.load_state_dict(ours.state_dict())
+    x = randn(g, B, I, requires_grad=True)
+    lstm = name == "LSTMCell"
+    state = None
+    if hx:
+        state = tuple(randn(g, B, H, scale=0.5, requires_grad=True) for _ in range(2 if lstm else 1))
+    results = []
+    for m in (ours, theirs):
+        out = m(x, None if state is None else state if lstm else state[0])
+        outs = out if lstm else (out,)
+        loss = sum((o * randn(generator("cell-cot", i), *o.shape)).sum() for i, o in enumerate(outs))
+        results.append([*outs, *torch.autograd.grad(loss, [x, *(state or ()), *m.parameters()])])
+    assert answers[0] is not None
+    for i, (got, want) in enumerate(zip(*results)):
+        assert_close(got, want, what=f"result {i}")
+    # Not the common call: unbatched input, zoneout, a state of another dtype (an error).
+    answers.clear()
+    ours(x[0].detach())
+    ours.zoneout = 0.5
+    ours.eval()
+    ours(x.detach())
+    ours.zoneout = 0.0
+    bad = randn(g, B, H, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ours(x.detach(), (bad, bad) if lstm else bad)
+    assert answers == [None] * 3
+
+
 @pytest.mark.parametrize("name,kwargs,call", [
     ("LSTM", {"num_layers": 2, "dropout": 0.5}, "train"),
     ("LSTM", {"proj_size": 2}, "eval"),
