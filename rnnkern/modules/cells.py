@@ -9,8 +9,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from .. import ops
-from .common import (_any_autocast, _autocast_dtype, _cast, _check_supported, _current,
-                     _dtype_mismatch, _promote, _RnnkernOptions, _runs_torch_nn_forward)
+from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
+                     _current, _dtype_mismatch, _promote, _RnnkernOptions,
+                     _runs_torch_nn_forward)
 
 def _check_cell_sizes(input_size, hidden_size) -> None:
     # torch.nn's cells take sizes of 0 (hidden_size=0 gives empty states) and
@@ -145,15 +146,16 @@ class _CellMixin(_RnnkernOptions):
     def _common_call(self, input: Tensor, hx):
         """The forward of the commonest call (a per-step loop's: batched CPU
         input of the weights' dtype, hx None or of the right shapes and that
-        dtype, no zoneout, autocast or LayerNorm, backend cpu or auto), or None
-        for any other: the full forward then runs it, or raises its error.
+        dtype, no zoneout, autocast or LayerNorm, backend cpu or auto, the CPU
+        backend lacking nothing), or None for any other: the full forward then
+        runs it, or raises its error.
         A cell call is all overhead at small sizes: the full forward's checks
         and conversions cost an RNNCell H=64 B=1 call ~20 us around a ~9 us
         step (Zen 3), as much as torch.nn's whole call.  The same step op."""
         shape = input.shape
         backend = self.backend
         if len(shape) != 2 or shape[1] != self.input_size or self.zoneout or not input.is_cpu \
-                or (backend != "cpu" and backend != "auto") or _any_autocast():
+                or (backend != "cpu" and backend != "auto") or _any_autocast() or UNSUPPORTED["cpu"]:
             return None
         weights = _current(self, _CELL_WEIGHTS)
         dtype = input.dtype

@@ -494,10 +494,9 @@ class _RecurrentMixin(_RnnkernOptions):
             backend = ops.resolve_backend(backend, input.device)
             if backend == "reference":
                 return None
-        cell = self.cell
-        if UNSUPPORTED[backend]:  # (a backend lacking an option checks it; none does today)
-            _check_supported(type(self).__name__, backend, cell, dtype)
-        out, h_n, c_n = ops.run_layers_step(backend, cell, input, h0, c0, flat, L,
+        if UNSUPPORTED[backend]:  # (a backend lacking an option: the full forward checks it)
+            return None
+        out, h_n, c_n = ops.run_layers_step(backend, self.cell, input, h0, c0, flat, L,
                                             self.bidirectional, batch_first)
         return out, ((h_n, c_n) if lstm else h_n)
 
