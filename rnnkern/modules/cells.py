@@ -11,7 +11,7 @@ from torch import Tensor
 from .. import ops
 from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
                      _current, _dtype_mismatch, _promote, _RnnkernOptions,
-                     _runs_torch_nn_forward)
+                     _runs_torch_nn_forward, _well_formed_state)
 
 def _check_cell_sizes(input_size, hidden_size) -> None:
     # torch.nn's cells take sizes of 0 (hidden_size=0 gives empty states) and
@@ -163,25 +163,18 @@ class _CellMixin(_RnnkernOptions):
         if weights[0].dtype != dtype or H == 0:
             return None
         cell = self.cell
+        if cell == "lstm_ln":
+            return None
         state = (shape[0], H)
-        if cell == "lstm":
-            if hx is None:
-                h = c = input.new_zeros(state)
-            elif isinstance(hx, (tuple, list)) and len(hx) == 2:
-                h, c = hx
-                if not (isinstance(h, Tensor) and isinstance(c, Tensor)) or h.shape != state \
-                        or c.shape != state or h.dtype != dtype or c.dtype != dtype:
-                    return None
-            else:
-                return None
-        elif cell == "lstm_ln":
-            return None
-        elif hx is None:
-            h, c = input.new_zeros(state), None
-        elif isinstance(hx, Tensor) and hx.shape == state and hx.dtype == dtype:
-            h, c = hx, None
+        lstm = cell == "lstm"
+        if hx is None:
+            h = input.new_zeros(state)
+            c = h if lstm else None
         else:
-            return None
+            parts = _well_formed_state(hx, lstm, state, dtype)
+            if parts is None:
+                return None
+            h, c = parts
         h, c = ops.run_step("cpu", cell, input, h, c, *weights)
         return h if c is None else (h, c)
 

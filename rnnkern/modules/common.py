@@ -127,6 +127,24 @@ def _autocast_dtype(device_type: str, weight: Tensor) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
+def _well_formed_state(hx, lstm: bool, shape: tuple, dtype: torch.dtype):
+    """``hx`` (not None) as ``(h, c)`` (c None without a cell state) when it is a
+    tensor -- a pair of them for an LSTM -- of exactly ``shape`` and ``dtype``;
+    else None.  The modules' one-step and cell fast paths take a call only with
+    such a state, leaving every other to the full forward's checks and errors."""
+    if lstm:
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            return None
+        h, c = hx
+        if isinstance(h, Tensor) and isinstance(c, Tensor) and h.shape == shape \
+                and c.shape == shape and h.dtype == dtype and c.dtype == dtype:
+            return h, c
+        return None
+    if isinstance(hx, Tensor) and hx.shape == shape and hx.dtype == dtype:
+        return hx, None
+    return None
+
+
 def _current(module: nn.Module, names) -> list:
     """The current values of the parameters ``names``, read from ``_parameters``
     (where torch.func.functional_call swaps them too): nn.Module.__getattr__

@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from .. import auto, ops, reference
 from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
                      _current, _dtype_mismatch, _no_torch_nn_twin, _promote, _RnnkernOptions,
-                     _runs_torch_nn_forward)
+                     _runs_torch_nn_forward, _well_formed_state)
 
 # ------------------------------------------------------ sequence modules ----
 
@@ -477,17 +477,11 @@ class _RecurrentMixin(_RnnkernOptions):
         if hx is None:
             h0 = input.new_zeros(state)
             c0 = input.new_zeros(state) if lstm else None
-        elif lstm:
-            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-                return None
-            h0, c0 = hx
-            if not (isinstance(h0, Tensor) and isinstance(c0, Tensor)) or h0.shape != state \
-                    or c0.shape != state or h0.dtype != dtype or c0.dtype != dtype:
-                return None
-        elif isinstance(hx, Tensor) and hx.shape == state and hx.dtype == dtype:
-            h0, c0 = hx, None
         else:
-            return None
+            parts = _well_formed_state(hx, lstm, state, dtype)
+            if parts is None:
+                return None
+            h0, c0 = parts
         if input.is_cpu and (backend == "cpu" or backend == "auto"):
             backend = "cpu"  # (resolve_backend's common case, without building input.device)
         else:
