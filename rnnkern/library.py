@@ -167,8 +167,9 @@ def define_family(namespace: str, impls: Optional[dict] = None,
     """Defines ``torch.ops.<namespace>.{recurrence, recurrence_backward, step,
     step_backward}`` and the composite ``layers_step`` with the schemas of
     ``torch.ops.rnnkern`` (one source: csrc/ops.cpp) and implements each op of
-    ``impls`` (name -> function) for the dispatch ``keys``.  The caller keeps the returned library alive and calls
-    :func:`register_op_family` once the implementations are in place."""
+    ``impls`` (name -> function) for the dispatch ``keys``.  The caller keeps the
+    returned library alive and calls :func:`register_op_family` once the
+    implementations are in place."""
     lib = torch.library.Library(namespace, "DEF")
     for name in OP_NAMES:
         schema = str(getattr(torch.ops.rnnkern, name).default._schema)
