@@ -25,6 +25,16 @@ from rnnkern import ops, reference, tolerance  # noqa: E402
 
 CELLS = reference.CELLS
 
+# pytest-xdist runs a worker per core (`./run test`: -n auto) and each worker's
+# torch would use every core for its OpenMP threads, which spin at every small
+# op's barrier while the other worker holds the core: on CI's two cores a
+# float64 gradgradcheck of an LSTM recurrence took 60 s instead of 15.  Each
+# worker gets its share of the cores; the thread tests set their own counts.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(min(torch.get_num_threads(),
+                              max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
 #: The tolerance table (rnnkern/tolerance.py, shared with rnnkern.check): relative
 #: tolerance per dtype; half types are judged against the reference's own error.
 TOL = tolerance.TOL
