@@ -426,6 +426,116 @@ def test_one_step_call_is_one_op(monkeypatch, name, kwargs, layers, bidirectiona
     assert torch.equal(out, before)
 
 
+@pytest.mark.parametrize("name,kwargs", ONE_STEP_MODULES,
+                         ids=["tanh", "relu", "gru", "gru-reset-before", "lstm"])
+@pytest.mark.parametrize("layers,batch_first,mask,hx", [
+    (1, False, "float", True), (2, True, "bool", True), (2, False, "uint8-trailing-1", True),
+    (1, True, "float-trailing-1", False), (3, False, "none-set", True)],
+    ids=["L1-float", "L2-bf-bool", "L2-uint8-1", "L1-bf-float-1-nohx", "L3-none-set"])
+def test_one_step_call_with_resets_is_one_op(monkeypatch, name, kwargs, layers, batch_first, mask,
+                                             hx):
+    """An RL rollout's action step (sb3-contrib's float episode starts as
+    ``resets=``, torchrl's bool ``is_init`` [B, T, 1]) runs as the one-step
+    call's one op, its rows that start an episode from zeros: the RL masking
+    loop's numbers and gradients (torch.nn on ``(1 - start) * state``, float64),
+    hx's gradient zero in those rows."""
+    calls = []
+    real = ops.run_layers_step
+    monkeypatch.setattr(ops, "run_layers_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loops = []
+    run_layers = getattr(rnnkern, name)._run_layers
+    monkeypatch.setattr(getattr(rnnkern, name), "_run_layers",
+                        lambda self, *a, **k: loops.append(self) or run_layers(self, *a, **k))
+    g = generator("one-step-resets", name, str(kwargs), layers, batch_first, mask, hx)
+    I, H, B = 3, 5, 6
+    options = dict(num_layers=layers, batch_first=batch_first, dtype=torch.float64)
+    ours = getattr(rnnkern, name)(I, H, backend="cpu", **options, **kwargs)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(randn(g, *p.shape, scale=H ** -0.5))
+    twin = kwargs.get("reset_after", True)
+    theirs = getattr(nn, name)(I, H, **options, **kwargs) if twin else \
+        getattr(rnnkern, name)(I, H, backend="reference", **options, **kwargs)
+    theirs.load_state_dict(ours.state_dict())
+    x = randn(g, *((B, 1, I) if batch_first else (1, B, I)), requires_grad=True)
+    lstm = name == "LSTM"
+    state = None
+    if hx:
+        state = tuple(randn(g, layers, B, H, scale=0.5, requires_grad=True)
+                      for _ in range(2 if lstm else 1))
+    starts = torch.tensor([1, 0, 0, 1, 0, 1] if mask != "none-set" else [0] * B)
+    resets = {"float": starts.double(), "bool": starts.bool(), "none-set": starts.float()}.get(
+        mask.removesuffix("-trailing-1"), starts.to(torch.uint8))
+    resets = resets.view((B, 1) if batch_first else (1, B))
+    if mask.endswith("trailing-1"):
+        resets = resets.unsqueeze(-1)
+    keep = (1 - starts.double()).view(1, B, 1)
+
+    def call(m):
+        if m is ours:
+            hx_in = state
+            out, h_n = m(x, None if hx_in is None else hx_in if lstm else hx_in[0], resets=resets)
+        else:
+            hx_in = None if state is None else tuple(keep * s for s in state)
+            out, h_n = m(x, None if hx_in is None else hx_in if lstm else hx_in[0])
+        finals = h_n if lstm else (h_n,)
+        loss = (out * randn(generator("cot", 1), *out.shape)).sum() + sum(
+            (f * randn(generator("cot", 2 + i), *f.shape)).sum() for i, f in enumerate(finals))
+        wrt = [x, *(state or ()), *m.parameters()]
+        return [out, *finals, *torch.autograd.grad(loss, wrt)]
+
+    got, want = call(ours), call(theirs)
+    assert len(calls) == 1 and not any(m is ours for m in loops)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, i
+        assert_close(a, b, what=f"result {i}")
+    if state is not None and mask != "none-set":
+        first = 2 + len(state)  # (output, the final states, the input's gradient)
+        for grad in got[first:first + len(state)]:
+            assert torch.count_nonzero(grad[:, starts.bool()]) == 0
+            assert torch.count_nonzero(grad[:, ~starts.bool()]) > 0
+
+
+@pytest.mark.parametrize("call", ["bidirectional", "reset-state", "two-steps", "bad-value",
+                                  "bad-shape", "bad-dtype", "large-mask"])
+def test_one_step_resets_the_op_cannot_take(monkeypatch, call):
+    """One-step calls with ``resets=`` that the one-op path leaves to the full
+    forward (a bidirectional module, a reset state, more steps, a mask it would
+    refuse, one too large to read on the host): the reference's numbers, and
+    the full forward's errors."""
+    answers = []
+    real = rnnkern.LSTM._one_step_forward
+    monkeypatch.setattr(rnnkern.LSTM, "_one_step_forward",
+                        lambda *a, **k: answers.append(real(*a, **k)) or answers[-1])
+    g = generator("one-step-resets-left", call)
+    B = 300 if call == "large-mask" else 3
+    ours = rnnkern.LSTM(3, 4, backend="cpu", bidirectional=call == "bidirectional")
+    ref = rnnkern.LSTM(3, 4, backend="reference", bidirectional=call == "bidirectional")
+    ref.load_state_dict(ours.state_dict())
+    D = 2 if call == "bidirectional" else 1
+    T = 2 if call == "two-steps" else 1
+    x = randn(g, T, B, 3, dtype=torch.float32)
+    hx = tuple(randn(g, D, B, 4, dtype=torch.float32) for _ in range(2))
+    resets = torch.zeros(T, B)
+    resets[0, 0] = 1.0
+    kwargs = {"resets": resets}
+    if call == "reset-state":
+        kwargs["reset_state"] = tuple(randn(g, D, B, 4, dtype=torch.float32) for _ in range(2))
+    if call.startswith("bad"):
+        bad = {"bad-value": (resets * 0.5, ValueError, "resets must hold only 0 and 1"),
+               "bad-shape": (resets.view(1, 1, B), ValueError, "expected resets of shape"),
+               "bad-dtype": (resets.long(), TypeError, "expected resets of dtype")}[call]
+        with pytest.raises(bad[1], match=bad[2]):
+            ours(x, hx, resets=bad[0])
+    else:
+        got = ours(x, hx, **kwargs)
+        want = ref(x, hx, **kwargs)
+        for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
+            assert_close(a, b)
+    # (A reset state: not even asked.)
+    assert all(a is None for a in answers) and bool(answers) == (call != "reset-state")
+
+
 @pytest.mark.parametrize("name,kwargs", [("RNNCell", {}), ("RNNCell", {"nonlinearity": "relu"}),
                                          ("GRUCell", {}), ("GRUCell", {"reset_after": False}),
                                          ("LSTMCell", {})],

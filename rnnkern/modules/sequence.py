@@ -446,18 +446,19 @@ class _RecurrentMixin(_RnnkernOptions):
             hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
         return x, hidden
 
-    def _one_step_forward(self, input: Tensor, hx, backend: str):
+    def _one_step_forward(self, input: Tensor, hx, backend: str, resets: Optional[Tensor] = None):
         """The forward of the commonest one-step call (streaming inference, an
         RL rollout's action step) as one op, or None for any other call: the
         full forward then runs it, or raises its error.  The call: batched input
         of one step, hx None or of the right shapes and the input's dtype, the
         input of the weights' dtype, no option torch.nn lacks (zoneout,
         LayerNorm) and no projection, no dropout to draw, eager, without
-        autocast, forward-mode AD or torch.func.  Then nothing of the full
-        forward's set-up changes the result, and its Python (checks, layouts,
-        the layer loop: ~30 us, against a 5 us op for a small RNN on a Zen 3
-        core) would make the call as slow as torch.nn's.  The same op and bits
-        as the full forward's one-step path (_one_step_layers)."""
+        autocast, forward-mode AD or torch.func; ``resets`` None or a
+        well-formed mask that restarts from zeros (_one_step_restart).  Then
+        nothing of the full forward's set-up changes the result, and its Python
+        (checks, layouts, the layer loop: ~30 us, against a 5 us op for a small
+        RNN on a Zen 3 core) would make the call as slow as torch.nn's.  The
+        same op and bits as the full forward's one-step path (_one_step_layers)."""
         shape = input.shape
         batch_first = self.batch_first
         if len(shape) != 3 or shape[1 if batch_first else 0] != 1 or shape[2] != self.input_size \
@@ -482,6 +483,13 @@ class _RecurrentMixin(_RnnkernOptions):
             if parts is None:
                 return None
             h0, c0 = parts
+        if resets is not None:
+            restart = self._one_step_restart(resets, state[1], input)
+            if restart is False:
+                return None
+            if restart is not None and hx is not None:  # (from None: zeros already)
+                h0 = torch.where(restart, 0.0, h0)
+                c0 = torch.where(restart, 0.0, c0) if lstm else None
         if input.is_cpu and (backend == "cpu" or backend == "auto"):
             backend = "cpu"  # (resolve_backend's common case, without building input.device)
         else:
@@ -493,6 +501,35 @@ class _RecurrentMixin(_RnnkernOptions):
         out, h_n, c_n = ops.run_layers_step(backend, self.cell, input, h0, c0, flat, L,
                                             self.bidirectional, batch_first)
         return out, ((h_n, c_n) if lstm else h_n)
+
+    def _one_step_restart(self, resets, B: int, input: Tensor):
+        """For _one_step_forward, a one-step call's ``resets`` (the reset state
+        zeros): the rows that restart, as a [1, B, 1] bool mask over the state;
+        None where no row does (the plain call); False where the full forward
+        must take the call (it checks the mask and raises, or reads it on the
+        device): anything but a small CPU mask of CPU input, bool, uint8 or
+        floating, shaped [1, B] ([B, 1] with batch_first) with or without a
+        trailing 1, holding 0 and 1; and bidirectional modules, whose reverse
+        direction keeps hx at its start.  What an RL rollout's action step
+        brings (sb3-contrib's float ``episode_starts``): its full forward cost
+        twice the plain call's (_check_resets, the layer loop in Python)."""
+        # (_on_host's test, less what _one_step_forward has ruled out: compile, torch.func.)
+        if not isinstance(resets, Tensor) or self.bidirectional or not input.is_cpu \
+                or not resets.is_cpu or resets.numel() > _HOST_MASK_SIZE:
+            return False
+        dtype = resets.dtype
+        if not (dtype == torch.bool or dtype == torch.uint8 or dtype.is_floating_point):
+            return False
+        want = (B, 1) if self.batch_first else (1, B)
+        if resets.shape != want and resets.shape != want + (1,):
+            return False
+        values = resets.reshape(-1).tolist()
+        if not set(values) <= {0, 1}:
+            return False
+        if not any(values):
+            return None
+        restart = resets.reshape(1, B, 1)
+        return restart if dtype == torch.bool else restart.bool()  # (0 and 1 only: != 0)
 
     def _one_step_layers(self, backend: str, x: Tensor, h0: Tensor, c0: Optional[Tensor],
                          weights: list, lns: Optional[list], D: int, resets: Optional[Tensor],
@@ -767,8 +804,8 @@ class _RecurrentMixin(_RnnkernOptions):
             if choice.uses_torch:
                 return self._torch_nn_forward(input, hx)
             backend = choice.implementation
-        if lengths is None and resets is None and type(input) is Tensor:
-            result = self._one_step_forward(input, hx, backend)
+        if lengths is None and reset_state is None and type(input) is Tensor:
+            result = self._one_step_forward(input, hx, backend, resets)
             if result is not None:
                 return result
         name = type(self).__name__
