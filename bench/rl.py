@@ -20,6 +20,9 @@ n_envs x hidden in {8, 64} x {64, 256} (64 input features):
                            training passes change)
   (e) torchrl              LSTMModule in recurrent mode on a [B, T] batch with is_init:
                            torchrl's split-and-pad against rnnkern.integrations.torchrl
+  (f) rollout step         the action step of collection: _process_sequence at T=1
+                           under no_grad, (a)-(c)'s three candidates, 5% of the envs
+                           (at least one) starting an episode at that step
 
 Before any timing each pair must agree in float64 (outputs, states and every
 gradient, to 1e-10); (d) records how far the two runs' final parameters drift
@@ -119,6 +122,56 @@ def measure_sb3(n_envs: int, H: int, T: int, F: int, fraction: float, rounds: in
     return {"n_envs": n_envs, "hidden": H, "T": T, "features": F, "start_fraction": fraction,
             "episode_starts": int(pool[0][2].sum()), "float64_max_difference": agree,
             "median_ms": ms, "speedup_vs_torch_nn_loop": {n: ms[SEQ[0]] / ms[n] for n in SEQ[1:]},
+            "stats_s": stats}
+
+
+# ------------------------------------------------------ (f) rollout step ----
+
+def rollout_inputs(n_envs: int, F: int, H: int, fraction: float, dtype, seed: int):
+    """One collection step: features [n_envs, F], the carried state, and float
+    episode starts in max(1, fraction * n_envs) rows (a step without any start
+    is the plain one-step call: docs/rl.md)."""
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(n_envs, F, generator=g, dtype=dtype)
+    states = tuple(torch.randn(1, n_envs, H, generator=g, dtype=dtype) for _ in range(2))
+    starts = torch.zeros(n_envs, dtype=dtype)
+    starts[torch.randperm(n_envs, generator=g)[:max(1, round(fraction * n_envs))]] = 1.0
+    return features, states, starts
+
+
+def rollout_candidates(plain, converted):
+    from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
+
+    from rnnkern.integrations.sb3 import fused_process_sequence
+    loop = RecurrentActorCriticPolicy._process_sequence
+
+    def step(fn, lstm):
+        def run(inputs):
+            features, states, starts = inputs
+            with torch.no_grad():  # (sb3-contrib's predict during collection)
+                out, (h, c) = fn(features, states, starts, lstm)
+            return [out, h, c]
+        return run
+    return {SEQ[0]: step(loop, plain), SEQ[1]: step(loop, converted),
+            SEQ[2]: step(fused_process_sequence, converted)}
+
+
+def measure_rollout(n_envs: int, H: int, F: int, fraction: float, rounds: int,
+                    budget_s: float, seed: int = 0) -> dict:
+    fns = rollout_candidates(*sb3_lstms(F, H, torch.float64, seed))
+    inputs = rollout_inputs(n_envs, F, H, fraction, torch.float64, seed)
+    want = fns[SEQ[0]](inputs)
+    agree = {n: difference(fns[n](inputs), want) for n in SEQ[1:]}
+    for n, worst in agree.items():
+        if not worst <= TOLERANCE:
+            refuse(f"rollout step n_envs={n_envs} H={H}: {n!r} and sb3-contrib's loop", worst)
+    fns = rollout_candidates(*sb3_lstms(F, H, torch.float32, seed))
+    pool = [rollout_inputs(n_envs, F, H, fraction, torch.float32, seed + i) for i in range(2)]
+    stats = timed(fns, pool, rounds, budget_s)
+    us = {n: 1e6 * stats[n]["median_s"] for n in SEQ}
+    return {"n_envs": n_envs, "hidden": H, "T": 1, "features": F, "grad": False,
+            "episode_starts": int(pool[0][2].sum()), "float64_max_difference": agree,
+            "median_us": us, "speedup_vs_torch_nn_loop": {n: us[SEQ[0]] / us[n] for n in SEQ[1:]},
             "stats_s": stats}
 
 
@@ -248,7 +301,8 @@ def main(argv=None) -> None:
     print(f"bench.rl on {meta['cpu']}, {meta['threads']} thread(s), load average "
           f"{meta['load_average_at_start']}: forward + backward, float32, T={T}, "
           f"{100 * fraction:g}% episode starts", flush=True)
-    doc = {"meta": meta, "sb3_sequence": [], "sb3_learn": None, "torchrl": []}
+    doc = {"meta": meta, "sb3_sequence": [], "sb3_rollout_step": [], "sb3_learn": None,
+           "torchrl": []}
 
     print("\n(a)-(c) sb3-contrib _process_sequence, ms (speedup over (a)); float64 agreement")
     print(f"{'n_envs':>6} {'hidden':>6} | {'(a) torch.nn loop':>18} {'(b) rnnkern loop':>18} "
@@ -259,6 +313,17 @@ def main(argv=None) -> None:
         ms, sp = r["median_ms"], r["speedup_vs_torch_nn_loop"]
         print(f"{n_envs:>6} {H:>6} | {ms[SEQ[0]]:>18.3g} {ms[SEQ[1]]:>10.3g} ({sp[SEQ[1]]:4.2f}x) "
               f"{ms[SEQ[2]]:>10.3g} ({sp[SEQ[2]]:4.2f}x) | "
+              f"{max(r['float64_max_difference'].values()):.1e}", flush=True)
+
+    print("\n(f) sb3-contrib rollout step (T=1, no_grad), us (speedup over (a)); float64 agreement")
+    print(f"{'n_envs':>6} {'hidden':>6} | {'(a) torch.nn loop':>18} {'(b) rnnkern loop':>18} "
+          f"{'(c) fused':>18} | agreement", flush=True)
+    for n_envs, H in grid:
+        r = measure_rollout(n_envs, H, F, fraction, rounds, budget / 4)
+        doc["sb3_rollout_step"].append(r)
+        us, sp = r["median_us"], r["speedup_vs_torch_nn_loop"]
+        print(f"{n_envs:>6} {H:>6} | {us[SEQ[0]]:>18.3g} {us[SEQ[1]]:>10.3g} ({sp[SEQ[1]]:4.2f}x) "
+              f"{us[SEQ[2]]:>10.3g} ({sp[SEQ[2]]:4.2f}x) | "
               f"{max(r['float64_max_difference'].values()):.1e}", flush=True)
 
     print("\n(e) torchrl LSTMModule recurrent mode, ms; float64 agreement")

@@ -298,7 +298,7 @@ def test_rl_bench_quick_checks_agreement_then_times(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(c) fused" in proc.stdout and f"results: {out}" in proc.stdout
     doc = json.loads(out.read_text())
-    assert set(doc) == {"meta", "sb3_sequence", "sb3_learn", "torchrl"}
+    assert set(doc) == {"meta", "sb3_sequence", "sb3_rollout_step", "sb3_learn", "torchrl"}
     meta = doc["meta"]
     assert meta["quick"] and meta["threads"] == 1 and "isa" in meta and meta["cpu"]
     assert {"load_average_at_start", "load_average_at_end", "git", "versions"} <= set(meta)
@@ -308,6 +308,10 @@ def test_rl_bench_quick_checks_agreement_then_times(tmp_path):
     assert set(seq["float64_max_difference"]) == set(names[1:])
     assert all(0 <= d <= 1e-10 for d in seq["float64_max_difference"].values())
     assert list(seq["median_ms"]) == names and all(v > 0 for v in seq["median_ms"].values())
+    [step] = doc["sb3_rollout_step"]
+    assert (step["n_envs"], step["hidden"], step["T"]) == (2, 8, 1) and step["episode_starts"] >= 1
+    assert all(0 <= d <= 1e-10 for d in step["float64_max_difference"].values())
+    assert list(step["median_us"]) == names and all(v > 0 for v in step["median_us"].values())
     [trl] = doc["torchrl"]
     assert 0 <= trl["float64_max_difference"] <= 1e-10 and trl["trajectories"] > trl["B"]
     assert all(v > 0 for v in trl["median_ms"].values()) and trl["speedup"] > 0

@@ -44,6 +44,10 @@ def fused_process_sequence(features: Tensor, lstm_states: tuple, episode_starts:
     if not isinstance(lstm, rnnkern.LSTM):
         return _sb3_process_sequence(features, lstm_states, episode_starts, lstm)
     n_seq = lstm_states[0].shape[1]
+    if features.shape[0] == n_seq:  # T=1, a rollout's action step: fewer views (~5 us each)
+        lstm_output, lstm_states = lstm(features.unsqueeze(0), tuple(lstm_states),
+                                        resets=episode_starts.reshape(1, n_seq))
+        return lstm_output[0], lstm_states
     features_sequence = features.reshape((n_seq, -1, lstm.input_size)).swapaxes(0, 1)
     starts = episode_starts.reshape((n_seq, -1)).swapaxes(0, 1)
     lstm_output, lstm_states = lstm(features_sequence, tuple(lstm_states), resets=starts)
