@@ -69,7 +69,11 @@ def sb3_lstms(F: int, H: int, dtype, seed: int):
     return plain, rnnkern.convert(copy.deepcopy(plain))
 
 
-def sb3_candidates(plain, converted):
+def sb3_candidates(plain, converted, grad: bool = True):
+    """(a)-(c): sb3-contrib's loop on each LSTM and the integration's call.  With
+    ``grad``, forward + backward on (features, states, starts, cotangent);
+    without, the forward alone under no_grad on (features, states, starts), as
+    sb3-contrib's predict runs during collection."""
     from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
 
     from rnnkern.integrations.sb3 import fused_process_sequence
@@ -77,6 +81,10 @@ def sb3_candidates(plain, converted):
 
     def fb(fn, lstm):
         def run(inputs):
+            if not grad:
+                with torch.no_grad():
+                    out, (h, c) = fn(*inputs, lstm)
+                return [out, h, c]
             features, states, starts, cot = inputs
             out, (h, c) = fn(features, states, starts, lstm)
             loss = (out * cot).sum() + h.sum() + c.sum()
@@ -106,18 +114,29 @@ def refuse(what: str, worst: float):
                      f"not timing a wrong answer")
 
 
-def measure_sb3(n_envs: int, H: int, T: int, F: int, fraction: float, rounds: int,
-                budget_s: float, seed: int = 0) -> dict:
-    fns = sb3_candidates(*sb3_lstms(F, H, torch.float64, seed))
-    inputs = sb3_inputs(n_envs, T, F, H, fraction, torch.float64, seed)
-    want = fns[SEQ[0]](inputs)
-    agree = {n: difference(fns[n](inputs), want) for n in SEQ[1:]}
+def agree_then_time(what: str, candidates, inputs, F: int, H: int, rounds: int,
+                    budget_s: float, seed: int):
+    """``candidates(plain, converted)``' calls on ``inputs(dtype, seed)``: each
+    within TOLERANCE of sb3-contrib's loop in float64 (else refused), then timed
+    in float32 over a pool of two input sets.  Returns (agreement, pool, stats)."""
+    fns = candidates(*sb3_lstms(F, H, torch.float64, seed))
+    case = inputs(torch.float64, seed)
+    want = fns[SEQ[0]](case)
+    agree = {n: difference(fns[n](case), want) for n in SEQ[1:]}
     for n, worst in agree.items():
         if not worst <= TOLERANCE:
-            refuse(f"sb3 n_envs={n_envs} H={H}: {n!r} and sb3-contrib's loop", worst)
-    fns = sb3_candidates(*sb3_lstms(F, H, torch.float32, seed))
-    pool = [sb3_inputs(n_envs, T, F, H, fraction, torch.float32, seed + i) for i in range(2)]
-    stats = timed(fns, pool, rounds, budget_s)
+            refuse(f"{what}: {n!r} and sb3-contrib's loop", worst)
+    fns = candidates(*sb3_lstms(F, H, torch.float32, seed))
+    pool = [inputs(torch.float32, seed + i) for i in range(2)]
+    return agree, pool, timed(fns, pool, rounds, budget_s)
+
+
+def measure_sb3(n_envs: int, H: int, T: int, F: int, fraction: float, rounds: int,
+                budget_s: float, seed: int = 0) -> dict:
+    agree, pool, stats = agree_then_time(
+        f"sb3 n_envs={n_envs} H={H}", sb3_candidates,
+        lambda dtype, s: sb3_inputs(n_envs, T, F, H, fraction, dtype, s),
+        F, H, rounds, budget_s, seed)
     ms = {n: 1e3 * stats[n]["median_s"] for n in SEQ}
     return {"n_envs": n_envs, "hidden": H, "T": T, "features": F, "start_fraction": fraction,
             "episode_starts": int(pool[0][2].sum()), "float64_max_difference": agree,
@@ -139,35 +158,12 @@ def rollout_inputs(n_envs: int, F: int, H: int, fraction: float, dtype, seed: in
     return features, states, starts
 
 
-def rollout_candidates(plain, converted):
-    from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
-
-    from rnnkern.integrations.sb3 import fused_process_sequence
-    loop = RecurrentActorCriticPolicy._process_sequence
-
-    def step(fn, lstm):
-        def run(inputs):
-            features, states, starts = inputs
-            with torch.no_grad():  # (sb3-contrib's predict during collection)
-                out, (h, c) = fn(features, states, starts, lstm)
-            return [out, h, c]
-        return run
-    return {SEQ[0]: step(loop, plain), SEQ[1]: step(loop, converted),
-            SEQ[2]: step(fused_process_sequence, converted)}
-
-
 def measure_rollout(n_envs: int, H: int, F: int, fraction: float, rounds: int,
                     budget_s: float, seed: int = 0) -> dict:
-    fns = rollout_candidates(*sb3_lstms(F, H, torch.float64, seed))
-    inputs = rollout_inputs(n_envs, F, H, fraction, torch.float64, seed)
-    want = fns[SEQ[0]](inputs)
-    agree = {n: difference(fns[n](inputs), want) for n in SEQ[1:]}
-    for n, worst in agree.items():
-        if not worst <= TOLERANCE:
-            refuse(f"rollout step n_envs={n_envs} H={H}: {n!r} and sb3-contrib's loop", worst)
-    fns = rollout_candidates(*sb3_lstms(F, H, torch.float32, seed))
-    pool = [rollout_inputs(n_envs, F, H, fraction, torch.float32, seed + i) for i in range(2)]
-    stats = timed(fns, pool, rounds, budget_s)
+    agree, pool, stats = agree_then_time(
+        f"rollout step n_envs={n_envs} H={H}", lambda *lstms: sb3_candidates(*lstms, grad=False),
+        lambda dtype, s: rollout_inputs(n_envs, F, H, fraction, dtype, s),
+        F, H, rounds, budget_s, seed)
     us = {n: 1e6 * stats[n]["median_s"] for n in SEQ}
     return {"n_envs": n_envs, "hidden": H, "T": 1, "features": F, "grad": False,
             "episode_starts": int(pool[0][2].sum()), "float64_max_difference": agree,

@@ -370,6 +370,42 @@ ONE_STEP_MODULES = [("RNN", {}), ("RNN", {"nonlinearity": "relu"}), ("GRU", {}),
                     ("GRU", {"reset_after": False}), ("LSTM", {})]
 
 
+def spy_one_step(monkeypatch, name: str):
+    """Lists that fill as the module class ``name`` runs the layers_step op
+    (one entry per call) and the full forward's layer loop (the module)."""
+    calls, loops = [], []
+    real = ops.run_layers_step
+    monkeypatch.setattr(ops, "run_layers_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_layers = getattr(rnnkern, name)._run_layers
+    monkeypatch.setattr(getattr(rnnkern, name), "_run_layers",
+                        lambda self, *a, **k: loops.append(self) or run_layers(self, *a, **k))
+    return calls, loops
+
+
+def one_step_pair(g, name: str, kwargs: dict, I: int, H: int, options: dict):
+    """rnnkern's module ``name`` on the cpu backend with random weights, and its
+    twin on the same weights: torch.nn's, or the reference backend's where
+    torch.nn lacks the option (reset_after=False)."""
+    ours = getattr(rnnkern, name)(I, H, backend="cpu", **options, **kwargs)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(randn(g, *p.shape, scale=H ** -0.5))
+    twin = kwargs.get("reset_after", True)
+    theirs = getattr(nn, name)(I, H, **options, **kwargs) if twin else \
+        getattr(rnnkern, name)(I, H, backend="reference", **options, **kwargs)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def step_results(out, h_n, lstm: bool, wrt: list) -> list:
+    """The output, the final states and the gradients of ``wrt`` under a fixed
+    random functional of all of them."""
+    finals = h_n if lstm else (h_n,)
+    loss = (out * randn(generator("cot", 1), *out.shape)).sum() + sum(
+        (f * randn(generator("cot", 2 + i), *f.shape)).sum() for i, f in enumerate(finals))
+    return [out, *finals, *torch.autograd.grad(loss, wrt)]
+
+
 @pytest.mark.parametrize("name,kwargs", ONE_STEP_MODULES,
                          ids=["tanh", "relu", "gru", "gru-reset-before", "lstm"])
 @pytest.mark.parametrize("layers,bidirectional,batch_first,bias,hx", [
@@ -382,25 +418,12 @@ def test_one_step_call_is_one_op(monkeypatch, name, kwargs, layers, bidirectiona
     whole stack as one layers_step op, none of the full forward's layer loop:
     torch.nn's numbers and gradients (float64), with the output and h_n apart
     (an in-place edit of one leaves the other alone)."""
-    calls = []
-    real = ops.run_layers_step
-    monkeypatch.setattr(ops, "run_layers_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    loops = []
-    run_layers = getattr(rnnkern, name)._run_layers
-    monkeypatch.setattr(getattr(rnnkern, name), "_run_layers",
-                        lambda self, *a, **k: loops.append(self) or run_layers(self, *a, **k))
+    calls, loops = spy_one_step(monkeypatch, name)
     g = generator("one-step-op", name, str(kwargs), layers, bidirectional, batch_first, bias, hx)
     I, H, B, D = 3, 5, 4, 2 if bidirectional else 1
     options = dict(num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
                    bias=bias, dtype=torch.float64)
-    ours = getattr(rnnkern, name)(I, H, backend="cpu", **options, **kwargs)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(randn(g, *p.shape, scale=H ** -0.5))
-    twin = kwargs.get("reset_after", True)
-    theirs = getattr(nn, name)(I, H, **options, **kwargs) if twin else \
-        getattr(rnnkern, name)(I, H, backend="reference", **options, **kwargs)
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = one_step_pair(g, name, kwargs, I, H, options)
     x = randn(g, *((B, 1, I) if batch_first else (1, B, I)), requires_grad=True)
     state = None
     if hx:
@@ -409,11 +432,7 @@ def test_one_step_call_is_one_op(monkeypatch, name, kwargs, layers, bidirectiona
     results = []
     for m in (ours, theirs):
         out, h_n = m(x, None if state is None else state if name == "LSTM" else state[0])
-        finals = h_n if name == "LSTM" else (h_n,)
-        loss = (out * randn(generator("cot", 1), *out.shape)).sum() + sum(
-            (f * randn(generator("cot", 2 + i), *f.shape)).sum() for i, f in enumerate(finals))
-        wrt = [x, *(state or ()), *m.parameters()]
-        results.append([out, *finals, *torch.autograd.grad(loss, wrt)])
+        results.append(step_results(out, h_n, name == "LSTM", [x, *(state or ()), *m.parameters()]))
     assert len(calls) == 1 and not any(m is ours for m in loops)
     for i, (got, want) in enumerate(zip(*results)):
         assert got.shape == want.shape, i
@@ -439,24 +458,11 @@ def test_one_step_call_with_resets_is_one_op(monkeypatch, name, kwargs, layers, 
     call's one op, its rows that start an episode from zeros: the RL masking
     loop's numbers and gradients (torch.nn on ``(1 - start) * state``, float64),
     hx's gradient zero in those rows."""
-    calls = []
-    real = ops.run_layers_step
-    monkeypatch.setattr(ops, "run_layers_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    loops = []
-    run_layers = getattr(rnnkern, name)._run_layers
-    monkeypatch.setattr(getattr(rnnkern, name), "_run_layers",
-                        lambda self, *a, **k: loops.append(self) or run_layers(self, *a, **k))
+    calls, loops = spy_one_step(monkeypatch, name)
     g = generator("one-step-resets", name, str(kwargs), layers, batch_first, mask, hx)
     I, H, B = 3, 5, 6
     options = dict(num_layers=layers, batch_first=batch_first, dtype=torch.float64)
-    ours = getattr(rnnkern, name)(I, H, backend="cpu", **options, **kwargs)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(randn(g, *p.shape, scale=H ** -0.5))
-    twin = kwargs.get("reset_after", True)
-    theirs = getattr(nn, name)(I, H, **options, **kwargs) if twin else \
-        getattr(rnnkern, name)(I, H, backend="reference", **options, **kwargs)
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = one_step_pair(g, name, kwargs, I, H, options)
     x = randn(g, *((B, 1, I) if batch_first else (1, B, I)), requires_grad=True)
     lstm = name == "LSTM"
     state = None
@@ -478,11 +484,7 @@ def test_one_step_call_with_resets_is_one_op(monkeypatch, name, kwargs, layers, 
         else:
             hx_in = None if state is None else tuple(keep * s for s in state)
             out, h_n = m(x, None if hx_in is None else hx_in if lstm else hx_in[0])
-        finals = h_n if lstm else (h_n,)
-        loss = (out * randn(generator("cot", 1), *out.shape)).sum() + sum(
-            (f * randn(generator("cot", 2 + i), *f.shape)).sum() for i, f in enumerate(finals))
-        wrt = [x, *(state or ()), *m.parameters()]
-        return [out, *finals, *torch.autograd.grad(loss, wrt)]
+        return step_results(out, h_n, lstm, [x, *(state or ()), *m.parameters()])
 
     got, want = call(ours), call(theirs)
     assert len(calls) == 1 and not any(m is ours for m in loops)
