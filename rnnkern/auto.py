@@ -22,10 +22,11 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
 3. Without a measurement: on a GPU, torch.nn (cuDNN) for what it supports; on a
    CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
    the benchmark), except bfloat16 on CPUs with AVX512_BF16: there oneDNN runs
-   the bf16 dot-product instructions, which rnnkern's kernels do not use yet
-   (they compute bf16 in float32, at float32's speed; a Zen 4 ran them at about
-   half of oneDNN's bf16 speed), so torch.nn runs until the table's rows for
-   that CPU class say otherwise.
+   the bf16 dot-product instructions.  rnnkern's kernels run their bfloat16
+   forward products on them too (csrc/cpu/pairs.h; before, in float32, at
+   about half of oneDNN's bf16 speed on a Zen 4), but no such CPU has timed
+   them yet, so torch.nn runs until the table's rows for that CPU class say
+   otherwise.
 
 Explicit backends (``"cpu"``, ``"cuda"``, ``"triton"``, ``"reference"``) always
 run rnnkern's own code.  :func:`rnnkern.explain` names the choice for a module
@@ -273,8 +274,8 @@ def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int,
                              "torch.nn's cuDNN path")
     if device.type == "cpu" and dtype == torch.bfloat16 and key.endswith("+bf16"):
         return Choice(TORCH, f"no measurement of rnnkern for {cell} bfloat16 on {key}: oneDNN runs "
-                             "this CPU's bf16 dot-product instructions, rnnkern's kernels compute bf16 "
-                             "in float32")
+                             "this CPU's bf16 dot-product instructions, and rnnkern's use of them is "
+                             "not yet timed on such a CPU")
     return Choice(rnnkern_backend, f"rnnkern's {device.type} kernels (no measurement says otherwise)")
 
 

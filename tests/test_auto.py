@@ -123,7 +123,8 @@ def test_without_a_measurement(table):
     assert cuda.uses_torch and "cuDNN" in cuda.reason
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         assert choose(dtype=dtype).implementation == "cpu"
-    # bfloat16 on a CPU with the bf16 dot products: torch.nn (oneDNN uses them, rnnkern not yet);
+    # bfloat16 on a CPU with the bf16 dot products: torch.nn (oneDNN uses them; rnnkern's use of
+    # them is untimed there);
     # the other dtypes there, and bfloat16 once a row measures rnnkern faster, rnnkern.
     for key in ("cpu:512bit+bf16", "cpu:256bit+bf16"):
         bf16 = choose(dtype=torch.bfloat16, device_key=key)

@@ -18,6 +18,7 @@
 #include "buffers.h"
 #include "lean_step.h"
 #include "linear.h"
+#include "pairs.h"
 #include "products.h"
 #include "recurrence.h"
 
@@ -70,6 +71,14 @@ Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt
   return b.has_value() ? to_acc(*b, opt.dtype().toScalarType()) : at::zeros({n}, opt);
 }
 
+// Whether a call's per-step products run on bf16 pairs (pairs.h): bfloat16
+// inputs and weights, and a CPU (or a test) that runs them.
+bool bf16_products(const Tensor& xproj, const Tensor& w_hh, const OptTensor& w_hr) {
+  return xproj.scalar_type() == at::kBFloat16 && w_hh.scalar_type() == at::kBFloat16 &&
+         (!w_hr.has_value() || w_hr->scalar_type() == at::kBFloat16) &&
+         pairs::mode() != pairs::Mode::Float32;
+}
+
 // Forward on tensors of any floating dtype; results in the accumulate dtype.
 std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
     const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
@@ -102,7 +111,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             mask_to_acc(zoneout, acc),
                             to_acc(ln, acc),
                             reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
-                            reset_h.has_value() ? to_acc(reset_c, acc) : c0a};
+                            reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
+                            bf16_products(xproj, w_hh, w_hr)};
     forward_impl<scalar_t>(a, output, h_n, c_n, ws);
   });
   return {output, h_n, c_n, ws};

@@ -25,6 +25,7 @@
 #include "../checks.h"
 #include "buffers.h"
 #include "gemm.h"
+#include "pairs.h"
 #include "parallel.h"
 
 namespace rnnkern::cpu {
@@ -222,6 +223,16 @@ at::Tensor to_acc_2d(const at::Tensor& t, at::ScalarType acc) {
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_linear(x, weight);
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+      pairs::mode() != pairs::Mode::Float32) {
+    // bf16 pairs of x and W_ih as they are (pairs.h), float32 sums.
+    const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+    at::Tensor y = pooled_empty({M, N}, x.options().dtype(at::kFloat));
+    pairs::linear(M, N, K, reinterpret_cast<const uint16_t*>(xc.const_data_ptr()), K,
+                  reinterpret_cast<const uint16_t*>(wc.const_data_ptr()), K, y.data_ptr<float>(), N);
+    return y.to(x.scalar_type());
+  }
   const auto acc = acc_type(x.scalar_type());
   const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);

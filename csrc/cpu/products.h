@@ -6,9 +6,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gemm.h"
 #include "isa.h"
+#include "pairs.h"
 #include "schedule.h"
 
 namespace rnnkern::cpu {
@@ -33,11 +35,15 @@ const A* cptr(const Tensor& t) {
 
 // The forward's per-step product  C[M, cols] (+)= A[M, K] W_s^T, where W_s is
 // rows [j0, j0 + n) of each of `blocks` gate blocks of a row-major
-// [blocks*H, K] weight (one unit slice's gates, in gate order).
+// [blocks*H, K] weight (one unit slice's gates, in gate order).  A bfloat16
+// call's weight (bf16 values held as float) may be packed as bf16 pairs
+// instead (pairs.h): the product then rounds the rows of A to bf16.
 template <typename A>
 struct StepWeightT {
   bool in_place = false;
-  gemm::PackedB<A> packed;  // !in_place
+  bool bf16_pairs = false;
+  gemm::PackedB<A> packed;  // !in_place && !bf16_pairs
+  pairs::PackedPairs pair_panels;  // bf16_pairs
   const A* w = nullptr;     // in_place: the weight itself
   int64_t K = 0, blocks = 0, H = 0, j0 = 0, n = 0;
   int64_t cols() const { return blocks * n; }
@@ -46,6 +52,8 @@ struct StepWeightT {
 template <typename A>
 RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const StepWeightT<A>& w,
                                   A* c, bool accumulate) {
+  if constexpr (std::is_same_v<A, float>)
+    if (w.bf16_pairs) return pairs::multiply(M, a, lda, w.pair_panels, c, w.cols(), accumulate);
   if (!w.in_place) {
     gemm::multiply(M, a, gemm::StridesA{lda, 1}, w.packed, c, w.packed.N, accumulate);
   } else {
@@ -72,20 +80,27 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const gemm
 }
 
 // W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
-// [G*H, K] weight.
+// [G*H, K] weight; as bf16 pairs where bf16_pairs (float weights holding
+// bf16 values; a call of one step keeps the weight in place instead).
 template <typename A>
-StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_place) {
+StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_place,
+                           bool bf16_pairs = false) {
   StepWeightT<A> s;
   s.in_place = in_place;
+  if constexpr (std::is_same_v<A, float>) s.bf16_pairs = bf16_pairs && !in_place;
   s.K = w.size(1);
   s.blocks = G;
   s.H = w.size(0) / G;
   s.j0 = sl.j0;
   s.n = sl.n;
-  if (in_place)
+  if (in_place) {
     s.w = cptr<A>(w);
-  else
+  } else if (s.bf16_pairs) {
+    if constexpr (std::is_same_v<A, float>)
+      s.pair_panels.pack_transposed(cptr<A>(gate_rows(w, G, sl)), s.K, G * sl.n, s.K);
+  } else {
     s.packed.pack(cptr<A>(gate_rows(w, G, sl)), s.K, G * sl.n, 1, s.K);
+  }
   return s;
 }
 

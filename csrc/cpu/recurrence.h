@@ -34,6 +34,9 @@ struct ForwardArgs {
   // The state a reset step starts from: reset_h, reset_c where given, else
   // h0, c0 themselves (the same tensors).
   Tensor reset_h, reset_c;
+  // A bfloat16 call (its values held as float): the per-step products run on
+  // bf16 pairs (pairs.h), the states rounded to bf16 as the products read them.
+  bool bf16_products = false;
 };
 
 template <typename A>

@@ -1,0 +1,221 @@
+// The bf16 pair products (pairs.h): the choice of version, the kernel in its
+// two versions, and the drivers.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "pairs.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "gemm.h"  // RNNKERN_ALWAYS_INLINE
+#include "isa.h"
+#include "parallel.h"
+
+namespace rnnkern::cpu::pairs {
+
+namespace {
+
+typedef float F __attribute__((vector_size(64)));
+typedef uint32_t U __attribute__((vector_size(64)));
+
+// The instruction is written as inline assembly rather than its intrinsic:
+// GCC refuses to inline an AVX512_BF16 intrinsic into the kernel template,
+// which is compiled for the caller's target, and the template is shared with
+// the emulation.  Only the native driver, compiled for x86-64-v4 +
+// avx512bf16, instantiates it.
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+#define RNNKERN_PAIRS_NATIVE 1
+struct Native {
+  static RNNKERN_ALWAYS_INLINE void dot(F& acc, uint32_t a, const U& b) {
+    const U av = U{} + a;
+    asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(b), "v"(av));
+  }
+};
+#endif
+
+// vdpbf16ps lane by lane: acc + a_odd b_odd, then + a_even b_even.  A bf16
+// value is the high half of its float32, so each half of a pair becomes a
+// float32 by a mask or a shift; the products of two bf16 values are exact in
+// float32, so fused or not, each addition rounds once, as the instruction's.
+struct Emulated {
+  static RNNKERN_ALWAYS_INLINE void dot(F& acc, uint32_t a, const U& b) {
+    const F a_hi = (F)(U{} + (a & 0xffff0000u)), a_lo = (F)(U{} + (a << 16));
+    acc += a_hi * (F)(b & 0xffff0000u);
+    acc += a_lo * (F)(b << 16);
+  }
+};
+
+// Rows of C per kernel call: 8 rows x 2 vectors = 16 accumulators of the 32
+// registers (as gemm.h's 512-bit per-step products).
+constexpr int kMR = 8;
+
+// C[MR, NP panels] (+)= A[MR rows of KP pairs, row stride KP] * NP panels
+// (ncols: C's columns there).  NP = 2 for one or two rows (a batch of one):
+// four or eight independent sums, so that the instruction's latency does not
+// bound the product, as gemm.h's micro-kernel.
+template <class Dot, int MR, int NP>
+RNNKERN_ALWAYS_INLINE void kernel(int64_t KP, const uint32_t* a, const uint32_t* const* panel,
+                                  float* c, int64_t ldc, int64_t ncols, bool accumulate) {
+  constexpr int NV = 2 * NP;  // vectors of C per row
+  F acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = F{};
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    U b[NV];
+    for (int q = 0; q < NP; ++q) {
+      std::memcpy(&b[2 * q], panel[q] + kp * kNR, sizeof(U));
+      std::memcpy(&b[2 * q + 1], panel[q] + kp * kNR + kLanes, sizeof(U));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const uint32_t ar = a[r * KP + kp];
+      for (int v = 0; v < NV; ++v) Dot::dot(acc[r][v], ar, b[v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float out[NV * kLanes];
+    for (int v = 0; v < NV; ++v) std::memcpy(out + v * kLanes, &acc[r][v], sizeof(F));
+    float* cr = c + r * ldc;
+    for (int64_t j = 0; j < ncols; ++j) cr[j] = accumulate ? cr[j] + out[j] : out[j];
+  }
+}
+
+// C[M, N] (+)= A[M rows of KP pairs] B, rows in near-equal blocks of up to kMR.
+template <class Dot>
+RNNKERN_ALWAYS_INLINE void run(int64_t M, const uint32_t* a, const PackedPairs& b, float* c,
+                               int64_t ldc, bool accumulate) {
+  const int64_t KP = b.pairs(), P = b.panels();
+  const int64_t blocks = (M + kMR - 1) / kMR;
+  for (int64_t bi = 0, i = 0, mr = 0; bi < blocks; ++bi, i += mr) {
+    mr = (M - i + (blocks - bi) - 1) / (blocks - bi);
+    const uint32_t* ai = a + i * KP;
+    float* ci = c + i * ldc;
+    int64_t p = 0;
+    if (mr <= 2) {  // two panels per call while both are whole
+      for (; p + 2 <= P && (p + 2) * kNR <= b.N; p += 2) {
+        const uint32_t* two[2] = {b.panel(p), b.panel(p + 1)};
+        if (mr == 2)
+          kernel<Dot, 2, 2>(KP, ai, two, ci + p * kNR, ldc, 2 * kNR, accumulate);
+        else
+          kernel<Dot, 1, 2>(KP, ai, two, ci + p * kNR, ldc, 2 * kNR, accumulate);
+      }
+    }
+    for (; p < P; ++p) {
+      const uint32_t* const one[1] = {b.panel(p)};
+      float* cp = ci + p * kNR;
+      const int64_t nc = std::min<int64_t>(kNR, b.N - p * kNR);
+      switch (mr) {
+        case 8: kernel<Dot, 8, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        case 7: kernel<Dot, 7, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        case 6: kernel<Dot, 6, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        case 5: kernel<Dot, 5, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        case 4: kernel<Dot, 4, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        case 3: kernel<Dot, 3, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        case 2: kernel<Dot, 2, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        default: kernel<Dot, 1, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+      }
+    }
+  }
+}
+static_assert(kMR == 8, "run dispatches up to 8 rows");
+
+#if defined(RNNKERN_PAIRS_NATIVE)
+__attribute__((target("arch=x86-64-v4,avx512bf16"), noinline)) void run_native(
+    int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int64_t ldc, bool accumulate) {
+  run<Native>(M, a, b, c, ldc, accumulate);
+}
+#endif
+
+__attribute__((noinline)) void run_emulated(int64_t M, const uint32_t* a, const PackedPairs& b,
+                                            float* c, int64_t ldc, bool accumulate) {
+  run<Emulated>(M, a, b, c, ldc, accumulate);
+}
+
+void run_mode(int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int64_t ldc,
+              bool accumulate) {
+#if defined(RNNKERN_PAIRS_NATIVE)
+  if (mode() == Mode::Native) return run_native(M, a, b, c, ldc, accumulate);
+#endif
+  run_emulated(M, a, b, c, ldc, accumulate);
+}
+
+// Rows [0, M) of A (row m at a + m*lda; float or bf16 bits) as rows of pairs.
+template <typename Src>
+void rows_to_pairs(int64_t M, int64_t K, const Src* a, int64_t lda, uint32_t* dst) {
+  const int64_t KP = (K + 1) / 2;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kp = 0; kp < KP; ++kp) dst[m * KP + kp] = PackedPairs::pair_of(a + m * lda, 2 * kp, K);
+}
+
+Mode initial_mode() {
+  // RNNKERN_CPU_BF16_PRODUCTS=float32 keeps the float32 products on a CPU
+  // with the instruction (A/B timings), as RNNKERN_CPU_VECTOR_BITS=256 does
+  // for the vector width.
+  const char* env = std::getenv("RNNKERN_CPU_BF16_PRODUCTS");
+  const std::string want = env != nullptr ? env : "";
+  if (want == "float32") return Mode::Float32;
+  if (want == "emulated") return Mode::Emulated;
+  return native_available() ? Mode::Native : Mode::Float32;
+}
+
+std::atomic<int>& mode_slot() {
+  static std::atomic<int> slot{static_cast<int>(initial_mode())};
+  return slot;
+}
+
+constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;  // as linear.cpp's
+constexpr int64_t kRowBlock = 12 * kMR;  // rows converted at a time: L2-resident pairs
+
+}  // namespace
+
+bool native_available() {
+#if defined(RNNKERN_PAIRS_NATIVE)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+Mode mode() { return static_cast<Mode>(mode_slot().load(std::memory_order_relaxed)); }
+
+bool set_mode(Mode m) {
+  if (m == Mode::Native && !native_available()) return false;
+  mode_slot().store(static_cast<int>(m), std::memory_order_relaxed);
+  return true;
+}
+
+void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, float* c, int64_t ldc,
+              bool accumulate) {
+  if (M <= 0) return;
+  thread_local std::vector<uint32_t> rows;  // grown as needed and kept: no allocation per step
+  rows.resize(std::max<size_t>(rows.size(), static_cast<size_t>(M * b.pairs())));
+  rows_to_pairs(M, b.K, a, lda, rows.data());
+  run_mode(M, rows.data(), b, c, ldc, accumulate);
+}
+
+void linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t* w,
+            int64_t ldw, float* y, int64_t ldy) {
+  if (M == 0 || N == 0) return;
+  PackedPairs b;
+  b.pack_transposed(w, ldw, N, K);
+  const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()),
+                                    (M + kMR - 1) / kMR,
+                                    std::max<int64_t>(1, M * N * K / kMinMacsPerThread)});
+  // Whole blocks of kMR rows per thread; each element's sum runs over its
+  // pairs in order whatever the split.
+  auto row_begin = [&](int64_t t) { return std::min(M, (M + kMR - 1) / kMR * t / threads * kMR); };
+  for_each_worker(threads, [&](int64_t t) {
+    std::vector<uint32_t> rows(static_cast<size_t>(kRowBlock * b.pairs()));
+    const int64_t r1 = row_begin(t + 1);
+    for (int64_t i = row_begin(t); i < r1; i += kRowBlock) {
+      const int64_t m = std::min(kRowBlock, r1 - i);
+      rows_to_pairs(m, K, x + i * ldx, ldx, rows.data());
+      run_mode(m, rows.data(), b, y + i * ldy, ldy, false);
+    }
+  });
+}
+
+}  // namespace rnnkern::cpu::pairs

@@ -1,0 +1,109 @@
+// bfloat16 products on the bf16 dot-product instruction (AVX512_BF16's
+// vdpbf16ps): each float32 lane of C gains a[k] b[k] + a[k+1] b[k+1] per
+// instruction, from bf16 pairs (k, k+1) of both operands, accumulating in
+// float32.  Twice the multiply-adds of a float32 FMA per instruction, half
+// the bytes of the weights: what oneDNN runs for torch.nn's bf16 RNNs on the
+// CPUs that have it (Zen 4 and 5, Intel Cooper Lake, Sapphire Rapids and
+// later), where rnnkern's float32 products of bf16 values ran at half its
+// speed.
+//
+// Used by the CPU backend for bfloat16 calls (pairs.cpp holds the choice):
+//  * the recurrence's per-step products h_{t-1} W^T (products.h, step_gemm):
+//    W packed into pairs once per call, the float32 state rounded to bf16
+//    (round to nearest even) as the product reads it; the state itself stays
+//    float32 between steps;
+//  * the input projection x W_ih^T of rnnkern::linear (x and W_ih already
+//    bf16: exact pairs).
+// The backward's products stay float32 (of the same bf16 values).
+//
+// Layout: B[K, N] in column panels of kNR = 32 columns (two 16-lane
+// vectors); panel p holds, for each pair kp, the 32 columns' pairs as uint32
+// (low half b[2kp][n], high half b[2kp+1][n]), zero past N and past an odd K.
+// A's rows become rows of pairs the same way.  Each element of C sums its
+// pairs in order kp = 0, 1, ...: the split of rows between threads never
+// changes its bits.
+//
+// Two versions of the same kernel: the instruction itself (compiled for
+// x86-64-v4 + avx512bf16, run only on CPUs that report it), and an emulation
+// of it in portable vector code, exact for normal numbers (the instruction
+// adds the odd product then the even one, each product exact in float32; it
+// also flushes denormals, which the emulation does not).  The emulation lets
+// CPUs without the instruction (this project's CI) run and test every line of
+// the layout, packing and drivers; it is never chosen by default.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace rnnkern::cpu::pairs {
+
+// How the CPU backend multiplies bfloat16 operands in this process:
+//  * Float32: converted to float32, float32 products (CPUs without the
+//    instruction, or chosen);
+//  * Native: vdpbf16ps (the default where the CPU has it);
+//  * Emulated: the emulation (tests).
+enum class Mode { Float32, Native, Emulated };
+Mode mode();
+// Sets the mode (rnnkern._C.set_cpu_bf16_products); false, and nothing
+// changed, for Native on a CPU or build without the instruction.
+bool set_mode(Mode m);
+bool native_available();
+
+constexpr int kLanes = 16;
+constexpr int kNR = 2 * kLanes;
+
+// float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN):
+// c10::BFloat16's rounding.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// B[k][n] as bf16 pairs in panels (see the layout above).
+struct PackedPairs {
+  int64_t K = 0, N = 0;
+  std::vector<uint32_t> data;
+  int64_t pairs() const { return (K + 1) / 2; }
+  int64_t panels() const { return (N + kNR - 1) / kNR; }
+  const uint32_t* panel(int64_t p) const { return data.data() + p * pairs() * kNR; }
+
+  // B = W^T for a row-major W [N, K] (row n at w + n*ldw): the pair of
+  // column n is two neighbours of W's row n.  Src: float or uint16_t (bf16).
+  template <typename Src>
+  void pack_transposed(const Src* w, int64_t ldw, int64_t N_, int64_t K_) {
+    K = K_;
+    N = N_;
+    const int64_t KP = pairs();
+    data.assign(static_cast<size_t>(panels() * KP * kNR), 0u);
+    for (int64_t n = 0; n < N; ++n) {
+      uint32_t* dst = data.data() + (n / kNR) * KP * kNR + n % kNR;
+      const Src* row = w + n * ldw;
+      for (int64_t kp = 0; kp < KP; ++kp) dst[kp * kNR] = pair_of(row, 2 * kp, K);
+    }
+  }
+
+  static uint16_t bits(float v) { return to_bf16(v); }
+  static uint16_t bits(uint16_t v) { return v; }
+  template <typename Src>
+  static uint32_t pair_of(const Src* row, int64_t k, int64_t K) {
+    const uint32_t lo = bits(row[k]);
+    const uint32_t hi = k + 1 < K ? bits(row[k + 1]) : 0u;
+    return lo | hi << 16;
+  }
+};
+
+// C[M, N] (+)= A[M, K] B for float32 rows of A (row m at a + m*lda), rounded
+// to bf16 as they are read; C row-major, leading dimension ldc.  One thread.
+void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, float* c, int64_t ldc,
+              bool accumulate);
+
+// Y[M, N] = X[M, K] W^T for bf16 X (row m at x + m*ldx) and W [N, K] (row n
+// at w + n*ldw), float32 Y (leading dimension ldy), on all threads: the
+// input projection.  (Mode::Float32 is the caller's business.)
+void linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t* w,
+            int64_t ldw, float* y, int64_t ldy);
+
+}  // namespace rnnkern::cpu::pairs

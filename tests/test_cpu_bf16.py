@@ -1,0 +1,213 @@
+"""bfloat16 products on bf16 pairs (csrc/cpu/pairs.h): the layout, packing,
+rounding and drivers of the path that CPUs with AVX512_BF16 run on the
+vdpbf16ps instruction.  Every test runs the portable emulation of the
+instruction ("emulated": exact for normal numbers), so CPUs without it test
+every line but the instruction itself; where the CPU has it, the same tests
+run it too ("native"), and it must agree with the emulation."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+
+import pytest
+import torch
+
+import rnnkern
+from rnnkern import _C, ops
+from conftest import (CELLS, assert_close, assert_low_precision, generator, outputs_and_grads,
+                      randn, recurrence_inputs)
+
+
+@contextlib.contextmanager
+def bf16_products(mode):
+    before = _C.cpu_bf16_products()
+    _C.set_cpu_bf16_products(mode)
+    try:
+        yield
+    finally:
+        _C.set_cpu_bf16_products(before)
+
+
+def native_or_skip():
+    if not _cpu_has_instruction():
+        pytest.skip("needs a CPU with AVX512_BF16 (vdpbf16ps) and a build with the 512-bit kernels")
+
+
+def _cpu_has_instruction():
+    try:
+        with bf16_products("native"):
+            return True
+    except RuntimeError:
+        return False
+
+
+PAIR_MODES = ["emulated", "native"]
+
+
+@pytest.fixture(params=PAIR_MODES)
+def pair_mode(request):
+    if request.param == "native":
+        native_or_skip()
+    with bf16_products(request.param):
+        assert _C.cpu_bf16_products() == request.param
+        yield request.param
+
+
+def bf16_values(g, *shape, scale=1.0):
+    return randn(g, *shape, scale=scale).bfloat16()
+
+
+def test_modes_are_set_and_refused_by_name():
+    default = _C.cpu_bf16_products()
+    # The default is the instruction where the CPU has it, float32 elsewhere.
+    assert default == ("native" if _cpu_has_instruction() else "float32")
+    with bf16_products("emulated"):
+        assert _C.cpu_bf16_products() == "emulated"
+    assert _C.cpu_bf16_products() == default
+    with pytest.raises(ValueError, match="'float32', 'native' or 'emulated'"):
+        _C.set_cpu_bf16_products("bf16")
+    if not _cpu_has_instruction():
+        with pytest.raises(RuntimeError, match="AVX512_BF16"):
+            _C.set_cpu_bf16_products("native")
+    assert _C.cpu_bf16_products() == default
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (1, 64, 64), (2, 41, 100), (7, 5, 3), (9, 33, 32),
+                                   (70, 64, 129), (300, 77, 40), (1000, 256, 96)])
+def test_linear_on_pairs_sums_the_exact_products(pair_mode, M, K, N):
+    """x W^T of bf16 x and W: each product is exact in float32 and the sum is
+    float32, so the result is the float64 product rounded to bf16, within
+    the float32 sum's own error.  Odd K (a pair half zero), N past a panel,
+    row counts that are not a multiple of the kernel's 8, one and two rows
+    (two panels per call)."""
+    g = generator("pairs-linear", M, K, N)
+    x, w = bf16_values(g, M, K), bf16_values(g, N, K)
+    exact = x.double() @ w.double().t()
+    y = torch.ops.rnnkern.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    bound = 2.0 ** -8 * exact.abs() + K * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+    assert ((y.double() - exact).abs() <= bound).all(), (y.double() - exact).abs().max()
+    # strided operands take the same path
+    xs = torch.cat([x, x], 1)[:, ::2]
+    assert torch.equal(torch.ops.rnnkern.linear(xs, w),
+                       torch.ops.rnnkern.linear(xs.contiguous(), w))
+
+
+@pytest.mark.parametrize("B,H", [(1, 37), (2, 70), (9, 70), (20, 16)])
+def test_recurrence_product_reads_the_state_as_bf16(B, H):
+    """The tanh RNN's step, teacher-forced: h_t = tanh(xproj_t + b +
+    bf16(h_{t-1}) W^T), with bf16(h_{t-1}) = the bf16 output at t-1 (both
+    round the float32 state to nearest even).  Each output must be that
+    float64 value rounded to bf16, within the float32 sums' error.  The
+    float32 products (unrounded states) miss it: the check sees the rounding."""
+    T = 6
+    args = recurrence_inputs("rnn_tanh", T, B, H, dtype=torch.bfloat16, key=("pairs-state",))
+    w, b = args["w_hh"].double(), args["b_ih"].double() + args["b_hh"].double()
+
+    def worst_excess(mode):
+        with bf16_products(mode):
+            out, h_n = ops.recurrence("rnn_tanh", **args, backend="cpu")[:2]
+        assert torch.equal(out[-1], h_n)
+        prev = torch.cat([args["h0"][None], out[:-1]]).double()
+        want = torch.tanh(args["xproj"].double() + b + prev @ w.t())
+        # bf16 rounding of the output (half an ulp: up to 2^-8 relative) and the
+        # float32 sums before it
+        bound = 2.0 ** -8 * want.abs() + 1e-6 * (1 + (prev.abs() @ w.abs().t()))
+        return ((out.double() - want).abs() - bound).max().item()
+
+    assert worst_excess("emulated") <= 0
+    if _cpu_has_instruction():
+        assert worst_excess("native") <= 0
+    assert worst_excess("float32") > 0
+
+
+@pytest.mark.parametrize("cell,proj", [(cell, 0) for cell in CELLS] + [("lstm", 5)])
+def test_bfloat16_on_pairs_within_reference_error(pair_mode, cell, proj):
+    """Every cell (and the LSTM's projection) on pairs: outputs, states and
+    gradients no worse than twice the reference's own bfloat16 error, as the
+    float32 products (test_cpu.py)."""
+    T, B, H = 16, 4, 64
+    args = recurrence_inputs(cell, T, B, H, dtype=torch.bfloat16, proj=proj, key=("bf16-pairs",))
+    args16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    args32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("bf16-pairs-cot", cell)
+    want = outputs_and_grads("reference", cell, args32, key=key)
+    ref16 = outputs_and_grads("reference", cell, args16, key=key)
+    got = outputs_and_grads("cpu", cell, args16, key=key)
+    for name in want:
+        assert got[name].dtype == torch.bfloat16, name
+        assert torch.isfinite(got[name]).all(), name
+        assert_low_precision(got[name], ref16[name], want[name], what=name)
+
+
+@pytest.mark.parametrize("name", ["LSTM", "GRU", "RNN"])
+def test_modules_on_pairs_match_torch_nn_bf16(pair_mode, name):
+    """Two layers, both directions, a packed batch of uneven lengths: within
+    twice torch.nn's own bf16 error against torch.nn in float32."""
+    g = generator("pairs-modules", name)
+    theirs = getattr(torch.nn, name)(24, 40, num_layers=2, bidirectional=True)
+    ours = getattr(rnnkern, name)(24, 40, num_layers=2, bidirectional=True, backend="cpu")
+    ours.load_state_dict(theirs.state_dict())
+    x = randn(g, 11, 6, 24, dtype=torch.float32)
+    lengths = torch.tensor([11, 9, 9, 4, 2, 1])
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths)
+    want = theirs(packed)[0].data
+    theirs.bfloat16()
+    ours.bfloat16()
+    packed16 = torch.nn.utils.rnn.pack_padded_sequence(x.bfloat16(), lengths)
+    ref16 = theirs(packed16)[0].data
+    got = ours(packed16)[0].data
+    assert got.dtype == torch.bfloat16
+    assert_low_precision(got, ref16, want, what="output")
+
+
+def test_pairs_same_bits_at_1_2_and_3_threads():
+    """Each element sums its pairs in one order whatever rows or units a
+    thread takes: the recurrence (split by rows at B = 32) and the input
+    projection give the same bits at every thread count."""
+    g = generator("pairs-threads")
+    m = rnnkern.LSTM(48, 128, backend="cpu").bfloat16()
+    x = bf16_values(g, 9, 32, 48)
+    xl, wl = bf16_values(g, 999, 130), bf16_values(g, 96, 130)
+    saved = torch.get_num_threads()
+
+    def run(threads):
+        torch.set_num_threads(threads)
+        out, (h, c) = m(x)
+        return [out, h, c, torch.ops.rnnkern.linear(xl, wl)]
+
+    try:
+        with bf16_products("emulated"):
+            want = run(1)
+            for threads in (2, 3):
+                for a, b in zip(run(threads), want):
+                    assert torch.equal(a, b), f"differs at {threads} threads"
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_native_agrees_with_the_emulation():
+    """Where the CPU has the instruction: the same results as the emulation,
+    within one bf16 rounding (the emulation does not flush denormals)."""
+    native_or_skip()
+    g = generator("pairs-native")
+    x, w = bf16_values(g, 257, 131), bf16_values(g, 67, 131)
+    m = rnnkern.GRU(131, 67, backend="cpu").bfloat16()
+    results = {}
+    for mode in ("native", "emulated"):
+        with bf16_products(mode):
+            results[mode] = [torch.ops.rnnkern.linear(x, w), m(x[:, None])[0]]
+    for a, b in zip(results["native"], results["emulated"]):
+        assert_close(a.float(), b.float(), rtol=2.0 ** -7, atol=1e-3)
+
+
+def test_build_holds_the_instruction():
+    """The native driver is compiled for the instruction (read off the
+    binary: CPUs without it cannot run it); builds pinned below x86-64-v4
+    (.ci/isa_levels.sh sets RNNKERN_EXPECT_CPU_ISA) have no 512-bit kernels
+    and no instruction."""
+    dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", _C.__file__],
+                          capture_output=True, text=True, check=True).stdout
+    pinned = os.environ.get("RNNKERN_EXPECT_CPU_ISA")
+    assert ("vdpbf16ps" in dump) == (pinned in (None, "x86-64-v4"))
