@@ -24,8 +24,8 @@ for level in "${levels[@]}"; do
     # `import rnnkern` finds it first (python -m puts the working directory ahead
     # of the editable install).
     (cd rnnkern && find . -name '*.py' -exec install -D -m 644 {} "../$out/rnnkern/{}" \;)
-    echo "== ISA level $level: tests/test_cpu.py and the cpu cases of tests/test_backend_contract.py"
+    echo "== ISA level $level: tests/test_cpu.py, tests/test_cpu_bf16.py (the bf16 pairs' emulation) and the cpu cases of tests/test_backend_contract.py"
     # Two workers (CI's machine has two cores; each worker imports the pinned build
     # from here, which test_cpu_isa_level_is_the_expected_one checks).
-    (cd "$out" && RNNKERN_EXPECT_CPU_ISA=$level python -m pytest "$OLDPWD/tests/test_cpu.py" "$OLDPWD/tests/test_backend_contract.py" -k "not test_backend_contract or cpu" -q -p no:cacheprovider -n "${RNNKERN_ISA_WORKERS:-2}")
+    (cd "$out" && RNNKERN_EXPECT_CPU_ISA=$level python -m pytest "$OLDPWD/tests/test_cpu.py" "$OLDPWD/tests/test_cpu_bf16.py" "$OLDPWD/tests/test_backend_contract.py" -k "not test_backend_contract or cpu" -q -p no:cacheprovider -n "${RNNKERN_ISA_WORKERS:-2}")
 done

@@ -1,4 +1,5 @@
-"""bfloat16 products on bf16 pairs (csrc/cpu/pairs.h): the layout, packing,
+"""bfloat16 products on bf16 pairs (csrc/cpu/pairs.h; the recurrence's
+per-step products forward and backward, the input projection): the layout, packing,
 rounding and drivers of the path that CPUs with AVX512_BF16 run on the
 vdpbf16ps instruction.  Every test runs the portable emulation of the
 instruction ("emulated": exact for normal numbers), so CPUs without it test
@@ -115,6 +116,35 @@ def test_recurrence_product_reads_the_state_as_bf16(B, H):
         # float32 sums before it
         bound = 2.0 ** -8 * want.abs() + 1e-6 * (1 + (prev.abs() @ w.abs().t()))
         return ((out.double() - want).abs() - bound).max().item()
+
+    assert worst_excess("emulated") <= 0
+    if _cpu_has_instruction():
+        assert worst_excess("native") <= 0
+    assert worst_excess("float32") > 0
+
+
+@pytest.mark.parametrize("B,H", [(1, 37), (2, 70), (9, 70)])
+def test_backward_product_reads_the_gate_gradient_as_bf16(B, H):
+    """The ReLU RNN's backward, teacher-forced: dA_{t-1} = relu'(a_{t-1}) *
+    (g_{t-1} + bf16(dA_t) W), where bf16(dA_t) is grad_xproj at t (both round
+    the float32 gate gradient to nearest even) and relu'(a) = (output > 0).
+    Each grad_xproj must be that float64 value rounded to bf16, within the
+    float32 sums' error; the float32 products (unrounded dA) miss it."""
+    T = 6
+    args = recurrence_inputs("rnn_relu", T, B, H, dtype=torch.bfloat16, key=("pairs-grad",))
+    g = generator("pairs-grad-cot", B, H)
+    g_out, g_hn = bf16_values(g, T, B, H), bf16_values(g, B, H)
+    w = args["w_hh"].double()
+
+    def worst_excess(mode):
+        xproj = args["xproj"].clone().requires_grad_()
+        with bf16_products(mode):
+            out, h_n = ops.recurrence("rnn_relu", **(args | {"xproj": xproj}), backend="cpu")[:2]
+            (gx,) = torch.autograd.grad((out * g_out).sum() + (h_n * g_hn).sum(), [xproj])
+        carried = torch.cat([gx[1:].double() @ w, g_hn.double()[None]])
+        want = (out > 0).double() * (g_out.double() + carried)
+        bound = 2.0 ** -8 * want.abs() + 1e-6 * (1 + gx.double().abs() @ w.abs())
+        return ((gx.double() - want).abs() - bound).max().item()
 
     assert worst_excess("emulated") <= 0
     if _cpu_has_instruction():

@@ -217,12 +217,14 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // r, z for reset-before (the candidate's part goes through drh).
   const Tensor w_dh = reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh;
   std::vector<Tensor> dh, drh, dh_full;
-  std::vector<gemm::PackedB<A>> w_dh_cols, w_n_cols, w_r_cols;
+  std::vector<StepWeightCols<A>> w_dh_cols, w_n_cols, w_r_cols;
   const bool in_place = split.weights_in_place(T);
-  for (const Slice& sl : carry) w_dh_cols.push_back(weight_cols<A>(w_dh, sl, in_place));
+  const bool bf16 = a.bf16_products && T > 1;  // pairs: packed once, worth it from two steps
+  for (const Slice& sl : carry) w_dh_cols.push_back(weight_cols<A>(w_dh, sl, in_place, bf16));
   for (const Slice& sl : units) {
-    if (reset_before) w_n_cols.push_back(weight_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl, in_place));
-    if (z.has_proj) w_r_cols.push_back(weight_cols<A>(a.w_hr, sl, in_place));
+    if (reset_before)
+      w_n_cols.push_back(weight_cols<A>(a.w_hh.narrow(0, 2 * H, H), sl, in_place, bf16));
+    if (z.has_proj) w_r_cols.push_back(weight_cols<A>(a.w_hr, sl, in_place, bf16));
   }
   for (size_t t = 0; t < carry_workers; ++t) {
     const auto [r, ci, c] = carry_work(t);

@@ -73,8 +73,8 @@ Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt
 
 // Whether a call's per-step products run on bf16 pairs (pairs.h): bfloat16
 // inputs and weights, and a CPU (or a test) that runs them.
-bool bf16_products(const Tensor& xproj, const Tensor& w_hh, const OptTensor& w_hr) {
-  return xproj.scalar_type() == at::kBFloat16 && w_hh.scalar_type() == at::kBFloat16 &&
+bool bf16_products(const Tensor& input, const Tensor& w_hh, const OptTensor& w_hr) {
+  return input.scalar_type() == at::kBFloat16 && w_hh.scalar_type() == at::kBFloat16 &&
          (!w_hr.has_value() || w_hr->scalar_type() == at::kBFloat16) &&
          pairs::mode() != pairs::Mode::Float32;
 }
@@ -161,7 +161,8 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              mask_to_acc(zoneout, acc),
                              to_acc(ln, acc),
                              reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
-                             reset_h.has_value() ? to_acc(reset_c, acc) : c0a};
+                             reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
+                             bf16_products(output, w_hh, w_hr)};
     backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
                             r.d_w_hr, r.d_ln, r.d_reset_h, r.d_reset_c);
   });

@@ -13,8 +13,12 @@
 //    (round to nearest even) as the product reads it; the state itself stays
 //    float32 between steps;
 //  * the input projection x W_ih^T of rnnkern::linear (x and W_ih already
-//    bf16: exact pairs).
-// The backward's products stay float32 (of the same bf16 values).
+//    bf16: exact pairs);
+//  * the backward's per-step products dh += dA W (the float32 gate
+//    gradients rounded to bf16 as read, as oneDNN's bf16 backward keeps
+//    them).
+// The weight gradients and dX stay float32 products (of the same bf16
+// values).
 //
 // Layout: B[K, N] in column panels of kNR = 32 columns (two 16-lane
 // vectors); panel p holds, for each pair kp, the 32 columns' pairs as uint32
@@ -82,6 +86,23 @@ struct PackedPairs {
       uint32_t* dst = data.data() + (n / kNR) * KP * kNR + n % kNR;
       const Src* row = w + n * ldw;
       for (int64_t kp = 0; kp < KP; ++kp) dst[kp * kNR] = pair_of(row, 2 * kp, K);
+    }
+  }
+
+  // B itself, row-major [K, N] (row k at b + k*ldb): the pair of column n is
+  // two rows apart.
+  template <typename Src>
+  void pack_rows(const Src* b, int64_t ldb, int64_t K_, int64_t N_) {
+    K = K_;
+    N = N_;
+    const int64_t KP = pairs();
+    data.assign(static_cast<size_t>(panels() * KP * kNR), 0u);
+    for (int64_t kp = 0; kp < KP; ++kp) {
+      const Src* lo = b + 2 * kp * ldb;
+      const Src* hi = 2 * kp + 1 < K ? lo + ldb : nullptr;
+      for (int64_t n = 0; n < N; ++n)
+        data[(n / kNR) * KP * kNR + kp * kNR + n % kNR] =
+            bits(lo[n]) | (hi != nullptr ? uint32_t(bits(hi[n])) << 16 : 0u);
     }
   }
 

@@ -72,11 +72,22 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
   }
 }
 
-// The backward's per-step product  C[M, N] (+)= A[M, K] B, B packed or a view.
+// The backward's per-step B: packed or a view (PackedB), or for a bfloat16
+// call bf16 pairs (the rows of A then rounded to bf16).
 template <typename A>
-RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const gemm::PackedB<A>& b,
+struct StepWeightCols {
+  bool bf16_pairs = false;
+  gemm::PackedB<A> packed;         // !bf16_pairs
+  pairs::PackedPairs pair_panels;  // bf16_pairs
+};
+
+// The backward's per-step product  C[M, N] (+)= A[M, K] B.
+template <typename A>
+RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const StepWeightCols<A>& b,
                                   A* c, bool accumulate) {
-  gemm::multiply(M, a, gemm::StridesA{lda, 1}, b, c, b.N, accumulate);
+  if constexpr (std::is_same_v<A, float>)
+    if (b.bf16_pairs) return pairs::multiply(M, a, lda, b.pair_panels, c, b.pair_panels.N, accumulate);
+  gemm::multiply(M, a, gemm::StridesA{lda, 1}, b.packed, c, b.packed.N, accumulate);
 }
 
 // W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
@@ -104,13 +115,26 @@ StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_
   return s;
 }
 
-// Columns [j0, j0 + n) of a contiguous [K, C] weight: the B of  dh = da W[:, slice].
+// Columns [j0, j0 + n) of a contiguous [K, C] weight: the B of  dh = da W[:, slice];
+// as bf16 pairs where bf16_pairs (float weights holding bf16 values), in
+// place of either: the pairs are packed at any batch (read in place, W would
+// have to be converted at every step).
 template <typename A>
-gemm::PackedB<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place) {
-  if (in_place) return gemm::PackedB<A>::view_rows(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1));
-  gemm::PackedB<A> p;
-  p.pack(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
-  return p;
+StepWeightCols<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place,
+                              bool bf16_pairs = false) {
+  StepWeightCols<A> b;
+  if constexpr (std::is_same_v<A, float>) {
+    if (bf16_pairs) {
+      b.bf16_pairs = true;
+      b.pair_panels.pack_rows(cptr<A>(w) + sl.j0, w.size(1), w.size(0), sl.n);
+      return b;
+    }
+  }
+  if (in_place)
+    b.packed = gemm::PackedB<A>::view_rows(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1));
+  else
+    b.packed.pack(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
+  return b;
 }
 
 }  // namespace rnnkern::cpu

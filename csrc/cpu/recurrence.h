@@ -67,6 +67,7 @@ struct BackwardArgs {
   Positions pos;
   Tensor resets, zoneout, ln;  // undefined when not given
   Tensor reset_h, reset_c;     // as ForwardArgs'
+  bool bf16_products = false;  // as ForwardArgs'
 };
 
 // d_reset_h, d_reset_c: written where a.z.has_reset_state (else the restarts'
