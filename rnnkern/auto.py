@@ -23,7 +23,7 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
    the benchmark), except bfloat16 on CPUs with AVX512_BF16: there oneDNN runs
    the bf16 dot-product instructions.  rnnkern's kernels run their bfloat16
-   per-step and input products on them too (csrc/cpu/pairs.h; before, in float32, at
+   products on them too (csrc/cpu/pairs.h; before, in float32, at
    about half of oneDNN's bf16 speed on a Zen 4), but no such CPU has timed
    them yet, so torch.nn runs until the table's rows for that CPU class say
    otherwise.

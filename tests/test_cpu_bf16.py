@@ -1,5 +1,6 @@
 """bfloat16 products on bf16 pairs (csrc/cpu/pairs.h; the recurrence's
-per-step products forward and backward, the input projection): the layout, packing,
+per-step products forward and backward, its weight gradients, rnnkern::linear
+and its backward): the layout, packing,
 rounding and drivers of the path that CPUs with AVX512_BF16 run on the
 vdpbf16ps instruction.  Every test runs the portable emulation of the
 instruction ("emulated": exact for normal numbers), so CPUs without it test
@@ -95,6 +96,24 @@ def test_linear_on_pairs_sums_the_exact_products(pair_mode, M, K, N):
                        torch.ops.rnnkern.linear(xs.contiguous(), w))
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 3, 1), (2, 41, 100), (70, 64, 129), (1300, 33, 40),
+                                   (517, 130, 7)])
+def test_linear_backward_on_pairs_sums_the_exact_products(pair_mode, M, K, N):
+    """grad_x = gy W and grad_w = gy^T x of bf16 operands: the exact products,
+    float32 sums (grad_w's over M = 1300 rows: three chunks of 512, an odd
+    last one), rounded to bf16."""
+    g = generator("pairs-linear-backward", M, K, N)
+    x, w, gy = bf16_values(g, M, K), bf16_values(g, N, K), bf16_values(g, M, N)
+    gx, gw = torch.ops.rnnkern.linear_backward(gy, x, w, True, True)
+    for name, got, a, b in (("grad_x", gx, gy, w), ("grad_w", gw, gy.t(), x)):
+        exact = a.double() @ b.double()
+        bound = 2.0 ** -8 * exact.abs() + a.shape[1] * 2.0 ** -24 * (a.double().abs() @ b.double().abs())
+        assert got.dtype == torch.bfloat16, name
+        assert ((got.double() - exact).abs() <= bound).all(), (name, (got.double() - exact).abs().max())
+    only_w = torch.ops.rnnkern.linear_backward(gy, x, w, False, True)[1]
+    assert torch.equal(only_w, gw)
+
+
 @pytest.mark.parametrize("B,H", [(1, 37), (2, 70), (9, 70), (20, 16)])
 def test_recurrence_product_reads_the_state_as_bf16(B, H):
     """The tanh RNN's step, teacher-forced: h_t = tanh(xproj_t + b +
@@ -152,16 +171,18 @@ def test_backward_product_reads_the_gate_gradient_as_bf16(B, H):
     assert worst_excess("float32") > 0
 
 
-@pytest.mark.parametrize("cell,proj", [(cell, 0) for cell in CELLS] + [("lstm", 5)])
-def test_bfloat16_on_pairs_within_reference_error(pair_mode, cell, proj):
+@pytest.mark.parametrize("cell,proj,T,B", [(cell, 0, 16, 4) for cell in CELLS] +
+                         [("lstm", 5, 16, 4), ("gru", 0, 40, 16)])
+def test_bfloat16_on_pairs_within_reference_error(pair_mode, cell, proj, T, B):
     """Every cell (and the LSTM's projection) on pairs: outputs, states and
     gradients no worse than twice the reference's own bfloat16 error, as the
-    float32 products (test_cpu.py)."""
-    T, B, H = 16, 4, 64
+    float32 products (test_cpu.py).  At T=40 B=16 the weight gradients sum
+    640 rows: two chunks of the pair GEMM."""
+    H = 64
     args = recurrence_inputs(cell, T, B, H, dtype=torch.bfloat16, proj=proj, key=("bf16-pairs",))
     args16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
     args32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
-    key = ("bf16-pairs-cot", cell)
+    key = ("bf16-pairs-cot", cell, T, B)
     want = outputs_and_grads("reference", cell, args32, key=key)
     ref16 = outputs_and_grads("reference", cell, args16, key=key)
     got = outputs_and_grads("cpu", cell, args16, key=key)
@@ -194,18 +215,24 @@ def test_modules_on_pairs_match_torch_nn_bf16(pair_mode, name):
 
 def test_pairs_same_bits_at_1_2_and_3_threads():
     """Each element sums its pairs in one order whatever rows or units a
-    thread takes: the recurrence (split by rows at B = 32) and the input
-    projection give the same bits at every thread count."""
+    thread takes: the recurrence forward and backward (split by rows at
+    B = 32; every gradient) and the input projection with its gradients give
+    the same bits at every thread count."""
     g = generator("pairs-threads")
     m = rnnkern.LSTM(48, 128, backend="cpu").bfloat16()
     x = bf16_values(g, 9, 32, 48)
     xl, wl = bf16_values(g, 999, 130), bf16_values(g, 96, 130)
     saved = torch.get_num_threads()
 
+    gl = bf16_values(g, 999, 96)
+    cot = bf16_values(g, 9, 32, 128)
+
     def run(threads):
         torch.set_num_threads(threads)
-        out, (h, c) = m(x)
-        return [out, h, c, torch.ops.rnnkern.linear(xl, wl)]
+        out, (h, c) = m(x.requires_grad_())
+        grads = torch.autograd.grad((out * cot).sum(), [x, *m.parameters()])
+        return [out, h, c, *grads, torch.ops.rnnkern.linear(xl, wl),
+                *torch.ops.rnnkern.linear_backward(gl, xl, wl, True, True)]
 
     try:
         with bf16_products("emulated"):

@@ -48,11 +48,23 @@ bool gathers_real_positions(const Positions& pos, int64_t T, int64_t B) {
   return real * 5 < T * B * 4;
 }
 
+// The weight gradients' products: blocked_gemm, or for a bfloat16 call
+// (BackwardArgs::bf16_products) on bf16 pairs (pairs.h).
+template <typename A>
+void weight_product(bool bf16, int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rows,
+                    int64_t a_ks, const A* b, int64_t b_ks, int64_t b_ns, A* c, int64_t ldc,
+                    bool accumulate) {
+  if constexpr (std::is_same_v<A, float>)
+    if (bf16) return pairs::gemm<float>(M, N, K, a, a_rows, a_ks, b, b_ks, b_ns, c, ldc, accumulate);
+  blocked_gemm<A>(M, N, K, a, a_rows, a_ks, b, b_ks, b_ns, c, ldc, accumulate);
+}
+
 // C[N, P] (+)= sum over pairs (i, j) of d_i^T x_j: rows i of d (stride ld_d)
 // and j of x (stride ld_x), gathered into contiguous blocks, one GEMM.
 template <typename A>
-void gathered_weight_gemm(int64_t N, int64_t P, const std::vector<std::pair<int64_t, int64_t>>& pairs,
-                          const A* d, int64_t ld_d, const A* x, int64_t ld_x, A* c, int64_t ldc,
+void gathered_weight_gemm(bool bf16, int64_t N, int64_t P,
+                          const std::vector<std::pair<int64_t, int64_t>>& pairs, const A* d,
+                          int64_t ld_d, const A* x, int64_t ld_x, A* c, int64_t ldc,
                           bool accumulate, const at::TensorOptions& opt) {
   const int64_t R = static_cast<int64_t>(pairs.size());
   if (R == 0) {
@@ -65,7 +77,7 @@ void gathered_weight_gemm(int64_t N, int64_t P, const std::vector<std::pair<int6
     copy_row(ptr<A>(dg) + i * N, d + pairs[i].first * ld_d, N);
     copy_row(ptr<A>(xg) + i * P, x + pairs[i].second * ld_x, P);
   }
-  blocked_gemm<A>(N, P, R, cptr<A>(dg), 1, N, cptr<A>(xg), P, 1, c, ldc, accumulate);
+  weight_product<A>(bf16, N, P, R, cptr<A>(dg), 1, N, cptr<A>(xg), P, 1, c, ldc, accumulate);
 }
 
 // The rows of the real positions (Positions::row), time-major.
@@ -80,9 +92,9 @@ std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, in
 // d: the gradients of the N rows of W (unit stride, row stride ld) at every
 // row of the layout (Positions::row), out: the output (row stride P).
 template <typename A>
-void weight_grad_by_prev_state(Tensor& dw, const A* d, int64_t ld, int64_t N, const Tensor& out,
-                               const Tensor& h0, const Positions& pos, int64_t T, int64_t B,
-                               const bool* resets, const Tensor& reset_h) {
+void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, int64_t ld, int64_t N,
+                               const Tensor& out, const Tensor& h0, const Positions& pos,
+                               int64_t T, int64_t B, const bool* resets, const Tensor& reset_h) {
   const int64_t P = out.size(-1);
   A* c = ptr<A>(dw);
   if (T == 0 || B == 0) {
@@ -98,12 +110,13 @@ void weight_grad_by_prev_state(Tensor& dw, const A* d, int64_t ld, int64_t N, co
         if (p < pos.length(b) && earlier >= 0 && earlier < pos.length(b))
           pairs.emplace_back(pos.row(p, b), pos.row(earlier, b));
       }
-    gathered_weight_gemm<A>(N, P, pairs, d, ld, cptr<A>(out), P, c, dw.stride(0), false,
+    gathered_weight_gemm<A>(bf16, N, P, pairs, d, ld, cptr<A>(out), P, c, dw.stride(0), false,
                             out.options());
   } else {
     const A* d_later = d + (pos.reverse ? 0 : B * ld);
     const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
-    blocked_gemm<A>(N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0), false);
+    weight_product<A>(bf16, N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0),
+                      false);
   }
   // Each sequence's gradient at its first step, against h0.
   Tensor d_first = at::zeros({B, N}, out.options());
@@ -112,7 +125,7 @@ void weight_grad_by_prev_state(Tensor& dw, const A* d, int64_t ld, int64_t N, co
     const int64_t first = pos.reverse ? pos.length(b) - 1 : (pos.length(b) > 0 ? 0 : -1);
     if (first >= 0) copy_row(df + b * N, d + pos.row(first, b) * ld, N);
   }
-  blocked_gemm<A>(N, P, B, df, 1, N, cptr<A>(h0), P, 1, c, dw.stride(0), true);
+  weight_product<A>(bf16, N, P, B, df, 1, N, cptr<A>(h0), P, 1, c, dw.stride(0), true);
   if (resets == nullptr) return;
   std::vector<int64_t> restarted;  // p * B + b
   for (int64_t b = 0; b < B; ++b) {
@@ -132,7 +145,7 @@ void weight_grad_by_prev_state(Tensor& dw, const A* d, int64_t ld, int64_t N, co
     A* x = ptr<A>(x_r) + i * P;
     for (int64_t k = 0; k < P; ++k) x[k] = h[b * P + k] - earlier[k];
   }
-  blocked_gemm<A>(N, P, R, cptr<A>(d_r), 1, N, cptr<A>(x_r), P, 1, c, dw.stride(0), true);
+  weight_product<A>(bf16, N, P, R, cptr<A>(d_r), 1, N, cptr<A>(x_r), P, 1, c, dw.stride(0), true);
 }
 
 // sum[j] = sum over the real positions (p, b), time-major, of d[(p B + b) ld + j],
@@ -569,28 +582,30 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   auto real_rows_gemm = [&](int64_t M, int64_t K, const A* d, int64_t ld_d, const A* x,
                             int64_t ld_x, A* c) {
     if (!a.pos.padded())
-      blocked_gemm<A>(M, K, rows, d, 1, ld_d, x, ld_x, 1, c, K, false);
+      weight_product<A>(a.bf16_products, M, K, rows, d, 1, ld_d, x, ld_x, 1, c, K, false);
     else if (gathers_real_positions(a.pos, T, B))
-      gathered_weight_gemm<A>(M, K, real_positions(a.pos, T, B), d, ld_d, x, ld_x, c, K, false, opt);
+      gathered_weight_gemm<A>(a.bf16_products, M, K, real_positions(a.pos, T, B), d, ld_d, x, ld_x,
+                              c, K, false, opt);
     else
-      blocked_gemm<A>(M, K, T * B, d, 1, ld_d, x, ld_x, 1, c, K, false);
+      weight_product<A>(a.bf16_products, M, K, T * B, d, 1, ld_d, x, ld_x, 1, c, K, false);
   };
   if (gru || reset_before) {
     // Rows [0, 2H) (r, z) multiply h_{t-1}; rows [2H, 3H) (n) multiply h_{t-1}
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
-    weight_grad_by_prev_state<A>(dw_rz, dx, GH, 2 * H, a.output, a.h0, a.pos, T, B, opts.resets,
-                                 a.reset_h);
+    const bool bf16 = a.bf16_products;
+    weight_grad_by_prev_state<A>(bf16, dw_rz, dx, GH, 2 * H, a.output, a.h0, a.pos, T, B,
+                                 opts.resets, a.reset_h);
     if (gru) {
-      weight_grad_by_prev_state<A>(dw_n, cptr<A>(dhn_all), H, H, a.output, a.h0, a.pos, T, B,
-                                   opts.resets, a.reset_h);
+      weight_grad_by_prev_state<A>(bf16, dw_n, cptr<A>(dhn_all), H, H, a.output, a.h0, a.pos, T,
+                                   B, opts.resets, a.reset_h);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
       real_rows_gemm(H, H, dx + 2 * H, GH, cptr<A>(rh_all), H, ptr<A>(dw_n));
     }
   } else {
-    weight_grad_by_prev_state<A>(d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx, GH, GH, a.output, a.h0,
-                                 a.pos, T, B, opts.resets, a.reset_h);
+    weight_grad_by_prev_state<A>(a.bf16_products, d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx, GH,
+                                 GH, a.output, a.h0, a.pos, T, B, opts.resets, a.reset_h);
   }
   if (z.has_proj)
     real_rows_gemm(P, H, cptr<A>(dh_tot_all), P, cptr<A>(h_full_all), H, ptr<A>(d_w_hr));

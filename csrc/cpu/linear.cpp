@@ -229,8 +229,9 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
     const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
     at::Tensor y = pooled_empty({M, N}, x.options().dtype(at::kFloat));
-    pairs::linear(M, N, K, reinterpret_cast<const uint16_t*>(xc.const_data_ptr()), K,
-                  reinterpret_cast<const uint16_t*>(wc.const_data_ptr()), K, y.data_ptr<float>(), N);
+    pairs::gemm<uint16_t>(M, N, K, reinterpret_cast<const uint16_t*>(xc.const_data_ptr()), K, 1,
+                          reinterpret_cast<const uint16_t*>(wc.const_data_ptr()), 1, K,
+                          y.data_ptr<float>(), N, false);
     return y.to(x.scalar_type());
   }
   const auto acc = acc_type(x.scalar_type());
@@ -260,6 +261,19 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
                              : empty_like_options(x, dtype);
   at::Tensor grad_w = need_weight ? at::empty({N, K}, x.options().dtype(acc))
                                   : empty_like_options(x, dtype);
+  if (dtype == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+      grad_y.scalar_type() == at::kBFloat16 && pairs::mode() != pairs::Mode::Float32) {
+    // bf16 pairs (pairs.h) of the same values.
+    if (need_x)
+      pairs::gemm<float>(M, K, N, g.const_data_ptr<float>(), g.stride(0), g.stride(1),
+                         wa.const_data_ptr<float>(), wa.stride(0), wa.stride(1),
+                         grad_x.data_ptr<float>(), K, false);
+    if (need_weight)
+      pairs::gemm<float>(N, K, M, g.const_data_ptr<float>(), g.stride(1), g.stride(0),
+                         xa.const_data_ptr<float>(), xa.stride(0), xa.stride(1),
+                         grad_w.data_ptr<float>(), K, false);
+    return {need_x ? grad_x.to(dtype) : grad_x, need_weight ? grad_w.to(dtype) : grad_w};
+  }
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_backward_cpu", [&] {
     if (need_x)
       blocked_gemm<scalar_t>(M, K, N, g.const_data_ptr<scalar_t>(), g.stride(0), g.stride(1),

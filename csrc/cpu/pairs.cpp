@@ -141,12 +141,14 @@ void run_mode(int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int6
   run_emulated(M, a, b, c, ldc, accumulate);
 }
 
-// Rows [0, M) of A (row m at a + m*lda; float or bf16 bits) as rows of pairs.
+// Rows [0, M) of A, columns [0, K): A[m][k] = a[m*a_rows + k*a_ks] (float or
+// bf16 bits), as rows of (K + 1) / 2 pairs.
 template <typename Src>
-void rows_to_pairs(int64_t M, int64_t K, const Src* a, int64_t lda, uint32_t* dst) {
+void rows_to_pairs(int64_t M, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks, uint32_t* dst) {
   const int64_t KP = (K + 1) / 2;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t kp = 0; kp < KP; ++kp) dst[m * KP + kp] = PackedPairs::pair_of(a + m * lda, 2 * kp, K);
+    for (int64_t kp = 0; kp < KP; ++kp)
+      dst[m * KP + kp] = PackedPairs::pair_of(a + m * a_rows, 2 * kp, K, a_ks);
 }
 
 Mode initial_mode() {
@@ -166,7 +168,10 @@ std::atomic<int>& mode_slot() {
 }
 
 constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;  // as linear.cpp's
-constexpr int64_t kRowBlock = 12 * kMR;  // rows converted at a time: L2-resident pairs
+// Blocking of gemm: K in chunks of kKC (256 pairs: a panel's chunk is 32 KiB),
+// rows of A converted kRowBlock at a time (96 rows x 256 pairs: 96 KiB, in L2).
+constexpr int64_t kKC = 512;
+constexpr int64_t kRowBlock = 12 * kMR;
 
 }  // namespace
 
@@ -192,30 +197,52 @@ void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, floa
   if (M <= 0) return;
   thread_local std::vector<uint32_t> rows;  // grown as needed and kept: no allocation per step
   rows.resize(std::max<size_t>(rows.size(), static_cast<size_t>(M * b.pairs())));
-  rows_to_pairs(M, b.K, a, lda, rows.data());
+  rows_to_pairs(M, b.K, a, lda, 1, rows.data());
   run_mode(M, rows.data(), b, c, ldc, accumulate);
 }
 
-void linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t* w,
-            int64_t ldw, float* y, int64_t ldy) {
+template <typename Src>
+void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
+          const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate) {
   if (M == 0 || N == 0) return;
-  PackedPairs b;
-  b.pack_transposed(w, ldw, N, K);
+  if (K == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.f);
+    return;
+  }
+  const int64_t chunks = (K + kKC - 1) / kKC;
   const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()),
-                                    (M + kMR - 1) / kMR,
+                                    std::max(chunks, (M + kMR - 1) / kMR),
                                     std::max<int64_t>(1, M * N * K / kMinMacsPerThread)});
-  // Whole blocks of kMR rows per thread; each element's sum runs over its
-  // pairs in order whatever the split.
-  auto row_begin = [&](int64_t t) { return std::min(M, (M + kMR - 1) / kMR * t / threads * kMR); };
-  for_each_worker(threads, [&](int64_t t) {
-    std::vector<uint32_t> rows(static_cast<size_t>(kRowBlock * b.pairs()));
+  std::vector<PackedPairs> packed(static_cast<size_t>(chunks));
+  for_each_worker(std::min(threads, chunks), [&](int64_t t) {
+    for (int64_t ch = t; ch < chunks; ch += std::min(threads, chunks)) {
+      const int64_t k0 = ch * kKC;
+      packed[ch].pack(b + k0 * b_ks, b_ks, b_ns, std::min(kKC, K - k0), N);
+    }
+  });
+  // Whole blocks of kMR rows per thread.  Each element of C sums its pairs
+  // chunk by chunk in order, each chunk's in order: the split never changes
+  // its bits.
+  const int64_t mt = std::min(threads, (M + kMR - 1) / kMR);
+  auto row_begin = [&](int64_t t) { return std::min(M, (M + kMR - 1) / kMR * t / mt * kMR); };
+  for_each_worker(mt, [&](int64_t t) {
+    std::vector<uint32_t> rows(static_cast<size_t>(kRowBlock * (kKC / 2)));
     const int64_t r1 = row_begin(t + 1);
     for (int64_t i = row_begin(t); i < r1; i += kRowBlock) {
       const int64_t m = std::min(kRowBlock, r1 - i);
-      rows_to_pairs(m, K, x + i * ldx, ldx, rows.data());
-      run_mode(m, rows.data(), b, y + i * ldy, ldy, false);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const PackedPairs& bc = packed[ch];
+        rows_to_pairs(m, bc.K, a + i * a_rows + ch * kKC * a_ks, a_rows, a_ks, rows.data());
+        run_mode(m, rows.data(), bc, c + i * ldc, ldc, accumulate || ch > 0);
+      }
     }
   });
 }
+
+template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
+                          int64_t, int64_t, float*, int64_t, bool);
+template void gemm<uint16_t>(int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                             const uint16_t*, int64_t, int64_t, float*, int64_t, bool);
 
 }  // namespace rnnkern::cpu::pairs

@@ -12,13 +12,13 @@
 //    W packed into pairs once per call, the float32 state rounded to bf16
 //    (round to nearest even) as the product reads it; the state itself stays
 //    float32 between steps;
-//  * the input projection x W_ih^T of rnnkern::linear (x and W_ih already
-//    bf16: exact pairs);
 //  * the backward's per-step products dh += dA W (the float32 gate
 //    gradients rounded to bf16 as read, as oneDNN's bf16 backward keeps
-//    them).
-// The weight gradients and dX stay float32 products (of the same bf16
-// values).
+//    them) and the weight gradients dW_hh, dW_hr (gemm below);
+//  * rnnkern::linear and its backward: the input projection x W_ih^T (x
+//    and W_ih already bf16: exact pairs), dX and dW_ih.
+// A call of one step keeps its float32 per-step products (weights read in
+// place: see products.h).
 //
 // Layout: B[K, N] in column panels of kNR = 32 columns (two 16-lane
 // vectors); panel p holds, for each pair kp, the 32 columns' pairs as uint32
@@ -74,44 +74,46 @@ struct PackedPairs {
   int64_t panels() const { return (N + kNR - 1) / kNR; }
   const uint32_t* panel(int64_t p) const { return data.data() + p * pairs() * kNR; }
 
-  // B = W^T for a row-major W [N, K] (row n at w + n*ldw): the pair of
-  // column n is two neighbours of W's row n.  Src: float or uint16_t (bf16).
+  // B[k][n] = b[k*sk + n*sn]; Src: float or uint16_t (bf16 bits).
   template <typename Src>
-  void pack_transposed(const Src* w, int64_t ldw, int64_t N_, int64_t K_) {
+  void pack(const Src* b, int64_t sk, int64_t sn, int64_t K_, int64_t N_) {
     K = K_;
     N = N_;
     const int64_t KP = pairs();
     data.assign(static_cast<size_t>(panels() * KP * kNR), 0u);
-    for (int64_t n = 0; n < N; ++n) {
-      uint32_t* dst = data.data() + (n / kNR) * KP * kNR + n % kNR;
-      const Src* row = w + n * ldw;
-      for (int64_t kp = 0; kp < KP; ++kp) dst[kp * kNR] = pair_of(row, 2 * kp, K);
+    auto at = [&](int64_t kp, int64_t n) -> uint32_t& {
+      return data[(n / kNR) * KP * kNR + kp * kNR + n % kNR];
+    };
+    if (sn == 1) {  // rows of B contiguous: the pair's halves two rows apart
+      for (int64_t kp = 0; kp < KP; ++kp) {
+        const Src* lo = b + 2 * kp * sk;
+        const Src* hi = 2 * kp + 1 < K ? lo + sk : nullptr;
+        for (int64_t n = 0; n < N; ++n)
+          at(kp, n) = bits(lo[n]) | (hi != nullptr ? uint32_t(bits(hi[n])) << 16 : 0u);
+      }
+    } else {  // columns of B contiguous (B = W^T): the pair's halves neighbours
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t kp = 0; kp < KP; ++kp) at(kp, n) = pair_of(b + n * sn, 2 * kp, K, sk);
     }
   }
-
-  // B itself, row-major [K, N] (row k at b + k*ldb): the pair of column n is
-  // two rows apart.
+  // B = W^T for a row-major W [N, K] (row n at w + n*ldw).
+  template <typename Src>
+  void pack_transposed(const Src* w, int64_t ldw, int64_t N_, int64_t K_) {
+    pack(w, 1, ldw, K_, N_);
+  }
+  // B itself, row-major [K, N] (row k at b + k*ldb).
   template <typename Src>
   void pack_rows(const Src* b, int64_t ldb, int64_t K_, int64_t N_) {
-    K = K_;
-    N = N_;
-    const int64_t KP = pairs();
-    data.assign(static_cast<size_t>(panels() * KP * kNR), 0u);
-    for (int64_t kp = 0; kp < KP; ++kp) {
-      const Src* lo = b + 2 * kp * ldb;
-      const Src* hi = 2 * kp + 1 < K ? lo + ldb : nullptr;
-      for (int64_t n = 0; n < N; ++n)
-        data[(n / kNR) * KP * kNR + kp * kNR + n % kNR] =
-            bits(lo[n]) | (hi != nullptr ? uint32_t(bits(hi[n])) << 16 : 0u);
-    }
+    pack(b, ldb, 1, K_, N_);
   }
 
   static uint16_t bits(float v) { return to_bf16(v); }
   static uint16_t bits(uint16_t v) { return v; }
+  // Elements k and k + 1 of a vector with stride s (the second zero past K).
   template <typename Src>
-  static uint32_t pair_of(const Src* row, int64_t k, int64_t K) {
-    const uint32_t lo = bits(row[k]);
-    const uint32_t hi = k + 1 < K ? bits(row[k + 1]) : 0u;
+  static uint32_t pair_of(const Src* v, int64_t k, int64_t K, int64_t s = 1) {
+    const uint32_t lo = bits(v[k * s]);
+    const uint32_t hi = k + 1 < K ? bits(v[(k + 1) * s]) : 0u;
     return lo | hi << 16;
   }
 };
@@ -121,10 +123,15 @@ struct PackedPairs {
 void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, float* c, int64_t ldc,
               bool accumulate);
 
-// Y[M, N] = X[M, K] W^T for bf16 X (row m at x + m*ldx) and W [N, K] (row n
-// at w + n*ldw), float32 Y (leading dimension ldy), on all threads: the
-// input projection.  (Mode::Float32 is the caller's business.)
-void linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t* w,
-            int64_t ldw, float* y, int64_t ldy);
+// C[M, N] (+)= A[M, K] B[K, N] on all threads, A[m][k] = a[m*a_rows + k*a_ks],
+// B[k][n] = b[k*b_ks + n*b_ns], of bf16 values (Src = uint16_t: their bits;
+// float: rounded to bf16 as read), C float32, row-major with leading
+// dimension ldc: the large products (the input projection, dX, the weight
+// gradients), blocked like linear.cpp's blocked_gemm: K in chunks, B packed
+// once, rows split between the threads.  (Mode::Float32 is the caller's
+// business.)
+template <typename Src>
+void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
+          const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate);
 
 }  // namespace rnnkern::cpu::pairs
