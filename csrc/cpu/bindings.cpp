@@ -71,8 +71,8 @@ Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt
   return b.has_value() ? to_acc(*b, opt.dtype().toScalarType()) : at::zeros({n}, opt);
 }
 
-// Whether a call's per-step products run on bf16 pairs (pairs.h): bfloat16
-// inputs and weights, and a CPU (or a test) that runs them.
+// Whether a call's products (per-step, weight gradients) run on bf16 pairs
+// (pairs.h): bfloat16 inputs and weights, and a CPU (or a test) that runs them.
 bool bf16_products(const Tensor& input, const Tensor& w_hh, const OptTensor& w_hr) {
   return input.scalar_type() == at::kBFloat16 && w_hh.scalar_type() == at::kBFloat16 &&
          (!w_hr.has_value() || w_hr->scalar_type() == at::kBFloat16) &&
