@@ -257,6 +257,32 @@ def test_torchrl_stored_states_with_grad(kind):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["convert", "patch"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_torchrl_accelerate_a_module_already_on_rnnkern(kind, how):
+    """A module whose RNN is rnnkern's already (the whole model converted, or
+    built under rnnkern.patch()) is accelerated like one holding torch.nn's,
+    not refused as python_based."""
+    td, theirs, _, cots, _ = _torchrl_case(kind, seed=4)
+    _, LSTMModule, GRUModule, rk_trl = _torchrl()
+    if how == "convert":
+        ours = rnnkern.convert(copy.deepcopy(theirs))
+    else:
+        cls = LSTMModule if kind == "lstm" else GRUModule
+        with rnnkern.patch():
+            ours = cls(input_size=3, hidden_size=6, in_key="obs", out_key="feat",
+                       default_recurrent_mode=True).double()
+        ours.load_state_dict(theirs.state_dict())
+    assert isinstance(ours.lstm if kind == "lstm" else ours.gru, rnnkern.LSTM if kind == "lstm" else rnnkern.GRU)
+    assert rk_trl.accelerate(ours) is ours and type(ours).__name__.startswith("Accelerated")
+    want, want_grads = _torchrl_run(theirs, td, cots, False)
+    got, got_grads = _torchrl_run(ours, td, cots, False)
+    for key in want.keys(True, True):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=str(key))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_torchrl_sequential_mode_and_accelerate_errors():
     TensorDict, LSTMModule, GRUModule, rk_trl = _torchrl()
     from torchrl.modules import set_recurrent_mode

@@ -173,7 +173,10 @@ def accelerate(module, backend: str = "auto"):
         if cls not in _ACCELERATED:
             continue
         rnn = sub.lstm if cls is LSTMModule else sub.gru
-        if type(rnn) not in (torch.nn.LSTM, torch.nn.GRU):
+        # torch.nn's module, or rnnkern's already (rnnkern.convert or
+        # rnnkern.patch before this call)
+        if type(rnn) not in ((torch.nn.LSTM, rnnkern.LSTM) if cls is LSTMModule
+                             else (torch.nn.GRU, rnnkern.GRU)):
             raise TypeError(f"rnnkern.integrations.torchrl.accelerate: {cls.__name__} holds a "
                             f"{type(rnn).__module__}.{type(rnn).__qualname__} (python_based=True?); "
                             f"make_cudnn_based() gives it the torch.nn module rnnkern replaces")
