@@ -33,6 +33,17 @@
 
 namespace rnnkern::cpu::gemm {
 
+// C[M, N] (+)= A B with nothing to multiply (M, N or K zero): C becomes
+// zeros for K = 0 unless accumulating.  True where the product is settled so.
+template <typename T>
+bool settle_empty_product(int64_t M, int64_t N, int64_t K, T* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) return true;
+  if (K != 0) return false;
+  if (!accumulate)
+    for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, T(0));
+  return true;
+}
+
 // Whether the products use 512-bit vectors: built with them (isa.h) and the CPU
 // has AVX-512 (F, VL, BW, DQ: x86-64-v4).  Decided once per process.
 bool wide_vectors();

@@ -56,11 +56,6 @@ constexpr int64_t kKC = 256;
 constexpr int64_t kMC = 16 * gemm::kMR;
 // Up to this size B is packed whole (see blocked_gemm).
 constexpr int64_t kWholeBBytes = int64_t(2) << 20;
-// A thread takes a share of a product only if it has this many
-// multiply-adds (some 50 us of one core): below, meeting the other threads costs more
-// than it saves (parallel.h).
-constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;
-
 template <typename T>
 RNNKERN_CPU_CLONES void pack_b(gemm::PackedB<T>& b, const T* src, int64_t sk, int64_t sn,
                                int64_t p0, int64_t p1) {
@@ -145,27 +140,16 @@ RNNKERN_CPU_CLONES void multiply_in_place(int64_t M, int64_t N, int64_t K, const
 template <typename T>
 void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, int64_t a_ks,
                   const T* B, int64_t b_ks, int64_t b_ns, T* C, int64_t ldc, bool accumulate) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    if (!accumulate)
-      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, T(0));
-    return;
-  }
+  if (gemm::settle_empty_product(M, N, K, C, ldc, accumulate)) return;
   if ((b_ns == 1 && (M <= kInPlace || K <= kInPlace)) || (b_ks == 1 && a_ks == 1 && M <= kInPlace)) {
     multiply_in_place<T>(M, N, K, A, gemm::StridesA{a_rows, a_ks}, B, b_ks, b_ns, C, ldc,
                          accumulate);
     return;
   }
-  // Rows split evenly between the threads (in whole micro-kernel rows), each
-  // thread's share in blocks of kMC: splitting whole blocks instead left one
-  // thread a block more than the other (6 of 11 for the M = 4H = 1024 of
-  // the weight gradients).  A thread takes at least kMinMacsPerThread.
-  const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()),
-                                    (M + gemm::kMR - 1) / gemm::kMR,
-                                    std::max<int64_t>(1, M * N * K / kMinMacsPerThread)});
-  auto row_begin = [&](int64_t t) {
-    return std::min(M, (M + gemm::kMR - 1) / gemm::kMR * t / threads * gemm::kMR);
-  };
+  // Rows split between the threads in whole micro-kernel rows (parallel.h),
+  // each thread's share in blocks of kMC.
+  const RowSplit split(M, gemm::kMR, product_threads(M * N * K));
+  const int64_t threads = split.workers;
   const gemm::StridesA sa{a_rows, a_ks};
   const int64_t chunks = (K + kKC - 1) / kKC;
   if (K * N * static_cast<int64_t>(sizeof(T)) <= kWholeBBytes) {
@@ -183,8 +167,8 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
     });
     for_each_worker(threads, [&](int64_t t) {
       std::vector<T> a_packed(static_cast<size_t>(kMC * kKC));
-      const int64_t r1 = row_begin(t + 1);
-      for (int64_t i = row_begin(t); i < r1; i += kMC)
+      const int64_t r1 = split.begin(t + 1);
+      for (int64_t i = split.begin(t); i < r1; i += kMC)
         for (int64_t c = 0; c < chunks; ++c)
           multiply_rows<T>(i, std::min(kMC, r1 - i), M, A, sa, c * kKC, b[c], C, ldc,
                            accumulate || c > 0, a_packed.data());
@@ -197,7 +181,7 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
   for_each_worker(threads, [&](int64_t t) {
     gemm::PackedB<T> b;
     std::vector<T> a_packed(static_cast<size_t>(kMC * kKC));
-    const int64_t r0 = row_begin(t), r1 = row_begin(t + 1);
+    const int64_t r0 = split.begin(t), r1 = split.begin(t + 1);
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       b.resize(std::min(kKC, K - k0), N);
       pack_b<T>(b, B + k0 * b_ks, b_ks, b_ns, 0, b.panels());

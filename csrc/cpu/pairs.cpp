@@ -167,7 +167,6 @@ std::atomic<int>& mode_slot() {
   return slot;
 }
 
-constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;  // as linear.cpp's
 // Blocking of gemm: K in chunks of kKC (256 pairs: a panel's chunk is 32 KiB),
 // rows of A converted kRowBlock at a time (96 rows x 256 pairs: 96 KiB, in L2).
 constexpr int64_t kKC = 512;
@@ -204,16 +203,9 @@ void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, floa
 template <typename Src>
 void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
           const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    if (!accumulate)
-      for (int64_t i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.f);
-    return;
-  }
+  if (gemm::settle_empty_product(M, N, K, c, ldc, accumulate)) return;
   const int64_t chunks = (K + kKC - 1) / kKC;
-  const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()),
-                                    std::max(chunks, (M + kMR - 1) / kMR),
-                                    std::max<int64_t>(1, M * N * K / kMinMacsPerThread)});
+  const int64_t threads = std::min(product_threads(M * N * K), std::max(chunks, (M + kMR - 1) / kMR));
   std::vector<PackedPairs> packed(static_cast<size_t>(chunks));
   for_each_worker(std::min(threads, chunks), [&](int64_t t) {
     for (int64_t ch = t; ch < chunks; ch += std::min(threads, chunks)) {
@@ -221,15 +213,14 @@ void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t
       packed[ch].pack(b + k0 * b_ks, b_ks, b_ns, std::min(kKC, K - k0), N);
     }
   });
-  // Whole blocks of kMR rows per thread.  Each element of C sums its pairs
-  // chunk by chunk in order, each chunk's in order: the split never changes
-  // its bits.
-  const int64_t mt = std::min(threads, (M + kMR - 1) / kMR);
-  auto row_begin = [&](int64_t t) { return std::min(M, (M + kMR - 1) / kMR * t / mt * kMR); };
-  for_each_worker(mt, [&](int64_t t) {
+  // Whole blocks of kMR rows per thread (parallel.h).  Each element of C sums
+  // its pairs chunk by chunk in order, each chunk's in order: the split never
+  // changes its bits.
+  const RowSplit split(M, kMR, threads);
+  for_each_worker(split.workers, [&](int64_t t) {
     std::vector<uint32_t> rows(static_cast<size_t>(kRowBlock * (kKC / 2)));
-    const int64_t r1 = row_begin(t + 1);
-    for (int64_t i = row_begin(t); i < r1; i += kRowBlock) {
+    const int64_t r1 = split.begin(t + 1);
+    for (int64_t i = split.begin(t); i < r1; i += kRowBlock) {
       const int64_t m = std::min(kRowBlock, r1 - i);
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const PackedPairs& bc = packed[ch];

@@ -18,6 +18,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -37,5 +38,30 @@ void for_each_worker(int64_t workers, const F& f) {
     for (int64_t t = a; t < b; ++t) f(t);
   });
 }
+
+// The large products (rnnkern::linear, its gradients, the weight gradients:
+// linear.cpp's blocked_gemm and pairs.h's gemm) split C's rows between
+// threads.  A thread takes a share only if it has this many multiply-adds
+// (some 50 us of one core): below, meeting the other threads costs more than
+// it saves.
+constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;
+
+// The threads a product of `macs` multiply-adds may use.
+inline int64_t product_threads(int64_t macs) {
+  return std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, macs / kMinMacsPerThread));
+}
+
+// Rows [0, M) in whole blocks of `block` rows (a micro-kernel's), split
+// between at most `threads` workers as evenly as the blocks allow: worker t
+// takes [begin(t), begin(t + 1)).  Whole blocks, not whole cache blocks:
+// splitting those left one thread a block more than the other (6 of 11 for
+// the M = 4H = 1024 of the weight gradients).  Which rows a thread takes never
+// changes an element's sum.
+struct RowSplit {
+  int64_t M, block, workers;
+  RowSplit(int64_t M_, int64_t block_, int64_t threads)
+      : M(M_), block(block_), workers(std::max<int64_t>(1, std::min(threads, (M_ + block_ - 1) / block_))) {}
+  int64_t begin(int64_t t) const { return std::min(M, (M + block - 1) / block * t / workers * block); }
+};
 
 }  // namespace rnnkern::cpu
