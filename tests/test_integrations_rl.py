@@ -210,6 +210,16 @@ def _torchrl_run(module, td, cots, grad_states):
     return out, list(grads)
 
 
+
+def _assert_runs_agree(ours, theirs, td, cots, grad_states):
+    """Every output key and every gradient of ``ours`` within 1e-12 of torchrl's."""
+    want, want_grads = _torchrl_run(theirs, td, cots, grad_states)
+    got, got_grads = _torchrl_run(ours, td, cots, grad_states)
+    for key in want.keys(True, True):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=str(key))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
 @pytest.mark.parametrize("states", ["primer", "absent", "nonzero"])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_torchrl_recurrent_mode_matches_torchrl_in_float64(kind, states):
@@ -249,12 +259,7 @@ def test_torchrl_stored_states_with_grad(kind):
     of step 0's state is torchrl's."""
     td, theirs, ours, cots, _ = _torchrl_case(kind, seed=3)
     for case in (td, td.clone().set("is_init", torch.zeros_like(td["is_init"]))):
-        want, want_grads = _torchrl_run(theirs, case, cots, True)
-        got, got_grads = _torchrl_run(ours, case, cots, True)
-        for key in want.keys(True, True):
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=str(key))
-        for a, b in zip(got_grads, want_grads):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        _assert_runs_agree(ours, theirs, case, cots, True)
 
 
 @pytest.mark.parametrize("how", ["convert", "patch"])
@@ -275,12 +280,7 @@ def test_torchrl_accelerate_a_module_already_on_rnnkern(kind, how):
         ours.load_state_dict(theirs.state_dict())
     assert isinstance(ours.lstm if kind == "lstm" else ours.gru, rnnkern.LSTM if kind == "lstm" else rnnkern.GRU)
     assert rk_trl.accelerate(ours) is ours and type(ours).__name__.startswith("Accelerated")
-    want, want_grads = _torchrl_run(theirs, td, cots, False)
-    got, got_grads = _torchrl_run(ours, td, cots, False)
-    for key in want.keys(True, True):
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=str(key))
-    for a, b in zip(got_grads, want_grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    _assert_runs_agree(ours, theirs, td, cots, False)
 
 
 def test_torchrl_sequential_mode_and_accelerate_errors():
