@@ -43,13 +43,9 @@ A* lean_scratch_c(size_t n) {
 }
 
 // The workers a step's B rows go to: each takes at least kMinRowsPerThread
-// rows and kMinLeanMacsPerWorker multiply-adds (some 50 us of one core:
-// meeting the other threads costs more than a smaller share saves).
-constexpr int64_t kMinLeanMacsPerWorker = int64_t(1) << 20;
+// rows and the large products' floor of multiply-adds (parallel.h).
 int64_t lean_workers(int64_t B, int64_t macs_per_row) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t by_macs = B * macs_per_row / kMinLeanMacsPerWorker;
-  return std::max<int64_t>(1, std::min({threads, B / kMinRowsPerThread, by_macs}));
+  return std::max<int64_t>(1, std::min(product_threads(B * macs_per_row), B / kMinRowsPerThread));
 }
 
 // f(b0, b1) over consecutive blocks of rows, one per worker.
