@@ -35,7 +35,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy._
 echo "== torch 2.11: installed at $((SECONDS - start)) s"
 
 cd "$TREE"
-RNNKERN_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" setup.py -q build_ext --inplace
+PATH="$VENV/bin:$PATH" RNNKERN_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" setup.py -q build_ext --inplace
 echo "== torch 2.11: built at $((SECONDS - start)) s"
 
 "$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider tests/test_compile.py tests/test_torch_contract.py \
