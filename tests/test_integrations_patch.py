@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,10 @@ from torch.nn import LSTM as LSTM_IMPORTED_BEFORE  # a name bound before any pat
 
 import rnnkern
 from conftest import assert_close, generator, randn
+from test_integrations_convert import (DeepARLike, ForecastingGRU, ForecastingLSTM, OwnLoop,
+                                       PlainLSTMCell, ScaledGRUCell, count_op_calls,
+                                       outputs_and_grads)
+from test_integrations_convert import data as convert_data
 
 BUILDS = [  # (torch.nn class, its rnnkern twin, constructor arguments, input shape)
     (nn.RNN, rnnkern.RNN, (3, 5), dict(num_layers=2, nonlinearity="relu"), (6, 2, 3)),
@@ -64,11 +69,86 @@ def test_every_spelling_is_caught_and_the_exit_restores():
         assert type(spelling(2, 3)) is nn.LSTM
 
 
-def test_subclasses_are_not_redirected():
+def test_a_subclass_reaching_torch_nn_is_built_as_convert_makes_it():
     class Sub(nn.GRU):
         pass
     with rnnkern.patch():
-        assert type(Sub(2, 3)) is Sub
+        m = Sub(2, 3)
+        again = Sub(2, 3)
+    assert isinstance(m, Sub) and isinstance(m, rnnkern.GRU) and type(m).__qualname__.endswith("Sub")
+    assert type(again) is type(m)  # one generated class per subclass
+    assert type(m).__mro__.index(Sub) < type(m).__mro__.index(rnnkern.GRU)
+    assert type(Sub(2, 3)) is Sub  # after the patch, as before
+
+
+def test_forecasting_subclasses_built_inside_patch_compute_torch_nn_numbers_with_rnnkern(monkeypatch):
+    """pytorch-forecasting's shape (a mixin whose forward packs by lengths and
+    calls super().forward): its models build their LSTM/GRU inside the library,
+    in from_dataset and load_from_checkpoint alike, where only patch() reaches."""
+    torch.manual_seed(0)
+    before = DeepARLike().double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing here is left alone
+        with rnnkern.patch():
+            model = DeepARLike().double()
+    model.load_state_dict(before.state_dict())
+    for m, own, ours in ((model.encoder.rnn, ForecastingLSTM, rnnkern.LSTM),
+                         (model.gru, ForecastingGRU, rnnkern.GRU),
+                         (model.cell, ScaledGRUCell, rnnkern.GRUCell),
+                         (model.plain, PlainLSTMCell, rnnkern.LSTMCell)):
+        assert isinstance(m, own) and isinstance(m, ours) and type(m).__qualname__ == own.__qualname__
+        assert m.backend == "auto"
+    assert [e.status for e in rnnkern.conversion_report(model)] == ["rnnkern"] * 4
+    assert [e.status for e in rnnkern.conversion_report(before)] == ["convertible"] * 4
+    x, lengths = convert_data("patch")
+    want = outputs_and_grads(before, x, lengths)
+    calls = count_op_calls(monkeypatch)
+    got = outputs_and_grads(model, x, lengths)
+    assert calls == {"recurrence": 4, "step": 2}  # rnnkern ran every recurrent module
+    for name, a, b in zip(("y", "out", "x.grad"), got[:3], want[:3]):
+        assert_close(a, b, what=name)
+    for name in want[3]:
+        assert_close(got[3][name], want[3][name], what=name)
+
+
+def test_a_subclass_that_never_reaches_torch_nn_is_built_as_it_is_with_a_warning():
+    with rnnkern.patch():
+        with pytest.warns(UserWarning, match=r"rnnkern\.patch: built test_integrations_convert\.OwnLoop "
+                                             r"as it is, not on rnnkern: OwnLoop\.forward does not "
+                                             r"call super\(\)\.forward"):
+            m = OwnLoop(3, 4)
+    assert type(m) is OwnLoop
+
+
+def test_a_subclass_whose_init_skips_rnnkern_runs_with_the_default_options():
+    class Explicit(nn.LSTM):
+        def __init__(self, hidden):
+            nn.LSTM.__init__(self, 3, hidden)  # past rnnkern's __init__ in the method order
+    torch.manual_seed(4)
+    plain = Explicit(5).double()
+    with rnnkern.patch():
+        m = Explicit(5).double()
+    assert isinstance(m, rnnkern.LSTM) and m.backend == "auto" and m.zoneout == 0.0
+    m.load_state_dict(plain.state_dict())
+    x = randn(generator("patch-explicit-init"), 6, 2, 3)
+    for a, b in zip(flat(m(x)), flat(plain(x))):
+        assert_close(a, b)
+
+
+def test_a_model_of_subclasses_unpickled_inside_patch_is_on_rnnkern():
+    torch.manual_seed(5)
+    model = DeepARLike().double()
+    x, lengths = convert_data("patch-load")
+    want = model(x, lengths)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with rnnkern.patch():
+        loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded.encoder.rnn, ForecastingLSTM) and isinstance(loaded.encoder.rnn, rnnkern.LSTM)
+    assert isinstance(loaded.cell, ScaledGRUCell) and isinstance(loaded.cell, rnnkern.GRUCell)
+    for a, b in zip(loaded(x, lengths), want):
+        assert_close(a, b)
 
 
 def build_like_a_library(input_size):

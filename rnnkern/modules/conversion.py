@@ -4,6 +4,7 @@ torch.nn's -- and conversion_report(), which says what convert() did or would do
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 import threading
@@ -75,7 +76,13 @@ def _why_not(module: nn.Module) -> Optional[str]:
     """None when convert() converts ``module`` (a torch.nn recurrent class, or a
     subclass whose forward reaches torch.nn's); otherwise why it is left alone.
     Only for modules that are torch.nn recurrent modules and not yet rnnkern's."""
-    cls = type(module)
+    return _why_not_class(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _why_not_class(cls: type) -> Optional[str]:
+    """:func:`_why_not` of the instances of ``cls`` (it depends on the class
+    alone; cached: patch() asks at every construction)."""
     base = _torch_nn_base(cls)
     if cls is base:
         return None

@@ -14,16 +14,23 @@ The names stay torch.nn's own classes, so:
 - unpickling (``torch.load`` of a whole model) allocates through
   ``cls.__new__(cls)`` too (pickle's NEWOBJ), so loaded models come out as
   rnnkern's modules, their options at the class defaults;
-- subclasses (users', rnnkern's own classes) allocate as before: the hook only
-  redirects the exact torch.nn class, so it never recurses.
-
-Subclasses of torch.nn's classes stay what they are (``convert`` handles them).
+- a subclass of them whose forward reaches torch.nn's (pytorch-forecasting's
+  LSTM/GRU, built inside its models and their ``load_from_checkpoint``)
+  allocates as an instance of the class ``convert`` would give it (its own class
+  first, then rnnkern's twin: :func:`conversion._converted_class`), so its
+  methods run and its ``super().forward`` reaches rnnkern's; any other subclass
+  allocates as before, with a warning naming it, as ``convert`` leaves it;
+- rnnkern's own classes (and the generated ones) allocate as before, so the hook
+  never recurses.
 """
 from __future__ import annotations
 
 import threading
 
-from .conversion import _REPLACEMENTS
+import warnings
+
+from .common import _RnnkernOptions
+from .conversion import _REPLACEMENTS, _converted_class, _why_not_class
 
 _lock = threading.Lock()
 #: How many patch() calls are active (nested contexts, handles not undone).
@@ -37,8 +44,21 @@ _generation = 0
 def _make_new(torch_cls: type, twin: type):
     def __new__(cls, *args, **kwargs):
         # (object.__new__ takes no arguments: __init__ gets them)
-        return object.__new__(twin if _depth and cls is torch_cls else cls)
+        if not _depth or issubclass(cls, _RnnkernOptions):
+            return object.__new__(cls)
+        return object.__new__(twin if cls is torch_cls else _patched_subclass(cls))
     return staticmethod(__new__)
+
+
+def _patched_subclass(cls: type) -> type:
+    """The class a user's subclass of a torch.nn recurrent class is built as
+    while patched: what ``convert`` would make of it, or itself (warned)."""
+    why = _why_not_class(cls)
+    if why is None:
+        return _converted_class(cls)
+    warnings.warn(f"rnnkern.patch: built {cls.__module__}.{cls.__qualname__} as it is, not "
+                  f"on rnnkern: {why}", stacklevel=3)
+    return cls
 
 
 def _install() -> None:
