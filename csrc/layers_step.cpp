@@ -109,30 +109,23 @@ std::set<std::string> registered;
 std::deque<std::unique_ptr<torch::Library>> libraries;
 
 PyObject* register_layers_step(PyObject*, PyObject* ns_object) {
-  const char* ns = PyUnicode_AsUTF8(ns_object);
-  if (ns == nullptr) return nullptr;
-  try {
+  return call_with_namespace(ns_object, [](const std::string& ns) {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    if (registered.insert(ns).second) {
-      const auto step = c10::Dispatcher::singleton()
-                            .findSchemaOrThrow((std::string(ns) + "::step").c_str(), "")
-                            .typed<StepSig>();
-      libraries.push_back(std::make_unique<torch::Library>(
-          torch::Library::IMPL, ns, c10::DispatchKey::CompositeImplicitAutograd, __FILE__,
-          __LINE__));
-      libraries.back()->impl(
-          "layers_step", [step](c10::string_view cell, const Tensor& input, const Tensor& h0,
-                                const OptTensor& c0, at::TensorList weights, int64_t num_layers,
-                                bool bidirectional, bool batch_first) {
-            return layers_step(step, cell, input, h0, c0, weights, num_layers, bidirectional,
-                               batch_first);
-          });
-    }
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+    if (registered.count(ns) != 0) return;  // (recorded below, once registered)
+    const auto step = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow((ns + "::step").c_str(), "")
+                          .typed<StepSig>();
+    libraries.push_back(std::make_unique<torch::Library>(
+        torch::Library::IMPL, ns, c10::DispatchKey::CompositeImplicitAutograd, __FILE__, __LINE__));
+    libraries.back()->impl(
+        "layers_step", [step](c10::string_view cell, const Tensor& input, const Tensor& h0,
+                              const OptTensor& c0, at::TensorList weights, int64_t num_layers,
+                              bool bidirectional, bool batch_first) {
+          return layers_step(step, cell, input, h0, c0, weights, num_layers, bidirectional,
+                             batch_first);
+        });
+    registered.insert(ns);
+  });
 }
 
 const ModuleFunctions functions({

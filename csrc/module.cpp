@@ -5,7 +5,7 @@
 // register_autograd here, the CPU backend's in cpu/module.cpp.
 #include "module.h"
 
-#include <exception>
+#include <string>
 #include <vector>
 
 #include "autograd.h"
@@ -19,15 +19,7 @@ std::vector<PyMethodDef>& module_functions() {
 }
 
 PyObject* register_autograd(PyObject*, PyObject* ns) {
-  const char* name = PyUnicode_AsUTF8(ns);
-  if (name == nullptr) return nullptr;
-  try {
-    rnnkern::register_autograd(name);
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return call_with_namespace(ns, [](const std::string& name) { rnnkern::register_autograd(name); });
 }
 
 const ModuleFunctions functions({

@@ -5,7 +5,9 @@
 
 #include <Python.h>
 
+#include <exception>
 #include <initializer_list>
+#include <string>
 
 namespace rnnkern {
 
@@ -17,5 +19,21 @@ void add_module_functions(std::initializer_list<PyMethodDef> functions);
 struct ModuleFunctions {
   ModuleFunctions(std::initializer_list<PyMethodDef> functions) { add_module_functions(functions); }
 };
+
+// The body of a module function taking one str (an op namespace): calls
+// fn(that str) and returns None, or raises RuntimeError with what fn threw
+// (no C++ exception may cross into Python).
+template <typename Fn>
+PyObject* call_with_namespace(PyObject* ns, Fn&& fn) {
+  const char* name = PyUnicode_AsUTF8(ns);
+  if (name == nullptr) return nullptr;
+  try {
+    fn(std::string(name));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
 
 }  // namespace rnnkern
