@@ -26,7 +26,6 @@ The names stay torch.nn's own classes, so:
 from __future__ import annotations
 
 import threading
-
 import warnings
 
 from .common import _RnnkernOptions
