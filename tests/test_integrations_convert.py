@@ -125,6 +125,22 @@ def count_op_calls(monkeypatch):
     return calls
 
 
+def subclass_modules(model):
+    """(module, its subclass, rnnkern's twin, torch.nn's class) of a DeepARLike."""
+    return ((model.encoder.rnn, ForecastingLSTM, rnnkern.LSTM, nn.LSTM),
+            (model.gru, ForecastingGRU, rnnkern.GRU, nn.GRU),
+            (model.cell, ScaledGRUCell, rnnkern.GRUCell, nn.GRUCell),
+            (model.plain, PlainLSTMCell, rnnkern.LSTMCell, nn.LSTMCell))
+
+
+def assert_same_results(got, want):
+    """outputs_and_grads of two models: outputs, x's gradient, every parameter's."""
+    for name, a, b in zip(("y", "out", "x.grad"), got[:3], want[:3]):
+        assert_close(a, b, what=name)
+    for name in want[3]:
+        assert_close(got[3][name], want[3][name], what=name)
+
+
 def test_forecasting_subclasses_convert_compute_torch_nn_numbers_with_rnnkern(monkeypatch):
     torch.manual_seed(0)
     model = DeepARLike().double()
@@ -136,11 +152,7 @@ def test_forecasting_subclasses_convert_compute_torch_nn_numbers_with_rnnkern(mo
         warnings.simplefilter("error")  # nothing here is skipped
         assert rnnkern.convert(model, backend="cpu") is model
 
-    lstm, gru, cell, plain = model.encoder.rnn, model.gru, model.cell, model.plain
-    for m, own, ours, base in ((lstm, ForecastingLSTM, rnnkern.LSTM, nn.LSTM),
-                               (gru, ForecastingGRU, rnnkern.GRU, nn.GRU),
-                               (cell, ScaledGRUCell, rnnkern.GRUCell, nn.GRUCell),
-                               (plain, PlainLSTMCell, rnnkern.LSTMCell, nn.LSTMCell)):
+    for m, own, ours, base in subclass_modules(model):
         assert isinstance(m, own) and isinstance(m, ours), own
         assert type(m).__name__ == own.__name__ and type(m).__qualname__ == own.__qualname__
         assert type(m).__module__ == own.__module__
@@ -148,17 +160,14 @@ def test_forecasting_subclasses_convert_compute_torch_nn_numbers_with_rnnkern(mo
         # The subclass's methods come first, then rnnkern's class, then torch.nn's.
         mro = type(m).__mro__
         assert mro.index(own) < mro.index(ours) < mro.index(base)
-    assert repr(lstm).startswith("ForecastingLSTM(3, 5, num_layers=2")
+    assert repr(model.encoder.rnn).startswith("ForecastingLSTM(3, 5, num_layers=2")
     assert all(p is params[n] for n, p in model.named_parameters())  # the same objects
 
     calls = count_op_calls(monkeypatch)
     got = outputs_and_grads(model, x, lengths)
     # rnnkern's ops ran: a recurrence per layer and direction (2 + 2), a step per cell call
     assert calls == {"recurrence": 4, "step": 2}
-    for name, a, b in zip(("y", "out", "x.grad"), got[:3], want[:3]):
-        assert_close(a, b, what=name)
-    for name in want[3]:
-        assert_close(got[3][name], want[3][name], what=name)
+    assert_same_results(got, want)
 
 
 def test_converting_twice_is_idempotent_and_the_class_is_cached():

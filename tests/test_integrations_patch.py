@@ -13,9 +13,9 @@ from torch.nn import LSTM as LSTM_IMPORTED_BEFORE  # a name bound before any pat
 
 import rnnkern
 from conftest import assert_close, generator, randn
-from test_integrations_convert import (DeepARLike, ForecastingGRU, ForecastingLSTM, OwnLoop,
-                                       PlainLSTMCell, ScaledGRUCell, count_op_calls,
-                                       outputs_and_grads)
+from test_integrations_convert import (DeepARLike, ForecastingLSTM, OwnLoop, ScaledGRUCell,
+                                       assert_same_results, count_op_calls, outputs_and_grads,
+                                       subclass_modules)
 from test_integrations_convert import data as convert_data
 
 BUILDS = [  # (torch.nn class, its rnnkern twin, constructor arguments, input shape)
@@ -92,10 +92,7 @@ def test_forecasting_subclasses_built_inside_patch_compute_torch_nn_numbers_with
         with rnnkern.patch():
             model = DeepARLike().double()
     model.load_state_dict(before.state_dict())
-    for m, own, ours in ((model.encoder.rnn, ForecastingLSTM, rnnkern.LSTM),
-                         (model.gru, ForecastingGRU, rnnkern.GRU),
-                         (model.cell, ScaledGRUCell, rnnkern.GRUCell),
-                         (model.plain, PlainLSTMCell, rnnkern.LSTMCell)):
+    for m, own, ours, _ in subclass_modules(model):
         assert isinstance(m, own) and isinstance(m, ours) and type(m).__qualname__ == own.__qualname__
         assert m.backend == "auto"
     assert [e.status for e in rnnkern.conversion_report(model)] == ["rnnkern"] * 4
@@ -105,10 +102,7 @@ def test_forecasting_subclasses_built_inside_patch_compute_torch_nn_numbers_with
     calls = count_op_calls(monkeypatch)
     got = outputs_and_grads(model, x, lengths)
     assert calls == {"recurrence": 4, "step": 2}  # rnnkern ran every recurrent module
-    for name, a, b in zip(("y", "out", "x.grad"), got[:3], want[:3]):
-        assert_close(a, b, what=name)
-    for name in want[3]:
-        assert_close(got[3][name], want[3][name], what=name)
+    assert_same_results(got, want)
 
 
 def test_a_subclass_that_never_reaches_torch_nn_is_built_as_it_is_with_a_warning():

@@ -72,17 +72,12 @@ def _torch_nn_base(cls: type) -> Optional[type]:
     return None
 
 
-def _why_not(module: nn.Module) -> Optional[str]:
-    """None when convert() converts ``module`` (a torch.nn recurrent class, or a
-    subclass whose forward reaches torch.nn's); otherwise why it is left alone.
-    Only for modules that are torch.nn recurrent modules and not yet rnnkern's."""
-    return _why_not_class(type(module))
-
-
 @functools.lru_cache(maxsize=None)
-def _why_not_class(cls: type) -> Optional[str]:
-    """:func:`_why_not` of the instances of ``cls`` (it depends on the class
-    alone; cached: patch() asks at every construction)."""
+def _why_not(cls: type) -> Optional[str]:
+    """None when convert() converts the instances of ``cls`` (a torch.nn recurrent
+    class, or a subclass whose forward reaches torch.nn's); otherwise why they
+    are left alone.  Only for torch.nn recurrent classes not yet rnnkern's.
+    Cached: patch() asks at every construction."""
     base = _torch_nn_base(cls)
     if cls is base:
         return None
@@ -149,7 +144,7 @@ def _recurrent_modules(model: nn.Module):
         if isinstance(module, _RnnkernOptions) or hasattr(type(module), "_rnnkern_class"):
             yield name, module, "rnnkern"
         elif _torch_nn_base(type(module)) is not None:
-            why = _why_not(module)
+            why = _why_not(type(module))
             yield name, module, "convertible" if why is None else f"skipped: {why}"
 
 

@@ -29,7 +29,7 @@ import threading
 import warnings
 
 from .common import _RnnkernOptions
-from .conversion import _REPLACEMENTS, _converted_class, _why_not_class
+from .conversion import _REPLACEMENTS, _converted_class, _why_not
 
 _lock = threading.Lock()
 #: How many patch() calls are active (nested contexts, handles not undone).
@@ -52,7 +52,7 @@ def _make_new(torch_cls: type, twin: type):
 def _patched_subclass(cls: type) -> type:
     """The class a user's subclass of a torch.nn recurrent class is built as
     while patched: what ``convert`` would make of it, or itself (warned)."""
-    why = _why_not_class(cls)
+    why = _why_not(cls)
     if why is None:
         return _converted_class(cls)
     warnings.warn(f"rnnkern.patch: built {cls.__module__}.{cls.__qualname__} as it is, not "
