@@ -951,6 +951,133 @@ def test_functional_call_uses_the_given_parameters():
         assert torch.equal(a, b)
 
 
+# ------------------------------------------------ weights that are computed ----
+# Parametrizations (weight_norm, spectral_norm, orthogonal: torch.nn.utils.
+# parametrize) make a weight a property computed on every read, and a stateful
+# one changes with each read: spectral_norm runs a step of its power iteration
+# per evaluation in training.  torch.nn's forward reads its weights more than
+# once; rnnkern reads them as it does, so the same model trains to the same
+# numbers.  (Before, rnnkern read each weight once per call: a spectral-normed
+# RNN drifted from torch.nn's by 0.9 within four calls.)
+
+PARAMETRIZED_MODULES = [("RNN", {}), ("GRU", {"num_layers": 2, "bidirectional": True}),
+                        ("LSTM", {}), ("LSTM", {"proj_size": 3}), ("RNNCell", {}), ("GRUCell", {}),
+                        ("LSTMCell", {})]
+PARAMETRIZED_IDS = ["RNN", "GRU_2bi", "LSTM", "LSTM_proj3", "RNNCell", "GRUCell", "LSTMCell"]
+
+
+class _CountedReads(nn.Module):
+    """A parametrization that counts its evaluations, by weight name."""
+
+    def __init__(self, counts, name):
+        super().__init__()
+        self.counts, self.name = counts, name
+
+    def forward(self, w):
+        self.counts[self.name] = self.counts.get(self.name, 0) + 1
+        return w * 1.0
+
+
+def _weight_names(m):
+    return list(m._flat_weights_names) if isinstance(m, nn.RNNBase) else \
+        ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]
+
+
+@pytest.mark.parametrize("name,kwargs,form", [
+    (name, kwargs, form) for name, kwargs in PARAMETRIZED_MODULES
+    for form in (["sequence"] if "Cell" in name else ["sequence", "one-step", "packed"])],
+    ids=[f"{i}-{form}" for i, (name, _) in zip(PARAMETRIZED_IDS, PARAMETRIZED_MODULES)
+         for form in (["sequence"] if "Cell" in name else ["sequence", "one-step", "packed"])])
+def test_parametrized_weights_are_read_as_torch_nn_reads_them(name, kwargs, form):
+    g = generator("parametrized-reads", name, form)
+    x = randn(g, 6 if form != "one-step" else 1, 3, 4)
+    if "Cell" in name:
+        x = x[0]
+    elif form == "packed":
+        x = pack_padded_sequence(x, torch.tensor([6, 4, 1]))
+
+    def reads(make):
+        counts = {}
+        m = make(getattr(nn, name)(4, 5, dtype=torch.float64, **kwargs))
+        for w in _weight_names(m):
+            torch.nn.utils.parametrize.register_parametrization(m, w, _CountedReads(counts, w))
+        per_call = []
+        for grad in (True, False):
+            counts.clear()
+            with torch.set_grad_enabled(grad):
+                m(x)
+            per_call.append(dict(counts))
+        return per_call
+
+    want = reads(lambda m: m)
+    assert all(want), "the parametrization is read"
+    for backend in ("auto", "cpu", "reference"):
+        def ours(m, backend=backend):
+            m = rnnkern.convert(m)
+            m.backend = backend
+            return m
+        assert reads(ours) == want, backend
+
+
+@pytest.mark.parametrize("name,kwargs", PARAMETRIZED_MODULES, ids=PARAMETRIZED_IDS)
+@pytest.mark.parametrize("backend", ["auto", "cpu", "reference"])
+def test_spectral_norm_trains_as_torch_nn(name, kwargs, backend):
+    spectral_norm = torch.nn.utils.parametrizations.spectral_norm
+    torch.manual_seed(6)
+    theirs = getattr(nn, name)(4, 5, dtype=torch.float64, **kwargs)
+    ours = getattr(nn, name)(4, 5, dtype=torch.float64, **kwargs)
+    for m in (theirs, ours):
+        for w in _weight_names(m)[:2]:  # W_ih and W_hh of the first layer
+            spectral_norm(m, w)
+    ours.load_state_dict(theirs.state_dict())  # the power iteration's u, v too
+    ours = rnnkern.convert(ours)
+    ours.backend = backend
+    g = generator("spectral-norm", name, backend)
+    cell = "Cell" in name
+    for step in range(4):
+        x = randn(g, 1 if step == 2 else 6, 3, 4)  # a one-step call among them
+        outs = [_run_module(m, x) if cell else torch.utils._pytree.tree_leaves(m(x))
+                for m in (ours, theirs)]
+        for a, b in zip(*outs):
+            assert_close(a, b, what=f"call {step}")
+        for m, out in zip((ours, theirs), outs):
+            sum(o.sum() for o in out).backward()
+        for (n, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert_close(a.grad, b.grad, what=f"call {step}: grad {n}")
+    for m in (ours, theirs):
+        m.eval()
+    x = randn(g, 6, 3, 4)
+    for a, b in zip(_run_module(ours, x), _run_module(theirs, x)):
+        assert_close(a, b, what="eval")
+
+
+def test_a_weight_replaced_by_a_plain_tensor_each_call():
+    """fastai's WeightDropout (AWD-LSTM): W_hh deleted as a parameter and set
+    anew, a dropped-out copy of a raw parameter, before every call."""
+    torch.manual_seed(7)
+    raw = nn.Parameter(torch.randn(20, 5, dtype=torch.float64))
+    g = generator("weight-dropout")
+    x = randn(g, 6, 3, 4)
+    results = []
+    for make in (lambda m: m, rnnkern.convert):
+        torch.manual_seed(8)
+        m = make(nn.LSTM(4, 5, dtype=torch.float64))
+        del m.weight_hh_l0
+        raw.grad = None
+        outs = []
+        for _ in range(2):
+            m.weight_hh_l0 = torch.nn.functional.dropout(raw, p=0.5)
+            out = m(x)[0]
+            out.sum().backward()
+            outs.append(out.detach())
+        results.append((outs, raw.grad.clone(), m.weight_ih_l0.grad))
+    (ours, ours_raw, ours_ih), (theirs, theirs_raw, theirs_ih) = results[1], results[0]
+    for a, b in zip(ours, theirs):
+        assert_close(a, b)
+    assert_close(ours_raw, theirs_raw, what="the raw weight's gradient")
+    assert_close(ours_ih, theirs_ih, what="W_ih's gradient")
+
+
 # --------------------------------------------------------------- autocast ----
 
 AUTOCAST_MODULES = [("RNN", {}), ("GRU", {}), ("LSTM", {}), ("LSTM", {"proj_size": 3})]

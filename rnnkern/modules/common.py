@@ -145,6 +145,53 @@ def _well_formed_state(hx, lstm: bool, shape: tuple, dtype: torch.dtype):
     return None
 
 
+def _plain_weights(module: nn.RNNBase) -> Optional[list]:
+    """A sequence module's weights (by torch.nn's ``_flat_weights_names``) where
+    every one is an entry of ``_parameters`` (a Parameter, or the tensor
+    torch.func.functional_call swapped in): read there, with no side effect,
+    about 0.4 us a lookup cheaper than nn.Module.__getattr__ (a one-step call
+    feels it).  None where one is not (a parametrization made it a property, a
+    plain attribute took its place, or it is registered as None)."""
+    params = module._parameters
+    out = []
+    for name in module._flat_weights_names:
+        t = params.get(name)
+        if t is None:
+            return None
+        out.append(t)
+    return out
+
+
+def _flat_weights(module: nn.RNNBase) -> list:
+    """The weights a call of a sequence module runs on, read once per call:
+    :func:`_plain_weights`, else as torch.nn's forward reads them, by its own
+    code (``_update_flat_weights``).  Reading a parametrized weight evaluates
+    its parametrization, and a stateful one changes with each evaluation:
+    spectral_norm runs a step of its power iteration per evaluation in
+    training.  torch.nn's forward evaluates a parametrization more than once
+    (torch 2.14: four times for the first weight, twice for the others); the
+    same reads leave the same state, so a spectral-normed module computes
+    torch.nn's numbers call after call."""
+    plain = _plain_weights(module)
+    if plain is not None:
+        return plain
+    module._update_flat_weights()
+    return list(module._flat_weights)
+
+
+def _first_weight(module: nn.RNNBase) -> Tensor:
+    """The first weight's tensor for its dtype, device and requires_grad, read
+    without evaluating a parametrization (see :func:`_flat_weights`): from
+    ``_parameters``, else torch.nn's ``_flat_weights`` as its last read left
+    it (or its Parameter before any)."""
+    name = module._flat_weights_names[0]
+    t = module._parameters.get(name)
+    if t is not None:
+        return t
+    t = module._flat_weights[0]
+    return t if isinstance(t, Tensor) else getattr(module, name)
+
+
 def _current(module: nn.Module, names) -> list:
     """The current values of the parameters ``names``, read from ``_parameters``
     (where torch.func.functional_call swaps them too): nn.Module.__getattr__

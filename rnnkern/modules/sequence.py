@@ -15,8 +15,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from .. import auto, ops, reference
 from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
-                     _current, _dtype_mismatch, _no_torch_nn_twin, _promote, _RnnkernOptions,
-                     _runs_torch_nn_forward, _well_formed_state)
+                     _current, _dtype_mismatch, _first_weight, _flat_weights, _no_torch_nn_twin,
+                     _plain_weights, _promote, _RnnkernOptions, _runs_torch_nn_forward,
+                     _well_formed_state)
 
 # ------------------------------------------------------ sequence modules ----
 
@@ -175,10 +176,10 @@ class _RecurrentMixin(_RnnkernOptions):
         """(w_ih, w_hh, b_ih, b_hh, w_hr) of each (layer, direction): each
         weight's current attribute (torch.func.functional_call and
         parametrizations replace them), by the names torch.nn keeps in
-        ``_flat_weights_names``, read once per call (a one-step call feels
-        every lookup).  Order per layer and direction: w_ih, w_hh[, b_ih,
-        b_hh][, w_hr]."""
-        flat = _current(self, self._flat_weights_names)
+        ``_flat_weights_names``, read once per call as torch.nn reads them
+        (common._flat_weights).  Order per layer and direction: w_ih, w_hh[,
+        b_ih, b_hh][, w_hr]."""
+        flat = _flat_weights(self)
         n = len(flat) // (self.num_layers * D)
         groups = []
         for i in range(0, len(flat), n):
@@ -246,10 +247,7 @@ class _RecurrentMixin(_RnnkernOptions):
             else:
                 data = None
             if data is not None:
-                name = self._flat_weights_names[0]
-                weight = self._parameters.get(name)
-                if weight is None:
-                    weight = getattr(self, name)
+                weight = _first_weight(self)
                 key = (size, data.dtype, data.device, data.requires_grad, weight.dtype,
                        weight.requires_grad, torch.is_grad_enabled(), torch.get_num_threads(),
                        lengths is None, resets is None, auto.table, auto._this_cpu_class)
@@ -287,7 +285,7 @@ class _RecurrentMixin(_RnnkernOptions):
                                "forward-mode AD and torch.func transforms run rnnkern's "
                                "reference formulation (torch.nn's modules do not batch)")
         lacks = self._torch_nn_lacks(lengths, resets)
-        weight = getattr(self, self._flat_weights_names[0])
+        weight = _first_weight(self)
         device = data.device
         backend = ops.resolve_backend("auto", device)
         autocast = _any_autocast()
@@ -333,8 +331,7 @@ class _RecurrentMixin(_RnnkernOptions):
         them instead of gathering them back from the grid."""
         dtype = None
         if _any_autocast():
-            weight = getattr(self, self._flat_weights_names[0])
-            dtype = self._run_dtype_under_autocast(x.device, weight)
+            dtype = self._run_dtype_under_autocast(x.device, _first_weight(self))
         if dtype is not None:
             # Every tensor below is cast to dtype explicitly, and autocast is off
             # while they run: it would recast the input projection (a linear) to
@@ -469,9 +466,11 @@ class _RecurrentMixin(_RnnkernOptions):
                 or _any_autocast() or _peek_interpreter_stack() is not None \
                 or forward_ad._current_level >= 0:
             return None
-        flat = _current(self, self._flat_weights_names)
+        # (Weights that are not plain parameters go to the full forward, which
+        # reads them as torch.nn does: read here too, they would be read twice.)
+        flat = _plain_weights(self)
         dtype = input.dtype
-        if flat[0].dtype != dtype:
+        if flat is None or flat[0].dtype != dtype:
             return None
         state = (L * 2 if self.bidirectional else L, shape[0 if batch_first else 1], self.hidden_size)
         lstm = self.mode == "LSTM"
