@@ -280,3 +280,23 @@ def test_torch_jit_script_of_a_converted_subclass_compiles_its_torch_nn_form():
     assert type(cell) is converted  # the eager call ran the converted class again
     for a, b in zip(got, want):
         assert_close(a, b)
+
+
+def test_convert_after_dynamic_quantization_keeps_torch_int8_modules():
+    """docs/modules.md, dynamic quantization: quantized modules are passed by,
+    the float recurrent ones converted, the numbers unchanged."""
+    quantize_dynamic = torch.ao.quantization.quantize_dynamic
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.LSTM(4, 8), nn.GRU(8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.14: torch.ao.quantization
+        quantized = quantize_dynamic(model, {nn.LSTM}, dtype=torch.qint8)
+    int8_lstm = type(quantized[0])
+    assert int8_lstm is not nn.LSTM and not isinstance(quantized[0], nn.LSTM)
+    x = randn(generator("quantized"), 5, 3, 4, dtype=torch.float32)
+    want = quantized[1](quantized[0](x)[0])[0]
+    assert [e.name for e in rnnkern.conversion_report(quantized)] == ["1"]
+    converted = rnnkern.convert(quantized)
+    assert type(converted[0]) is int8_lstm and type(converted[1]) is rnnkern.GRU
+    got = converted[1](converted[0](x)[0])[0]
+    assert_close(got, want)
