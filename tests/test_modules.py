@@ -967,15 +967,17 @@ PARAMETRIZED_IDS = ["RNN", "GRU_2bi", "LSTM", "LSTM_proj3", "RNNCell", "GRUCell"
 
 
 class _CountedReads(nn.Module):
-    """A parametrization that counts its evaluations, by weight name."""
+    """A parametrization that counts its evaluations, by weight name; it returns
+    a new tensor (as weight_norm does) or the original itself (torch.nn's
+    forward then reads the first weight less often)."""
 
-    def __init__(self, counts, name):
+    def __init__(self, counts, name, new_tensor):
         super().__init__()
-        self.counts, self.name = counts, name
+        self.counts, self.name, self.new_tensor = counts, name, new_tensor
 
     def forward(self, w):
         self.counts[self.name] = self.counts.get(self.name, 0) + 1
-        return w * 1.0
+        return w * 1.0 if self.new_tensor else w
 
 
 def _weight_names(m):
@@ -988,7 +990,8 @@ def _weight_names(m):
     for form in (["sequence"] if "Cell" in name else ["sequence", "one-step", "packed"])],
     ids=[f"{i}-{form}" for i, (name, _) in zip(PARAMETRIZED_IDS, PARAMETRIZED_MODULES)
          for form in (["sequence"] if "Cell" in name else ["sequence", "one-step", "packed"])])
-def test_parametrized_weights_are_read_as_torch_nn_reads_them(name, kwargs, form):
+@pytest.mark.parametrize("new_tensor", [True, False], ids=["new", "same"])
+def test_parametrized_weights_are_read_as_torch_nn_reads_them(name, kwargs, form, new_tensor):
     g = generator("parametrized-reads", name, form)
     x = randn(g, 6 if form != "one-step" else 1, 3, 4)
     if "Cell" in name:
@@ -1000,7 +1003,8 @@ def test_parametrized_weights_are_read_as_torch_nn_reads_them(name, kwargs, form
         counts = {}
         m = make(getattr(nn, name)(4, 5, dtype=torch.float64, **kwargs))
         for w in _weight_names(m):
-            torch.nn.utils.parametrize.register_parametrization(m, w, _CountedReads(counts, w))
+            torch.nn.utils.parametrize.register_parametrization(
+                m, w, _CountedReads(counts, w, new_tensor))
         per_call = []
         for grad in (True, False):
             counts.clear()

@@ -169,9 +169,10 @@ def _flat_weights(module: nn.RNNBase) -> list:
     its parametrization, and a stateful one changes with each evaluation:
     spectral_norm runs a step of its power iteration per evaluation in
     training.  torch.nn's forward evaluates a parametrization more than once
-    (torch 2.14: four times for the first weight, twice for the others); the
-    same reads leave the same state, so a spectral-normed module computes
-    torch.nn's numbers call after call."""
+    (torch 2.14: twice for each weight, and twice more for the first when a
+    parametrization returns a new tensor); the same reads leave the same
+    state, so a spectral-normed module computes torch.nn's numbers call after
+    call."""
     plain = _plain_weights(module)
     if plain is not None:
         return plain
