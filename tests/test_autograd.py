@@ -207,6 +207,37 @@ def test_vmap_equals_a_loop(cell, backend):
     assert_close(got, want, what=f"{cell} vmap")
 
 
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_vmap_over_an_ensemble_of_modules(cell):
+    """An ensemble (torch.func.stack_module_state + functional_call under vmap,
+    as RL critics ensembles run): outputs and each member's parameter
+    gradients equal those of its torch.nn twin run alone (torch.nn's modules
+    themselves raise: no batching rule for aten::lstm & co.)."""
+    members = [twins(cell, "cpu", num_layers=2, bidirectional=True) for _ in range(3)]
+    for k, (theirs, ours) in enumerate(members):  # distinct members
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.mul_(1 + 0.1 * k)
+        ours.load_state_dict(theirs.state_dict())
+    ours_all = [o for _, o in members]
+    params, buffers = torch.func.stack_module_state(ours_all)
+    base = rnnkern_module(cell, 5, 7, dtype=torch.float64, backend="cpu", num_layers=2,
+                          bidirectional=True).to("meta")
+    x = randn(generator("ensemble", cell), 4, 3, 5)
+
+    def output(p, b):
+        return torch.func.functional_call(base, (p, b), (x,))[0]
+
+    got = torch.func.vmap(output)(params, buffers)
+    grads = torch.func.vmap(torch.func.grad(lambda p, b: output(p, b).pow(2).sum()))(params, buffers)
+    for k, (theirs, _) in enumerate(members):
+        out = theirs(x)[0]
+        assert_close(got[k], out, what=f"{cell} member {k} output")
+        out.pow(2).sum().backward()
+        for name, p in theirs.named_parameters():
+            assert_close(grads[name][k], p.grad, what=f"{cell} member {k} grad {name}")
+
+
 # ---------------------------------------------------- in-place output edits ----
 
 # The pooled size puts the output in the CPU backend's buffer cache (>= 1 MiB);
