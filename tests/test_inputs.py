@@ -380,10 +380,10 @@ def test_bad_rnnkern_arguments(cls):
             getattr(rnnkern, cls)(3, 5, reset_after=False)  # GRU only
 
 
-def _pair(cls, **kwargs):
+def _pair(cls, backend="cpu", **kwargs):
     torch.manual_seed(0)
     theirs = getattr(nn, cls)(4, 5, **kwargs)
-    ours = getattr(rnnkern, cls)(4, 5, backend="cpu", **kwargs)
+    ours = getattr(rnnkern, cls)(4, 5, backend=backend, **kwargs)
     ours.load_state_dict(theirs.state_dict())
     return theirs, ours
 
@@ -403,6 +403,7 @@ def _packed_data(data):
 # (name, call(module, cls), words): torch.nn raises an explicit error; so do we.
 LIKE_TORCH = [
     ("input-4d", lambda m, c: m(torch.randn(3, 2, 4, 1)), ["input", "2D or 3D", "4D"]),
+    ("input-0d", lambda m, c: m(torch.tensor(1.0)), ["input", "2D or 3D", "0D"]),
     ("input-1d", lambda m, c: m(torch.randn(4)), ["input", "2D or 3D", "1D"]),
     ("input-size", lambda m, c: m(torch.randn(3, 2, 7)), ["input_size", "4", "7"]),
     ("input-size-unbatched", lambda m, c: m(torch.randn(3, 7)), ["input_size", "4", "7"]),
@@ -417,16 +418,33 @@ LIKE_TORCH = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
 @pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
 @pytest.mark.parametrize("name,bad,words", LIKE_TORCH, ids=[c[0] for c in LIKE_TORCH])
-def test_bad_input_like_torch(cls, name, bad, words):
-    theirs, ours = _pair(cls)
+def test_bad_input_like_torch(cls, name, bad, words, backend):
+    """(auto too: its choice reads the input's sizes, after these checks.)"""
+    theirs, ours = _pair(cls, backend)
     if cls == "LSTM" and name == "packed-hx-layers":
         # torch.nn.LSTM fails here with "Expected more hidden states in stacked_rnn".
         with pytest.raises(RuntimeError, match=r"Expected hidden\[0\] size \(1, 3, 5\), got \[2, 3, 5\]"):
             ours(_PACK, _hx(cls, 2, 3, 5))
         return
     _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu", "reference"])
+@pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("shape", [(), (4,), (3, 2, 4, 1)], ids=["0d", "1d", "4d"])
+def test_input_rank_error_is_torch_nns(cls, shape, backend):
+    """Word for word: torch.nn's RNN says "got 0D tensor instead", its GRU and
+    LSTM "got 0D instead"."""
+    theirs, ours = _pair(cls, backend)
+    x = torch.randn(shape)
+    with pytest.raises(ValueError) as want:
+        theirs(x)
+    with pytest.raises(ValueError) as got:
+        ours(x)
+    assert str(got.value) == str(want.value)
 
 
 def test_lstm_cell_state_shape_like_torch():
@@ -462,10 +480,11 @@ CLEARER_THAN_TORCH = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
 @pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM"])
 @pytest.mark.parametrize("name,bad,exc,words", CLEARER_THAN_TORCH, ids=[c[0] for c in CLEARER_THAN_TORCH])
-def test_bad_input_clear_errors(cls, name, bad, exc, words):
-    _, ours = _pair(cls)
+def test_bad_input_clear_errors(cls, name, bad, exc, words, backend):
+    _, ours = _pair(cls, backend)
     with pytest.raises(exc) as e:
         bad(ours, cls)
     for w in words:
@@ -488,10 +507,11 @@ CELL_LIKE_TORCH = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
 @pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
 @pytest.mark.parametrize("name,bad,words", CELL_LIKE_TORCH, ids=[c[0] for c in CELL_LIKE_TORCH])
-def test_cell_bad_input_like_torch(cls, name, bad, words):
-    theirs, ours = _pair(cls)
+def test_cell_bad_input_like_torch(cls, name, bad, words, backend):
+    theirs, ours = _pair(cls, backend)
     _raises_like_torch(lambda: bad(theirs, cls), lambda: bad(ours, cls), *words)
 
 
@@ -503,13 +523,16 @@ CELL_CLEARER = [
     ("input-dtype", lambda m, c: m(torch.randn(3, 4, dtype=torch.float64)), RuntimeError, ["input", "float64"]),
     ("hx-dtype", lambda m, c: m(torch.randn(3, 4), _hx(c, 3, 5, dtype=torch.float64)), RuntimeError,
      ["hx", "float64"]),
+    # (torch.nn: an AttributeError, "'list' object has no attribute 'dim'".)
+    ("input-not-tensor", lambda m, c: m([[1.0] * 4]), TypeError, ["input", "Tensor", "list"]),
 ]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
 @pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
 @pytest.mark.parametrize("name,bad,exc,words", CELL_CLEARER, ids=[c[0] for c in CELL_CLEARER])
-def test_cell_bad_input_clear_errors(cls, name, bad, exc, words):
-    _, ours = _pair(cls)
+def test_cell_bad_input_clear_errors(cls, name, bad, exc, words, backend):
+    _, ours = _pair(cls, backend)
     with pytest.raises(exc) as e:
         bad(ours, cls)
     for w in words:

@@ -78,6 +78,9 @@ class _CellMixin(_RnnkernOptions):
     def forward(self, input: Tensor, hx=None):
         if _runs_torch_nn_forward():
             return self._torch_nn_forward(input, hx)
+        if not isinstance(input, Tensor):
+            # (torch.nn: an AttributeError from input.dim(); the sequence modules say this too.)
+            raise TypeError(f"{type(self).__name__}: expected input to be a Tensor, got {type(input).__name__}")
         result = self._common_call(input, hx)
         if result is not None:
             return result

@@ -790,6 +790,14 @@ class _RecurrentMixin(_RnnkernOptions):
             return self._traced_forward(input, hx, lengths, resets)
         if resets is None:
             reset_state = None  # (nothing restarts: it would change nothing)
+        if not isinstance(input, (Tensor, PackedSequence)):
+            raise TypeError(f"{type(self).__name__}: expected input to be a Tensor or a PackedSequence, "
+                            f"got {type(input).__name__}")
+        if isinstance(input, Tensor) and input.dim() not in (2, 3):
+            # (Before auto's choice, which reads the input's sizes.)  torch.nn's words,
+            # "tensor" in RNN's alone.
+            raise ValueError(f"{type(self).__name__}: Expected input to be 2D or 3D, got {input.dim()}D "
+                             f"{'tensor ' if self.mode.startswith('RNN_') else ''}instead")
         # (Under torch.compile the checks fold to False: compiled code captures rnnkern's ops.)
         backend = self.backend  # auto's choice of rnnkern backend replaces it below (on a GPU: cuda or triton)
         # (A call with lengths= or resets=, or of a module with an option
@@ -814,11 +822,6 @@ class _RecurrentMixin(_RnnkernOptions):
             return self._forward_packed(input, hx, resets, reset_state, backend)
         user_hx, user_resets, user_reset_state = hx, resets, reset_state
 
-        if not isinstance(input, Tensor):
-            raise TypeError(f"{name}: expected input to be a Tensor or a PackedSequence, got "
-                            f"{type(input).__name__}")
-        if input.dim() not in (2, 3):
-            raise ValueError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D instead")
         batched = input.dim() == 3
         batch_dim = 0 if self.batch_first else 1
         if not batched:
