@@ -849,23 +849,31 @@ def _results_at(threads, make, run):
         torch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("name,kwargs", [("RNNCell", {}), ("RNNCell", {"nonlinearity": "relu"}),
-                                         ("GRUCell", {}), ("GRUCell", {"reset_after": False}),
-                                         ("LSTMCell", {}), ("LSTM", {}), ("GRU", {"num_layers": 2}),
-                                         ("RNN", {"bidirectional": True})],
+# (name, kwargs, T): the cells, and sequences of 3 steps and of one (a one-step
+# call the modules' one-step path does not take -- layers, both directions, a
+# projection, GRU(reset_after=False) -- runs the sequence driver with its
+# weights read in place).
+BITS_CASES = [("RNNCell", {}, 1), ("RNNCell", {"nonlinearity": "relu"}, 1), ("GRUCell", {}, 1),
+              ("GRUCell", {"reset_after": False}, 1), ("LSTMCell", {}, 1),
+              ("LSTM", {}, 3), ("GRU", {"num_layers": 2}, 3), ("RNN", {"bidirectional": True}, 3),
+              ("LSTM", {"proj_size": 64}, 3), ("LSTM", {"proj_size": 64, "num_layers": 2}, 1),
+              ("GRU", {"reset_after": False, "num_layers": 2}, 1), ("RNN", {"bidirectional": True}, 1)]
+
+
+@pytest.mark.parametrize("name,kwargs,T", BITS_CASES,
                          ids=["rnn_tanh", "rnn_relu", "gru", "gru_reset_before", "lstm",
-                              "LSTM-seq", "GRU-seq-2layers", "RNN-seq-bidir"])
-@pytest.mark.parametrize("B,H", [(1, 128), (8, 512), (32, 256), (64, 128), (5, 512)])
+                              "LSTM-seq", "GRU-seq-2layers", "RNN-seq-bidir", "LSTM-proj-seq",
+                              "LSTM-proj-2layers-T1", "GRU-reset-before-2layers-T1", "RNN-bidir-T1"])
+@pytest.mark.parametrize("B,H", [(1, 128), (8, 512), (32, 256), (64, 128), (5, 512), (17, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_same_bits_at_1_2_and_3_threads(name, kwargs, B, H, dtype):
+def test_same_bits_at_1_2_and_3_threads(name, kwargs, T, B, H, dtype):
     """Outputs and every gradient are bitwise the same at 1, 2 and 3 threads
     (torch.nn's cells are): the CPU kernels split work between threads without
     changing any sum's order, and which path a call takes does not depend on
     the thread count.  The one-step sizes cover both products of W read in
     place (dot products under 6 rows, W's rows broadcast from 6) and splits of
-    the rows that cross that line (B = 8 in blocks of 4)."""
+    the rows that cross that line (B = 8 in blocks of 4, B = 17 in 5, 6, 6)."""
     cell = name.endswith("Cell")
-    T = 3
 
     def make():
         torch.manual_seed(H + B)

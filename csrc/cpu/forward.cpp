@@ -53,12 +53,12 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   for (const Slice& sl : split.units) {
     // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
     w_slice.push_back(gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
-                                     reset_before ? 2 : G, sl, in_place, a.bf16_products));
+                                     reset_before ? 2 : G, sl, in_place, B, a.bf16_products));
     if (reset_before)
-      w_n_slice.push_back(gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl, in_place, a.bf16_products));
+      w_n_slice.push_back(gate_rows_t<A>(a.w_hh.narrow(0, 2 * H, H), 1, sl, in_place, B, a.bf16_products));
   }
   for (const Slice& sl : split.outs)
-    w_r_slice.push_back(gate_rows_t<A>(a.w_hr, 1, sl, in_place, a.bf16_products));
+    w_r_slice.push_back(gate_rows_t<A>(a.w_hr, 1, sl, in_place, B, a.bf16_products));
   // A reset state of its own needs its own product (reset_h W_hh^T, made at
   // step 0); else that is h0's, step 0's product.
   const bool own_reset = resets && z.has_reset_state && T > 1;

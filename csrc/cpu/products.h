@@ -45,6 +45,10 @@ struct StepWeightT {
   gemm::PackedB<A> packed;  // !in_place && !bf16_pairs
   pairs::PackedPairs pair_panels;  // bf16_pairs
   const A* w = nullptr;     // in_place: the weight itself
+  // in_place: the rows of the whole batch, of which a call's A may be a block
+  // (a split between threads): they pick multiply_nt_rows' method, so that a
+  // row's bits do not depend on the block it falls in.
+  int64_t batch_rows = 0;
   int64_t K = 0, blocks = 0, H = 0, j0 = 0, n = 0;
   int64_t cols() const { return blocks * n; }
 };
@@ -67,7 +71,7 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
       if (accumulate)
         gemm::multiply_nt(M, a, lda, rows, w.K, n, w.K, cg, w.cols(), true);
       else
-        gemm::multiply_nt_rows(M, a, lda, rows, w.K, n, w.K, cg, w.cols());
+        gemm::multiply_nt_rows(M, a, lda, rows, w.K, n, w.K, cg, w.cols(), w.batch_rows);
     }
   }
 }
@@ -92,12 +96,14 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
 
 // W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
 // [G*H, K] weight; as bf16 pairs where bf16_pairs (float weights holding
-// bf16 values; a call of one step keeps the weight in place instead).
+// bf16 values; a call of one step keeps the weight in place instead, for a
+// batch of batch_rows rows).
 template <typename A>
 StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_place,
-                           bool bf16_pairs = false) {
+                           int64_t batch_rows, bool bf16_pairs) {
   StepWeightT<A> s;
   s.in_place = in_place;
+  s.batch_rows = batch_rows;
   if constexpr (std::is_same_v<A, float>) s.bf16_pairs = bf16_pairs && !in_place;
   s.K = w.size(1);
   s.blocks = G;
