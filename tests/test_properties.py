@@ -1,0 +1,267 @@
+"""Property-based parity with torch.nn (hypothesis): modules of every shape of
+option torch.nn has -- cell, layers, bidirectional, bias, batch_first,
+proj_size, dropout -- on padded, unbatched and packed (sorted or not) input,
+with or without hx, with gradients asked of any subset of the input, hx and the
+weights, first and second order, on every CPU backend.  float64 against the
+torch.nn twin on the same weights: the targeted tests each fix a few of these
+choices; this one draws them together, where a bug in how two options meet
+would hide.
+
+Deterministic in CI (derandomize: the same examples each run, no database);
+`--hypothesis-seed` or `RNNKERN_HYPOTHESIS_EXAMPLES` explores further."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import rnnkern
+from conftest import assert_close, generator, randn
+
+EXAMPLES = int(os.environ.get("RNNKERN_HYPOTHESIS_EXAMPLES", "60"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+BACKENDS = ["auto", "cpu", "reference"]
+CLASSES = {"rnn_tanh": "RNN", "rnn_relu": "RNN", "gru": "GRU", "lstm": "LSTM"}
+
+
+@st.composite
+def sequence_cases(draw):
+    cell = draw(st.sampled_from(sorted(CLASSES)))
+    H = draw(st.integers(1, 6))
+    layers = draw(st.integers(1, 3))
+    case = dict(
+        cell=cell, I=draw(st.integers(1, 5)), H=H, T=draw(st.integers(1, 6)), B=draw(st.integers(1, 4)),
+        layers=layers, bidirectional=draw(st.booleans()), bias=draw(st.booleans()),
+        batch_first=draw(st.booleans()),
+        proj=draw(st.integers(0, H - 1)) if cell == "lstm" and H > 1 else 0,
+        # (Dropout between layers, in training: torch.nn's draws, in its order.)
+        dropout=draw(st.sampled_from([0.0, 0.4])) if layers > 1 else 0.0,
+        # ("lengths": rnnkern's lengths= on the padded batch against torch.nn on the
+        # packed one, padded back.)
+        form=draw(st.sampled_from(["padded", "unbatched", "packed-sorted", "packed-unsorted", "lengths"])),
+        with_hx=draw(st.booleans()),
+        grad_x=draw(st.booleans()), grad_hx=draw(st.booleans()), grad_weights=draw(st.booleans()),
+        second_order=draw(st.booleans()),
+        backend=draw(st.sampled_from(BACKENDS)),
+    )
+    if case["form"].startswith("packed") or case["form"] == "lengths":
+        lengths = draw(st.lists(st.integers(1, case["T"]), min_size=case["B"], max_size=case["B"]))
+        if case["form"] == "packed-sorted":
+            lengths = sorted(lengths, reverse=True)
+        case["lengths"] = lengths
+    return case
+
+
+def _twins(case):
+    cls = CLASSES[case["cell"]]
+    kwargs = dict(num_layers=case["layers"], bias=case["bias"], batch_first=case["batch_first"],
+                  dropout=case["dropout"], bidirectional=case["bidirectional"], dtype=torch.float64)
+    if cls == "RNN":
+        kwargs["nonlinearity"] = case["cell"][4:]
+    if case["proj"]:
+        kwargs["proj_size"] = case["proj"]
+    theirs = getattr(nn, cls)(case["I"], case["H"], **kwargs)
+    ours = getattr(rnnkern, cls)(case["I"], case["H"], backend=case["backend"], **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def _run(module, case, x, hx):
+    """module's outputs (the tensors, the packed data for packed input) and the
+    gradients asked of the case's differentiable leaves."""
+    seed = sum(map(ord, repr(sorted(case.items())))) % 2 ** 31
+    form, ours = case["form"], type(module).__module__.startswith("rnnkern")
+    kwargs = {}
+    if form.startswith("packed") or (form == "lengths" and not ours):
+        inp = pack_padded_sequence(x, torch.tensor(case["lengths"]), batch_first=case["batch_first"],
+                                   enforce_sorted=form == "packed-sorted")
+    else:
+        inp = x
+        if form == "lengths":
+            kwargs["lengths"] = torch.tensor(case["lengths"])
+    torch.manual_seed(seed)
+    out, h = module(inp, hx, **kwargs)
+    if form.startswith("packed"):
+        out = out.data
+    elif form == "lengths" and not ours:
+        out = pad_packed_sequence(out, batch_first=case["batch_first"], total_length=case["T"])[0]
+    outs = [out, *(h if isinstance(h, tuple) else (h,))]
+    leaves = ([x] if case["grad_x"] else []) \
+        + (list(hx if isinstance(hx, tuple) else (hx,)) if case["grad_hx"] and hx is not None else []) \
+        + (list(module.parameters()) if case["grad_weights"] else [])
+    if not leaves:
+        return outs, []
+    g = generator("weights of the loss", repr(sorted(case.items())))
+    loss = sum((o * randn(g, *o.shape)).sum() for o in outs)
+    grads = torch.autograd.grad(loss, leaves, create_graph=case["second_order"], allow_unused=True)
+    if not case["second_order"]:
+        return outs, list(grads)
+    present = [gr for gr in grads if gr is not None and gr.requires_grad]
+    if not present:
+        return outs, list(grads)
+    second = torch.autograd.grad(sum((gr * gr).sum() for gr in present), leaves, allow_unused=True)
+    return outs, list(grads) + list(second)
+
+
+@SETTINGS
+@given(case=sequence_cases())
+def test_sequence_modules_match_torch_nn(case):
+    theirs, ours = _twins(case)
+    theirs.train(), ours.train()
+    g = generator("sequence property", repr(sorted(case.items())))
+    T, B, D, L = case["T"], case["B"], 1 + case["bidirectional"], case["layers"]
+    unbatched = case["form"] == "unbatched"
+    shape = (T, case["I"]) if unbatched else ((B, T, case["I"]) if case["batch_first"] else (T, B, case["I"]))
+    hx = None
+    if case["with_hx"]:
+        state = lambda size: (randn(g, L * D, size, scale=0.5) if unbatched  # noqa: E731
+                              else randn(g, L * D, B, size, scale=0.5))
+        hx = state(case["proj"] or case["H"])
+        if case["cell"] == "lstm":
+            hx = (hx, state(case["H"]))
+    got, want = [], []
+    for module, results in ((ours, got), (theirs, want)):
+        x = randn(generator("x", repr(sorted(case.items()))), *shape).requires_grad_(case["grad_x"])
+        h = None if hx is None else (tuple(t.clone().requires_grad_(case["grad_hx"]) for t in hx)
+                                     if isinstance(hx, tuple) else hx.clone().requires_grad_(case["grad_hx"]))
+        results.extend(_run(module, case, x, h))
+    for what, a_list, b_list in (("output", got[0], want[0]), ("gradient", got[1], want[1])):
+        assert len(a_list) == len(b_list)
+        for i, (a, b) in enumerate(zip(a_list, b_list)):
+            if b is None:
+                # torch.nn's unused leaf (a zero second derivative): ours is None or zeros.
+                assert a is None or not a.any(), f"{what} {i}: torch.nn has None, rnnkern {a}"
+                continue
+            assert a is not None, f"{what} {i}: rnnkern has None, torch.nn {b}"
+            assert a.shape == b.shape, (what, i, a.shape, b.shape)
+            assert_close(a, b, what=f"{what} {i} of {case}")
+
+
+@st.composite
+def cell_cases(draw):
+    cell = draw(st.sampled_from(sorted(CLASSES)))
+    return dict(cell=cell, I=draw(st.integers(1, 5)), H=draw(st.integers(1, 6)), B=draw(st.integers(0, 4)),
+                bias=draw(st.booleans()), unbatched=draw(st.booleans()), with_hx=draw(st.booleans()),
+                grad_x=draw(st.booleans()), grad_hx=draw(st.booleans()), grad_weights=draw(st.booleans()),
+                second_order=draw(st.booleans()), backend=draw(st.sampled_from(BACKENDS)))
+
+
+@SETTINGS
+@given(case=cell_cases())
+def test_cells_match_torch_nn(case):
+    if case["unbatched"] and case["B"] == 0:
+        case["B"] = 1
+    cls = CLASSES[case["cell"]] + "Cell"
+    kwargs = dict(bias=case["bias"], dtype=torch.float64)
+    if cls == "RNNCell":
+        kwargs["nonlinearity"] = case["cell"][4:]
+    theirs = getattr(nn, cls)(case["I"], case["H"], **kwargs)
+    ours = getattr(rnnkern, cls)(case["I"], case["H"], backend=case["backend"], **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    key = repr(sorted(case.items()))
+    lead = () if case["unbatched"] else (case["B"],)
+    g = generator("cell state", key)
+    hx = None
+    if case["with_hx"]:
+        hx = randn(g, *lead, case["H"], scale=0.5)
+        if cls == "LSTMCell":
+            hx = (hx, randn(g, *lead, case["H"], scale=0.5))
+    results = []
+    for module in (ours, theirs):
+        x = randn(generator("x", key), *lead, case["I"]).requires_grad_(case["grad_x"])
+        h = None if hx is None else (tuple(t.clone().requires_grad_(case["grad_hx"]) for t in hx)
+                                     if isinstance(hx, tuple) else hx.clone().requires_grad_(case["grad_hx"]))
+        out = module(x, h)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        leaves = ([x] if case["grad_x"] else []) \
+            + (list(h if isinstance(h, tuple) else (h,)) if case["grad_hx"] and h is not None else []) \
+            + (list(module.parameters()) if case["grad_weights"] else [])
+        grads = []
+        if leaves:
+            gl = generator("weights of the loss", key)
+            loss = sum((o * randn(gl, *o.shape)).sum() for o in outs)
+            grads = list(torch.autograd.grad(loss, leaves, create_graph=case["second_order"], allow_unused=True))
+            present = [gr for gr in grads if gr is not None and gr.requires_grad]
+            if case["second_order"] and present:
+                grads += torch.autograd.grad(sum((gr * gr).sum() for gr in present), leaves, allow_unused=True)
+        results.append((outs, grads))
+    (got_o, got_g), (want_o, want_g) = results
+    for a, b in zip(got_o, want_o, strict=True):
+        assert_close(a, b, what=f"output of {case}")
+    assert len(got_g) == len(want_g)
+    for i, (a, b) in enumerate(zip(got_g, want_g)):
+        if b is None:
+            assert a is None or not a.any(), f"gradient {i}: torch.nn has None, rnnkern {a}"
+            continue
+        assert a is not None, f"gradient {i}: rnnkern has None, torch.nn {b}"
+        assert_close(a, b, what=f"gradient {i} of {case}")
+
+
+@st.composite
+def thread_cases(draw):
+    name = draw(st.sampled_from(["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell"]))
+    H = draw(st.sampled_from([7, 64, 128, 200, 256]))
+    case = dict(name=name, B=draw(st.integers(1, 40)), H=H, I=draw(st.sampled_from([5, 64])),
+                dtype=draw(st.sampled_from(["float32", "float64"])), train=draw(st.booleans()), kwargs={})
+    if name.endswith("Cell"):
+        case["form"] = "cell"
+        if name == "GRUCell" and draw(st.booleans()):
+            case["kwargs"]["reset_after"] = False
+        return case
+    case.update(T=draw(st.sampled_from([1, 2, 4])), form=draw(st.sampled_from(["padded", "packed", "lengths"])))
+    case["kwargs"] = dict(num_layers=draw(st.integers(1, 2)), bidirectional=draw(st.booleans()))
+    if name == "LSTM" and draw(st.booleans()):
+        case["kwargs"]["proj_size"] = H // 2
+    if name == "GRU" and draw(st.booleans()):
+        case["kwargs"]["reset_after"] = False
+    return case
+
+
+@settings(SETTINGS, max_examples=max(1, EXAMPLES // 2))
+@given(case=thread_cases())
+def test_same_bits_at_every_thread_count(case):
+    """Outputs and gradients bitwise equal at 1, 2 and 3 threads, for any batch
+    (the splits between threads cross the products' method lines at odd
+    sizes), any number of steps, padded, packed or with lengths=."""
+    dtype = getattr(torch, case["dtype"])
+    key = repr(sorted(case.items()))
+    torch.manual_seed(0)
+    module = getattr(rnnkern, case["name"])(case["I"], case["H"], backend="cpu", dtype=dtype,
+                                            **case["kwargs"])
+    cell = case["form"] == "cell"
+    x0 = randn(generator("x", key), *((case["B"], case["I"]) if cell else (case["T"], case["B"], case["I"])),
+               dtype=dtype)
+    lengths = None if cell else torch.randint(1, case["T"] + 1, (case["B"],), generator=generator("len", key))
+
+    def run():
+        x = x0.clone().requires_grad_(case["train"])
+        if case["form"] == "packed":
+            out, h = module(pack_padded_sequence(x, lengths, enforce_sorted=False))
+            out = out.data
+        else:
+            out, h = (module(x, lengths=lengths) if case["form"] == "lengths" else module(x)) \
+                if not cell else (module(x), None)
+        outs = [t for t in torch.utils._pytree.tree_leaves((out, h)) if t is not None]
+        if not case["train"]:
+            return [t.detach() for t in outs]
+        g = generator("cotangent", key)
+        loss = sum((t * randn(g, *t.shape, dtype=t.dtype)).sum() for t in outs)
+        return [t.detach() for t in outs] + list(torch.autograd.grad(loss, [x, *module.parameters()]))
+
+    saved = torch.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results[threads] = run()
+    finally:
+        torch.set_num_threads(saved)
+    for threads in (2, 3):
+        for i, (a, b) in enumerate(zip(results[threads], results[1], strict=True)):
+            assert torch.equal(a, b), f"result {i} differs at {threads} threads from 1: {case}"
