@@ -1,24 +1,26 @@
 """Property-based parity with torch.nn (hypothesis): modules of every shape of
 option torch.nn has -- cell, layers, bidirectional, bias, batch_first,
-proj_size, dropout -- on padded, unbatched and packed (sorted or not) input,
-with or without hx, with gradients asked of any subset of the input, hx and the
-weights, first and second order, on every CPU backend.  float64 against the
-torch.nn twin on the same weights: the targeted tests each fix a few of these
-choices; this one draws them together, where a bug in how two options meet
-would hide.
+proj_size, dropout -- on padded, unbatched, packed (sorted or not) or
+lengths= input, with or without hx, with gradients asked of any subset of the
+input, hx and the weights, first and second order, and forward-mode tangents,
+on every CPU backend; the cells likewise.  float64 against the torch.nn twin
+on the same weights: the targeted tests each fix a few of these choices; these
+draw them together, where a bug in how two options meet would hide.  And the
+CPU kernels' bits at 1, 2 and 3 threads over odd batches and few steps.
 
 Deterministic in CI (derandomize: the same examples each run, no database);
-`--hypothesis-seed` or `RNNKERN_HYPOTHESIS_EXAMPLES` explores further."""
+RNNKERN_HYPOTHESIS_EXAMPLES=N draws N per test (default 60) to explore further."""
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import rnnkern
 from conftest import assert_close, generator, randn
@@ -265,3 +267,104 @@ def test_same_bits_at_every_thread_count(case):
     for threads in (2, 3):
         for i, (a, b) in enumerate(zip(results[threads], results[1], strict=True)):
             assert torch.equal(a, b), f"result {i} differs at {threads} threads from 1: {case}"
+
+
+@SETTINGS
+@given(case=sequence_cases())
+def test_sequence_modules_forward_mode_matches_torch_nn(case):
+    """Forward-mode AD: the tangent of the outputs and states along random
+    directions of the input, hx and every weight at once (dual tensors through
+    functional_call; evaluation mode: dropout off).  The case's gradient flags
+    are unused."""
+    theirs, ours = _twins(case)
+    theirs.eval(), ours.eval()
+    key = repr(sorted(case.items()))
+    g = generator("forward mode", key)
+    T, B, D, L = case["T"], case["B"], 1 + case["bidirectional"], case["layers"]
+    unbatched = case["form"] == "unbatched"
+    shape = (T, case["I"]) if unbatched else ((B, T, case["I"]) if case["batch_first"] else (T, B, case["I"]))
+    x = randn(g, *shape)
+    hx = ()
+    if case["with_hx"]:
+        lead = (L * D,) if unbatched else (L * D, B)
+        hx = (randn(g, *lead, case["proj"] or case["H"], scale=0.5),)
+        if case["cell"] == "lstm":
+            hx += (randn(g, *lead, case["H"], scale=0.5),)
+    params = dict(theirs.named_parameters())
+    weights = {k: v.detach() for k, v in params.items()}
+    weight_tangents = {k: randn(g, *v.shape) for k, v in params.items()}
+    x_tangent = randn(g, *x.shape)
+    hx_tangents = tuple(randn(g, *t.shape) for t in hx)
+    form = case["form"]
+    packing = None
+    if form != "padded" and form != "unbatched":
+        # (Packed outside jvp: torch has no forward AD for _pack_padded_sequence;
+        # packing is linear, so the tangent packs as the input does.)
+        lengths = torch.tensor(case["lengths"])
+        packing = [pack_padded_sequence(t, lengths, batch_first=case["batch_first"],
+                                        enforce_sorted=form == "packed-sorted") for t in (x, x_tangent)]
+
+    def call(module):
+        """(primals, tangents) of (output, h_n[, c_n]), by dual tensors
+        (torch.func.jvp would fail in torch.nn's packed path)."""
+        rows = packing is not None and not (form == "lengths" and module is ours)
+        with fwAD.dual_level():
+            p = {k: fwAD.make_dual(v, weight_tangents[k]) for k, v in weights.items()}
+            xd = fwAD.make_dual(packing[0].data, packing[1].data) if rows else fwAD.make_dual(x, x_tangent)
+            hd = tuple(fwAD.make_dual(t, dt) for t, dt in zip(hx, hx_tangents))
+            state = None if not hd else (hd if case["cell"] == "lstm" else hd[0])
+            if rows:  # a packed batch's rows
+                first = packing[0]
+                inp = PackedSequence(xd, first.batch_sizes, first.sorted_indices, first.unsorted_indices)
+                out, h = torch.func.functional_call(module, p, (inp, state))
+                out = out.data if form.startswith("packed") else \
+                    pad_packed_sequence(out, batch_first=case["batch_first"], total_length=T)[0]
+            elif form == "lengths":
+                out, h = torch.func.functional_call(module, p, (xd, state),
+                                                    {"lengths": torch.tensor(case["lengths"])})
+            else:
+                out, h = torch.func.functional_call(module, p, (xd, state))
+            parts = [fwAD.unpack_dual(t) for t in (out, *(h if isinstance(h, tuple) else (h,)))]
+            return [d.primal for d in parts], [d.tangent for d in parts]
+
+    (got, got_t), (want, want_t) = call(ours), call(theirs)
+    for what, a_all, b_all in (("primal", got, want), ("tangent", got_t, want_t)):
+        for i, (a, b) in enumerate(zip(a_all, b_all, strict=True)):
+            assert_close(a, b, what=f"{what} {i} of {case}")
+
+
+@SETTINGS
+@given(case=cell_cases())
+def test_cells_forward_mode_matches_torch_nn(case):
+    """Forward-mode AD of the cells along random directions of the input, hx
+    and every weight at once.  The case's gradient flags are unused."""
+    if case["unbatched"] and case["B"] == 0:
+        case["B"] = 1
+    cls = CLASSES[case["cell"]] + "Cell"
+    kwargs = dict(bias=case["bias"], dtype=torch.float64)
+    if cls == "RNNCell":
+        kwargs["nonlinearity"] = case["cell"][4:]
+    theirs = getattr(nn, cls)(case["I"], case["H"], **kwargs)
+    ours = getattr(rnnkern, cls)(case["I"], case["H"], backend=case["backend"], **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    g = generator("cell forward mode", repr(sorted(case.items())))
+    lead = () if case["unbatched"] else (case["B"],)
+    x, x_tangent = randn(g, *lead, case["I"]), randn(g, *lead, case["I"])
+    hx = ()
+    if case["with_hx"]:
+        hx = tuple(randn(g, *lead, case["H"], scale=0.5) for _ in range(2 if cls == "LSTMCell" else 1))
+    hx_tangents = tuple(randn(g, *t.shape) for t in hx)
+    weights = {k: v.detach() for k, v in theirs.named_parameters()}
+    weight_tangents = {k: randn(g, *v.shape) for k, v in weights.items()}
+    results = []
+    for module in (ours, theirs):
+        with fwAD.dual_level():
+            p = {k: fwAD.make_dual(v, weight_tangents[k]) for k, v in weights.items()}
+            hd = tuple(fwAD.make_dual(t, dt) for t, dt in zip(hx, hx_tangents))
+            state = None if not hd else (hd if cls == "LSTMCell" else hd[0])
+            out = torch.func.functional_call(module, p, (fwAD.make_dual(x, x_tangent), state))
+            parts = [fwAD.unpack_dual(t) for t in (out if isinstance(out, tuple) else (out,))]
+            results.append([(d.primal, d.tangent) for d in parts])
+    for i, ((a, da), (b, db)) in enumerate(zip(*results, strict=True)):
+        assert_close(a, b, what=f"primal {i} of {case}")
+        assert_close(da, db, what=f"tangent {i} of {case}")
