@@ -6,7 +6,10 @@ input, hx and the weights, first and second order, and forward-mode tangents,
 on every CPU backend; the cells likewise.  float64 against the torch.nn twin
 on the same weights: the targeted tests each fix a few of these choices; these
 draw them together, where a bug in how two options meet would hide.  And the
-CPU kernels' bits at 1, 2 and 3 threads over odd batches and few steps.
+CPU kernels' bits at 1, 2 and 3 threads over odd batches and few steps; and
+rnnkern's own options (resets=, a reset state, zoneout, LayerNormLSTM,
+reset_after=False) drawn together with those, every backend that runs on the
+CPU against the reference backend.
 
 Deterministic in CI (derandomize: the same examples each run, no database);
 RNNKERN_HYPOTHESIS_EXAMPLES=N draws N per test (default 60) to explore further."""
@@ -368,3 +371,99 @@ def test_cells_forward_mode_matches_torch_nn(case):
     for i, ((a, da), (b, db)) in enumerate(zip(*results, strict=True)):
         assert_close(a, b, what=f"primal {i} of {case}")
         assert_close(da, db, what=f"tangent {i} of {case}")
+
+
+# ------------------------------------------ rnnkern's options, backend by backend ----
+
+@st.composite
+def option_cases(draw):
+    name = draw(st.sampled_from(["rnn_tanh", "rnn_relu", "gru", "gru_reset_before", "lstm", "lstm_proj",
+                                 "lstm_ln"]))
+    H = draw(st.integers(2, 5))
+    case = dict(name=name, I=draw(st.integers(1, 4)), H=H, T=draw(st.integers(1, 5)), B=draw(st.integers(1, 3)),
+                layers=draw(st.integers(1, 2)), bidirectional=draw(st.booleans()),
+                batch_first=draw(st.booleans()), bias=draw(st.booleans()) if name != "lstm_ln" else True,
+                proj=draw(st.integers(1, H - 1)) if name == "lstm_proj" else 0,
+                zoneout=draw(st.sampled_from([0.0, 0.0, 0.2, 0.5])), train=draw(st.booleans()),
+                form=draw(st.sampled_from(["padded", "lengths", "packed"])),
+                resets=draw(st.booleans()), with_hx=draw(st.booleans()))
+    case["reset_state"] = case["resets"] and draw(st.booleans())
+    return case
+
+
+@settings(SETTINGS, max_examples=max(1, EXAMPLES // 4))
+@given(case=option_cases())
+def test_options_together_match_the_reference_on_every_backend(case):
+    """resets= (with a reset state or zeros), zoneout (training masks drawn from
+    the same seed), LayerNormLSTM, GRU(reset_after=False), lengths= and packed
+    input, layers and directions drawn together: every backend that runs on the
+    CPU (cpu, Triton's interpreter, the emulated CUDA device) against the
+    reference backend, outputs and the gradients of input, hx, reset state and
+    every weight, float64."""
+    from options_truth import BACKENDS as OPTION_BACKENDS
+    name = case["name"]
+    cls = {"gru": "GRU", "gru_reset_before": "GRU", "lstm_ln": "LayerNormLSTM"}.get(name, name[:4].upper().rstrip("_"))
+    kwargs = dict(num_layers=case["layers"], bidirectional=case["bidirectional"], batch_first=case["batch_first"],
+                  dtype=torch.float64)
+    if cls != "LayerNormLSTM":
+        kwargs["bias"] = case["bias"]
+    if name.startswith("rnn"):
+        kwargs["nonlinearity"] = name[4:]
+    if name == "gru_reset_before":
+        kwargs["reset_after"] = False
+    if case["proj"]:
+        kwargs["proj_size"] = case["proj"]
+    if case["zoneout"]:
+        kwargs["zoneout"] = case["zoneout"]
+    key = repr(sorted(case.items()))
+    g = generator("options together", key)
+    T, B, L, D = case["T"], case["B"], case["layers"], 1 + case["bidirectional"]
+    P, lstm = case["proj"] or case["H"], cls in ("LSTM", "LayerNormLSTM")
+    x0 = randn(g, *((B, T, case["I"]) if case["batch_first"] else (T, B, case["I"])))
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T  # (a packed batch's resets are [its longest length, B])
+    mask = torch.rand((B, T) if case["batch_first"] else (T, B), generator=g) < 0.35
+
+    def states():
+        return [randn(g, L * D, B, P, scale=0.5)] + ([randn(g, L * D, B, case["H"], scale=0.5)] if lstm else [])
+
+    hx0 = states() if case["with_hx"] else None
+    rs0 = states() if case["reset_state"] else None
+    torch.manual_seed(0)
+    reference_module = getattr(rnnkern, cls)(case["I"], case["H"], backend="reference", **kwargs)
+
+    def run(backend):
+        m = getattr(rnnkern, cls)(case["I"], case["H"], backend=backend, **kwargs)
+        m.load_state_dict(reference_module.state_dict())
+        m.train(case["train"])
+        x = x0.clone().requires_grad_()
+        hx = None if hx0 is None else [t.clone().requires_grad_() for t in hx0]
+        rs = None if rs0 is None else [t.clone().requires_grad_() for t in rs0]
+        options = {}
+        if case["resets"]:
+            options["resets"] = mask
+        if rs is not None:
+            options["reset_state"] = tuple(rs) if lstm else rs[0]
+        state = None if hx is None else (tuple(hx) if lstm else hx[0])
+        torch.manual_seed(1)  # zoneout's and dropout's masks
+        if case["form"] == "packed":
+            out, h = m(pack_padded_sequence(x, lengths, batch_first=case["batch_first"], enforce_sorted=False),
+                       state, **options)
+            out = out.data
+        elif case["form"] == "lengths":
+            out, h = m(x, state, lengths=lengths, **options)
+        else:
+            out, h = m(x, state, **options)
+        outs = [out, *(h if isinstance(h, tuple) else (h,))]
+        gl = generator("cotangent", key)
+        loss = sum((o * randn(gl, *o.shape)).sum() for o in outs)
+        leaves = [x, *(hx or []), *(rs or []), *m.parameters()]
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [o.detach() for o in outs] + [torch.zeros_like(v) if d is None else d for d, v in zip(grads, leaves)]
+
+    want = run("reference")
+    for backend in OPTION_BACKENDS:
+        if backend == "reference":
+            continue
+        for i, (a, b) in enumerate(zip(run(backend), want, strict=True)):
+            assert_close(a, b, what=f"{backend}: result {i} of {case}")
