@@ -151,17 +151,15 @@ def test_sequence_modules_match_torch_nn(case):
 @st.composite
 def cell_cases(draw):
     cell = draw(st.sampled_from(sorted(CLASSES)))
-    return dict(cell=cell, I=draw(st.integers(1, 5)), H=draw(st.integers(1, 6)), B=draw(st.integers(0, 4)),
-                bias=draw(st.booleans()), unbatched=draw(st.booleans()), with_hx=draw(st.booleans()),
+    unbatched = draw(st.booleans())
+    return dict(cell=cell, I=draw(st.integers(1, 5)), H=draw(st.integers(1, 6)),
+                B=1 if unbatched else draw(st.integers(0, 4)),
+                bias=draw(st.booleans()), unbatched=unbatched, with_hx=draw(st.booleans()),
                 grad_x=draw(st.booleans()), grad_hx=draw(st.booleans()), grad_weights=draw(st.booleans()),
                 second_order=draw(st.booleans()), backend=draw(st.sampled_from(BACKENDS)))
 
 
-@SETTINGS
-@given(case=cell_cases())
-def test_cells_match_torch_nn(case):
-    if case["unbatched"] and case["B"] == 0:
-        case["B"] = 1
+def _cell_twins(case):
     cls = CLASSES[case["cell"]] + "Cell"
     kwargs = dict(bias=case["bias"], dtype=torch.float64)
     if cls == "RNNCell":
@@ -169,6 +167,13 @@ def test_cells_match_torch_nn(case):
     theirs = getattr(nn, cls)(case["I"], case["H"], **kwargs)
     ours = getattr(rnnkern, cls)(case["I"], case["H"], backend=case["backend"], **kwargs)
     ours.load_state_dict(theirs.state_dict())
+    return cls, theirs, ours
+
+
+@SETTINGS
+@given(case=cell_cases())
+def test_cells_match_torch_nn(case):
+    cls, theirs, ours = _cell_twins(case)
     key = repr(sorted(case.items()))
     lead = () if case["unbatched"] else (case["B"],)
     g = generator("cell state", key)
@@ -341,15 +346,7 @@ def test_sequence_modules_forward_mode_matches_torch_nn(case):
 def test_cells_forward_mode_matches_torch_nn(case):
     """Forward-mode AD of the cells along random directions of the input, hx
     and every weight at once.  The case's gradient flags are unused."""
-    if case["unbatched"] and case["B"] == 0:
-        case["B"] = 1
-    cls = CLASSES[case["cell"]] + "Cell"
-    kwargs = dict(bias=case["bias"], dtype=torch.float64)
-    if cls == "RNNCell":
-        kwargs["nonlinearity"] = case["cell"][4:]
-    theirs = getattr(nn, cls)(case["I"], case["H"], **kwargs)
-    ours = getattr(rnnkern, cls)(case["I"], case["H"], backend=case["backend"], **kwargs)
-    ours.load_state_dict(theirs.state_dict())
+    cls, theirs, ours = _cell_twins(case)
     g = generator("cell forward mode", repr(sorted(case.items())))
     lead = () if case["unbatched"] else (case["B"],)
     x, x_tangent = randn(g, *lead, case["I"]), randn(g, *lead, case["I"])
