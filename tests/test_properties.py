@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import rnnkern
-from conftest import assert_close, generator, randn
+from conftest import assert_close, generator, randn, rnnkern_module, torch_module
 
 EXAMPLES = int(os.environ.get("RNNKERN_HYPOTHESIS_EXAMPLES", "60"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -63,24 +63,77 @@ def sequence_cases(draw):
     return case
 
 
+def _key(case) -> str:
+    """A case's seed material for its generators."""
+    return repr(sorted(case.items()))
+
+
 def _twins(case):
-    cls = CLASSES[case["cell"]]
     kwargs = dict(num_layers=case["layers"], bias=case["bias"], batch_first=case["batch_first"],
                   dropout=case["dropout"], bidirectional=case["bidirectional"], dtype=torch.float64)
-    if cls == "RNN":
-        kwargs["nonlinearity"] = case["cell"][4:]
     if case["proj"]:
         kwargs["proj_size"] = case["proj"]
-    theirs = getattr(nn, cls)(case["I"], case["H"], **kwargs)
-    ours = getattr(rnnkern, cls)(case["I"], case["H"], backend=case["backend"], **kwargs)
+    theirs = torch_module(case["cell"], case["I"], case["H"], **kwargs)
+    ours = rnnkern_module(case["cell"], case["I"], case["H"], backend=case["backend"], **kwargs)
     ours.load_state_dict(theirs.state_dict())
     return theirs, ours
+
+
+def _input_shape(case):
+    T, B, I = case["T"], case["B"], case["I"]
+    return (T, I) if case["form"] == "unbatched" else ((B, T, I) if case["batch_first"] else (T, B, I))
+
+
+def _state_lead(case):
+    """The leading sizes of hx's tensors: layers x directions[, batch]."""
+    L, D = case["layers"], 1 + case["bidirectional"]
+    return (L * D,) if case["form"] == "unbatched" else (L * D, case["B"])
+
+
+def _fresh(hx, requires_grad):
+    """hx (a tensor, a tuple of them, or None) cloned as new leaves."""
+    if hx is None:
+        return None
+    if isinstance(hx, tuple):
+        return tuple(t.clone().requires_grad_(requires_grad) for t in hx)
+    return hx.clone().requires_grad_(requires_grad)
+
+
+def _with_grads(outs, module, case, x, hx):
+    """(outs, the gradients asked of the case's differentiable leaves of a
+    random functional of outs, then their second derivatives if asked)."""
+    leaves = ([x] if case["grad_x"] else []) \
+        + (list(hx if isinstance(hx, tuple) else (hx,)) if case["grad_hx"] and hx is not None else []) \
+        + (list(module.parameters()) if case["grad_weights"] else [])
+    if not leaves:
+        return outs, []
+    g = generator("weights of the loss", _key(case))
+    loss = sum((o * randn(g, *o.shape)).sum() for o in outs)
+    grads = list(torch.autograd.grad(loss, leaves, create_graph=case["second_order"], allow_unused=True))
+    present = [gr for gr in grads if gr is not None and gr.requires_grad]
+    if case["second_order"] and present:
+        grads += torch.autograd.grad(sum((gr * gr).sum() for gr in present), leaves, allow_unused=True)
+    return outs, grads
+
+
+def _assert_match(got, want, case):
+    """(outs, grads) of rnnkern against torch.nn's."""
+    for what, a_list, b_list in (("output", got[0], want[0]), ("gradient", got[1], want[1])):
+        assert len(a_list) == len(b_list)
+        for i, (a, b) in enumerate(zip(a_list, b_list)):
+            if b is None:
+                # torch.nn's unused leaf (a zero second derivative): ours is None or zeros.
+                assert a is None or not a.any(), f"{what} {i}: torch.nn has None, rnnkern {a}"
+                continue
+            assert a is not None, f"{what} {i}: rnnkern has None, torch.nn {b}"
+            assert a.shape == b.shape, (what, i, a.shape, b.shape)
+            assert_close(a, b, what=f"{what} {i} of {case}")
 
 
 def _run(module, case, x, hx):
     """module's outputs (the tensors, the packed data for packed input) and the
     gradients asked of the case's differentiable leaves."""
-    seed = sum(map(ord, repr(sorted(case.items())))) % 2 ** 31
+    seed = sum(map(ord, _key(case))) % 2 ** 31
     form, ours = case["form"], type(module).__module__.startswith("rnnkern")
     kwargs = {}
     if form.startswith("packed") or (form == "lengths" and not ours):
@@ -96,22 +149,7 @@ def _run(module, case, x, hx):
         out = out.data
     elif form == "lengths" and not ours:
         out = pad_packed_sequence(out, batch_first=case["batch_first"], total_length=case["T"])[0]
-    outs = [out, *(h if isinstance(h, tuple) else (h,))]
-    leaves = ([x] if case["grad_x"] else []) \
-        + (list(hx if isinstance(hx, tuple) else (hx,)) if case["grad_hx"] and hx is not None else []) \
-        + (list(module.parameters()) if case["grad_weights"] else [])
-    if not leaves:
-        return outs, []
-    g = generator("weights of the loss", repr(sorted(case.items())))
-    loss = sum((o * randn(g, *o.shape)).sum() for o in outs)
-    grads = torch.autograd.grad(loss, leaves, create_graph=case["second_order"], allow_unused=True)
-    if not case["second_order"]:
-        return outs, list(grads)
-    present = [gr for gr in grads if gr is not None and gr.requires_grad]
-    if not present:
-        return outs, list(grads)
-    second = torch.autograd.grad(sum((gr * gr).sum() for gr in present), leaves, allow_unused=True)
-    return outs, list(grads) + list(second)
+    return _with_grads([out, *(h if isinstance(h, tuple) else (h,))], module, case, x, hx)
 
 
 @SETTINGS
@@ -119,33 +157,18 @@ def _run(module, case, x, hx):
 def test_sequence_modules_match_torch_nn(case):
     theirs, ours = _twins(case)
     theirs.train(), ours.train()
-    g = generator("sequence property", repr(sorted(case.items())))
-    T, B, D, L = case["T"], case["B"], 1 + case["bidirectional"], case["layers"]
-    unbatched = case["form"] == "unbatched"
-    shape = (T, case["I"]) if unbatched else ((B, T, case["I"]) if case["batch_first"] else (T, B, case["I"]))
+    g = generator("sequence property", _key(case))
+    shape, lead = _input_shape(case), _state_lead(case)
     hx = None
     if case["with_hx"]:
-        state = lambda size: (randn(g, L * D, size, scale=0.5) if unbatched  # noqa: E731
-                              else randn(g, L * D, B, size, scale=0.5))
-        hx = state(case["proj"] or case["H"])
+        hx = randn(g, *lead, case["proj"] or case["H"], scale=0.5)
         if case["cell"] == "lstm":
-            hx = (hx, state(case["H"]))
+            hx = (hx, randn(g, *lead, case["H"], scale=0.5))
     got, want = [], []
     for module, results in ((ours, got), (theirs, want)):
-        x = randn(generator("x", repr(sorted(case.items()))), *shape).requires_grad_(case["grad_x"])
-        h = None if hx is None else (tuple(t.clone().requires_grad_(case["grad_hx"]) for t in hx)
-                                     if isinstance(hx, tuple) else hx.clone().requires_grad_(case["grad_hx"]))
-        results.extend(_run(module, case, x, h))
-    for what, a_list, b_list in (("output", got[0], want[0]), ("gradient", got[1], want[1])):
-        assert len(a_list) == len(b_list)
-        for i, (a, b) in enumerate(zip(a_list, b_list)):
-            if b is None:
-                # torch.nn's unused leaf (a zero second derivative): ours is None or zeros.
-                assert a is None or not a.any(), f"{what} {i}: torch.nn has None, rnnkern {a}"
-                continue
-            assert a is not None, f"{what} {i}: rnnkern has None, torch.nn {b}"
-            assert a.shape == b.shape, (what, i, a.shape, b.shape)
-            assert_close(a, b, what=f"{what} {i} of {case}")
+        x = randn(generator("x", _key(case)), *shape).requires_grad_(case["grad_x"])
+        results.extend(_run(module, case, x, _fresh(hx, case["grad_hx"])))
+    _assert_match(got, want, case)
 
 
 @st.composite
@@ -174,7 +197,7 @@ def _cell_twins(case):
 @given(case=cell_cases())
 def test_cells_match_torch_nn(case):
     cls, theirs, ours = _cell_twins(case)
-    key = repr(sorted(case.items()))
+    key = _key(case)
     lead = () if case["unbatched"] else (case["B"],)
     g = generator("cell state", key)
     hx = None
@@ -185,32 +208,10 @@ def test_cells_match_torch_nn(case):
     results = []
     for module in (ours, theirs):
         x = randn(generator("x", key), *lead, case["I"]).requires_grad_(case["grad_x"])
-        h = None if hx is None else (tuple(t.clone().requires_grad_(case["grad_hx"]) for t in hx)
-                                     if isinstance(hx, tuple) else hx.clone().requires_grad_(case["grad_hx"]))
+        h = _fresh(hx, case["grad_hx"])
         out = module(x, h)
-        outs = list(out) if isinstance(out, tuple) else [out]
-        leaves = ([x] if case["grad_x"] else []) \
-            + (list(h if isinstance(h, tuple) else (h,)) if case["grad_hx"] and h is not None else []) \
-            + (list(module.parameters()) if case["grad_weights"] else [])
-        grads = []
-        if leaves:
-            gl = generator("weights of the loss", key)
-            loss = sum((o * randn(gl, *o.shape)).sum() for o in outs)
-            grads = list(torch.autograd.grad(loss, leaves, create_graph=case["second_order"], allow_unused=True))
-            present = [gr for gr in grads if gr is not None and gr.requires_grad]
-            if case["second_order"] and present:
-                grads += torch.autograd.grad(sum((gr * gr).sum() for gr in present), leaves, allow_unused=True)
-        results.append((outs, grads))
-    (got_o, got_g), (want_o, want_g) = results
-    for a, b in zip(got_o, want_o, strict=True):
-        assert_close(a, b, what=f"output of {case}")
-    assert len(got_g) == len(want_g)
-    for i, (a, b) in enumerate(zip(got_g, want_g)):
-        if b is None:
-            assert a is None or not a.any(), f"gradient {i}: torch.nn has None, rnnkern {a}"
-            continue
-        assert a is not None, f"gradient {i}: rnnkern has None, torch.nn {b}"
-        assert_close(a, b, what=f"gradient {i} of {case}")
+        results.append(_with_grads(list(out) if isinstance(out, tuple) else [out], module, case, x, h))
+    _assert_match(*results, case)
 
 
 @st.composite
@@ -240,7 +241,7 @@ def test_same_bits_at_every_thread_count(case):
     (the splits between threads cross the products' method lines at odd
     sizes), any number of steps, padded, packed or with lengths=."""
     dtype = getattr(torch, case["dtype"])
-    key = repr(sorted(case.items()))
+    key = _key(case)
     torch.manual_seed(0)
     module = getattr(rnnkern, case["name"])(case["I"], case["H"], backend="cpu", dtype=dtype,
                                             **case["kwargs"])
@@ -277,6 +278,20 @@ def test_same_bits_at_every_thread_count(case):
             assert torch.equal(a, b), f"result {i} differs at {threads} threads from 1: {case}"
 
 
+def _dual_weights_and_state(weights, weight_tangents, hx, hx_tangents, lstm):
+    """Inside a dual level: the weights as duals (for functional_call) and the
+    state argument (None, h, or (h, c)) as duals."""
+    p = {k: fwAD.make_dual(v, weight_tangents[k]) for k, v in weights.items()}
+    hd = tuple(fwAD.make_dual(t, dt) for t, dt in zip(hx, hx_tangents))
+    return p, None if not hd else (hd if lstm else hd[0])
+
+
+def _unpacked_duals(out):
+    """[(primal, tangent)] of a module's tensors (output, h_n[, c_n]) or a cell's."""
+    parts = torch.utils._pytree.tree_leaves(out)
+    return [(d.primal, d.tangent) for d in map(fwAD.unpack_dual, parts)]
+
+
 @SETTINGS
 @given(case=sequence_cases())
 def test_sequence_modules_forward_mode_matches_torch_nn(case):
@@ -286,15 +301,11 @@ def test_sequence_modules_forward_mode_matches_torch_nn(case):
     are unused."""
     theirs, ours = _twins(case)
     theirs.eval(), ours.eval()
-    key = repr(sorted(case.items()))
-    g = generator("forward mode", key)
-    T, B, D, L = case["T"], case["B"], 1 + case["bidirectional"], case["layers"]
-    unbatched = case["form"] == "unbatched"
-    shape = (T, case["I"]) if unbatched else ((B, T, case["I"]) if case["batch_first"] else (T, B, case["I"]))
-    x = randn(g, *shape)
+    g = generator("forward mode", _key(case))
+    x = randn(g, *_input_shape(case))
     hx = ()
     if case["with_hx"]:
-        lead = (L * D,) if unbatched else (L * D, B)
+        lead = _state_lead(case)
         hx = (randn(g, *lead, case["proj"] or case["H"], scale=0.5),)
         if case["cell"] == "lstm":
             hx += (randn(g, *lead, case["H"], scale=0.5),)
@@ -313,32 +324,28 @@ def test_sequence_modules_forward_mode_matches_torch_nn(case):
                                         enforce_sorted=form == "packed-sorted") for t in (x, x_tangent)]
 
     def call(module):
-        """(primals, tangents) of (output, h_n[, c_n]), by dual tensors
+        """[(primal, tangent)] of (output, h_n[, c_n]), by dual tensors
         (torch.func.jvp would fail in torch.nn's packed path)."""
         rows = packing is not None and not (form == "lengths" and module is ours)
         with fwAD.dual_level():
-            p = {k: fwAD.make_dual(v, weight_tangents[k]) for k, v in weights.items()}
+            p, state = _dual_weights_and_state(weights, weight_tangents, hx, hx_tangents, case["cell"] == "lstm")
             xd = fwAD.make_dual(packing[0].data, packing[1].data) if rows else fwAD.make_dual(x, x_tangent)
-            hd = tuple(fwAD.make_dual(t, dt) for t, dt in zip(hx, hx_tangents))
-            state = None if not hd else (hd if case["cell"] == "lstm" else hd[0])
             if rows:  # a packed batch's rows
                 first = packing[0]
                 inp = PackedSequence(xd, first.batch_sizes, first.sorted_indices, first.unsorted_indices)
                 out, h = torch.func.functional_call(module, p, (inp, state))
                 out = out.data if form.startswith("packed") else \
-                    pad_packed_sequence(out, batch_first=case["batch_first"], total_length=T)[0]
+                    pad_packed_sequence(out, batch_first=case["batch_first"], total_length=case["T"])[0]
             elif form == "lengths":
                 out, h = torch.func.functional_call(module, p, (xd, state),
                                                     {"lengths": torch.tensor(case["lengths"])})
             else:
                 out, h = torch.func.functional_call(module, p, (xd, state))
-            parts = [fwAD.unpack_dual(t) for t in (out, *(h if isinstance(h, tuple) else (h,)))]
-            return [d.primal for d in parts], [d.tangent for d in parts]
+            return _unpacked_duals((out, h))
 
-    (got, got_t), (want, want_t) = call(ours), call(theirs)
-    for what, a_all, b_all in (("primal", got, want), ("tangent", got_t, want_t)):
-        for i, (a, b) in enumerate(zip(a_all, b_all, strict=True)):
-            assert_close(a, b, what=f"{what} {i} of {case}")
+    for i, ((a, da), (b, db)) in enumerate(zip(call(ours), call(theirs), strict=True)):
+        assert_close(a, b, what=f"primal {i} of {case}")
+        assert_close(da, db, what=f"tangent {i} of {case}")
 
 
 @SETTINGS
@@ -347,7 +354,7 @@ def test_cells_forward_mode_matches_torch_nn(case):
     """Forward-mode AD of the cells along random directions of the input, hx
     and every weight at once.  The case's gradient flags are unused."""
     cls, theirs, ours = _cell_twins(case)
-    g = generator("cell forward mode", repr(sorted(case.items())))
+    g = generator("cell forward mode", _key(case))
     lead = () if case["unbatched"] else (case["B"],)
     x, x_tangent = randn(g, *lead, case["I"]), randn(g, *lead, case["I"])
     hx = ()
@@ -359,12 +366,9 @@ def test_cells_forward_mode_matches_torch_nn(case):
     results = []
     for module in (ours, theirs):
         with fwAD.dual_level():
-            p = {k: fwAD.make_dual(v, weight_tangents[k]) for k, v in weights.items()}
-            hd = tuple(fwAD.make_dual(t, dt) for t, dt in zip(hx, hx_tangents))
-            state = None if not hd else (hd if cls == "LSTMCell" else hd[0])
+            p, state = _dual_weights_and_state(weights, weight_tangents, hx, hx_tangents, cls == "LSTMCell")
             out = torch.func.functional_call(module, p, (fwAD.make_dual(x, x_tangent), state))
-            parts = [fwAD.unpack_dual(t) for t in (out if isinstance(out, tuple) else (out,))]
-            results.append([(d.primal, d.tangent) for d in parts])
+            results.append(_unpacked_duals(out))
     for i, ((a, da), (b, db)) in enumerate(zip(*results, strict=True)):
         assert_close(a, b, what=f"primal {i} of {case}")
         assert_close(da, db, what=f"tangent {i} of {case}")
@@ -399,23 +403,25 @@ def test_options_together_match_the_reference_on_every_backend(case):
     every weight, float64."""
     from options_truth import BACKENDS as OPTION_BACKENDS
     name = case["name"]
-    cls = {"gru": "GRU", "gru_reset_before": "GRU", "lstm_ln": "LayerNormLSTM"}.get(name, name[:4].upper().rstrip("_"))
     kwargs = dict(num_layers=case["layers"], bidirectional=case["bidirectional"], batch_first=case["batch_first"],
                   dtype=torch.float64)
-    if cls != "LayerNormLSTM":
+    if name != "lstm_ln":
         kwargs["bias"] = case["bias"]
-    if name.startswith("rnn"):
-        kwargs["nonlinearity"] = name[4:]
-    if name == "gru_reset_before":
-        kwargs["reset_after"] = False
     if case["proj"]:
         kwargs["proj_size"] = case["proj"]
     if case["zoneout"]:
         kwargs["zoneout"] = case["zoneout"]
-    key = repr(sorted(case.items()))
+    key = _key(case)
     g = generator("options together", key)
     T, B, L, D = case["T"], case["B"], case["layers"], 1 + case["bidirectional"]
-    P, lstm = case["proj"] or case["H"], cls in ("LSTM", "LayerNormLSTM")
+    P, lstm = case["proj"] or case["H"], name.startswith("lstm")
+
+    def make(backend):
+        if name == "lstm_ln":
+            return rnnkern.LayerNormLSTM(case["I"], case["H"], backend=backend, **kwargs)
+        return rnnkern_module("lstm" if name == "lstm_proj" else name, case["I"], case["H"], backend=backend,
+                              **kwargs)
+
     x0 = randn(g, *((B, T, case["I"]) if case["batch_first"] else (T, B, case["I"])))
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     lengths[0] = T  # (a packed batch's resets are [its longest length, B])
@@ -427,10 +433,10 @@ def test_options_together_match_the_reference_on_every_backend(case):
     hx0 = states() if case["with_hx"] else None
     rs0 = states() if case["reset_state"] else None
     torch.manual_seed(0)
-    reference_module = getattr(rnnkern, cls)(case["I"], case["H"], backend="reference", **kwargs)
+    reference_module = make("reference")
 
     def run(backend):
-        m = getattr(rnnkern, cls)(case["I"], case["H"], backend=backend, **kwargs)
+        m = make(backend)
         m.load_state_dict(reference_module.state_dict())
         m.train(case["train"])
         x = x0.clone().requires_grad_()
