@@ -43,6 +43,57 @@ HAS_GPU = torch.cuda.is_available()
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _patch_triton_language_once_per_launch() -> None:
+    """Triton's interpreter (3.6, 3.8) swaps triton.language's builtins for
+    numpy ones at each launch (GridExecutor.__call__) and again at every call of
+    a @triton.jit function inside it (InterpretedFunction.__call__: tl.sum,
+    tl.zeros, ...): the same swap each time, by inspect.getmembers over the
+    modules, ~2 ms.  A kernel calls tl.sum per step and per program, so that
+    repetition took a large share of the interpreted tests' time.  Here a call
+    inside a launch skips the swap when that launch has already made it for the
+    same modules (triton.language, triton.language.core); the functions swapped
+    in are the same, so what the kernels compute is unchanged."""
+    if not TRITON_INTERPRET:
+        return
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real_patch = getattr(interpreter, "_patch_lang", None)
+    launch = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
+    if real_patch is None or launch is None or getattr(real_patch, "_rnnkern_once", False):
+        return  # another interpreter than the one this was written against: leave it as it is
+    swapped: list[set[int]] = []  # per launch running: the modules swapped so far
+
+    class NothingToRestore:
+        def restore(self) -> None:
+            pass
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if langs and swapped and langs <= swapped[-1]:
+            return NothingToRestore()
+        scope = real_patch(fn)
+        if swapped:
+            swapped[-1] |= langs
+        return scope
+
+    def launch_once(self, *args, **kwargs):
+        swapped.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            swapped.pop()
+
+    patch_lang._rnnkern_once = True
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch_once
+
+
+_patch_triton_language_once_per_launch()
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     for item in items:
