@@ -41,6 +41,9 @@ arch = _C_cuda_emu.arch
 launches = _C_cuda_emu.launches
 # Multiply-adds of the emulated cuBLAS GEMMs so far: what a host loop's products cost.
 gemm_multiply_adds = _C_cuda_emu.gemm_multiply_adds
+# Rows the persistent kernels' CTAs staged so far (each CTA counts its own): what
+# their steps cost.
+staged_rows = _C_cuda_emu.staged_rows
 # Cooperative grids (every block at once, grid.sync()): the device model behind the
 # occupancy query and the cooperative launch's co-residency check, and the test kernel.
 set_device_model = _C_cuda_emu.set_device_model

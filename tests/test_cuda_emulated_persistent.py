@@ -234,18 +234,76 @@ def test_lower_precisions(cell, dtype, H):
         assert_low_precision(got[name], ref_low[name], want[name].float(), what=name)
 
 
-def test_batch_in_several_tiles():
+@pytest.mark.parametrize("order", ["random", "sorted"])
+def test_batch_in_several_tiles(order):
     """A batch whose rows of h do not all fit a CTA's shared memory with W's slice
-    is staged in tiles: B = 700 float64 rows of H = 40 (about 580 fit)."""
-    T, B, H = 2, 700, 40
+    is staged in tiles: B = 700 float64 rows of H = 40 (about 580 fit).  Sorted
+    longest first, the second tile drops out of the steps where all its rows
+    are finished, and then the first tile's finished rows."""
+    T, B, H = 3, 700, 40
     cell = "rnn_tanh"
     args = recurrence_inputs(cell, T, B, H, requires_grad=True, key=("persistent-tiles",))
     lengths = torch.randint(0, T + 1, (B,), generator=torch.Generator().manual_seed(4))
+    if order == "sorted":
+        lengths = lengths.sort(descending=True).values
     want = outputs_and_grads("reference", cell, args, lengths, False, key=("tiles",))
     got, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, False, key=("tiles",)))
     assert n == 2
     for name in want:
         assert_close(got[name], want[name], what=name)
+
+
+def live_rows(lengths, T):
+    """Per step, the rows up to the last one still running: what a step stages."""
+    n = list(lengths)
+    return [max((b + 1 for b in range(len(n)) if n[b] > s), default=0) for s in range(T)]
+
+
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+@pytest.mark.parametrize("lengths", [[8, 6, 6, 3, 1, 1], [2, 8, 1, 3, 1, 0]],
+                         ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_lengths_cost_their_live_rows(cell, lengths, reverse):
+    """Each step of the persistent kernels stages (and multiplies) only the rows
+    up to the last one still running, forward and backward, as the host loops'
+    GEMMs take them: a batch sorted longest first (a packed batch) costs its real
+    steps, not rows x longest.  Rows staged by each CTA, counted by the emulated
+    device against the same call without lengths; the results are the host
+    loop's (to float64 rounding), whose rows are the same."""
+    T, B, H = 8, 6, 10
+    args = recurrence_inputs(cell, T, B, H, key=("persistent-live", cell))
+    a = {k: None if v is None else v.detach() for k, v in args.items()}
+    family = torch.ops.rnnkern_cuda_emu
+
+    def run(n):
+        before = cuda_emulated.staged_rows()
+        launches = cuda_emulated.cooperative_launches()
+        out, h_n, c_n, ws = family.recurrence(cell, *a.values(), n, reverse, True)
+        middle = cuda_emulated.staged_rows()
+        grads = family.recurrence_backward(
+            cell, torch.ones_like(out), torch.ones_like(h_n),
+            torch.ones_like(c_n) if cell == "lstm" else None, a["h0"], a["c0"], a["w_hh"],
+            a["w_hr"], out, ws, n, reverse)
+        counts = middle - before, cuda_emulated.staged_rows() - middle
+        return (out, h_n, c_n, *grads), counts, cuda_emulated.cooperative_launches() - launches
+
+    _, full, launches = run(None)
+    assert launches == 2 and full[0] > 0 and full[1] > 0
+    got, live, launches = run(torch.tensor(lengths))
+    assert launches == 2
+    rows = sum(live_rows(lengths, T))
+    if lengths == sorted(lengths, reverse=True):
+        assert rows == sum(lengths)  # the real steps
+    assert rows < T * B
+    assert live[0] * T * B == full[0] * rows, (live, full, rows)
+    assert live[1] * T * B == full[1] * rows, (live, full, rows)
+    cuda_emulated.set_persistent(False)
+    want, _, launches = run(torch.tensor(lengths))
+    assert launches == 0
+    for i, (x, y) in enumerate(zip(got, want)):
+        if x is None or x.numel() == 0:
+            continue
+        torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-13, msg=lambda m: f"result {i}: {m}")
 
 
 @pytest.mark.parametrize("cell,proj", [("gru_reset_before", 0), ("lstm", 3), ("lstm_ln", 0)])

@@ -90,6 +90,17 @@ std::vector<int64_t> live_rows(const OptTensor& lengths, int64_t T) {
   return live;
 }
 
+// live_rows on the device, for the persistent kernels (params.h's live_rows_dev),
+// through kernel parameters as the lengths; undefined when empty or not wanted.
+template <typename Dev>
+Tensor device_live_rows(const std::vector<int64_t>& live, bool wanted, const at::TensorOptions& opt,
+                        cudaStream_t stream) {
+  if (live.empty() || !wanted) return Tensor();
+  Tensor dev = Dev::empty({int64_t(live.size())}, opt.dtype(at::kLong));
+  upload_lengths(live.data(), int64_t(live.size()), dev.data_ptr<int64_t>(), stream);
+  return dev;
+}
+
 const int64_t kStepsAndRows[] = {0, 1};
 
 // A zoneout mask as the kernels read it: strides in elements along T and B
@@ -179,6 +190,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const Tensor rhc = contiguous_or_undefined(reset_h), rcc = contiguous_or_undefined(reset_c);
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
   const std::vector<int64_t> live = live_rows(lengths, T);
+  const Tensor live_dev = device_live_rows<Dev>(
+      live, !z.cell_steps && persistent_chosen(ctx, T, B, P), opt, ctx.stream);
   // The state lives in ping-pong slots with lengths and with resets.
   const bool slots = lengths.has_value() || resets.has_value();
   // Scratch of the time loop (params.h).
@@ -202,6 +215,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   p.reverse = reverse;
   p.lengths = lengths_dev.defined() ? lengths_dev.data_ptr<int64_t>() : nullptr;
   p.live_rows = live.empty() ? nullptr : live.data();
+  p.live_rows_dev = live_dev.defined() ? live_dev.const_data_ptr<int64_t>() : nullptr;
   p.xproj = ptr(x);
   p.xproj_stride_t = x.stride(0), p.xproj_stride_b = x.stride(1);
   p.h0 = ptr(h0c);
@@ -332,6 +346,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const Tensor da_other = !z.cell_steps && persistent_chosen(ctx, T, B, da.size(1))
                               ? Dev::empty(da.sizes(), opt)
                               : Tensor();
+  const Tensor live_dev = device_live_rows<Dev>(live, da_other.defined(), opt, ctx.stream);
   const Tensor dhn_all = gru ? Dev::empty({T, B, H}, opt) : Tensor();
   const Tensor dn = reset_before ? Dev::empty({B, H}, opt) : Tensor();
   const Tensor drh = reset_before ? Dev::empty({B, H}, acc_opt) : Tensor();
@@ -354,6 +369,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   p.reverse = reverse;
   p.lengths = lengths_dev.defined() ? lengths_dev.data_ptr<int64_t>() : nullptr;
   p.live_rows = live.empty() ? nullptr : live.data();
+  p.live_rows_dev = live_dev.defined() ? live_dev.const_data_ptr<int64_t>() : nullptr;
   p.grad_output = gout.defined() ? ptr(gout) : nullptr;
   p.grad_output_stride_t = gout.defined() ? gout.stride(0) : 0;
   p.grad_output_stride_b = gout.defined() ? gout.stride(1) : 0;

@@ -165,6 +165,12 @@ CooperativeLaunch<P...> cooperative_launcher(void (*kernel)(P...), dim3 grid, di
   ::rnnkern::cuda::cooperative_launcher(&__VA_ARGS__, grid, block, smem, stream)
 #endif
 
+// The persistent kernels' rows staged per CTA (n at a time): the emulated device
+// counts them (tests: a batch with lengths costs its live rows); nothing on a GPU.
+#ifndef RNNKERN_EMU_COUNT_STAGED_ROWS
+#define RNNKERN_EMU_COUNT_STAGED_ROWS(n) ((void)0)
+#endif
+
 // A kernel's dynamic shared memory as an array of T: RNNKERN_DYNAMIC_SHARED(float, w);
 // its size is the launch's smem argument (beyond 48 KiB only after cudaFuncSetAttribute's
 // cudaFuncAttributeMaxDynamicSharedMemorySize).  A cooperatively launched kernel keeps all

@@ -97,6 +97,9 @@ struct RecurrenceForwardParams {
   // along its rows -- a packed batch, sorted longest first -- costs its real
   // steps, not rows x longest.  Null: every step covers all B rows.
   const int64_t* live_rows;
+  // The same on the device, for the persistent kernel: where it is chosen
+  // (persistent_chosen) and there are lengths, else null.
+  const int64_t* live_rows_dev;
 
   const void* xproj;  // S [T, B, G*H], row (t, b) at t*xproj_stride_t + b*xproj_stride_b
   int64_t xproj_stride_t, xproj_stride_b;
@@ -135,6 +138,7 @@ struct RecurrenceBackwardParams {
   bool reverse;
   const int64_t* lengths;    // device [B] or null
   const int64_t* live_rows;  // host [T] or null (as in the forward)
+  const int64_t* live_rows_dev;  // device [T] or null (as in the forward)
 
   const void* grad_output;  // S [T, B, P] with strides below, or null (zeros)
   int64_t grad_output_stride_t, grad_output_stride_b;

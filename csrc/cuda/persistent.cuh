@@ -34,7 +34,11 @@
 // gives each block its own dynamic buffer).
 //
 // What fits: tanh/ReLU RNN, LSTM without projection, GRU (reset after), with
-// lengths, reverse, resets and zoneout, every storage type.  The reset-before
+// lengths, reverse, resets and zoneout, every storage type.  With lengths a step
+// stages and multiplies only the rows up to the last one still running
+// (live_rows, as the host loops' GEMMs take them: a packed batch, sorted longest
+// first, costs its real steps), since a step's time grows with the values
+// staged.  The reset-before
 // GRU and the LSTM projection need a second exchange per step, LSTM-LN a
 // reduction over all of a row's units: they stay on the host loop, as does
 // any size whose slice of W does not fit one SM's shared memory or whose grid
@@ -362,10 +366,15 @@ struct PersistentShared {
 
 // ------------------------------------------------------------- forward ----
 
+// live_rows: device [T] or null (every step all B rows), as the host loop's
+// (params.h): step s's products take rows [0, live_rows[s]), its pointwise units
+// rows [0, live_rows[s - 1]) -- a row finishing at s is visited once more, which
+// copies its state into the next slot, so both slots hold it -- and the rows
+// past them (finished, their padding written before the launch) are not visited.
 template <typename S, PersistentCell kCell, bool kResets, bool kZoneout>
 __global__ void __launch_bounds__(kPersistentThreads, 1)
     persistent_forward_kernel(ForwardStep<S> st, const S* w_hh, S* h_state, acc_t<S>* c_state,
-                              const PersistentPlan plan) {
+                              const int64_t* live_rows, const PersistentPlan plan) {
   using A = acc_t<S>;
   constexpr int G = kCell == PersistentCell::Lstm ? 4 : kCell == PersistentCell::Gru ? 3 : 1;
   RNNKERN_DYNAMIC_SHARED(unsigned char, smem);
@@ -397,19 +406,27 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       st.c_prev = c_state + (s & 1) * B * H;
       st.c_next = c_state + ((s + 1) & 1) * B * H;
     }
-    for (int64_t b0 = 0; b0 < B; b0 += plan.batch_tile) {
-      const int nb = int(B - b0 < plan.batch_tile ? B - b0 : plan.batch_tile);
+    const int64_t live = live_rows == nullptr ? B : live_rows[s];
+    const int64_t visited = live_rows == nullptr || s == 0 ? B : live_rows[s - 1];
+    for (int64_t b0 = 0; b0 < visited; b0 += plan.batch_tile) {
+      const int nb = int(visited - b0 < plan.batch_tile ? visited - b0 : plan.batch_tile);
+      // The tile's rows in the products (the rest are finished: their units ignore hh).
+      const int np = int(live - b0 <= 0 ? 0 : live - b0 < nb ? live - b0 : nb);
       __syncthreads();  // the last tile's readers of x and part are done
-      persistent_stage(sh.x, st.h_prev, b0, nb, Pi, ld);
-      __syncthreads();
-      persistent_products(sh.w, sh.x, sh.part, nb, outputs, Pi, ld, plan.split);
+      if (np > 0) {
+        RNNKERN_EMU_COUNT_STAGED_ROWS(np);
+        persistent_stage(sh.x, st.h_prev, b0, np, Pi, ld);
+        __syncthreads();
+        persistent_products(sh.w, sh.x, sh.part, np, outputs, Pi, ld, plan.split);
+      }
       __syncthreads();
       for (int i = threadIdx.x; i < nb * units; i += blockDim.x) {
         const int r = i / units, u = i - r * units;
         A hh[G];
 #pragma unroll
         for (int g = 0; g < G; ++g)
-          hh[g] = persistent_result<S>(sh.part, r, g * units + u, outputs, plan.split);
+          hh[g] = r < np ? persistent_result<S>(sh.part, r, g * units + u, outputs, plan.split)
+                         : A(0);
         if constexpr (kCell == PersistentCell::RnnTanh || kCell == PersistentCell::RnnRelu) {
           rnn_forward_unit<kCell == PersistentCell::RnnRelu, kResets, kZoneout>(st, b0 + r, j0 + u,
                                                                                hh);
@@ -427,11 +444,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
 
 // ------------------------------------------------------------ backward ----
 
-// da_other: the second buffer of da, [B, da_width].
+// da_other: the second buffer of da, [B, da_width].  live_rows as the forward's:
+// step s visits rows [0, live_rows[s]) (the rows past them have not started,
+// backwards: their carried gradients wait untouched, their padding is written
+// before the launch), and the carry of da_{s+1} takes the rows step s + 1 wrote.
 template <typename S, PersistentCell kCell, bool kResets, bool kZoneout>
 __global__ void __launch_bounds__(kPersistentThreads, 1)
     persistent_backward_kernel(BackwardStep<S> st, const S* w_hh, S* da_other,
-                               const PersistentPlan plan) {
+                               const int64_t* live_rows, const PersistentPlan plan) {
   RNNKERN_DYNAMIC_SHARED(unsigned char, smem);
   const PersistentShared<S> sh(smem, plan);
   const int64_t T = st.T, B = st.B, H = st.H, P = st.P, K = st.da_width;
@@ -447,11 +467,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     sh.w[u * ld + r] = w_hh[int64_t(r) * P + j0 + u];
   }
 
-  // dh[b, own units] += da W_hh[:, own units], da of the step just done.
-  auto carry = [&](const S* da) {
-    for (int64_t b0 = 0; b0 < B; b0 += plan.batch_tile) {
-      const int nb = int(B - b0 < plan.batch_tile ? B - b0 : plan.batch_tile);
+  auto live = [&](int64_t s) { return live_rows == nullptr ? B : live_rows[s]; };
+  // dh[b, own units] += da W_hh[:, own units] for rows [0, rows), da of the step
+  // just done.
+  auto carry = [&](const S* da, int64_t rows) {
+    for (int64_t b0 = 0; b0 < rows; b0 += plan.batch_tile) {
+      const int nb = int(rows - b0 < plan.batch_tile ? rows - b0 : plan.batch_tile);
       __syncthreads();
+      RNNKERN_EMU_COUNT_STAGED_ROWS(nb);
       persistent_stage(sh.x, da, b0, nb, Ki, ld);
       __syncthreads();
       persistent_products(sh.w, sh.x, sh.part, nb, units, Ki, ld, plan.split);
@@ -465,12 +488,12 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
 
   for (int64_t s = T - 1; s >= 0; --s) {
     if (s + 1 < T) {
-      carry((s + 1) % 2 == 0 ? da_even : da_other);
+      carry((s + 1) % 2 == 0 ? da_even : da_other, live(s + 1));
       __syncthreads();  // the carry of a unit is complete before its pointwise thread reads it
     }
     st.start_at(s);
     st.da = s % 2 == 0 ? da_even : da_other;
-    for (int i = threadIdx.x; i < int(B) * units; i += blockDim.x) {
+    for (int i = threadIdx.x; i < int(live(s)) * units; i += blockDim.x) {
       const int b = i / units;
       const int64_t j = j0 + (i - b * units);
       if constexpr (kCell == PersistentCell::RnnTanh || kCell == PersistentCell::RnnRelu) {
@@ -484,7 +507,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     // Every CTA's columns of da_s are written before any CTA reads its rows.
     cooperative_groups::this_grid().sync();
   }
-  carry(da_even);  // after step 0: the gradient of the state step 0 started from
+  carry(da_even, live(0));  // after step 0: the gradient of the state step 0 started from
 }
 
 // ---------------------------------------------------------------- host ----
@@ -580,9 +603,11 @@ void persistent_switch(PersistentCell cell, bool resets, bool zoneout, const F& 
 
 // The forward as one persistent launch; false (nothing launched) when the
 // layer or its size does not fit, and the caller runs the host loop.
+// live_rows: device [T] or null, as the kernels take it.
 template <typename S>
 bool persistent_forward(const ForwardStep<S>& st, Cell cell, const S* w_hh, S* h_state,
-                        acc_t<S>* c_state, bool resets, bool zoneout, cudaStream_t stream) {
+                        acc_t<S>* c_state, const int64_t* live_rows, bool resets, bool zoneout,
+                        cudaStream_t stream) {
   PersistentCell pc;
   PersistentPlan plan;
   if (!persistent_cell(cell, st.h_full != nullptr, &pc) ||
@@ -595,7 +620,7 @@ bool persistent_forward(const ForwardStep<S>& st, Cell cell, const S* w_hh, S* h
     if (!persistent_fits(persistent_forward_kernel<S, C, R, Z>, plan)) return;
     RNNKERN_CUDA_CHECK(RNNKERN_LAUNCH_COOPERATIVE(plan.grid, kPersistentThreads, plan.smem, stream,
                                                   persistent_forward_kernel<S, C, R, Z>)(
-        st, w_hh, h_state, c_state, plan));
+        st, w_hh, h_state, c_state, live_rows, plan));
     launched = true;
   });
   return launched;
@@ -603,7 +628,8 @@ bool persistent_forward(const ForwardStep<S>& st, Cell cell, const S* w_hh, S* h
 
 template <typename S>
 bool persistent_backward(const BackwardStep<S>& st, Cell cell, const S* w_hh, S* da_other,
-                         bool resets, bool zoneout, cudaStream_t stream) {
+                         const int64_t* live_rows, bool resets, bool zoneout,
+                         cudaStream_t stream) {
   PersistentCell pc;
   PersistentPlan plan;
   if (!persistent_cell(cell, st.dh_full != nullptr, &pc) ||
@@ -616,7 +642,7 @@ bool persistent_backward(const BackwardStep<S>& st, Cell cell, const S* w_hh, S*
     if (!persistent_fits(persistent_backward_kernel<S, C, R, Z>, plan)) return;
     RNNKERN_CUDA_CHECK(RNNKERN_LAUNCH_COOPERATIVE(plan.grid, kPersistentThreads, plan.smem, stream,
                                                   persistent_backward_kernel<S, C, R, Z>)(
-        st, w_hh, da_other, plan));
+        st, w_hh, da_other, live_rows, plan));
     launched = true;
   });
   return launched;

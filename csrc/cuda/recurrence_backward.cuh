@@ -147,14 +147,10 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
   st.inv_4h = A(1) / A(4 * H);
 
   const cudaStream_t stream = ctx.stream;
-  // da_other is there exactly when the context chose the persistent kernel (bindings_impl.h).
-  if (p.da_other != nullptr &&
-      persistent_backward<S>(st, cell, w_hh, static_cast<S*>(p.da_other), p.resets != nullptr,
-                             p.zoneout != nullptr, stream))
-    return;
   // With lengths step s visits rows [0, live(s)) only (params.h): the rows
   // past them have not started (backwards), their carried gradients wait
-  // untouched, and their padding at s is written before the loop.
+  // untouched, and their padding at s is written before the loop.  (The
+  // persistent kernel visits the same rows.)
   auto live = [&](int64_t s) { return p.live_rows == nullptr ? B : p.live_rows[s]; };
   if (live(T - 1) < B) {
     zero_padding(st.dx, T, B, G * H, p.lengths, stream);
@@ -164,6 +160,20 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
     zero_padding(st.h_full_all, T, B, H, p.lengths, stream);
     zero_padding(st.dhproj_all, T, B, 4 * H, p.lengths, stream);
   }
+  // The caller pairs `da` of step 0 with h0 in dW_hh: rows of zero length
+  // (none of step 0's) add nothing.
+  auto zero_unvisited_da = [&] {
+    if (const int64_t r0 = live(0); r0 < B) {
+      const size_t row_bytes = sizeof(S) * st.da_width;
+      RNNKERN_CUDA_CHECK(cudaMemset2DAsync(st.da + r0 * st.da_width, row_bytes, 0, row_bytes,
+                                           B - r0, stream));
+    }
+  };
+  // da_other is there exactly when the context chose the persistent kernel (bindings_impl.h).
+  if (p.da_other != nullptr && (p.live_rows == nullptr || p.live_rows_dev != nullptr) &&
+      persistent_backward<S>(st, cell, w_hh, static_cast<S*>(p.da_other), p.live_rows_dev,
+                             p.resets != nullptr, p.zoneout != nullptr, stream))
+    return zero_unvisited_da();
   bool_switch(p.resets != nullptr, p.zoneout != nullptr, [&](auto r, auto z) {
     constexpr bool R = decltype(r)::value, Z = decltype(z)::value;
     for (int64_t s = T - 1; s >= 0; --s) {
@@ -204,13 +214,7 @@ void recurrence_backward(const RecurrenceBackwardParams& p, const Context& ctx) 
                  st.dh, P);
     }
   });
-  // The caller pairs `da` of step 0 with h0 in dW_hh: rows of zero length
-  // (none of step 0's) add nothing.
-  if (const int64_t r0 = live(0); r0 < B) {
-    const size_t row_bytes = sizeof(S) * st.da_width;
-    RNNKERN_CUDA_CHECK(
-        cudaMemset2DAsync(st.da + r0 * st.da_width, row_bytes, 0, row_bytes, B - r0, stream));
-  }
+  zero_unvisited_da();
 }
 
 }  // namespace rnnkern::cuda

@@ -142,27 +142,29 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   st.ln = static_cast<const S*>(p.ln);
   st.c_steps = static_cast<S*>(p.c_steps);
 
-  // (every step's c, cell_steps, is the host loop's)
-  if (p.c_steps == nullptr && persistent_chosen(ctx, T, B, P) &&
-      persistent_forward<S>(st, cell, w_hh, slots ? h_state : nullptr, c_state, resets, zoneout,
-                            ctx.stream))
-    return;
-
-  // Without lengths and resets every row is at the same position, and the
-  // output row of the previous step is the state (no copies); else ping-pong.
-  auto row_of_step = [&](int64_t s) { return p.reverse ? T - 1 - s : s; };
-
   // With lengths step s's products take rows [0, live(s)), its step kernels
   // rows [0, live(s - 1)): a row finishing at s is visited once more, which
   // copies its state into the next slot -- both slots then hold it, whichever
   // T & 1 is read at the end -- and writes its padding at s.  After that no
-  // kernel visits it: its later padding is written before the loop.
+  // kernel visits it: its later padding is written before the loop.  (The
+  // persistent kernel visits the same rows.)
   auto live = [&](int64_t s) { return s < 0 || p.live_rows == nullptr ? B : p.live_rows[s]; };
   if (T > 1 && live(T - 2) < B) {
     zero_padding(out, T, B, P, p.lengths, ctx.stream);
     zero_padding(st.ws, T, B, workspace_size(cell, H, zoneout), p.lengths, ctx.stream);
     zero_padding(st.c_steps, T, B, H, p.lengths, ctx.stream);
   }
+
+  // (every step's c, cell_steps, is the host loop's)
+  if (p.c_steps == nullptr && persistent_chosen(ctx, T, B, P) &&
+      (p.live_rows == nullptr || p.live_rows_dev != nullptr) &&
+      persistent_forward<S>(st, cell, w_hh, slots ? h_state : nullptr, c_state, p.live_rows_dev,
+                            resets, zoneout, ctx.stream))
+    return;
+
+  // Without lengths and resets every row is at the same position, and the
+  // output row of the previous step is the state (no copies); else ping-pong.
+  auto row_of_step = [&](int64_t s) { return p.reverse ? T - 1 - s : s; };
 
   bool_switch(resets, zoneout, [&](auto r, auto z) {
     constexpr bool R = decltype(r)::value, Z = decltype(z)::value;

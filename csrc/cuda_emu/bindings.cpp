@@ -129,6 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("launches", &rnnkern::emu::launches, "Kernels launched on the emulator so far");
   module.def("gemm_multiply_adds", &rnnkern::emu::gemm_multiply_adds,
              "Multiply-adds of the emulated cuBLAS GEMMs so far");
+  module.def("staged_rows", &rnnkern::emu::staged_rows,
+             "Rows the persistent kernels' CTAs staged so far (each CTA counts its own)");
   module.def("set_device_model", &rnnkern::emu::set_device_model,
              "Multiprocessors and registers per thread of the occupancy model (132, 64 by default)",
              pybind11::arg("multiprocessors"), pybind11::arg("registers_per_thread") = 64);

@@ -118,6 +118,9 @@ CooperativeLaunch<P...> cooperative_launcher(void (*kernel)(P...), dim3 grid, di
 // 0xFF-filled as fresh shared memory holds garbage).
 void* dynamic_shared();
 
+// RNNKERN_EMU_COUNT_STAGED_ROWS (common.cuh): the running block's thread 0 adds n.
+void count_staged_rows(int n);
+
 // cooperative_groups::this_grid().sync(): every thread of the grid meets here.
 void grid_sync(const char* file, int line);
 bool in_cooperative_launch();
@@ -154,6 +157,7 @@ void run_grid(const LaunchSite& site, F&& body) {
 #define RNNKERN_LAUNCH_COOPERATIVE(grid, block, smem, stream, ...) \
   ::rnnkern::emu::cooperative_launcher(&__VA_ARGS__, grid, block, smem, stream, __FILE__, __LINE__)
 #define RNNKERN_DYNAMIC_SHARED(T, name) T* const name = static_cast<T*>(::rnnkern::emu::dynamic_shared())
+#define RNNKERN_EMU_COUNT_STAGED_ROWS(n) ::rnnkern::emu::count_staged_rows(n)
 
 // ---- the runtime and cuBLAS calls of the sources, renamed to the emulator's
 

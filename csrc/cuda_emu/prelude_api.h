@@ -17,6 +17,9 @@ int64_t cooperative_launches();
 // Multiply-adds of the cublasGemmEx calls so far (m * n * k each): the work
 // the host loops give the GEMMs, which the tests count against the real steps.
 int64_t gemm_multiply_adds();
+// Rows the persistent kernels' CTAs staged so far (per CTA: grid x rows per step),
+// likewise counted against the real steps.
+int64_t staged_rows();
 
 // The device model of the occupancy query and the cooperative launch's check:
 // multiprocessors (132, an H100's) and the registers each thread of a kernel

@@ -123,6 +123,7 @@ struct Scheduler {
   int64_t launches = 0;
   int64_t cooperative_launches = 0;
   int64_t gemm_multiply_adds = 0;
+  int64_t staged_rows = 0;
   // TSan sync addresses: the launch's start (host writes before it happen
   // before every thread) and end (every thread's writes before what the host
   // does next, as a stream synchronisation gives), and the current block's
@@ -499,6 +500,10 @@ RNNKERN_EMU_OWN void set_order(Order order, unsigned seed) {
 RNNKERN_EMU_OWN int64_t launches() { return sched().launches; }
 RNNKERN_EMU_OWN int64_t cooperative_launches() { return sched().cooperative_launches; }
 RNNKERN_EMU_OWN int64_t gemm_multiply_adds() { return sched().gemm_multiply_adds; }
+RNNKERN_EMU_OWN int64_t staged_rows() { return sched().staged_rows; }
+RNNKERN_EMU_OWN void count_staged_rows(int n) {
+  if (current().linear_tid == 0) sched().staged_rows += n;
+}
 
 [[noreturn]] RNNKERN_EMU_OWN void wmma_precondition_failed(const std::string& what) {
   const ThreadCoords& c = current();
