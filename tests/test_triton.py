@@ -602,6 +602,50 @@ def test_spread_equals_per_step_bitwise(cell, proj, variant, monkeypatch):
         assert torch.equal(got, want), f"{name}: max difference {(got - want).abs().max()}"
 
 
+@pytest.mark.skipif(HAS_GPU, reason="counts the tile bodies the interpreter runs")
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("cell,proj", [("lstm", 0), ("gru", 0), ("rnn_tanh", 0), ("lstm", 3),
+                                       ("gru_reset_before", 0)],
+                         ids=["lstm", "gru", "rnn_tanh", "lstm-proj3", "gru_reset_before"])
+def test_spread_tiles_stop_at_their_longest_rows(cell, proj, reverse, monkeypatch):
+    """With lengths each row tile of the spread kernels runs its own steps: the
+    forward up to its longest row and one more (where that row finishes), the
+    backward from its longest row down; the batch's longest sets only the first
+    tile's.  Sorted longest first (a packed batch), the interpreter's 4-row tiles
+    over 2 unit tiles: the tile bodies run, counted, and every output and
+    gradient equal to the per-step path's, bit for bit.  The tiles' first
+    backward steps fall on either buffer of the ping-pong pairs."""
+    lengths = [6, 6, 6, 5, 3, 3, 2, 2, 2, 1, 1, 0]  # tiles of 4 rows: longest 6, 3 and 2
+    T, B, H = 6, len(lengths), 5
+    args = to_device(recurrence_inputs(cell, T, B, H, proj=proj, requires_grad=True,
+                                       key=("spread-tiles", cell)), DEVICE)
+    blocks = spread_module.tiles(cell, B, H, bool(proj), torch.device(DEVICE))
+    n_b, n_h = spread_module.grid(B, H, blocks)
+    assert (blocks["BLOCK_B"], n_b, n_h) == (4, 3, 2)
+    bodies = {"forward": 0, "backward": 0}
+    for name, kind in (("gates_forward_tile", "forward"), ("gates_backward_tile", "backward")):
+        body = getattr(spread_module, name)
+
+        def counted(*a, _body=body, _kind=kind, **k):
+            bodies[_kind] += 1  # (the programs run as threads, one at a time: spread.launch)
+            return _body(*a, **k)
+
+        monkeypatch.setattr(spread_module, name, counted)
+    results = {}
+    for path in ("spread", "step"):
+        monkeypatch.setattr(triton_ops, "PATH", path)
+        results[path] = outputs_and_grads("triton", cell, args, torch.tensor(lengths), reverse,
+                                          key=("spread-tiles", cell))
+    longest = [max(lengths[i:i + 4]) for i in range(0, B, 4)]
+    assert bodies["forward"] == n_h * sum(min(n + 1, T) for n in longest), bodies
+    assert bodies["backward"] == n_h * sum(longest), bodies
+    assert sum(longest) < n_b * T
+    for name, want in results["step"].items():
+        got = results["spread"][name]
+        assert not torch.isnan(want).any(), name
+        assert torch.equal(got, want), f"{name}: max difference {(got - want).abs().max()}"
+
+
 @triton.jit
 def _barrier_removed(p_count, target):
     """Mutant: arrives, never waits."""

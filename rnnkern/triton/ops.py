@@ -229,9 +229,11 @@ def recurrence(cell: str, xproj: Tensor, h0: Tensor, c0: Optional[Tensor], w_hh:
     # The per-step path with lengths visits only each step's live rows
     # (_forward_by_steps); where some step leaves rows unvisited, the [T, B]
     # arrays start as zeros, their padding (a finished row writes zeros there).
+    # So on the spread path, whose tiles stop at their longest rows (spread.py).
     live = _live_rows(lengths, T) if path == "step" else None
-    grid = (xproj.new_zeros if live is not None and T > 1 and live[T - 2] < B
-            else xproj.new_empty)
+    unvisited = (live is not None and T > 1 and live[T - 2] < B) or (
+        path == "spread" and lengths is not None)
+    grid = xproj.new_zeros if unvisited else xproj.new_empty
     output = grid((T, B, P), dtype=rd)
     h_n = xproj.new_empty((B, P), dtype=rd)
     # With cell_steps c_n is every step's c, [T, B, H] (the kernels write every position).
@@ -402,10 +404,12 @@ def recurrence_backward(cell: str, grad_output: Tensor, grad_h_n: Tensor,
 
     # The per-step path with lengths visits only each step's live rows
     # (_backward_by_steps); where some step leaves rows unvisited, the [T, B]
-    # arrays start as zeros, their padding.
+    # arrays start as zeros, their padding.  So on the spread path, whose tiles
+    # start at their longest rows (spread.py).
     live = _live_rows(lengths, T) if path == "step" else None
-    acc_grid = (acc_empty if not live or live[T - 1] == B
-                else lambda *shape: torch.zeros(shape, dtype=k.acc, device=device))
+    unvisited = (live and live[T - 1] < B) or (path == "spread" and lengths is not None)
+    acc_grid = (lambda *shape: torch.zeros(shape, dtype=k.acc, device=device)) if unvisited \
+        else acc_empty
     dx = acc_grid(T, B, G * H)
     rd = _result_dtype(dtype)
     grad_h0 = output.new_empty((B, P), dtype=rd)
@@ -586,18 +590,27 @@ def _backward_spread(k, flags, opt, grad_output, grad_h_n, grad_c_n, h0, c0, w_h
     def acc_empty(*shape):
         return torch.empty(shape, dtype=k.acc, device=device)
 
+    # With lengths a tile starts at the step below its longest row (spread.py):
+    # its first step may read either buffer of a pair, both then hold the
+    # start, and dA of the step after it is zero in both.
+    both = flags["HAS_LENGTHS"]
+
     def pair(n, first=None):
         t = acc_empty(2, B, n)
-        if first is None:
-            t[0].zero_()
-        else:
-            t[0].copy_(first)
+        for i in (0, 1) if both else (0,):
+            if first is None:
+                t[i].zero_()
+            else:
+                t[i].copy_(first)
         return t
 
     dhs = pair(P, grad_h_n)
     dcs = (pair(H) if flags["CELL_STEPS"] else pair(H, grad_c_n)) if has_c else dummy
     das = acc_empty(2, B, DA * H)
-    das[T % 2].zero_()  # what step T-1 reads as dA of the step after it
+    if both:
+        das.zero_()
+    else:
+        das[T % 2].zero_()  # what step T-1 reads as dA of the step after it
     dh0s = pair(P) if resets else dummy
     dc0s = pair(H) if resets and has_c else dummy
     grid = spread.grid(B, H, blocks)

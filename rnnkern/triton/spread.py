@@ -36,6 +36,12 @@ the CPU: without the barrier, or with one that waits for one program fewer,
 the results are wrong in every run, and programs that can never meet are
 reported instead of hanging (tests/test_triton.py).
 
+With lengths each row tile runs its own steps (its programs share their rows,
+hence their steps and their barriers): the forward up to its longest row and
+one more, the backward from its longest row down, so that a packed batch's
+tiles of short rows cost their real steps (the wrapper in :mod:`.ops` zeroes
+the padding and starts both buffers of each backward pair alike).
+
 Cells: tanh/ReLU RNN, GRU, LSTM, each with lengths, reverse, resets, the
 reset state, zoneout and every step's c; the reset-before GRU and the LSTM
 projection, whose step runs in two stages (the second reads what every
@@ -55,6 +61,7 @@ import triton.language as tl
 from .cells import GRU_RESET_BEFORE
 from .step.backward import gates_backward_tile, gru_rb_reset_tile, projection_backward_tile
 from .step.forward import gates_forward_tile, gru_rb_candidate_tile, projection_forward_tile
+from .tiles import sequence_steps
 from .tuning import INTERPRET
 
 #: The cells a spread kernel runs (LSTM-LN's layer norms need whole rows: per step).
@@ -100,7 +107,15 @@ def forward_spread_kernel(
     gates_forward_kernel."""
     n_h = tl.num_programs(1)
     p_count += tl.program_id(0)
-    for s in range(T):
+    # With lengths the steps up to the longest of the tile's rows, and one more,
+    # where it finishes (its state copied into the other buffer, so that both
+    # hold every row's final state); the padding after comes zeroed (ops.py).
+    # The programs of a barrier group share their rows, hence their steps.
+    T_run = T
+    if HAS_LENGTHS:
+        o_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        T_run = tl.minimum(sequence_steps(p_len, o_b, o_b < B, T, HAS_LENGTHS) + 1, T)
+    for s in range(T_run):
         now = tl.cast(s % 2, tl.int64)
         nxt = 1 - now
         size_h = (now * 0 + B) * P  # int64, whatever B and P were specialised to
@@ -166,8 +181,18 @@ def backward_spread_kernel(
     between them).  The rest as gates_backward_kernel."""
     n_h = tl.num_programs(1)
     p_count += tl.program_id(0)
-    for k in range(T):
+    # With lengths the steps below the longest of the tile's rows: at the steps
+    # before (backwards) no row has started, whose carries then wait in both
+    # buffers of each pair, as they come (dA zero, the padding zeroed: ops.py).
+    # Barrier targets count from the group's first step (its programs share
+    # their rows, hence their steps).
+    k0 = T * 0
+    if HAS_LENGTHS:
+        o_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        k0 = T - sequence_steps(p_len, o_b, o_b < B, T, HAS_LENGTHS)
+    for k in range(k0, T):
         s = T - 1 - k
+        i = k - k0  # the group's steps so far
         now = tl.cast(k % 2, tl.int64)
         nxt = 1 - now
         a_now = tl.cast(s % 2, tl.int64)
@@ -189,7 +214,7 @@ def backward_spread_kernel(
                                      REVERSE=REVERSE, HAS_RESETS=HAS_RESETS,
                                      HAS_ZONEOUT=HAS_ZONEOUT, ACC=ACC, DOT=DOT,
                                      BLOCK_B=BLOCK_B, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K)
-            grid_barrier(p_count, (2 * k + 1) * n_h)
+            grid_barrier(p_count, (2 * i + 1) * n_h)
         if CELL == GRU_RESET_BEFORE:
             p_dh_gates = p_dh_mid  # the direct part before stage 2 adds the path through r*h
         else:
@@ -206,16 +231,16 @@ def backward_spread_kernel(
                             CELL_STEPS=CELL_STEPS, ACC=ACC, DOT=DOT, BLOCK_B=BLOCK_B,
                             BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K)
         if CELL == GRU_RESET_BEFORE:
-            grid_barrier(p_count, (2 * k + 1) * n_h)
+            grid_barrier(p_count, (2 * i + 1) * n_h)
             gru_rb_reset_tile(p_aux, p_w_hh, p_ws, p_out, p_hs, p_len, p_dh_mid, p_dx, p_da_now,
                               p_dh_out, p_aux_all, p_resets, s, T, B, H,
                               HAS_LENGTHS=HAS_LENGTHS, REVERSE=REVERSE, HAS_RESETS=HAS_RESETS,
                               ACC=ACC, DOT=DOT, BLOCK_B=BLOCK_B, BLOCK_H=BLOCK_H,
                               BLOCK_K=BLOCK_K)
         if CELL == GRU_RESET_BEFORE or HAS_PROJ:
-            grid_barrier(p_count, (2 * k + 2) * n_h)
+            grid_barrier(p_count, (2 * i + 2) * n_h)
         else:
-            grid_barrier(p_count, (k + 1) * n_h)
+            grid_barrier(p_count, (i + 1) * n_h)
 
 
 def _programs(device: torch.device) -> int:
