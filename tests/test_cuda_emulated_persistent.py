@@ -25,7 +25,7 @@ from conftest import (assert_close, assert_low_precision, generator, outputs_and
 
 require_cuda_emulation()
 
-from rnnkern import cuda_emulated  # noqa: E402
+from rnnkern import cuda_emulated, reference  # noqa: E402
 import option_cases  # noqa: E402
 
 EMU = "cuda_emulated"
@@ -253,12 +253,6 @@ def test_batch_in_several_tiles(order):
         assert_close(got[name], want[name], what=name)
 
 
-def live_rows(lengths, T):
-    """Per step, the rows up to the last one still running: what a step stages."""
-    n = list(lengths)
-    return [max((b + 1 for b in range(len(n)) if n[b] > s), default=0) for s in range(T)]
-
-
 @pytest.mark.parametrize("cell", PERSISTENT_CELLS)
 @pytest.mark.parametrize("lengths", [[8, 6, 6, 3, 1, 1], [2, 8, 1, 3, 1, 0]],
                          ids=["sorted", "unsorted"])
@@ -291,7 +285,7 @@ def test_lengths_cost_their_live_rows(cell, lengths, reverse):
     assert launches == 2 and full[0] > 0 and full[1] > 0
     got, live, launches = run(torch.tensor(lengths))
     assert launches == 2
-    rows = sum(live_rows(lengths, T))
+    rows = sum(reference.live_rows(lengths, T))
     if lengths == sorted(lengths, reverse=True):
         assert rows == sum(lengths)  # the real steps
     assert rows < T * B
