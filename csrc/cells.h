@@ -149,14 +149,22 @@ struct LstmUnit {
   // p* are the gate pre-activations xproj + hproj.
   static RNNKERN_HD Fwd forward(A pi, A pf, A pg, A po, A c_prev) {
     Fwd r;
-    r.i = sigmoid(pi);
-    r.f = sigmoid(pf);
-    r.g = Math<A>::tanh(pg);
-    r.o = sigmoid(po);
+    r.i = gate<0>(pi);
+    r.f = gate<1>(pf);
+    r.g = gate<2>(pg);
+    r.o = gate<3>(po);
     r.c = candidate(r.i, r.f, r.g, c_prev);
-    r.h = r.o * Math<A>::tanh(r.c);
+    r.h = hidden(r.o, r.c);
     return r;
   }
+  // Gate k's activation in the order i, f, g, o: the candidate g a tanh, the
+  // others sigmoids.  (The CPU row kernel applies them a gate at a time.)
+  template <int k>
+  static RNNKERN_HD A gate(A p) {
+    return k == 2 ? Math<A>::tanh(p) : sigmoid(p);
+  }
+  // The unprojected h from the output gate and the new cell state.
+  static RNNKERN_HD A hidden(A o, A c) { return o * Math<A>::tanh(c); }
   // The new cell state before zoneout; the backward of a zoned-out step
   // recomputes it from the saved gates (the workspace keeps the zoned state).
   static RNNKERN_HD A candidate(A i, A f, A g, A c_prev) { return f * c_prev + i * g; }

@@ -3,6 +3,7 @@
 // per-row inputs they are driven with (time positions, resets, zoneout).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -113,6 +114,21 @@ RNNKERN_CPU_CLONES void rnn_forward_row(int64_t n, const A* __restrict x, const 
 
 // kZoneC blends c, kZoneH blends h (not with a projection: the projected h is
 // blended after its product).  The workspace keeps the blended c.
+//
+// In two passes over chunks of units: each gate's activations (one stream of
+// xproj, hproj and the bias in order), then c and h.  Unit by unit, all five
+// of a unit's exp and tanh and its c, h formed a chain of dependent
+// operations longer than the core's out-of-order window holds, and its eight
+// streams of inputs (4 gates of xproj and hproj) outran the hardware
+// prefetchers: LSTM B=64 H=128, Zen 3, 7.3 ns a unit with xproj coming from
+// memory (4.1 from cache), 4.0 in two passes (3.9).  The gates go where the
+// backward wants them (the workspace) or to a chunk on the stack.
+template <typename A, int kGate>
+RNNKERN_CPU_CLONES void lstm_gate_pass(int64_t n, const A* __restrict x, const A* __restrict hh,
+                                       const A* __restrict bias, A* __restrict gate) {
+  for (int64_t j = 0; j < n; ++j) gate[j] = LstmUnit<A>::template gate<kGate>(x[j] + hh[j] + bias[j]);
+}
+
 template <typename A, bool kSave, bool kZoneC, bool kZoneH>
 RNNKERN_CPU_CLONES void lstm_forward_row(int64_t n, int64_t ld, int64_t ldh,
                                          const A* __restrict x, const A* __restrict hh,
@@ -120,23 +136,31 @@ RNNKERN_CPU_CLONES void lstm_forward_row(int64_t n, int64_t ld, int64_t ldh,
                                          A* __restrict c, A* __restrict h, A* __restrict ws,
                                          const A* __restrict h_prev, const A* __restrict mh,
                                          const A* __restrict mc) {
-  for (int64_t j = 0; j < n; ++j) {
-    const auto r = LstmUnit<A>::forward(x[j] + hh[j] + bias[j],
-                                        x[ld + j] + hh[ldh + j] + bias[ld + j],
-                                        x[2 * ld + j] + hh[2 * ldh + j] + bias[2 * ld + j],
-                                        x[3 * ld + j] + hh[3 * ldh + j] + bias[3 * ld + j],
-                                        c_prev[j]);
-    A c_new = r.c, h_new = r.h;
-    if constexpr (kZoneC) c_new = Zoneout<A>::forward(mc[j], c_prev[j], r.c);
-    if constexpr (kZoneH) h_new = Zoneout<A>::forward(mh[j], h_prev[j], r.h);
-    c[j] = c_new;
-    h[j] = h_new;
-    if constexpr (kSave) {
-      ws[j] = r.i;
-      ws[ld + j] = r.f;
-      ws[2 * ld + j] = r.g;
-      ws[3 * ld + j] = r.o;
-      ws[4 * ld + j] = c_new;
+  constexpr int64_t kChunk = 64;
+  A scratch[kSave ? 1 : 4 * kChunk];
+  for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - j0);
+    // Gate k of unit j0 + j at g + k * ldg + j.
+    A* g = kSave ? ws + j0 : scratch;
+    const int64_t ldg = kSave ? ld : kChunk;
+    lstm_gate_pass<A, 0>(m, x + j0, hh + j0, bias + j0, g);
+    lstm_gate_pass<A, 1>(m, x + ld + j0, hh + ldh + j0, bias + ld + j0, g + ldg);
+    lstm_gate_pass<A, 2>(m, x + 2 * ld + j0, hh + 2 * ldh + j0, bias + 2 * ld + j0, g + 2 * ldg);
+    lstm_gate_pass<A, 3>(m, x + 3 * ld + j0, hh + 3 * ldh + j0, bias + 3 * ld + j0, g + 3 * ldg);
+    const A* __restrict gi = g;
+    const A* __restrict gf = g + ldg;
+    const A* __restrict gg = g + 2 * ldg;
+    const A* __restrict go = g + 3 * ldg;
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t u = j0 + j;
+      const A c_cand = LstmUnit<A>::candidate(gi[j], gf[j], gg[j], c_prev[u]);
+      const A h_cand = LstmUnit<A>::hidden(go[j], c_cand);
+      A c_new = c_cand, h_new = h_cand;
+      if constexpr (kZoneC) c_new = Zoneout<A>::forward(mc[u], c_prev[u], c_cand);
+      if constexpr (kZoneH) h_new = Zoneout<A>::forward(mh[u], h_prev[u], h_cand);
+      c[u] = c_new;
+      h[u] = h_new;
+      if constexpr (kSave) ws[4 * ld + u] = c_new;
     }
   }
 }
