@@ -115,14 +115,17 @@ RNNKERN_CPU_CLONES void rnn_forward_row(int64_t n, const A* __restrict x, const 
 // kZoneC blends c, kZoneH blends h (not with a projection: the projected h is
 // blended after its product).  The workspace keeps the blended c.
 //
-// In two passes over chunks of units: each gate's activations (one stream of
-// xproj, hproj and the bias in order), then c and h.  Unit by unit, all five
-// of a unit's exp and tanh and its c, h formed a chain of dependent
-// operations longer than the core's out-of-order window holds, and its eight
-// streams of inputs (4 gates of xproj and hproj) outran the hardware
-// prefetchers: LSTM B=64 H=128, Zen 3, 7.3 ns a unit with xproj coming from
-// memory (4.1 from cache), 4.0 in two passes (3.9).  The gates go where the
-// backward wants them (the workspace) or to a chunk on the stack.
+// In two passes over the row (chunks of up to 512 units): each gate's
+// activations, one stream of xproj, hproj and the bias in order, then c and
+// h.  Unit by unit, all five of a unit's exp and tanh and its c, h formed a
+// chain of dependent operations longer than the core's out-of-order window
+// holds, and its eight streams of inputs (4 gates of xproj and hproj) outran
+// the hardware prefetchers.  Gate math alone on Zen 3, ns a unit with xproj
+// from memory, without / with the workspace: B=64 H=128 8.9 / 15.0 -> 6.3 /
+// 7.4; B=32 H=256 8.7 / 14.6 -> 6.1 / 6.8; B=8 H=512 5.6 / 7.2 -> 4.8 / 5.6.
+// Shorter chunks were slower where they cut a gate's stream into pieces
+// (64 units at B=32 H=256: 9.8 / 14.0).  The gates go where the backward wants
+// them (the workspace) or to a chunk on the stack.
 template <typename A, int kGate>
 RNNKERN_CPU_CLONES void lstm_gate_pass(int64_t n, const A* __restrict x, const A* __restrict hh,
                                        const A* __restrict bias, A* __restrict gate) {
@@ -136,7 +139,7 @@ RNNKERN_CPU_CLONES void lstm_forward_row(int64_t n, int64_t ld, int64_t ldh,
                                          A* __restrict c, A* __restrict h, A* __restrict ws,
                                          const A* __restrict h_prev, const A* __restrict mh,
                                          const A* __restrict mc) {
-  constexpr int64_t kChunk = 64;
+  constexpr int64_t kChunk = 512;
   A scratch[kSave ? 1 : 4 * kChunk];
   for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
     const int64_t m = std::min(kChunk, n - j0);
