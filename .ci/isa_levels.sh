@@ -4,13 +4,19 @@
 # test run only exercises that one.  This builds the CPU kernels once more pinned
 # to each lower level (RNNKERN_CPU_ISA) and runs the CPU kernel tests on them:
 # the baseline x86-64 everywhere, and x86-64-v3 (AVX2) on an AVX-512 machine.
-# Usage: bash .ci/isa_levels.sh  (from the repository root, in the venv).
+# Usage: bash .ci/isa_levels.sh [LEVEL...]  (from the repository root, in the venv;
+# default: every level below this CPU's).  CI names only x86-64-v3, on AVX-512
+# machines: its torch 2.11 stage (.ci/torch_2_11.sh) builds and tests x86-64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-levels=(x86-64)
 picked=$(python -c "import rnnkern; print(rnnkern._C.cpu_isa())")
-if [ "$picked" = "x86-64-v4" ]; then levels+=(x86-64-v3); fi
+if [ $# -gt 0 ]; then
+    levels=("$@")
+else
+    levels=(x86-64)
+    if [ "$picked" = "x86-64-v4" ]; then levels+=(x86-64-v3); fi
+fi
 echo "== this CPU's kernels run at $picked; testing the pinned levels: ${levels[*]}"
 
 for level in "${levels[@]}"; do

@@ -4,11 +4,15 @@
 # numpy < 2.4 here, because Triton 3.6's interpreter fails on every kernel with
 # numpy >= 2.4 (the image's numpy 2.5 only meets Triton's compiler, on the GPU).
 #
-#   1. the CPU build against torch 2.11,
+#   1. the CPU build against torch 2.11, pinned to the baseline ISA level x86-64
+#      (RNNKERN_CPU_ISA): this is also CI's one build of the lowest level's code
+#      (.ci/isa_levels.sh tests the levels in between), one CPU build fewer in CI;
 #   2. the tests where a torch or Triton version shows: torch.compile, the torch.nn
 #      contract file's collection without expecttest, and the backend contract
 #      (gradcheck, opcheck) of the CPU kernels and of the Triton kernels under
-#      Triton 3.6's interpreter (kept short: CI's whole run stays near 40 minutes),
+#      Triton 3.6's interpreter; and the x86-64 level's tests: tests/test_cpu.py,
+#      tests/test_cpu_bf16.py (the bf16 pairs' emulation), the backend contract's
+#      cpu cases,
 #   3. every Triton kernel compiled for sm_90 in every dtype, with and without
 #      resets and zoneout (python -m rnnkern.triton.aot --all), as the GPU will.
 #
@@ -35,10 +39,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy._
 echo "== torch 2.11: installed at $((SECONDS - start)) s"
 
 cd "$TREE"
-PATH="$VENV/bin:$PATH" RNNKERN_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" setup.py -q build_ext --inplace
-echo "== torch 2.11: built at $((SECONDS - start)) s"
+PATH="$VENV/bin:$PATH" RNNKERN_SKIP_CUDA=1 RNNKERN_CPU_ISA=x86-64 MAX_JOBS=${MAX_JOBS:-2} \
+  "$VENV/bin/python" setup.py -q build_ext --inplace
+echo "== torch 2.11: built (CPU kernels pinned to x86-64) at $((SECONDS - start)) s"
 
-"$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider tests/test_compile.py tests/test_torch_contract.py \
+# test_cpu_isa_level_is_the_expected_one checks that the pinned build is the one tested.
+RNNKERN_EXPECT_CPU_ISA=x86-64 "$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider \
+  tests/test_compile.py tests/test_torch_contract.py tests/test_cpu.py tests/test_cpu_bf16.py \
   tests/test_backend_contract.py -k "not test_backend_contract or triton or cpu"
 echo "== torch 2.11: tests done at $((SECONDS - start)) s"
 
