@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rnnkern import ops
+from rnnkern import ops, reference
 from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
                       outputs_and_grads, randn, recurrence_inputs, rnnkern_module, run_recurrence,
                       require_cuda_emulation, step_inputs, torch_module)
@@ -110,13 +110,6 @@ def test_ops_match_cpu_backend(cell, proj, variant, dtype):
         assert_close(a, b, what=name)
 
 
-def live_rows(lengths, T):
-    """Per step, the rows up to the last one still running (a row runs while
-    the step is below its length): what a step's products must cover."""
-    n = list(lengths)
-    return [max((b + 1 for b in range(len(n)) if n[b] > s), default=0) for s in range(T)]
-
-
 @pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("lengths", [[8, 6, 6, 3, 1, 1], [2, 8, 1, 3, 1, 0]],
                          ids=["sorted", "unsorted"])
@@ -150,7 +143,7 @@ def test_lengths_cost_their_live_rows(cell, proj, lengths, reverse):
         live = multiply_adds(torch.tensor(lengths))
     finally:
         cuda_emulated.set_persistent(mode)
-    rows = sum(live_rows(lengths, T))
+    rows = sum(reference.live_rows(lengths, T))
     if lengths == sorted(lengths, reverse=True):
         assert rows == sum(lengths)  # the real steps
     assert full[0] > 0 and full[1] > 0
