@@ -4,22 +4,27 @@
 # test run only exercises that one.  This builds the CPU kernels once more pinned
 # to each lower level (RNNKERN_CPU_ISA) and runs the CPU kernel tests on them:
 # the baseline x86-64 everywhere, and x86-64-v3 (AVX2) on an AVX-512 machine.
-# Usage: bash .ci/isa_levels.sh [LEVEL...]  (from the repository root, in the venv;
-# default: every level below this CPU's).  CI names only x86-64-v3, on AVX-512
-# machines: its torch 2.11 stage (.ci/torch_2_11.sh) builds and tests x86-64.
+# Usage: bash .ci/isa_levels.sh [LEVEL...]  (from the repository root, in the venv):
+# the named levels that are below this CPU's (the main test run covers its own), by
+# default x86-64 and x86-64-v3.  CI names x86-64-v3 only: its torch 2.11 stage
+# (.ci/torch_2_11.sh) builds and tests x86-64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+order=(x86-64 x86-64-v2 x86-64-v3 x86-64-v4)
+rank() { local i; for i in "${!order[@]}"; do [ "${order[$i]}" = "$1" ] && echo "$i" && return; done
+         echo "unknown ISA level '$1': expected one of ${order[*]}" >&2; exit 2; }
 picked=$(python -c "import rnnkern; print(rnnkern._C.cpu_isa())")
-if [ $# -gt 0 ]; then
-    levels=("$@")
-else
-    levels=(x86-64)
-    if [ "$picked" = "x86-64-v4" ]; then levels+=(x86-64-v3); fi
-fi
-echo "== this CPU's kernels run at $picked; testing the pinned levels: ${levels[*]}"
+[ $# -gt 0 ] || set -- x86-64 x86-64-v3
+below=$(rank "$picked") || exit 2
+levels=()
+for level in "$@"; do
+    r=$(rank "$level") || exit 2
+    if [ "$r" -lt "$below" ]; then levels+=("$level"); fi
+done
+echo "== this CPU's kernels run at $picked; testing the pinned levels: ${levels[*]:-none}"
 
-for level in "${levels[@]}"; do
+for level in "${levels[@]+"${levels[@]}"}"; do
     out=build/isa-$level
     rm -rf "$out"
     mkdir -p "$out"
