@@ -59,28 +59,36 @@ constexpr int kWide = 64;    // AVX-512
 
 // dst[j * ldd + i] = src[i * lds + j] for i, j < 8: three rounds of
 // two-vector shuffles (unpack pairs, then pairs of pairs, then halves).
+// __builtin_shufflevector: clang and GCC 12 on; __builtin_shuffle before.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define RNNKERN_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define RNNKERN_SHUFFLE8(a, b, ...) \
+  __builtin_shuffle(a, b, (int32_t __attribute__((vector_size(32)))){__VA_ARGS__})
+#endif
 RNNKERN_ALWAYS_INLINE void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
   using V = Vec<float, kNarrow>::type;
-  typedef int32_t I __attribute__((vector_size(kNarrow)));
+  static_assert(Vec<float, kNarrow>::kLanes == 8, "8 floats a vector");
   V r[8], t[8], u[8];
   for (int i = 0; i < 8; ++i) std::memcpy(&r[i], src + i * lds, sizeof(V));
   for (int i = 0; i < 8; i += 2) {  // t[i]: columns 0 1 4 5 of rows i, i+1 interleaved; t[i+1]: 2 3 6 7
-    t[i] = __builtin_shuffle(r[i], r[i + 1], I{0, 8, 1, 9, 4, 12, 5, 13});
-    t[i + 1] = __builtin_shuffle(r[i], r[i + 1], I{2, 10, 3, 11, 6, 14, 7, 15});
+    t[i] = RNNKERN_SHUFFLE8(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = RNNKERN_SHUFFLE8(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
   }
   for (int i = 0; i < 8; i += 4) {  // u[i + c]: column c (low half) and c + 4 (high) of rows i..i+3
-    u[i] = __builtin_shuffle(t[i], t[i + 2], I{0, 1, 8, 9, 4, 5, 12, 13});
-    u[i + 1] = __builtin_shuffle(t[i], t[i + 2], I{2, 3, 10, 11, 6, 7, 14, 15});
-    u[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], I{0, 1, 8, 9, 4, 5, 12, 13});
-    u[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], I{2, 3, 10, 11, 6, 7, 14, 15});
+    u[i] = RNNKERN_SHUFFLE8(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = RNNKERN_SHUFFLE8(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = RNNKERN_SHUFFLE8(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = RNNKERN_SHUFFLE8(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
   }
   for (int c = 0; c < 4; ++c) {
-    const V lo = __builtin_shuffle(u[c], u[c + 4], I{0, 1, 2, 3, 8, 9, 10, 11});
-    const V hi = __builtin_shuffle(u[c], u[c + 4], I{4, 5, 6, 7, 12, 13, 14, 15});
+    const V lo = RNNKERN_SHUFFLE8(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    const V hi = RNNKERN_SHUFFLE8(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
     std::memcpy(dst + c * ldd, &lo, sizeof(V));
     std::memcpy(dst + (c + 4) * ldd, &hi, sizeof(V));
   }
 }
+#undef RNNKERN_SHUFFLE8
 
 constexpr int kMR = 6;  // rows of C per micro-kernel call (packed A blocks; 16 registers)
 // Rows per call of the per-step products with 512-bit vectors (32 registers:
