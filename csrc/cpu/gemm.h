@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__GNUC__)
@@ -57,39 +56,6 @@ struct Vec {
 constexpr int kNarrow = 32;  // bytes of a vector: AVX2 and below
 constexpr int kWide = 64;    // AVX-512
 
-// dst[j * ldd + i] = src[i * lds + j] for i, j < 8: three rounds of
-// two-vector shuffles (unpack pairs, then pairs of pairs, then halves).
-// __builtin_shufflevector: clang and GCC 12 on; __builtin_shuffle before.
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-#define RNNKERN_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define RNNKERN_SHUFFLE8(a, b, ...) \
-  __builtin_shuffle(a, b, (int32_t __attribute__((vector_size(32)))){__VA_ARGS__})
-#endif
-RNNKERN_ALWAYS_INLINE void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  using V = Vec<float, kNarrow>::type;
-  static_assert(Vec<float, kNarrow>::kLanes == 8, "8 floats a vector");
-  V r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) std::memcpy(&r[i], src + i * lds, sizeof(V));
-  for (int i = 0; i < 8; i += 2) {  // t[i]: columns 0 1 4 5 of rows i, i+1 interleaved; t[i+1]: 2 3 6 7
-    t[i] = RNNKERN_SHUFFLE8(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[i + 1] = RNNKERN_SHUFFLE8(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int i = 0; i < 8; i += 4) {  // u[i + c]: column c (low half) and c + 4 (high) of rows i..i+3
-    u[i] = RNNKERN_SHUFFLE8(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 1] = RNNKERN_SHUFFLE8(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-    u[i + 2] = RNNKERN_SHUFFLE8(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 3] = RNNKERN_SHUFFLE8(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const V lo = RNNKERN_SHUFFLE8(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-    const V hi = RNNKERN_SHUFFLE8(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    std::memcpy(dst + c * ldd, &lo, sizeof(V));
-    std::memcpy(dst + (c + 4) * ldd, &hi, sizeof(V));
-  }
-}
-#undef RNNKERN_SHUFFLE8
-
 constexpr int kMR = 6;  // rows of C per micro-kernel call (packed A blocks; 16 registers)
 // Rows per call of the per-step products with 512-bit vectors (32 registers:
 // 16 accumulators): a batch of 32 rows runs as 4 x 8, not 6 6 5 5 5 5
@@ -102,24 +68,6 @@ constexpr int kNR = 2 * Vec<T, Bytes>::kLanes;
 template <typename T>
 inline int64_t panel_cols() {
   return wide_vectors() ? kNR<T, kWide> : kNR<T, kNarrow>;
-}
-
-// Rows [0, k1) of a whole panel of B = W^T, W row-major (row n at w + n*ldw,
-// nr rows), into dst[k * nr + c]; returns k1, K rounded down to 8 (the rest is
-// the caller's).  B = W^T is the weights of every per-step product and of the
-// input projection: 8 x 8 blocks transposed in registers.  Element by element
-// (W's rows read 4 bytes at a time), packing W_hh and W_ih took 42 us each of
-// an LSTM call at B=1 T=256 H=128 (1.6 ms); 21 us this way (Zen 3).  A
-// function of its own, compiled per ISA level: the shuffles of a baseline
-// build are scalar moves.
-// (A template, as the headers' other RNNKERN_CPU_CLONES functions.)
-template <typename T>
-RNNKERN_CPU_CLONES int64_t transpose_panel(const T* w, int64_t ldw, int64_t K, int64_t nr, T* dst) {
-  static_assert(std::is_same_v<T, float>, "8 x 8 float blocks");
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8)
-    for (int64_t c = 0; c < nr; c += 8) transpose8x8(w + c * ldw + k, ldw, dst + k * nr + c, nr);
-  return k;
 }
 
 // B packed as panels of nr columns: panel p holds B[k][p*nr + c] at
@@ -173,11 +121,7 @@ struct PackedB {
         for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * nr, src_ + k * sk + n0, nr * sizeof(T));
         continue;
       }
-      int64_t k0 = 0;
-      if constexpr (std::is_same_v<T, float>) {
-        if (sk == 1 && nc == nr) k0 = transpose_panel<T>(src_ + n0 * sn, sn, K, nr, dst);
-      }
-      for (int64_t k = k0; k < K; ++k)
+      for (int64_t k = 0; k < K; ++k)
         for (int64_t c = 0; c < nr; ++c) dst[k * nr + c] = c < nc ? src_[k * sk + (n0 + c) * sn] : T(0);
     }
   }
