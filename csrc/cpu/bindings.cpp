@@ -185,7 +185,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
                   holder.positions(lengths, z, reverse), train, resets, zoneout, ln, reset_h,
                   reset_c);
   const auto dtype = xproj.scalar_type();
-  return {output.to(dtype), h_n.to(dtype), c_n.to(dtype), ws};
+  return {pooled_to(output, dtype), h_n.to(dtype), pooled_to(c_n, dtype), ws};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
@@ -205,7 +205,7 @@ recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const 
       run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
                    holder.positions(lengths, z, reverse), resets, zoneout, ln, reset_h, reset_c);
   const auto dtype = output.scalar_type();
-  return {r.d_xproj.to(dtype), r.d_h0.to(dtype),   r.d_c0.to(dtype),   r.d_w_hh.to(dtype),
+  return {pooled_to(r.d_xproj, dtype), r.d_h0.to(dtype), r.d_c0.to(dtype), pooled_to(r.d_w_hh, dtype),
           r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype),
           r.d_reset_h.to(dtype), r.d_reset_c.to(dtype)};
 }

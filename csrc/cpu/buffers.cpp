@@ -181,6 +181,11 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
   return t;
 }
 
+at::Tensor pooled_to(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() == dtype) return t;
+  return pooled_empty(t.sizes(), t.options().dtype(dtype)).copy_(t);
+}
+
 int64_t empty_cache() { return PoolAllocator::get().release_all(); }
 
 at::Tensor grid_zeros_cpu(const at::Tensor& like, at::IntArrayRef size) {

@@ -20,6 +20,12 @@ namespace rnnkern::cpu {
 // fill_uninitialized_memory, as at::empty), pooled when large.
 at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
 
+// t in `dtype` (t itself when it has it, as Tensor::to), a conversion into a
+// pooled buffer: the half-type calls convert their results and gradients
+// from float32, tens of MB a call, which in fresh memory cost more in page
+// faults than in the conversion itself.
+at::Tensor pooled_to(const at::Tensor& t, at::ScalarType dtype);
+
 // Frees every cached block; returns the bytes released.
 int64_t empty_cache();
 

@@ -216,7 +216,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
     pairs::gemm<uint16_t>(M, N, K, reinterpret_cast<const uint16_t*>(xc.const_data_ptr()), K, 1,
                           reinterpret_cast<const uint16_t*>(wc.const_data_ptr()), 1, K,
                           y.data_ptr<float>(), N, false);
-    return y.to(x.scalar_type());
+    return pooled_to(y, x.scalar_type());
   }
   const auto acc = acc_type(x.scalar_type());
   const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
@@ -227,7 +227,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
                            wa.const_data_ptr<scalar_t>(), wa.stride(1), wa.stride(0),
                            y.data_ptr<scalar_t>(), N, false);
   });
-  return acc == x.scalar_type() ? y : y.to(x.scalar_type());
+  return pooled_to(y, x.scalar_type());
 }
 
 // grad_x[M, K] = grad_y[M, N] w[N, K];  grad_w[N, K] = grad_y^T x
@@ -239,25 +239,25 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
   check_linear_backward(grad_y, x, weight);
   const auto dtype = x.scalar_type();
   const auto acc = acc_type(dtype);
-  const at::Tensor g = to_acc_2d(grad_y, acc), xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor grad_x = need_x ? pooled_empty({M, K}, x.options().dtype(acc))
                              : empty_like_options(x, dtype);
-  at::Tensor grad_w = need_weight ? at::empty({N, K}, x.options().dtype(acc))
+  at::Tensor grad_w = need_weight ? pooled_empty({N, K}, x.options().dtype(acc))
                                   : empty_like_options(x, dtype);
   if (dtype == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
       grad_y.scalar_type() == at::kBFloat16 && pairs::mode() != pairs::Mode::Float32) {
-    // bf16 pairs (pairs.h) of the same values.
+    // bf16 pairs (pairs.h) read from the bf16 tensors as they lie.
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); };
     if (need_x)
-      pairs::gemm<float>(M, K, N, g.const_data_ptr<float>(), g.stride(0), g.stride(1),
-                         wa.const_data_ptr<float>(), wa.stride(0), wa.stride(1),
-                         grad_x.data_ptr<float>(), K, false);
+      pairs::gemm<uint16_t>(M, K, N, bits(grad_y), grad_y.stride(0), grad_y.stride(1), bits(weight),
+                            weight.stride(0), weight.stride(1), grad_x.data_ptr<float>(), K, false);
     if (need_weight)
-      pairs::gemm<float>(N, K, M, g.const_data_ptr<float>(), g.stride(1), g.stride(0),
-                         xa.const_data_ptr<float>(), xa.stride(0), xa.stride(1),
-                         grad_w.data_ptr<float>(), K, false);
-    return {need_x ? grad_x.to(dtype) : grad_x, need_weight ? grad_w.to(dtype) : grad_w};
+      pairs::gemm<uint16_t>(N, K, M, bits(grad_y), grad_y.stride(1), grad_y.stride(0), bits(x),
+                            x.stride(0), x.stride(1), grad_w.data_ptr<float>(), K, false);
+    return {need_x ? pooled_to(grad_x, dtype) : grad_x,
+            need_weight ? pooled_to(grad_w, dtype) : grad_w};
   }
+  const at::Tensor g = to_acc_2d(grad_y, acc), xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_backward_cpu", [&] {
     if (need_x)
       blocked_gemm<scalar_t>(M, K, N, g.const_data_ptr<scalar_t>(), g.stride(0), g.stride(1),
@@ -268,11 +268,8 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
                              xa.const_data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
                              grad_w.data_ptr<scalar_t>(), K, false);
   });
-  if (acc != dtype) {
-    if (need_x) grad_x = grad_x.to(dtype);
-    if (need_weight) grad_w = grad_w.to(dtype);
-  }
-  return {grad_x, grad_w};
+  return {need_x ? pooled_to(grad_x, dtype) : grad_x,
+          need_weight ? pooled_to(grad_w, dtype) : grad_w};
 }
 
 }  // namespace

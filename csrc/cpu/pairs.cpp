@@ -167,6 +167,22 @@ void run_mode(int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int6
 template <typename Src>
 void rows_to_pairs(int64_t M, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks, uint32_t* dst) {
   const int64_t KP = (K + 1) / 2;
+  if (a_rows == 1 && a_ks != 1) {
+    // A^T of a row-major matrix (the weight gradients' dY^T): a pair's halves
+    // lie in two rows of that matrix, so read those rows along m, in cache
+    // lines, rather than one pair per line row by row.
+    for (int64_t kp = 0; kp < KP; ++kp) {
+      const Src* lo = a + 2 * kp * a_ks;
+      const Src* hi = lo + a_ks;
+      if (2 * kp + 1 < K) {
+        for (int64_t m = 0; m < M; ++m)
+          dst[m * KP + kp] = PackedPairs::bits(lo[m]) | uint32_t(PackedPairs::bits(hi[m])) << 16;
+      } else {
+        for (int64_t m = 0; m < M; ++m) dst[m * KP + kp] = PackedPairs::bits(lo[m]);
+      }
+    }
+    return;
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t kp = 0; kp < KP; ++kp)
       dst[m * KP + kp] = PackedPairs::pair_of(a + m * a_rows, 2 * kp, K, a_ks);
