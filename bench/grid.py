@@ -15,6 +15,8 @@ peers         the CPU sizes (the peers are CPU only)  LSTM B32 T256 H256, B1 T25
 step          B 1, 16 x H 64, 256, and B 1 H 8;       the same
               T 1, as a sequence call and as a cell
               call
+bf16          the CPU sizes                          B 32 T 128 H 256, B 64 T 64 H 512, in
+                                                     bfloat16 and float32 whatever --dtypes
 ============  =====================================  ======================================
 
 ``peers`` is the table of rnnkern against the CPU inference engines a user
@@ -22,9 +24,13 @@ would pick instead (ONNX Runtime, OpenVINO; bench/candidates/peers.py): its size
 per cell.  ``step`` is the one-step regime (RL agents stepping one observation at a
 time, streaming inference, token-by-token generation): every size is measured twice,
 as a T=1 call of the sequence module (``rnnkern.LSTM`` vs ``torch.nn.LSTM``) and as a
-call of the cell (``rnnkern.LSTMCell`` vs ``torch.nn.LSTMCell``).  Neither family is
-in the default run (``--families peers step`` asks for them; ``--full`` and
-``--quick`` include them).
+call of the cell (``rnnkern.LSTMCell`` vs ``torch.nn.LSTMCell``).  ``bf16`` measures
+bfloat16 beside float32 at the same sizes, whatever ``--dtypes`` says, so that the
+report gives each candidate's bf16 speed against its own float32: what bf16 is worth
+where the CPU has the bf16 dot-product instruction (AVX512_BF16, which oneDNN's bf16
+RNNs and rnnkern's bf16 pairs run on).  None of the three is in the default run
+(``--families peers step bf16`` asks for them; ``--full`` and ``--quick`` include
+them).
 
 The CPU grid keeps the shape of the GPU one (three batch sizes against three hidden
 sizes, a large-batch family, sequences up to thousands of steps) at a size where
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step")
+FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step", "bf16")
 #: The families of ``python -m bench`` without --families (--full and --quick: all).
 DEFAULT_FAMILIES = ("latency", "throughput", "long", "headline")
 #: How a case calls its module: "sequence" (nn.LSTM & co. on [T, B, I]) or "cell"
@@ -50,6 +56,8 @@ DEFAULT_FAMILIES = ("latency", "throughput", "long", "headline")
 CALLS = ("sequence", "cell")
 #: The calls of each family's sizes (default: sequence calls only).
 FAMILY_CALLS = {"step": CALLS}
+#: Families measured in their own dtypes whatever --dtypes says.
+FAMILY_DTYPES = {"bf16": ("bfloat16", "float32")}
 #: Cells with a torch.nn twin (the baseline every candidate is compared with).
 CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 DEFAULT_CELLS = ("lstm", "gru", "rnn_tanh")
@@ -74,6 +82,8 @@ PEER_SIZES = {
 #: The one-step sizes, plus B=1 H=8 (a call that is almost nothing but
 #: its per-call cost).
 STEP_SIZES = [(1, 1, 8)] + _cross((1, 16), (64, 256), (1,))
+#: The bfloat16 sizes (issue 24): B=32 T=128 H=256 and B=64 T=64 H=512.
+BF16_SIZES = [(32, 128, 256), (64, 64, 512)]
 
 
 #: (B, T, H) per family, per device kind, per mode; a family whose sizes depend on
@@ -86,6 +96,7 @@ SIZES = {
         "headline": [(16, 1024, 768)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "bf16": BF16_SIZES,
     },
     "cpu": {
         "latency": _cross((1, 16, 64), (64, 128, 256), (256,)),
@@ -94,6 +105,7 @@ SIZES = {
         "headline": [(32, 256, 256)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "bf16": BF16_SIZES,
     },
     "quick": {
         "latency": [(1, 32, 32), (8, 32, 64)],
@@ -102,6 +114,7 @@ SIZES = {
         "headline": [(8, 32, 64)],
         "peers": {cell: [(4, 16, 32)] for cell in PEER_SIZES},
         "step": [(1, 1, 32)],
+        "bf16": [(4, 16, 32)],
     },
 }
 
@@ -150,6 +163,7 @@ DEFAULT_SIZES = {
         "headline": [(16, 1024, 768)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "bf16": BF16_SIZES,
     },
     "cpu": {
         "latency": [(1, 256, 128), (16, 256, 128)],
@@ -158,6 +172,7 @@ DEFAULT_SIZES = {
         "headline": [(32, 256, 256)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "bf16": BF16_SIZES,
     },
 }
 GRIDS = ("quick", "default", "full")
@@ -180,13 +195,17 @@ def family_sizes(table: dict, family: str, cell: str) -> list:
 
 def build_grid(device: str, cells, dtypes, families, grid: str) -> list[Case]:
     """Every case of the run, in a stable order (cell, dtype, then sizes by family;
-    a step size's sequence call before its cell call)."""
+    a step size's sequence call before its cell call).  A family of FAMILY_DTYPES
+    runs in its own dtypes, not in ``dtypes``."""
     table = sizes(device, grid)
+    every = list(dict.fromkeys([*dtypes, *(d for f in families for d in FAMILY_DTYPES.get(f, ()))]))
     cases = []
     for cell in cells:
-        for dtype in dtypes:
+        for dtype in every:
             tags: dict[tuple, list] = {}
             for family in families:
+                if dtype not in FAMILY_DTYPES.get(family, dtypes):
+                    continue
                 for size in family_sizes(table, family, cell):
                     for call in FAMILY_CALLS.get(family, ("sequence",)):
                         tags.setdefault((*size, call), []).append(family)

@@ -182,6 +182,42 @@ def _summary(doc, phase, section="sequence"):
     return header, rows
 
 
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def _half_summary(doc, phase):
+    """Header and rows of each candidate's speed in a half type against its own
+    float32 on the same case (its float32 time / its half time; > 1: the half
+    type is faster), for the sequence cases measured in both (the bf16 family)."""
+    timed = {}
+    for r in doc["results"]:
+        if r["phase"] == phase and not _is_step(r):
+            for n, e in r["candidates"].items():
+                if e["status"] == "timed":
+                    timed[(r["cell"], r["B"], r["T"], r["H"], r["dtype"], n)] = (e["median_ms"], e["label"])
+    names, rows = [], []
+    for (cell, B, T, H, dtype, n) in timed:
+        if dtype in HALF_DTYPES and (cell, B, T, H, "float32", n) in timed and n not in names:
+            names.append(n)
+    labels = {n: lab for (*_, n), (_, lab) in timed.items()}
+    seen = []
+    for (cell, B, T, H, dtype, _) in timed:
+        if dtype in HALF_DTYPES and (cell, B, T, H, dtype) not in seen:
+            seen.append((cell, B, T, H, dtype))
+    for cell, B, T, H, dtype in seen:
+        row = [cell, dtype, str(B), str(T), str(H)]
+        for n in names:
+            half, full = timed.get((cell, B, T, H, dtype, n)), timed.get((cell, B, T, H, "float32", n))
+            row.append(f"{full[0] / half[0]:.2f}x" if half and full else "")
+        if any(row[5:]):
+            rows.append(row)
+    return ["cell", "dtype", "B", "T", "H"] + [labels[n] for n in names], rows
+
+
+def _half_title(phase) -> str:
+    return f"{'forward' if phase == 'forward' else 'forward + backward'}: half type against float32"
+
+
 def _title(phase, section) -> str:
     what = "forward" if phase == "forward" else "forward + backward"
     if section == "step":
@@ -206,6 +242,15 @@ def summary(doc) -> str:
             out.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
             out += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
             out.append("")
+    for phase in ("forward", "forward_backward"):
+        header, rows = _half_summary(doc, phase)
+        if not rows:
+            continue
+        widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+        out.append(f"{_half_title(phase)} (each candidate's float32 time / its own half-type time)")
+        out.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+        out += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
+        out.append("")
     notes = _not_run_notes(doc)
     if notes and doc["results"]:
         out.append("not run: " + "; ".join(notes))
@@ -232,6 +277,17 @@ def markdown(doc) -> str:
             out.append("|" + "|".join("---" for _ in header) + "|")
             out += ["| " + " | ".join(row) + " |" for row in rows]
             out.append("")
+    for phase in ("forward", "forward_backward"):
+        header, rows = _half_summary(doc, phase)
+        if not rows:
+            continue
+        out.append(f"**{_half_title(phase)}** (each candidate's float32 time / its own half-type time, "
+                   "> 1: the half type is faster)")
+        out.append("")
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---" for _ in header) + "|")
+        out += ["| " + " | ".join(row) + " |" for row in rows]
+        out.append("")
     notes = _not_run_notes(doc)
     if notes:
         out += ["Not run: " + "; ".join(notes) + ".", ""]

@@ -465,7 +465,11 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
     try:
         doc["peaks"] = timing.measure_peaks(device, [DTYPES[d] for d in dtypes])
         if device.type == "cpu":
-            doc["peaks"]["fma"] = fma_peak.at_least_measured(fma_peak.fma_peak(torch.get_num_threads(), dtypes),
+            # Every dtype the cases run in (the bf16 family's too); the measured GEMM
+            # peaks stay those of --dtypes (torch.mm in bf16 runs at 0.3 GFLOP/s on
+            # CPUs without bf16 instructions: minutes at the peak's size).
+            case_dtypes = tuple(dict.fromkeys([*dtypes, *(c.dtype for c in cases)]))
+            doc["peaks"]["fma"] = fma_peak.at_least_measured(fma_peak.fma_peak(torch.get_num_threads(), case_dtypes),
                                                              doc["peaks"]["gemm_tflops"])
             overhead = timing.harness_overhead([None] * 4)
             doc["meta"]["timing"]["harness_overhead_us"] = overhead * 1e6

@@ -111,7 +111,9 @@ def test_quick_json_is_well_formed(quick_run):
     assert seen == {(c, p, f) for c in CELLS for p in PHASES for f in FAMILIES}
     for r in results:
         where = f"{r['cell']} B{r['B']} T{r['T']} H{r['H']} {r['phase']}"
-        assert r["dtype"] == "float32" and r["I"] == r["H"], where
+        # float32 but for the bf16 family, measured in bfloat16 beside float32
+        assert r["dtype"] == "float32" or (r["dtype"] == "bfloat16" and r["families"] == ["bf16"]), where
+        assert r["I"] == r["H"], where
         for key in ("B", "T", "H", "flops", "bytes"):
             assert positive(r[key]), (where, key)
         assert r["truth"] == "torch.nn float64", where
@@ -119,6 +121,10 @@ def test_quick_json_is_well_formed(quick_run):
         assert list(r["candidates"]) == list(CPU_CANDIDATES), where
         base = r["candidates"]["torch"]
         for name, e in r["candidates"].items():
+            if name in PEERS and r["dtype"] != "float32":
+                # The engines are timed in float32 only; the bf16 rows say so.
+                assert e["status"] == "skipped" and "float32 only" in e["note"], (where, name, e)
+                continue
             if name in PEERS and r["phase"] == "forward_backward":
                 # An inference engine: its training phase is listed as not run, and why.
                 assert e["status"] == "skipped" and e["phase_not_run"] is True, (where, name, e)
@@ -137,7 +143,7 @@ def test_quick_json_is_well_formed(quick_run):
             assert math.isclose(e["speedup_vs_torch"], base["median_ms"] / e["median_ms"], rel_tol=1e-9)
             assert math.isclose(e["tflops"], r["flops"] / e["median_ms"] / 1e9, rel_tol=1e-9)
             # %peak is of a ceiling: the FMA peak, which no candidate exceeds.
-            assert math.isclose(e["pct_peak_flops"], 100 * e["tflops"] / fma["tflops"]["float32"], rel_tol=1e-9)
+            assert math.isclose(e["pct_peak_flops"], 100 * e["tflops"] / fma["tflops"][r["dtype"]], rel_tol=1e-9)
             assert e["pct_peak_flops"] <= 100, (where, name, e["pct_peak_flops"])
         assert base["speedup_vs_torch"] == 1.0
 
@@ -190,7 +196,7 @@ def test_quick_runs_the_peers_and_the_step_family(quick_run):
     assert "lstm cell B1 H32 float32 fwd: torch.nn " in stdout
     assert "lstm B1 T1 H32 float32 fwd: torch.nn " in stdout
     for r in results:
-        if r["phase"] != "forward":
+        if r["phase"] != "forward" or r["dtype"] != "float32":
             continue
         for name in PEERS:
             if not PEER_INSTALLED[name]:
@@ -225,7 +231,8 @@ def test_quick_prints_tables_and_writes_plots(quick_run):
         else:
             assert f"{label} (the {name} package is not installed" in md
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
-    assert pngs == sorted([f"time-{c}-float32.png" for c in CELLS] + ["speedup-float32.png"])
+    assert pngs == sorted([f"time-{c}-{d}.png" for c in CELLS for d in ("float32", "bfloat16")]
+                          + ["speedup-float32.png", "speedup-bfloat16.png"])
     for p in (out / "plots").glob("*.png"):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000, p
 
@@ -265,6 +272,43 @@ def test_lines_stream_and_a_stopped_run_keeps_what_it_measured(tmp_path, sig):
     md = (tmp_path / "bench.md").read_text()
     assert f"| {first['cell']} | float32 | {first['B']} | {first['T']} | {first['H']} |" in md
     assert sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+
+
+def test_quick_runs_the_bf16_family(quick_run):
+    """The bf16 family: every cell in bfloat16 and float32 at its size whatever the
+    run's dtypes, and the report's table of each candidate's bf16 speed against its
+    own float32, with the ratio of the two measured times."""
+    out, _ = quick_run
+    doc = json.loads((out / "quick.json").read_text())
+    rows = [r for r in doc["results"] if "bf16" in r["families"]]
+    for cell in CELLS:
+        assert {(r["dtype"], r["phase"]) for r in rows if r["cell"] == cell} == {
+            (d, p) for d in ("bfloat16", "float32") for p in PHASES}, cell
+    md = (out / "quick.md").read_text()
+    assert md.count("half type against float32") == 2
+    for r in rows:
+        if r["dtype"] != "bfloat16" or r["phase"] != "forward":
+            continue
+        twin = next(t for t in rows if t["dtype"] == "float32" and t["phase"] == "forward"
+                    and (t["cell"], t["B"], t["T"], t["H"]) == (r["cell"], r["B"], r["T"], r["H"]))
+        ratio = twin["candidates"]["cpu"]["median_ms"] / r["candidates"]["cpu"]["median_ms"]
+        header = next(line for line in md.splitlines() if line.startswith("| cell | dtype | B | T | H | torch.nn |"))
+        column = header.strip("|").split("|").index(" rnnkern-cpu ")
+        line = next(line for line in md.split("**forward: half type against float32**")[1].splitlines()
+                    if line.startswith(f"| {r['cell']} | bfloat16 | {r['B']} | {r['T']} | {r['H']} |"))
+        assert line.strip("|").split("|")[column].strip() == f"{ratio:.2f}x", (line, ratio)
+
+
+def test_bf16_family_runs_in_its_own_dtypes():
+    """The bf16 family adds bfloat16 and float32 cases at its sizes; the other
+    families keep the run's dtypes."""
+    cases = build_grid("cpu", CELLS, ["float32"], ["headline", "bf16"], "default")
+    assert {(c.dtype, c.B, c.T, c.H) for c in cases if "bf16" in c.families} == {
+        (d, 32, 128, 256) for d in ("bfloat16", "float32")} | {(d, 64, 64, 512) for d in ("bfloat16", "float32")}
+    assert {c.dtype for c in cases if "headline" in c.families} == {"float32"}
+    only = build_grid("cpu", ["lstm"], ["float16"], ["bf16", "latency"], "default")
+    assert {c.dtype for c in only if "latency" in c.families} == {"float16"}
+    assert {c.dtype for c in only if "bf16" in c.families} == {"bfloat16", "float32"}
 
 
 def test_default_grid_covers_every_cell_and_family_in_a_few_sizes():
