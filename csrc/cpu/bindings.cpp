@@ -97,8 +97,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   Tensor ws = train ? pooled_empty(layout_sizes(z, W), opt) : empty_like_options(h0, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
+    // bf16 xproj is read as it is (forward.cpp widens it row by row).
+    const bool x_bf16 = xproj.scalar_type() == at::kBFloat16 && acc == at::kFloat;
     ForwardArgs<scalar_t> a{z,
-                            to_acc(xproj, acc),
+                            x_bf16 ? xproj.contiguous() : to_acc(xproj, acc),
                             h0a,
                             c0a,
                             to_acc(w_hh, acc),

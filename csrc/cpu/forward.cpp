@@ -10,6 +10,8 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "products.h"
@@ -38,7 +40,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const int64_t GH = G * H;
   const int64_t W = workspace_size(z.cell, H, z.has_zoneout);  // per row and step
   const int64_t nsave = workspace_width(z.cell, z.has_zoneout);
-  const auto opt = a.xproj.options();
+  const auto opt = a.h0.options();
   const bool lstm = has_cell_state(z.cell);
   const bool ln_cell = z.cell == Cell::LstmLn;
   const bool reset_before = z.cell == Cell::GruResetBefore;
@@ -90,7 +92,30 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const Tensor rh = reset_before ? at::empty({B, H}, opt) : Tensor();
   const Tensor h_full = z.has_proj ? at::empty({B, H}, opt) : Tensor();
 
-  const A* xp = cptr<A>(a.xproj);
+  // A bfloat16 call's xproj stays bf16 (ForwardArgs): widened a row's gate
+  // blocks at a time as the gate math reads them, in cache, instead of a float
+  // copy of the whole (the call's largest buffer: 16 MB at LSTM B=32 T=128
+  // H=256, written and read back).
+  const bool x_bf16 = a.xproj.scalar_type() == at::kBFloat16;
+  const char* x_bytes = static_cast<const char*>(a.xproj.const_data_ptr());
+  const int64_t x_size = x_bf16 ? 2 : int64_t(sizeof(A));
+  const A* xp = x_bf16 ? nullptr : cptr<A>(a.xproj);
+  // xproj's row `row` at unit j0: gate k of unit j0 + j at [k * H + j], j < n.
+  auto x_of = [&](int64_t row, int64_t j0, int64_t n) -> const A* {
+    if (!x_bf16) return xp + row * GH + j0;
+    thread_local std::vector<A> wide;
+    if (static_cast<int64_t>(wide.size()) < GH) wide.resize(static_cast<size_t>(GH));
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x_bytes) + row * GH + j0;
+    A* dst = wide.data() + j0;
+    for (int64_t k = 0; k < G; ++k)
+      for (int64_t j = 0; j < n; ++j) {
+        const uint32_t u = uint32_t(src[k * H + j]) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        dst[k * H + j] = A(f);
+      }
+    return dst;
+  };
   // Every cell but the GRU candidate needs only the sum of the two biases.
   const Tensor bias_sum = a.b_x.add(a.b_h);
   const A* bias = cptr<A>(bias_sum);
@@ -138,10 +163,10 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
         const int64_t p = a.pos.at(b, s + 1);
         if (p < 0) continue;
-        const char* row = reinterpret_cast<const char*>(xp + a.pos.row(p, b) * GH + j0);
+        const char* row = x_bytes + (a.pos.row(p, b) * GH + j0) * x_size;
         for (int64_t k = 0; k < G; ++k)
-          for (int64_t off = 0; off < n * int64_t(sizeof(A)); off += 64)
-            __builtin_prefetch(row + k * H * int64_t(sizeof(A)) + off);
+          for (int64_t off = 0; off < n * x_size; off += 64)
+            __builtin_prefetch(row + k * H * x_size + off);
       }
     }
     const int64_t nl = live(r, s);
@@ -168,7 +193,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
         continue;
       }
       const int64_t row = a.pos.row(p, b);
-      const A* x = xp + row * GH + j0;
+      const A* x = x_of(row, j0, n);
       A* hh = hp + (b - r.b0) * hrow;
       A* w = save ? wsp + row * W + j0 : nullptr;
       A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;
@@ -243,7 +268,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       bool_switch(save, [&](auto kSave) {
         bool_switch(zone, [&](auto kZone) {
           gru_rb_candidate_row<A, decltype(kSave)::value, decltype(kZone)::value>(
-              n, H, n, xp + row * GH + j0, ptr<A>(hn[t]) + i * n, bias + j0, rz + i * 2 * n, h_s,
+              n, H, n, x_of(row, j0, n), ptr<A>(hn[t]) + i * n, bias + j0, rz + i * 2 * n, h_s,
               h, w, mh);
         });
       });
@@ -336,7 +361,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       A* w = save ? wsp + row * W : ptr<A>(ln_scratch[t]);
       A* h = h_next + b * H;
       bool_switch(zone, [&](auto kZone) {
-        lstm_ln_forward_row<A, decltype(kZone)::value>(H, xp + row * GH, hh, bias, lnp, h_s, c_s,
+        lstm_ln_forward_row<A, decltype(kZone)::value>(H, x_of(row, 0, H), hh, bias, lnp, h_s, c_s,
                                                        zone ? m : nullptr,
                                                        zone ? m + opts.zc : nullptr, w,
                                                        c_next + b * H, h);

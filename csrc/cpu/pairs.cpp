@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "gemm.h"  // RNNKERN_ALWAYS_INLINE
 #include "isa.h"
@@ -162,6 +163,22 @@ void run_mode(int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int6
   run_emulated(M, a, b, c, ldc, accumulate);
 }
 
+// A row of K contiguous floats as (K + 1) / 2 pairs, rounded as to_bf16 but
+// branch-free, so that it vectorises: the per-step products convert the whole
+// state every step (B x H floats).
+RNNKERN_CPU_CLONES void floats_to_pairs(int64_t K, const float* __restrict a, uint32_t* __restrict dst) {
+  auto round = [](float f) -> uint32_t {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+    return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest;
+  };
+  const int64_t whole = K / 2;
+  for (int64_t kp = 0; kp < whole; ++kp) dst[kp] = round(a[2 * kp]) | round(a[2 * kp + 1]) << 16;
+  if (K % 2 != 0) dst[whole] = round(a[K - 1]);
+}
+
 // Rows [0, M) of A, columns [0, K): A[m][k] = a[m*a_rows + k*a_ks] (float or
 // bf16 bits), as rows of (K + 1) / 2 pairs.
 template <typename Src>
@@ -182,6 +199,12 @@ void rows_to_pairs(int64_t M, int64_t K, const Src* a, int64_t a_rows, int64_t a
       }
     }
     return;
+  }
+  if constexpr (std::is_same_v<Src, float>) {
+    if (a_ks == 1) {
+      for (int64_t m = 0; m < M; ++m) floats_to_pairs(K, a + m * a_rows, dst + m * KP);
+      return;
+    }
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t kp = 0; kp < KP; ++kp)

@@ -23,7 +23,8 @@ namespace rnnkern::cpu {
 
 // ------------------------------------------------------------------------
 // Forward driver.  All tensors are contiguous, of dtype A (the zoneout mask:
-// unit stride along Z, any strides along T and B).
+// unit stride along Z, any strides along T and B; xproj may be bfloat16 where
+// A is float).
 template <typename A>
 struct ForwardArgs {
   const RecurrenceSizes& z;
