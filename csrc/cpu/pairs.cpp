@@ -163,20 +163,13 @@ void run_mode(int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int6
   run_emulated(M, a, b, c, ldc, accumulate);
 }
 
-// A row of K contiguous floats as (K + 1) / 2 pairs, rounded as to_bf16 but
-// branch-free, so that it vectorises: the per-step products convert the whole
-// state every step (B x H floats).
+// A row of K contiguous floats as (K + 1) / 2 pairs, compiled per ISA level:
+// the per-step products convert the whole state every step (B x H floats).
 RNNKERN_CPU_CLONES void floats_to_pairs(int64_t K, const float* __restrict a, uint32_t* __restrict dst) {
-  auto round = [](float f) -> uint32_t {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (u >> 16) | 0x0040u;
-    return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest;
-  };
   const int64_t whole = K / 2;
-  for (int64_t kp = 0; kp < whole; ++kp) dst[kp] = round(a[2 * kp]) | round(a[2 * kp + 1]) << 16;
-  if (K % 2 != 0) dst[whole] = round(a[K - 1]);
+  for (int64_t kp = 0; kp < whole; ++kp)
+    dst[kp] = to_bf16(a[2 * kp]) | uint32_t(to_bf16(a[2 * kp + 1])) << 16;
+  if (K % 2 != 0) dst[whole] = to_bf16(a[K - 1]);
 }
 
 // Rows [0, M) of A, columns [0, K): A[m][k] = a[m*a_rows + k*a_ks] (float or

@@ -36,6 +36,7 @@
 // the layout, packing and drivers; it is never chosen by default.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -58,12 +59,13 @@ constexpr int kLanes = 16;
 constexpr int kNR = 2 * kLanes;
 
 // float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN):
-// c10::BFloat16's rounding.
+// c10::BFloat16's rounding, branch-free so that loops of it vectorise.
 inline uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
 }
 
 // B[k][n] as bf16 pairs in panels (see the layout above).
@@ -85,11 +87,20 @@ struct PackedPairs {
       return data[(n / kNR) * KP * kNR + kp * kNR + n % kNR];
     };
     if (sn == 1) {  // rows of B contiguous: the pair's halves two rows apart
-      for (int64_t kp = 0; kp < KP; ++kp) {
-        const Src* lo = b + 2 * kp * sk;
-        const Src* hi = 2 * kp + 1 < K ? lo + sk : nullptr;
-        for (int64_t n = 0; n < N; ++n)
-          at(kp, n) = bits(lo[n]) | (hi != nullptr ? uint32_t(bits(hi[n])) << 16 : 0u);
+      // Panel by panel, so that the inner loop reads and writes contiguously
+      // (it vectorises).
+      for (int64_t p = 0; p < panels(); ++p) {
+        const int64_t n0 = p * kNR, nc = std::min<int64_t>(kNR, N - n0);
+        uint32_t* dst = data.data() + p * KP * kNR;
+        for (int64_t kp = 0; kp < KP; ++kp, dst += kNR) {
+          const Src* lo = b + 2 * kp * sk + n0;
+          if (2 * kp + 1 < K) {
+            const Src* hi = lo + sk;
+            for (int64_t l = 0; l < nc; ++l) dst[l] = bits(lo[l]) | uint32_t(bits(hi[l])) << 16;
+          } else {
+            for (int64_t l = 0; l < nc; ++l) dst[l] = bits(lo[l]);
+          }
+        }
       }
     } else {  // columns of B contiguous (B = W^T): the pair's halves neighbours
       for (int64_t n = 0; n < N; ++n)
