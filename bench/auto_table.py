@@ -20,6 +20,18 @@ adds its column to a CUDA grid:
 CPU rows keep the run's thread count: the fifth and sixth files are one-thread
 runs of the same CPU as the fourth, a two-thread run; the last, a Zen 4 whose
 AVX-512 the host hides (the same CPU class), two threads.
+
+``--dtypes`` keeps only those dtypes' rows of the files given (the table's
+other rows for their devices stay): a bf16 run that measured float32 beside
+bfloat16 at two sizes must not decide every float32 call of its CPU class.
+Then, for the AVX512_BF16 class (a Zen 4), the bf16 rows at one and two
+threads:
+
+    python -m bench.auto_table \
+        bench/results/cpu-zen4-2026-12-01-bf16-t1-4bcd288/bench.json \
+        bench/results/cpu-zen4-2026-12-01-bf16-t2-4bcd288/bench.json \
+        bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-4bcd288/bench.json \
+        bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-4bcd288/bench.json --dtypes bfloat16
 """
 from __future__ import annotations
 
@@ -44,7 +56,7 @@ def device_key(meta: dict) -> str:
     return auto.cpu_class(isa["rnnkern_vector_bits"], "avx512_bf16" in isa.get("cpu_flags", []))
 
 
-def entries_of(path: str, root: str) -> tuple[str, list]:
+def entries_of(path: str, root: str, dtypes=None) -> tuple[str, list]:
     with open(path) as f:
         doc = json.load(f)
     key = device_key(doc["meta"])
@@ -53,7 +65,7 @@ def entries_of(path: str, root: str) -> tuple[str, list]:
     source = os.path.relpath(path, root)
     out = []
     for r in doc["results"]:
-        if r.get("call", "sequence") != "sequence":
+        if r.get("call", "sequence") != "sequence" or (dtypes and r["dtype"] not in dtypes):
             continue
         speedups = {name: e["speedup_vs_torch"] for name, e in r["candidates"].items()
                     if name in RNNKERN_CANDIDATES and e.get("status") == "timed"
@@ -69,11 +81,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.auto_table", description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="bench JSON files (python -m bench --json)")
     p.add_argument("--out", default=auto.TABLE_PATH, help="the table to update (default: the package's)")
+    p.add_argument("--dtypes", nargs="+", metavar="DTYPE",
+                   help="take only these dtypes' rows; the table's rows of other dtypes stay")
     a = p.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     merged, devices = {}, set()
     for path in a.results:
-        key, entries = entries_of(path, root)
+        key, entries = entries_of(path, root, a.dtypes)
         devices.add(key)
         for e in entries:
             case = tuple(e[k] for k in ("device", "cell", "dtype", "phase", "B", "T", "H", "threads"))
@@ -86,7 +100,7 @@ def main(argv=None) -> int:
         print(f"{path}: {len(entries)} entries for {key}")
     new = list(merged.values())
     old = auto._load(a.out)["entries"] if os.path.exists(a.out) else []
-    kept = [e for e in old if e["device"] not in devices]
+    kept = [e for e in old if e["device"] not in devices or (a.dtypes and e["dtype"] not in a.dtypes)]
     doc = {"about": "rnnkern/auto.py: what backend='auto' runs; written by python -m bench.auto_table",
            "entries": sorted(kept + new, key=lambda e: (e["device"], e["cell"], e["dtype"], e["phase"],
                                                        e["B"], e["T"], e["H"], e.get("threads") or 0))}

@@ -23,10 +23,11 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
    the benchmark), except bfloat16 on CPUs with AVX512_BF16: there oneDNN runs
    the bf16 dot-product instructions.  rnnkern's kernels run their bfloat16
-   products on them too (csrc/cpu/pairs.h; before, in float32, at
-   about half of oneDNN's bf16 speed on a Zen 4), but no such CPU has timed
-   them yet, so torch.nn runs until the table's rows for that CPU class say
-   otherwise.
+   products on them too (csrc/cpu/pairs.h), at 0.9-2.2x oneDNN's speed on a Zen 4
+   depending on the cell (the LSTM forward is oneDNN's best case: its products at
+   the instruction's peak), so a CPU class with the instruction and no row for the
+   call's cell, dtype and phase keeps torch.nn; the Zen 4's bf16 rows
+   (cpu:512bit+bf16) decide the rest.
 
 Explicit backends (``"cpu"``, ``"cuda"``, ``"triton"``, ``"reference"``) always
 run rnnkern's own code.  :func:`rnnkern.explain` names the choice for a module
@@ -274,8 +275,8 @@ def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int,
                              "torch.nn's cuDNN path")
     if device.type == "cpu" and dtype == torch.bfloat16 and key.endswith("+bf16"):
         return Choice(TORCH, f"no measurement of rnnkern for {cell} bfloat16 on {key}: oneDNN runs "
-                             "this CPU's bf16 dot-product instructions, and rnnkern's use of them is "
-                             "not yet timed on such a CPU")
+                             "this CPU's bf16 dot-product instructions, and no row measures rnnkern's "
+                             "use of them for this call")
     return Choice(rnnkern_backend, f"rnnkern's {device.type} kernels (no measurement says otherwise)")
 
 

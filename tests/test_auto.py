@@ -27,6 +27,12 @@ CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Ze
                # the same Zen 4, peers and step families at 1 thread after c13bd73's products
                # (its rows replace the Zen 3's of the same cases)
                "bench/results/cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
+# A Zen 4 with its AVX512_BF16 (the cpu:512bit+bf16 class): the bf16 family at 1 and 2
+# threads and the bf16 latency sizes, bfloat16 rows only (bench.auto_table --dtypes).
+BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-01-bf16-t1-4bcd288/bench.json",
+                "bench/results/cpu-zen4-2026-12-01-bf16-t2-4bcd288/bench.json",
+                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-4bcd288/bench.json",
+                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-4bcd288/bench.json")
 CPU = torch.device("cpu")
 
 
@@ -139,14 +145,17 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     benchmarks (the H100's and a Zen 3's): one run updates its device's rows,
     nothing is typed in by hand."""
     out = tmp_path / "table.json"
-    done = subprocess.run([sys.executable, "-m", "bench.auto_table", *GPU_RESULTS, *CPU_RESULTS, "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
-    assert done.returncode == 0, done.stderr
+    for args in ([*GPU_RESULTS, *CPU_RESULTS], [*BF16_RESULTS, "--dtypes", "bfloat16"]):
+        done = subprocess.run([sys.executable, "-m", "bench.auto_table", *args, "--out", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+        assert done.returncode == 0, done.stderr
     with open(auto.TABLE_PATH) as f:
         shipped = json.load(f)
     with open(out) as f:
         assert json.load(f)["entries"] == shipped["entries"]
-    assert {e["device"] for e in shipped["entries"]} == {"cuda:sm_90", "cpu:256bit"}
+    assert {e["device"] for e in shipped["entries"]} == {"cuda:sm_90", "cpu:256bit", "cpu:512bit+bf16"}
+    # The AVX512_BF16 class has bfloat16 rows only: its float32 calls keep the default.
+    assert {e["dtype"] for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"} == {"bfloat16"}
     # What it says for the measured H100 cases (median of 10 CUDA-event timings).
     by_case = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]["cuda"]
                for e in shipped["entries"] if e["device"] == "cuda:sm_90"}
