@@ -216,11 +216,12 @@ def test_modules_on_pairs_match_torch_nn_bf16(pair_mode, name):
     assert_low_precision(got, ref16, want, what="output")
 
 
-def test_pairs_same_bits_at_1_2_and_3_threads():
+def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
     """Each element sums its pairs in one order whatever rows or units a
     thread takes: the recurrence forward and backward (split by rows at
     B = 32; every gradient) and the input projection with its gradients give
-    the same bits at every thread count."""
+    the same bits at every thread count, emulated and (where the CPU has it)
+    on the instruction."""
     g = generator("pairs-threads")
     m = rnnkern.LSTM(48, 128, backend="cpu").bfloat16()
     x = bf16_values(g, 9, 32, 48)
@@ -238,11 +239,10 @@ def test_pairs_same_bits_at_1_2_and_3_threads():
                 *torch.ops.rnnkern.linear_backward(gl, xl, wl, True, True)]
 
     try:
-        with bf16_products("emulated"):
-            want = run(1)
-            for threads in (2, 3):
-                for a, b in zip(run(threads), want):
-                    assert torch.equal(a, b), f"differs at {threads} threads"
+        want = run(1)
+        for threads in (2, 3):
+            for a, b in zip(run(threads), want):
+                assert torch.equal(a, b), f"differs at {threads} threads"
     finally:
         torch.set_num_threads(saved)
 
