@@ -172,6 +172,19 @@ RNNKERN_CPU_CLONES void floats_to_pairs(int64_t K, const float* __restrict a, ui
   if (K % 2 != 0) dst[whole] = to_bf16(a[K - 1]);
 }
 
+// line[m] = the pair (lo[m], hi[m]) for m < M (hi null: past an odd K),
+// compiled per ISA level so that the rounding of float rows vectorises.
+template <typename Src>
+RNNKERN_CPU_CLONES void two_rows_to_pairs(int64_t M, const Src* __restrict lo, const Src* __restrict hi,
+                                          uint32_t* __restrict line) {
+  if (hi == nullptr) {
+    for (int64_t m = 0; m < M; ++m) line[m] = PackedPairs::bits(lo[m]);
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m)
+    line[m] = PackedPairs::bits(lo[m]) | uint32_t(PackedPairs::bits(hi[m])) << 16;
+}
+
 // Rows [0, M) of A, columns [0, K): A[m][k] = a[m*a_rows + k*a_ks] (float or
 // bf16 bits), as rows of (K + 1) / 2 pairs.
 template <typename Src>
@@ -180,24 +193,34 @@ void rows_to_pairs(int64_t M, int64_t K, const Src* a, int64_t a_rows, int64_t a
   if (a_rows == 1 && a_ks != 1) {
     // A^T of a row-major matrix (the weight gradients' dY^T): a pair's halves
     // lie in two rows of that matrix, so read those rows along m, in cache
-    // lines, rather than one pair per line row by row.
-    for (int64_t kp = 0; kp < KP; ++kp) {
-      const Src* lo = a + 2 * kp * a_ks;
-      const Src* hi = lo + a_ks;
-      if (2 * kp + 1 < K) {
-        for (int64_t m = 0; m < M; ++m)
-          dst[m * KP + kp] = PackedPairs::bits(lo[m]) | uint32_t(PackedPairs::bits(hi[m])) << 16;
-      } else {
-        for (int64_t m = 0; m < M; ++m) dst[m * KP + kp] = PackedPairs::bits(lo[m]);
+    // lines, rather than one pair per line row by row: four pairs' rows at a
+    // time into `lines` (vectorised), then each row's four pairs stored
+    // together.
+    constexpr int64_t kQ = 4;
+    thread_local std::vector<uint32_t> lines;
+    if (static_cast<int64_t>(lines.size()) < kQ * M) lines.resize(static_cast<size_t>(kQ * M));
+    for (int64_t kp0 = 0; kp0 < KP; kp0 += kQ) {
+      const int64_t q1 = std::min(kQ, KP - kp0);
+      for (int64_t q = 0; q < q1; ++q) {
+        const int64_t k = 2 * (kp0 + q);
+        const Src* lo = a + k * a_ks;
+        two_rows_to_pairs<Src>(M, lo, k + 1 < K ? lo + a_ks : nullptr, lines.data() + q * M);
       }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t q = 0; q < q1; ++q) dst[m * KP + kp0 + q] = lines[q * M + m];
     }
     return;
   }
-  if constexpr (std::is_same_v<Src, float>) {
-    if (a_ks == 1) {
+  if (a_ks == 1) {
+    if constexpr (std::is_same_v<Src, float>) {
       for (int64_t m = 0; m < M; ++m) floats_to_pairs(K, a + m * a_rows, dst + m * KP);
-      return;
+    } else {  // bf16 bits: a row's pairs are its bytes (little-endian: element 2kp low)
+      for (int64_t m = 0; m < M; ++m) {
+        std::memcpy(dst + m * KP, a + m * a_rows, static_cast<size_t>(K / 2) * 4);
+        if (K % 2 != 0) dst[m * KP + K / 2] = a[m * a_rows + K - 1];
+      }
     }
+    return;
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t kp = 0; kp < KP; ++kp)
