@@ -79,13 +79,15 @@ def test_modes_are_set_and_refused_by_name():
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (1, 64, 64), (2, 41, 100), (7, 5, 3), (9, 33, 32),
-                                   (70, 64, 129), (300, 77, 40), (1000, 256, 96)])
+                                   (70, 64, 129), (300, 77, 40), (1000, 256, 96), (130, 600, 40),
+                                   (3, 0, 4), (0, 5, 4)])
 def test_linear_on_pairs_sums_the_exact_products(pair_mode, M, K, N):
     """x W^T of bf16 x and W: each product is exact in float32 and the sum is
     float32, so the result is the float64 product rounded to bf16, within
     the float32 sum's own error.  Odd K (a pair half zero), N past a panel,
     row counts that are not a multiple of the kernel's 8, one and two rows
-    (two panels per call)."""
+    (two panels per call), K past a chunk of 512 (the rows' sums carried in
+    float32 between chunks, rounded once), an empty sum and no rows."""
     g = generator("pairs-linear", M, K, N)
     x, w = bf16_values(g, M, K), bf16_values(g, N, K)
     exact = x.double() @ w.double().t()

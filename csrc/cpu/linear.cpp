@@ -212,11 +212,11 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
     // bf16 pairs of x and W_ih as they are (pairs.h), float32 sums.
     const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-    at::Tensor y = pooled_empty({M, N}, x.options().dtype(at::kFloat));
-    pairs::gemm<uint16_t>(M, N, K, reinterpret_cast<const uint16_t*>(xc.const_data_ptr()), K, 1,
-                          reinterpret_cast<const uint16_t*>(wc.const_data_ptr()), 1, K,
-                          y.data_ptr<float>(), N, false);
-    return pooled_to(y, x.scalar_type());
+    at::Tensor y = pooled_empty({M, N}, x.options());
+    pairs::gemm_to_bf16<uint16_t>(M, N, K, reinterpret_cast<const uint16_t*>(xc.const_data_ptr()), K, 1,
+                                  reinterpret_cast<const uint16_t*>(wc.const_data_ptr()), 1, K,
+                                  reinterpret_cast<uint16_t*>(y.data_ptr()), N);
+    return y;
   }
   const auto acc = acc_type(x.scalar_type());
   const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);

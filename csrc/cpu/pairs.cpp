@@ -172,6 +172,11 @@ RNNKERN_CPU_CLONES void floats_to_pairs(int64_t K, const float* __restrict a, ui
   if (K % 2 != 0) dst[whole] = to_bf16(a[K - 1]);
 }
 
+// dst[j] = src[j] rounded to bf16 (to_bf16), per ISA level.
+RNNKERN_CPU_CLONES void floats_to_bf16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_bf16(src[j]);
+}
+
 // line[m] = the pair (lo[m], hi[m]) for m < M (hi null: past an odd K),
 // compiled per ISA level so that the rounding of float rows vectorises.
 template <typename Src>
@@ -276,10 +281,25 @@ void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, floa
   run_mode(M, rows.data(), b, c, ldc, accumulate);
 }
 
+namespace {
+
+// gemm's driver, C float32 (c) or rounded to bf16 as each block of rows is
+// done (c16; not accumulating): a float32 copy of the whole C, converted
+// afterwards, cost a write and a read of twice C's bytes (the input
+// projection's output is a call's largest tensor).
 template <typename Src>
-void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
-          const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate) {
-  if (gemm::settle_empty_product(M, N, K, c, ldc, accumulate)) return;
+void gemm_impl(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
+               const Src* b, int64_t b_ks, int64_t b_ns, float* c, uint16_t* c16, int64_t ldc,
+               bool accumulate) {
+  if (c16 != nullptr) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {  // an empty sum: zeros (bf16 +0 is all bits clear)
+      for (int64_t i = 0; i < M; ++i) std::memset(c16 + i * ldc, 0, static_cast<size_t>(N) * 2);
+      return;
+    }
+  } else if (gemm::settle_empty_product(M, N, K, c, ldc, accumulate)) {
+    return;
+  }
   const int64_t chunks = (K + kKC - 1) / kKC;
   const int64_t threads = std::min(product_threads(M * N * K), std::max(chunks, (M + kMR - 1) / kMR));
   std::vector<PackedPairs> packed(static_cast<size_t>(chunks));
@@ -295,18 +315,39 @@ void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t
   const RowSplit split(M, kMR, threads);
   for_each_worker(split.workers, [&](int64_t t) {
     std::vector<uint32_t> rows(static_cast<size_t>(kRowBlock * (kKC / 2)));
+    std::vector<float> block(c16 != nullptr ? static_cast<size_t>(kRowBlock * N) : 0);
     const int64_t r1 = split.begin(t + 1);
     for (int64_t i = split.begin(t); i < r1; i += kRowBlock) {
       const int64_t m = std::min(kRowBlock, r1 - i);
+      float* ci = c16 != nullptr ? block.data() : c + i * ldc;
+      const int64_t ldci = c16 != nullptr ? N : ldc;
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const PackedPairs& bc = packed[ch];
         rows_to_pairs(m, bc.K, a + i * a_rows + ch * kKC * a_ks, a_rows, a_ks, rows.data());
-        run_mode(m, rows.data(), bc, c + i * ldc, ldc, accumulate || ch > 0);
+        run_mode(m, rows.data(), bc, ci, ldci, accumulate || ch > 0);
       }
+      if (c16 != nullptr)
+        for (int64_t r = 0; r < m; ++r) floats_to_bf16(N, ci + r * N, c16 + (i + r) * ldc);
     }
   });
 }
 
+}  // namespace
+
+template <typename Src>
+void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
+          const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate) {
+  gemm_impl(M, N, K, a, a_rows, a_ks, b, b_ks, b_ns, c, nullptr, ldc, accumulate);
+}
+
+template <typename Src>
+void gemm_to_bf16(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
+                  const Src* b, int64_t b_ks, int64_t b_ns, uint16_t* c, int64_t ldc) {
+  gemm_impl(M, N, K, a, a_rows, a_ks, b, b_ks, b_ns, nullptr, c, ldc, false);
+}
+
+template void gemm_to_bf16<uint16_t>(int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                     const uint16_t*, int64_t, int64_t, uint16_t*, int64_t);
 template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
                           int64_t, int64_t, float*, int64_t, bool);
 template void gemm<uint16_t>(int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,

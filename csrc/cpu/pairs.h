@@ -144,5 +144,10 @@ void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, floa
 template <typename Src>
 void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
           const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate);
+// The same product, C rounded to bf16 (c: its bits) block of rows by block as
+// it is done, without a float32 C: the same values as gemm then rounding.
+template <typename Src>
+void gemm_to_bf16(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
+                  const Src* b, int64_t b_ks, int64_t b_ns, uint16_t* c, int64_t ldc);
 
 }  // namespace rnnkern::cpu::pairs
