@@ -28,10 +28,10 @@ Then, for the AVX512_BF16 class (a Zen 4), the bf16 rows at one and two
 threads:
 
     python -m bench.auto_table \
-        bench/results/cpu-zen4-2026-12-01-bf16-t1-4bcd288/bench.json \
-        bench/results/cpu-zen4-2026-12-01-bf16-t2-4bcd288/bench.json \
-        bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-4bcd288/bench.json \
-        bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-4bcd288/bench.json --dtypes bfloat16
+        bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json \
+        bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json \
+        bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-da2a16a/bench.json \
+        bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json --dtypes bfloat16
 """
 from __future__ import annotations
 

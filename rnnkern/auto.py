@@ -23,7 +23,7 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    CPU, rnnkern's CPU kernels (measured faster than oneDNN on the CPU grid of
    the benchmark), except bfloat16 on CPUs with AVX512_BF16: there oneDNN runs
    the bf16 dot-product instructions.  rnnkern's kernels run their bfloat16
-   products on them too (csrc/cpu/pairs.h), at 0.9-2.2x oneDNN's speed on a Zen 4
+   products on them too (csrc/cpu/pairs.h), at 0.9-3x oneDNN's speed on a Zen 4
    depending on the cell (the LSTM forward is oneDNN's best case: its products at
    the instruction's peak), so a CPU class with the instruction and no row for the
    call's cell, dtype and phase keeps torch.nn; the Zen 4's bf16 rows

@@ -29,10 +29,10 @@ CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Ze
                "bench/results/cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
 # A Zen 4 with its AVX512_BF16 (the cpu:512bit+bf16 class): the bf16 family at 1 and 2
 # threads and the bf16 latency sizes, bfloat16 rows only (bench.auto_table --dtypes).
-BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-01-bf16-t1-4bcd288/bench.json",
-                "bench/results/cpu-zen4-2026-12-01-bf16-t2-4bcd288/bench.json",
-                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-4bcd288/bench.json",
-                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-4bcd288/bench.json")
+BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
+                "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json",
+                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-da2a16a/bench.json",
+                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json")
 CPU = torch.device("cpu")
 
 
