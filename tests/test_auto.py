@@ -33,6 +33,12 @@ BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
                 "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json",
                 "bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-da2a16a/bench.json",
                 "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json")
+# The same Zen 4 in float32 (the default grid at 1 and 2 threads, and the bf16 family's
+# float32 rows): oneDNN's AVX-512 LSTM forward is level with rnnkern's there.
+F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-default-t1-3d88262/bench.json",
+               "bench/results/cpu-zen4-2026-12-01-default-t2-3d88262/bench.json",
+               "bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
+               "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json")
 CPU = torch.device("cpu")
 
 
@@ -145,7 +151,8 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     benchmarks (the H100's and a Zen 3's): one run updates its device's rows,
     nothing is typed in by hand."""
     out = tmp_path / "table.json"
-    for args in ([*GPU_RESULTS, *CPU_RESULTS], [*BF16_RESULTS, "--dtypes", "bfloat16"]):
+    for args in ([*GPU_RESULTS, *CPU_RESULTS], [*BF16_RESULTS, "--dtypes", "bfloat16"],
+                 [*F32_RESULTS, "--dtypes", "float32"]):
         done = subprocess.run([sys.executable, "-m", "bench.auto_table", *args, "--out", str(out)],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
         assert done.returncode == 0, done.stderr
@@ -154,8 +161,13 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     with open(out) as f:
         assert json.load(f)["entries"] == shipped["entries"]
     assert {e["device"] for e in shipped["entries"]} == {"cuda:sm_90", "cpu:256bit", "cpu:512bit+bf16"}
-    # The AVX512_BF16 class has bfloat16 rows only: its float32 calls keep the default.
-    assert {e["dtype"] for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"} == {"bfloat16"}
+    # The AVX512_BF16 class: bfloat16 rows from the bf16 runs, float32 rows from the float32 ones
+    # (a run's other dtype taken from neither: --dtypes).
+    zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
+    assert {e["dtype"] for e in zen4} == {"bfloat16", "float32"}
+    for e in zen4:
+        runs = ("-default-t", "-bf16-t") if e["dtype"] == "float32" else ("-bf16-",)
+        assert any(r in e["source"] for r in runs), e
     # What it says for the measured H100 cases (median of 10 CUDA-event timings).
     by_case = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]["cuda"]
                for e in shipped["entries"] if e["device"] == "cuda:sm_90"}
