@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "products.h"
@@ -108,12 +107,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x_bytes) + row * GH + j0;
     A* dst = wide.data() + j0;
     for (int64_t k = 0; k < G; ++k)
-      for (int64_t j = 0; j < n; ++j) {
-        const uint32_t u = uint32_t(src[k * H + j]) << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        dst[k * H + j] = A(f);
-      }
+      for (int64_t j = 0; j < n; ++j) dst[k * H + j] = A(pairs::from_bf16(src[k * H + j]));
     return dst;
   };
   // Every cell but the GRU candidate needs only the sum of the two biases.

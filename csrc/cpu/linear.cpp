@@ -199,6 +199,11 @@ template void blocked_gemm<double>(int64_t, int64_t, int64_t, const double*, int
 
 namespace {
 
+// A bfloat16 tensor's values as their bits (pairs.h reads bf16 as uint16_t).
+const uint16_t* bf16_bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
+}
+
 at::Tensor to_acc_2d(const at::Tensor& t, at::ScalarType acc) {
   return t.scalar_type() == acc ? t : t.to(acc);
 }
@@ -213,8 +218,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
     const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
     at::Tensor y = pooled_empty({M, N}, x.options());
-    pairs::gemm_to_bf16<uint16_t>(M, N, K, reinterpret_cast<const uint16_t*>(xc.const_data_ptr()), K, 1,
-                                  reinterpret_cast<const uint16_t*>(wc.const_data_ptr()), 1, K,
+    pairs::gemm_to_bf16<uint16_t>(M, N, K, bf16_bits(xc), K, 1, bf16_bits(wc), 1, K,
                                   reinterpret_cast<uint16_t*>(y.data_ptr()), N);
     return y;
   }
@@ -247,13 +251,14 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
   if (dtype == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
       grad_y.scalar_type() == at::kBFloat16 && pairs::mode() != pairs::Mode::Float32) {
     // bf16 pairs (pairs.h) read from the bf16 tensors as they lie.
-    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); };
     if (need_x)
-      pairs::gemm<uint16_t>(M, K, N, bits(grad_y), grad_y.stride(0), grad_y.stride(1), bits(weight),
-                            weight.stride(0), weight.stride(1), grad_x.data_ptr<float>(), K, false);
+      pairs::gemm<uint16_t>(M, K, N, bf16_bits(grad_y), grad_y.stride(0), grad_y.stride(1),
+                            bf16_bits(weight), weight.stride(0), weight.stride(1),
+                            grad_x.data_ptr<float>(), K, false);
     if (need_weight)
-      pairs::gemm<uint16_t>(N, K, M, bits(grad_y), grad_y.stride(1), grad_y.stride(0), bits(x),
-                            x.stride(0), x.stride(1), grad_w.data_ptr<float>(), K, false);
+      pairs::gemm<uint16_t>(N, K, M, bf16_bits(grad_y), grad_y.stride(1), grad_y.stride(0),
+                            bf16_bits(x), x.stride(0), x.stride(1), grad_w.data_ptr<float>(), K,
+                            false);
     return {need_x ? pooled_to(grad_x, dtype) : grad_x,
             need_weight ? pooled_to(grad_w, dtype) : grad_w};
   }

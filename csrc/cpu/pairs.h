@@ -68,6 +68,14 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
 }
 
+// bfloat16 bits -> float32 (exact: a bf16 value is the high half of its float).
+inline float from_bf16(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // B[k][n] as bf16 pairs in panels (see the layout above).
 struct PackedPairs {
   int64_t K = 0, N = 0;
