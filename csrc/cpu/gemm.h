@@ -21,6 +21,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__GNUC__)
@@ -70,6 +73,75 @@ inline int64_t panel_cols() {
   return wide_vectors() ? kNR<T, kWide> : kNR<T, kNarrow>;
 }
 
+// An L x L tile transposed in registers, L the lanes of a 32-byte vector:
+// out[i][j] = in[j][i], rows `ld_in` and `ld_out` elements apart.  Packing
+// the input projection's and the recurrence's W^T from a row-major W is a
+// transpose: element by element it took 37 us for an LSTM's 256 KB weight at
+// H=128 (a 256-step B=1 call's recurrence streams it in 2.7 us a step),
+// 9 us by tiles.  log2(L) butterfly stages, stage S interleaving blocks of S
+// lanes of rows i and i + S.
+template <typename T>
+constexpr int64_t kTileLanes = Vec<T, kNarrow>::kLanes;
+
+template <typename T, int S>
+RNNKERN_ALWAYS_INLINE void tile_butterfly(typename Vec<T, kNarrow>::type& a,
+                                          typename Vec<T, kNarrow>::type& b) {
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  typedef I Mask __attribute__((vector_size(kNarrow)));
+  constexpr int L = Vec<T, kNarrow>::kLanes;
+  Mask lo, hi;  // lane j: block j / (2S), within it the S lanes of a then of b
+  for (int j = 0; j < L; ++j) {
+    const int base = j / (2 * S) * 2 * S, off = j % (2 * S);
+    lo[j] = off < S ? base + off : L + base + off - S;
+    hi[j] = off < S ? base + S + off : L + base + off;
+  }
+  const auto x = __builtin_shuffle(a, b, lo), y = __builtin_shuffle(a, b, hi);
+  a = x;
+  b = y;
+}
+
+template <typename T, int S = 1>
+RNNKERN_ALWAYS_INLINE void tile_stages(typename Vec<T, kNarrow>::type* r) {
+  constexpr int L = Vec<T, kNarrow>::kLanes;
+  if constexpr (S < L) {
+    for (int i = 0; i < L; ++i)
+      if ((i & S) == 0) tile_butterfly<T, S>(r[i], r[i + S]);
+    tile_stages<T, 2 * S>(r);
+  }
+}
+
+template <typename T>
+RNNKERN_ALWAYS_INLINE void transpose_tile(const T* in, int64_t ld_in, T* out, int64_t ld_out) {
+  using V = typename Vec<T, kNarrow>::type;
+  constexpr int L = Vec<T, kNarrow>::kLanes;
+  V r[L];
+  for (int i = 0; i < L; ++i) std::memcpy(&r[i], in + i * ld_in, sizeof(V));
+  tile_stages<T>(r);
+  for (int i = 0; i < L; ++i) std::memcpy(out + i * ld_out, &r[i], sizeof(V));
+}
+
+// A vector's allocator that leaves new elements uninitialised: packing
+// writes every element of B's panels, padding included, and zero-filling
+// them first was a pass over the weight per call (1 MB for an LSTM at H=256).
+template <typename T>
+struct UninitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <typename U>
+  UninitAllocator(const UninitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
 // B packed as panels of nr columns: panel p holds B[k][p*nr + c] at
 // data[(p*K + k)*nr + c], zero-padded past N.  Or, made by view_rows(), B
 // read where it lies (row-major, row stride ld) for its whole panels and only
@@ -79,7 +151,7 @@ template <typename T>
 struct PackedB {
   int64_t K = 0, N = 0;
   int64_t nr = panel_cols<T>();
-  std::vector<T> data;
+  std::vector<T, UninitAllocator<T>> data;  // every element written by pack_panels / view_rows
   const T* src = nullptr;  // view_rows(): B[k][n] = src[k*ld + n] for panels < src_panels
   int64_t ld = 0, src_panels = 0;
 
@@ -113,7 +185,7 @@ struct PackedB {
   }
 
   // Panels [p0, p1) of B[k][n] = src[k*sk + n*sn] (after resize).
-  void pack_panels(const T* src_, int64_t sk, int64_t sn, int64_t p0, int64_t p1) {
+  RNNKERN_ALWAYS_INLINE void pack_panels(const T* src_, int64_t sk, int64_t sn, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * nr, nc = std::min<int64_t>(nr, N - n0);
       T* dst = data.data() + p * K * nr;
@@ -121,7 +193,12 @@ struct PackedB {
         for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * nr, src_ + k * sk + n0, nr * sizeof(T));
         continue;
       }
-      for (int64_t k = 0; k < K; ++k)
+      int64_t k = 0;
+      if (sk == 1 && nc == nr)  // B = W^T of a row-major W: its rows transposed by tiles
+        for (; k + kTileLanes<T> <= K; k += kTileLanes<T>)
+          for (int64_t c = 0; c < nr; c += kTileLanes<T>)
+            transpose_tile(src_ + (n0 + c) * sn + k, sn, dst + k * nr + c, nr);
+      for (; k < K; ++k)
         for (int64_t c = 0; c < nr; ++c) dst[k * nr + c] = c < nc ? src_[k * sk + (n0 + c) * sn] : T(0);
     }
   }
@@ -131,6 +208,14 @@ struct PackedB {
     pack_panels(src_, sk, sn, 0, panels());
   }
 };
+
+// B.pack_panels compiled per ISA level (its copies and tile transposes
+// vectorise), for callers that are not.
+template <typename T>
+RNNKERN_CPU_CLONES void pack_panels(PackedB<T>& b, const T* src, int64_t sk, int64_t sn, int64_t p0,
+                                    int64_t p1) {
+  b.pack_panels(src, sk, sn, p0, p1);
+}
 
 // A is addressed as A[r*ars + k*aks]: row-major (aks = 1) or transposed.
 struct StridesA {

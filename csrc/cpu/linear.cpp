@@ -56,11 +56,6 @@ constexpr int64_t kKC = 256;
 constexpr int64_t kMC = 16 * gemm::kMR;
 // Up to this size B is packed whole (see blocked_gemm).
 constexpr int64_t kWholeBBytes = int64_t(2) << 20;
-template <typename T>
-RNNKERN_CPU_CLONES void pack_b(gemm::PackedB<T>& b, const T* src, int64_t sk, int64_t sn,
-                               int64_t p0, int64_t p1) {
-  b.pack_panels(src, sk, sn, p0, p1);
-}
 
 // Up to this many panels of B, a transposed A is read where it lies too (see
 // multiply_rows).
@@ -162,7 +157,7 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
     for_each_worker(threads, [&](int64_t t) {
       for (int64_t i = chunks * panels * t / threads; i < chunks * panels * (t + 1) / threads; ++i) {
         const int64_t c = i / panels, p = i % panels;
-        pack_b<T>(b[c], B + c * kKC * b_ks, b_ks, b_ns, p, p + 1);
+        gemm::pack_panels<T>(b[c], B + c * kKC * b_ks, b_ks, b_ns, p, p + 1);
       }
     });
     for_each_worker(threads, [&](int64_t t) {
@@ -184,7 +179,7 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
     const int64_t r0 = split.begin(t), r1 = split.begin(t + 1);
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       b.resize(std::min(kKC, K - k0), N);
-      pack_b<T>(b, B + k0 * b_ks, b_ks, b_ns, 0, b.panels());
+      gemm::pack_panels<T>(b, B + k0 * b_ks, b_ks, b_ns, 0, b.panels());
       for (int64_t i = r0; i < r1; i += kMC)
         multiply_rows<T>(i, std::min(kMC, r1 - i), M, A, sa, k0, b, C, ldc, accumulate || k0 > 0,
                          a_packed.data());

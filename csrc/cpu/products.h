@@ -116,7 +116,8 @@ StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_
     if constexpr (std::is_same_v<A, float>)
       s.pair_panels.pack_transposed(cptr<A>(gate_rows(w, G, sl)), s.K, G * sl.n, s.K);
   } else {
-    s.packed.pack(cptr<A>(gate_rows(w, G, sl)), s.K, G * sl.n, 1, s.K);
+    s.packed.resize(s.K, G * sl.n);
+    gemm::pack_panels(s.packed, cptr<A>(gate_rows(w, G, sl)), 1, s.K, 0, s.packed.panels());
   }
   return s;
 }
@@ -136,10 +137,12 @@ StepWeightCols<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place,
       return b;
     }
   }
-  if (in_place)
+  if (in_place) {
     b.packed = gemm::PackedB<A>::view_rows(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1));
-  else
-    b.packed.pack(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1), 1);
+  } else {
+    b.packed.resize(w.size(0), sl.n);
+    gemm::pack_panels(b.packed, cptr<A>(w) + sl.j0, w.size(1), 1, 0, b.packed.panels());
+  }
   return b;
 }
 
