@@ -18,7 +18,7 @@ import torch
 import rnnkern
 from rnnkern import _C, ops
 from conftest import (CELLS, assert_close, assert_low_precision, generator, outputs_and_grads,
-                      randn, recurrence_inputs)
+                      randn, recurrence_inputs, step_inputs)
 
 
 @contextlib.contextmanager
@@ -197,6 +197,41 @@ def test_bfloat16_on_pairs_within_reference_error(pair_mode, cell, proj, T, B):
         assert_low_precision(got[name], ref16[name], want[name], what=name)
 
 
+def step_outputs_and_grads(backend, cell, args, key):
+    h, c = ops.step(cell, args["x"], args["h"], args["c"], args["w_ih"], args["w_hh"],
+                    args["b_ih"], args["b_hh"], backend=backend)
+    out = [t for t in (h, c) if t is not None]
+    g = generator("step-cotangent", *key)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
+    names = [n for n, t in args.items() if t is not None]
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return dict(zip(["h_new", "c_new"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
+
+
+@pytest.mark.parametrize("cell,B,I,H", [("lstm", 1, 48, 40), ("gru", 5, 33, 70),
+                                        ("rnn_tanh", 32, 64, 48), ("lstm", 9, 130, 64),
+                                        ("rnn_relu", 3, 17, 8)])
+def test_step_on_pairs_within_reference_error(pair_mode, cell, B, I, H):
+    """One step of a bfloat16 call (the cells' op) runs both products on pairs:
+    x W_ih^T into a float32 xproj, and h W_hh^T with W_hh packed from its bf16
+    bits (whole panels of 32 columns by tiles of 8 pairs, pair by pair past
+    them: odd I, H and 4H not multiples of 32, fewer than 8 pairs); its
+    backward's dX, dW_ih on pairs of dXproj rounded to bf16 (as a sequence's
+    backward hands it over).  One row and batches; h_new, c_new and every
+    gradient within twice the reference's own bfloat16 error."""
+    args = step_inputs(cell, B, I, H, dtype=torch.bfloat16, key=("bf16-pairs-step",))
+    args16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    args32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = (cell, B, I, H)
+    want = step_outputs_and_grads("reference", cell, args32, key)
+    ref16 = step_outputs_and_grads("reference", cell, args16, key)
+    got = step_outputs_and_grads("cpu", cell, args16, key)
+    for name in want:
+        assert got[name].dtype == torch.bfloat16, name
+        assert torch.isfinite(got[name]).all(), name
+        assert_low_precision(got[name], ref16[name], want[name], what=name)
+
+
 @pytest.mark.parametrize("name", ["LSTM", "GRU", "RNN"])
 def test_modules_on_pairs_match_torch_nn_bf16(pair_mode, name):
     """Two layers, both directions, a packed batch of uneven lengths: within
@@ -221,7 +256,8 @@ def test_modules_on_pairs_match_torch_nn_bf16(pair_mode, name):
 def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
     """Each element sums its pairs in one order whatever rows or units a
     thread takes: the recurrence forward and backward (split by rows at
-    B = 32; every gradient) and the input projection with its gradients give
+    B = 32; every gradient), a cell's step and its gradients, and the input
+    projection with its gradients give
     the same bits at every thread count, emulated and (where the CPU has it)
     on the instruction."""
     g = generator("pairs-threads")
@@ -233,11 +269,16 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
     gl = bf16_values(g, 999, 96)
     cot = bf16_values(g, 9, 32, 128)
 
+    cell = rnnkern.GRUCell(48, 128, backend="cpu").bfloat16()
+    hc = bf16_values(g, 32, 128)
+
     def run(threads):
         torch.set_num_threads(threads)
         out, (h, c) = m(x.requires_grad_())
         grads = torch.autograd.grad((out * cot).sum(), [x, *m.parameters()])
-        return [out, h, c, *grads, torch.ops.rnnkern.linear(xl, wl),
+        h1 = cell(x[0], hc)
+        cell_grads = torch.autograd.grad((h1 * cot[0]).sum(), [x, *cell.parameters()])
+        return [out, h, c, *grads, h1, *cell_grads, torch.ops.rnnkern.linear(xl, wl),
                 *torch.ops.rnnkern.linear_backward(gl, xl, wl, True, True)]
 
     try:

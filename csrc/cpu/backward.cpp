@@ -232,7 +232,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   std::vector<Tensor> dh, drh, dh_full;
   std::vector<StepWeightCols<A>> w_dh_cols, w_n_cols, w_r_cols;
   const bool in_place = split.weights_in_place(T);
-  const bool bf16 = a.bf16_products && T > 1;  // pairs: packed once, worth it from two steps
+  const bool bf16 = a.bf16_products;  // (its weights are bf16 then: see bindings.cpp)
   for (const Slice& sl : carry) w_dh_cols.push_back(weight_cols<A>(w_dh, sl, in_place, bf16));
   for (const Slice& sl : units) {
     if (reset_before)

@@ -72,11 +72,21 @@ Tensor bias_or_zeros(const OptTensor& b, int64_t n, const at::TensorOptions& opt
 }
 
 // Whether a call's products (per-step, weight gradients) run on bf16 pairs
-// (pairs.h): bfloat16 inputs and weights, and a CPU (or a test) that runs them.
-bool bf16_products(const Tensor& input, const Tensor& w_hh, const OptTensor& w_hr) {
-  return input.scalar_type() == at::kBFloat16 && w_hh.scalar_type() == at::kBFloat16 &&
+// (pairs.h): a bfloat16 call (its state h0, bf16 whatever a step's float32
+// xproj) with bfloat16 weights, and a CPU (or a test) that runs them.
+bool bf16_products(const Tensor& state, const Tensor& w_hh, const OptTensor& w_hr) {
+  return state.scalar_type() == at::kBFloat16 && w_hh.scalar_type() == at::kBFloat16 &&
          (!w_hr.has_value() || w_hr->scalar_type() == at::kBFloat16) &&
          pairs::mode() != pairs::Mode::Float32;
+}
+
+// W_hh or W_hr as the per-step products read it: in the accumulate dtype,
+// or bfloat16 as it is where they run on bf16 pairs (packed from its bits:
+// a float32 copy was a pass over the weight per call, a one-step call's
+// largest cost after its products).
+Tensor product_weight(const OptTensor& w, at::ScalarType acc, bool on_pairs) {
+  if (!w.has_value()) return Tensor();
+  return on_pairs ? w->contiguous() : to_acc(*w, acc);
 }
 
 // Forward on tensors of any floating dtype; results in the accumulate dtype.
@@ -95,6 +105,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             : empty_like_options(h0, acc);
   const int64_t W = workspace_size(z.cell, z.H, z.has_zoneout);
   Tensor ws = train ? pooled_empty(layout_sizes(z, W), opt) : empty_like_options(h0, acc);
+  const bool on_pairs = bf16_products(h0, w_hh, w_hr);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     // bf16 xproj is read as it is (forward.cpp widens it row by row).
@@ -103,10 +114,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             x_bf16 ? xproj.contiguous() : to_acc(xproj, acc),
                             h0a,
                             c0a,
-                            to_acc(w_hh, acc),
+                            product_weight(w_hh, acc, on_pairs),
                             bias_or_zeros(b_ih, z.G * z.H, opt),
                             bias_or_zeros(b_hh, z.G * z.H, opt),
-                            to_acc(w_hr, acc),
+                            product_weight(w_hr, acc, on_pairs),
                             pos,
                             train,
                             bools(resets),
@@ -114,7 +125,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             to_acc(ln, acc),
                             reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
                             reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
-                            bf16_products(xproj, w_hh, w_hr)};
+                            on_pairs};
     forward_impl<scalar_t>(a, output, h_n, c_n, ws);
   });
   return {output, h_n, c_n, ws};
@@ -146,6 +157,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_ln = ln.has_value() ? at::empty({ln->size(0)}, opt) : empty_like_options(h0, acc);
   r.d_reset_h = reset_h.has_value() ? at::empty({z.B, z.P}, opt) : empty_like_options(h0, acc);
   r.d_reset_c = reset_c.has_value() ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
+  const bool on_pairs = bf16_products(output, w_hh, w_hr);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     BackwardArgs<scalar_t> a{z,
@@ -154,8 +166,8 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              to_acc(grad_c_n, acc),
                              h0a,
                              c0a,
-                             to_acc(w_hh, acc),
-                             to_acc(w_hr, acc),
+                             product_weight(w_hh, acc, on_pairs),
+                             product_weight(w_hr, acc, on_pairs),
                              to_acc(output, acc),
                              workspace.contiguous(),
                              pos,
@@ -164,7 +176,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              to_acc(ln, acc),
                              reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
                              reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
-                             bf16_products(output, w_hh, w_hr)};
+                             on_pairs};
     backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
                             r.d_w_hr, r.d_ln, r.d_reset_h, r.d_reset_c);
   });
@@ -231,12 +243,7 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   const auto acc = acc_type(dtype);
   if (lean_step(s, {&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh}))
     return step_lean(s, x, h, c, w_ih, w_hh, b_ih, b_hh);
-  const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
-  const Tensor xproj = pooled_empty({s.B, s.G * s.H}, xa.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_cpu", [&] {
-    blocked_gemm<scalar_t>(s.B, s.G * s.H, s.I, cptr<scalar_t>(xa), s.I, 1, cptr<scalar_t>(wa), 1,
-                           s.I, ptr<scalar_t>(xproj), s.G * s.H, false);
-  });
+  const Tensor xproj = linear_acc(x, w_ih);
   auto [output, h_new, c_new, ws] =
       run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
                   std::nullopt, Positions{nullptr, 1, false, s.B}, true, std::nullopt, std::nullopt,
@@ -268,19 +275,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
       grad_c_new, h, c, w_hh, std::nullopt, h_new.unsqueeze(0),
       workspace.view({1, s.B, workspace.size(1)}), Positions{nullptr, 1, false, s.B}, std::nullopt,
       std::nullopt, ln, std::nullopt, std::nullopt);
-  // dX = dXproj W_ih, dW_ih = dXproj^T X (the GEMMs of rnnkern::linear's
-  // backward: in place at small batch, outputs pooled).
-  const int64_t GH = s.G * s.H;
-  const Tensor dxp = r.d_xproj.view({s.B, GH});
-  const Tensor xa = x.to(acc).contiguous(), wa = w_ih.to(acc).contiguous();
-  const Tensor d_x = pooled_empty({s.B, s.I}, xa.options());
-  const Tensor d_w_ih = pooled_empty({GH, s.I}, xa.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_backward_cpu", [&] {
-    blocked_gemm<scalar_t>(s.B, s.I, GH, cptr<scalar_t>(dxp), GH, 1, cptr<scalar_t>(wa), s.I, 1,
-                           ptr<scalar_t>(d_x), s.I, false);
-    blocked_gemm<scalar_t>(GH, s.I, s.B, cptr<scalar_t>(dxp), 1, GH, cptr<scalar_t>(xa), s.I, 1,
-                           ptr<scalar_t>(d_w_ih), s.I, false);
-  });
+  // dX = dXproj W_ih, dW_ih = dXproj^T X: rnnkern::linear's backward, with
+  // dXproj rounded to x's dtype as a sequence's backward hands it to that op
+  // (on bf16 pairs, its products read it as bf16 anyway).
+  const Tensor dxp = r.d_xproj.view({s.B, s.G * s.H});
+  const auto [d_x, d_w_ih] = linear_backward_acc(dxp.to(dtype), x, w_ih, true, true);
   const Tensor got[8] = {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_ln};
   auto keep = [&](int64_t i) {
     return wanted(i) ? got[i].to(dtype) : empty_like_options(x, dtype);

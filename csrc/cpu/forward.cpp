@@ -49,7 +49,9 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
 
   // Packed weights per unit (output) slice, scratch per worker, allocated once.
   const Split split(z, sizeof(A), a.pos.lengths);
-  const bool in_place = T == 1;  // see kMaxInPlaceRows
+  // (bf16 pairs are packed for one step too: converting W to float32 for the
+  // float32 product in place costs more than packing its pairs)
+  const bool in_place = T == 1 && !a.bf16_products;  // see kMaxInPlaceRows
   std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice;
   for (const Slice& sl : split.units) {
     // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.

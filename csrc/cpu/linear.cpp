@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -194,68 +195,58 @@ template void blocked_gemm<double>(int64_t, int64_t, int64_t, const double*, int
 
 namespace {
 
-// A bfloat16 tensor's values as their bits (pairs.h reads bf16 as uint16_t).
-const uint16_t* bf16_bits(const at::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
-}
-
 at::Tensor to_acc_2d(const at::Tensor& t, at::ScalarType acc) {
   return t.scalar_type() == acc ? t : t.to(acc);
 }
 
-// y[M, N] = x[M, K] w[N, K]^T
-at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_linear(x, weight);
-  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-      pairs::mode() != pairs::Mode::Float32) {
-    // bf16 pairs of x and W_ih as they are (pairs.h), float32 sums.
-    const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-    at::Tensor y = pooled_empty({M, N}, x.options());
-    pairs::gemm_to_bf16<uint16_t>(M, N, K, bf16_bits(xc), K, 1, bf16_bits(wc), 1, K,
-                                  reinterpret_cast<uint16_t*>(y.data_ptr()), N);
-    return y;
-  }
+// Whether x W^T and its gradients run on bf16 pairs (pairs.h): every
+// operand bfloat16 and a CPU (or a test) that runs them.
+bool on_pairs(std::initializer_list<const at::Tensor*> ts) {
+  if (pairs::mode() == pairs::Mode::Float32) return false;
+  for (const at::Tensor* t : ts)
+    if (t->scalar_type() != at::kBFloat16) return false;
+  return true;
+}
+
+}  // namespace
+
+at::Tensor linear_acc(const at::Tensor& x, const at::Tensor& weight) {
   const auto acc = acc_type(x.scalar_type());
-  const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor y = pooled_empty({M, N}, x.options().dtype(acc));
+  if (on_pairs({&x, &weight})) {  // bf16 pairs of x and W as they lie, float32 sums
+    pairs::gemm<uint16_t>(M, N, K, pairs::bf16_bits(x), x.stride(0), x.stride(1), pairs::bf16_bits(weight),
+                          weight.stride(1), weight.stride(0), y.data_ptr<float>(), N, false);
+    return y;
+  }
+  const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_cpu", [&] {
     blocked_gemm<scalar_t>(M, N, K, xa.const_data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
                            wa.const_data_ptr<scalar_t>(), wa.stride(1), wa.stride(0),
                            y.data_ptr<scalar_t>(), N, false);
   });
-  return pooled_to(y, x.scalar_type());
+  return y;
 }
 
-// grad_x[M, K] = grad_y[M, N] w[N, K];  grad_w[N, K] = grad_y^T x
-std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
-                                                       const at::Tensor& x,
+std::tuple<at::Tensor, at::Tensor> linear_backward_acc(const at::Tensor& grad_y, const at::Tensor& x,
                                                        const at::Tensor& weight, bool need_x,
                                                        bool need_weight) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_linear_backward(grad_y, x, weight);
-  const auto dtype = x.scalar_type();
-  const auto acc = acc_type(dtype);
+  const auto acc = acc_type(x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor grad_x = need_x ? pooled_empty({M, K}, x.options().dtype(acc))
-                             : empty_like_options(x, dtype);
+                             : empty_like_options(x, acc);
   at::Tensor grad_w = need_weight ? pooled_empty({N, K}, x.options().dtype(acc))
-                                  : empty_like_options(x, dtype);
-  if (dtype == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-      grad_y.scalar_type() == at::kBFloat16 && pairs::mode() != pairs::Mode::Float32) {
-    // bf16 pairs (pairs.h) read from the bf16 tensors as they lie.
+                                  : empty_like_options(x, acc);
+  if (on_pairs({&grad_y, &x, &weight})) {  // bf16 pairs read from the tensors as they lie
     if (need_x)
-      pairs::gemm<uint16_t>(M, K, N, bf16_bits(grad_y), grad_y.stride(0), grad_y.stride(1),
-                            bf16_bits(weight), weight.stride(0), weight.stride(1),
+      pairs::gemm<uint16_t>(M, K, N, pairs::bf16_bits(grad_y), grad_y.stride(0), grad_y.stride(1),
+                            pairs::bf16_bits(weight), weight.stride(0), weight.stride(1),
                             grad_x.data_ptr<float>(), K, false);
     if (need_weight)
-      pairs::gemm<uint16_t>(N, K, M, bf16_bits(grad_y), grad_y.stride(1), grad_y.stride(0),
-                            bf16_bits(x), x.stride(0), x.stride(1), grad_w.data_ptr<float>(), K,
+      pairs::gemm<uint16_t>(N, K, M, pairs::bf16_bits(grad_y), grad_y.stride(1), grad_y.stride(0),
+                            pairs::bf16_bits(x), x.stride(0), x.stride(1), grad_w.data_ptr<float>(), K,
                             false);
-    return {need_x ? pooled_to(grad_x, dtype) : grad_x,
-            need_weight ? pooled_to(grad_w, dtype) : grad_w};
+    return {grad_x, grad_w};
   }
   const at::Tensor g = to_acc_2d(grad_y, acc), xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_linear_backward_cpu", [&] {
@@ -268,8 +259,39 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
                              xa.const_data_ptr<scalar_t>(), xa.stride(0), xa.stride(1),
                              grad_w.data_ptr<scalar_t>(), K, false);
   });
-  return {need_x ? pooled_to(grad_x, dtype) : grad_x,
-          need_weight ? pooled_to(grad_w, dtype) : grad_w};
+  return {grad_x, grad_w};
+}
+
+namespace {
+
+// y[M, N] = x[M, K] w[N, K]^T, in x's dtype.
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_linear(x, weight);
+  if (on_pairs({&x, &weight})) {
+    // y rounded to bf16 block of rows by block (pairs::gemm_to_bf16): no
+    // float32 y to convert afterwards.
+    const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+    at::Tensor y = pooled_empty({M, N}, x.options());
+    pairs::gemm_to_bf16<uint16_t>(M, N, K, pairs::bf16_bits(xc), K, 1, pairs::bf16_bits(wc), 1, K,
+                                  reinterpret_cast<uint16_t*>(y.data_ptr()), N);
+    return y;
+  }
+  return pooled_to(linear_acc(x, weight), x.scalar_type());
+}
+
+// grad_x[M, K] = grad_y[M, N] w[N, K];  grad_w[N, K] = grad_y^T x, in x's dtype.
+std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
+                                                       const at::Tensor& x,
+                                                       const at::Tensor& weight, bool need_x,
+                                                       bool need_weight) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_linear_backward(grad_y, x, weight);
+  const auto dtype = x.scalar_type();
+  auto [grad_x, grad_w] = linear_backward_acc(grad_y, x, weight, need_x, need_weight);
+  return {need_x ? pooled_to(grad_x, dtype) : empty_like_options(x, dtype),
+          need_weight ? pooled_to(grad_w, dtype) : empty_like_options(x, dtype)};
 }
 
 }  // namespace

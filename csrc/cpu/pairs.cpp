@@ -190,6 +190,61 @@ RNNKERN_CPU_CLONES void two_rows_to_pairs(int64_t M, const Src* __restrict lo, c
     line[m] = PackedPairs::bits(lo[m]) | uint32_t(PackedPairs::bits(hi[m])) << 16;
 }
 
+// The pairs of B[k][n] = b[k*sk + n*sn] into PackedPairs' panels (data:
+// panels() x pairs() x kNR), every element written, zeros past N and past
+// an odd K; compiled per ISA level.  Rows of B contiguous (sn = 1): a pair's
+// halves two rows apart, panel by panel with contiguous inner loops.  B = W^T
+// of a row-major W (sk = 1): a pair's halves neighbours in a row of W, so a
+// row's pairs are read as they lie (bf16 bits) or made from its floats, and
+// the [N, K/2] matrix of pairs is transposed by tiles (gemm::transpose_tile):
+// one pair at a time, the per-call packing of a one-step call's weights (a
+// bf16 cell's two products) cost more than the products.
+template <typename Src>
+RNNKERN_CPU_CLONES void pack_pairs(const Src* b, int64_t sk, int64_t sn, int64_t K, int64_t N,
+                                   uint32_t* data) {
+  const int64_t KP = (K + 1) / 2, panels = (N + kNR - 1) / kNR;
+  constexpr int64_t kTile = gemm::kTileLanes<uint32_t>;
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kNR, nc = std::min<int64_t>(kNR, N - n0);
+    uint32_t* dst = data + p * KP * kNR;
+    int64_t kp = 0;
+    if (sn == 1) {
+      for (; kp < KP; ++kp) {
+        uint32_t* d = dst + kp * kNR;
+        const Src* lo = b + 2 * kp * sk + n0;
+        if (2 * kp + 1 < K) {
+          const Src* hi = lo + sk;
+          for (int64_t l = 0; l < nc; ++l) d[l] = PackedPairs::bits(lo[l]) | uint32_t(PackedPairs::bits(hi[l])) << 16;
+        } else {
+          for (int64_t l = 0; l < nc; ++l) d[l] = PackedPairs::bits(lo[l]);
+        }
+        for (int64_t l = nc; l < kNR; ++l) d[l] = 0u;
+      }
+      continue;
+    }
+    if (sk == 1 && nc == kNR) {
+      for (; kp + kTile <= K / 2; kp += kTile) {
+        for (int64_t c = 0; c < kNR; c += kTile) {
+          uint32_t tile[kTile * kTile];  // row i: the kTile pairs of W's row n0 + c + i
+          for (int64_t i = 0; i < kTile; ++i) {
+            const Src* w = b + (n0 + c + i) * sn + 2 * kp;
+            if constexpr (std::is_same_v<Src, uint16_t>) {
+              std::memcpy(tile + i * kTile, w, kTile * sizeof(uint32_t));  // little-endian pairs
+            } else {
+              for (int64_t j = 0; j < kTile; ++j)
+                tile[i * kTile + j] = to_bf16(w[2 * j]) | uint32_t(to_bf16(w[2 * j + 1])) << 16;
+            }
+          }
+          gemm::transpose_tile(tile, kTile, dst + kp * kNR + c, kNR);
+        }
+      }
+    }
+    for (; kp < KP; ++kp)
+      for (int64_t l = 0; l < kNR; ++l)
+        dst[kp * kNR + l] = l < nc ? PackedPairs::pair_of(b + (n0 + l) * sn, 2 * kp, K, sk) : 0u;
+  }
+}
+
 // Rows [0, M) of A, columns [0, K): A[m][k] = a[m*a_rows + k*a_ks] (float or
 // bf16 bits), as rows of (K + 1) / 2 pairs.
 template <typename Src>
@@ -333,6 +388,17 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, in
 }
 
 }  // namespace
+
+template <typename Src>
+void PackedPairs::pack(const Src* b, int64_t sk, int64_t sn, int64_t K_, int64_t N_) {
+  K = K_;
+  N = N_;
+  data.resize(static_cast<size_t>(panels() * pairs() * kNR));
+  pack_pairs(b, sk, sn, K, N, data.data());
+}
+
+template void PackedPairs::pack<float>(const float*, int64_t, int64_t, int64_t, int64_t);
+template void PackedPairs::pack<uint16_t>(const uint16_t*, int64_t, int64_t, int64_t, int64_t);
 
 template <typename Src>
 void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,

@@ -36,10 +36,14 @@
 // the layout, packing and drivers; it is never chosen by default.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "gemm.h"  // UninitAllocator, transpose_tile
 
 namespace rnnkern::cpu::pairs {
 
@@ -68,6 +72,11 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
 }
 
+// A bfloat16 tensor's values as their bits, as the packing reads them.
+inline const uint16_t* bf16_bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
+}
+
 // bfloat16 bits -> float32 (exact: a bf16 value is the high half of its float).
 inline float from_bf16(uint16_t v) {
   const uint32_t u = uint32_t(v) << 16;
@@ -79,42 +88,15 @@ inline float from_bf16(uint16_t v) {
 // B[k][n] as bf16 pairs in panels (see the layout above).
 struct PackedPairs {
   int64_t K = 0, N = 0;
-  std::vector<uint32_t> data;
+  std::vector<uint32_t, gemm::UninitAllocator<uint32_t>> data;
   int64_t pairs() const { return (K + 1) / 2; }
   int64_t panels() const { return (N + kNR - 1) / kNR; }
   const uint32_t* panel(int64_t p) const { return data.data() + p * pairs() * kNR; }
 
-  // B[k][n] = b[k*sk + n*sn]; Src: float or uint16_t (bf16 bits).
+  // B[k][n] = b[k*sk + n*sn]; Src: float or uint16_t (bf16 bits).  Every
+  // element written, padding included (pairs.cpp).
   template <typename Src>
-  void pack(const Src* b, int64_t sk, int64_t sn, int64_t K_, int64_t N_) {
-    K = K_;
-    N = N_;
-    const int64_t KP = pairs();
-    data.assign(static_cast<size_t>(panels() * KP * kNR), 0u);
-    auto at = [&](int64_t kp, int64_t n) -> uint32_t& {
-      return data[(n / kNR) * KP * kNR + kp * kNR + n % kNR];
-    };
-    if (sn == 1) {  // rows of B contiguous: the pair's halves two rows apart
-      // Panel by panel, so that the inner loop reads and writes contiguously
-      // (it vectorises).
-      for (int64_t p = 0; p < panels(); ++p) {
-        const int64_t n0 = p * kNR, nc = std::min<int64_t>(kNR, N - n0);
-        uint32_t* dst = data.data() + p * KP * kNR;
-        for (int64_t kp = 0; kp < KP; ++kp, dst += kNR) {
-          const Src* lo = b + 2 * kp * sk + n0;
-          if (2 * kp + 1 < K) {
-            const Src* hi = lo + sk;
-            for (int64_t l = 0; l < nc; ++l) dst[l] = bits(lo[l]) | uint32_t(bits(hi[l])) << 16;
-          } else {
-            for (int64_t l = 0; l < nc; ++l) dst[l] = bits(lo[l]);
-          }
-        }
-      }
-    } else {  // columns of B contiguous (B = W^T): the pair's halves neighbours
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t kp = 0; kp < KP; ++kp) at(kp, n) = pair_of(b + n * sn, 2 * kp, K, sk);
-    }
-  }
+  void pack(const Src* b, int64_t sk, int64_t sn, int64_t K_, int64_t N_);
   // B = W^T for a row-major W [N, K] (row n at w + n*ldw).
   template <typename Src>
   void pack_transposed(const Src* w, int64_t ldw, int64_t N_, int64_t K_) {

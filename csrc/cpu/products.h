@@ -110,11 +110,18 @@ StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_
   s.H = w.size(0) / G;
   s.j0 = sl.j0;
   s.n = sl.n;
+  TORCH_CHECK(w.scalar_type() != at::kBFloat16 || s.bf16_pairs,
+              "rnnkern internal: a bfloat16 weight outside the bf16 pair products");
   if (in_place) {
     s.w = cptr<A>(w);
   } else if (s.bf16_pairs) {
-    if constexpr (std::is_same_v<A, float>)
-      s.pair_panels.pack_transposed(cptr<A>(gate_rows(w, G, sl)), s.K, G * sl.n, s.K);
+    if constexpr (std::is_same_v<A, float>) {
+      const Tensor rows = gate_rows(w, G, sl);
+      if (rows.scalar_type() == at::kBFloat16)
+        s.pair_panels.pack_transposed(pairs::bf16_bits(rows), s.K, G * sl.n, s.K);
+      else
+        s.pair_panels.pack_transposed(cptr<A>(rows), s.K, G * sl.n, s.K);
+    }
   } else {
     s.packed.resize(s.K, G * sl.n);
     gemm::pack_panels(s.packed, cptr<A>(gate_rows(w, G, sl)), 1, s.K, 0, s.packed.panels());
@@ -130,10 +137,15 @@ template <typename A>
 StepWeightCols<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place,
                               bool bf16_pairs = false) {
   StepWeightCols<A> b;
+  TORCH_CHECK(w.scalar_type() != at::kBFloat16 || bf16_pairs,
+              "rnnkern internal: a bfloat16 weight outside the bf16 pair products");
   if constexpr (std::is_same_v<A, float>) {
     if (bf16_pairs) {
       b.bf16_pairs = true;
-      b.pair_panels.pack_rows(cptr<A>(w) + sl.j0, w.size(1), w.size(0), sl.n);
+      if (w.scalar_type() == at::kBFloat16)
+        b.pair_panels.pack_rows(pairs::bf16_bits(w) + sl.j0, w.size(1), w.size(0), sl.n);
+      else
+        b.pair_panels.pack_rows(cptr<A>(w) + sl.j0, w.size(1), w.size(0), sl.n);
       return b;
     }
   }
