@@ -208,17 +208,20 @@ def step_outputs_and_grads(backend, cell, args, key):
     return dict(zip(["h_new", "c_new"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
-@pytest.mark.parametrize("cell,B,I,H", [("lstm", 1, 48, 40), ("gru", 5, 33, 70),
-                                        ("rnn_tanh", 32, 64, 48), ("lstm", 9, 130, 64),
-                                        ("rnn_relu", 3, 17, 8)])
+@pytest.mark.parametrize("cell,B,I,H", [("lstm", 1, 48, 80), ("gru", 5, 33, 110),
+                                        ("rnn_tanh", 32, 129, 130), ("lstm", 9, 130, 64),
+                                        ("rnn_relu", 3, 17, 8), ("lstm", 1, 48, 40),
+                                        ("gru", 5, 33, 60), ("rnn_tanh", 32, 64, 48)])
 def test_step_on_pairs_within_reference_error(pair_mode, cell, B, I, H):
-    """One step of a bfloat16 call (the cells' op) runs both products on pairs:
-    x W_ih^T into a float32 xproj, and h W_hh^T with W_hh packed from its bf16
-    bits (whole panels of 32 columns by tiles of 8 pairs, pair by pair past
-    them: odd I, H and 4H not multiples of 32, fewer than 8 pairs); its
-    backward's dX, dW_ih on pairs of dXproj rounded to bf16 (as a sequence's
-    backward hands it over).  One row and batches; h_new, c_new and every
-    gradient within twice the reference's own bfloat16 error."""
+    """One step of a bfloat16 call (the cells' op).  Past 2^15 weight values
+    (the first four) both products run on pairs: x W_ih^T into a float32
+    xproj, and h W_hh^T with W_hh packed from its bf16 bits (whole panels of
+    32 columns by tiles of 8 pairs, pair by pair past them: odd I, H and 4H
+    not multiples of 32); the backward's dX, dW_ih on pairs of dXproj rounded
+    to bf16 (as a sequence's backward hands it over).  Below, the lean step:
+    values widened to float32, the float32 step, results rounded.  One row
+    and batches; h_new, c_new and every gradient within twice the
+    reference's own bfloat16 error."""
     args = step_inputs(cell, B, I, H, dtype=torch.bfloat16, key=("bf16-pairs-step",))
     args16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
     args32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}

@@ -266,7 +266,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   const Tensor gh = to_acc(grad_h_new, grad_h_new.scalar_type());
   const OptTensor gc = grad_c_new.has_value() ? OptTensor(to_acc(*grad_c_new, grad_c_new->scalar_type()))
                                               : std::nullopt;
-  if (lean_step(s, {&gh, &x, &h, &w_ih, &w_hh, &h_new, &workspace}, {&gc, &c}))
+  if (lean_step(s, {&gh, &x, &h, &w_ih, &w_hh, &h_new}, {&gc, &c}) &&
+      workspace.scalar_type() == acc && workspace.is_contiguous())
     return step_backward_lean(s, gh, gc, x, h, c, w_ih, w_hh, h_new, workspace, needs);
   // The step's single output is also its final state: its gradient enters
   // once, as grad_h_n, with a zero grad_output.

@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "buffers.h"
@@ -198,19 +199,71 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
 // Its scratch is kept per thread, so a step with more than kMaxLeanGateValues
 // gate pre-activations (B x G x H; 16 MiB of float32 scratch) goes to the
 // driver, whose buffers are pooled.
+// A bfloat16 step takes it too where its weights are small (G*H*(I + H) up
+// to kMaxLeanBf16WeightValues: an RNN or GRU cell at H = 64, an LSTM's at
+// H = 45): its values widened into float32 scratch (exact), the float32
+// step, the results rounded to bf16.  The driver's bf16 path (pairs.h) cost
+// 16 us of such a step's 18 in checks and buffers, 0.7x torch.nn's RNNCell;
+// the widening grows with the weights, where the pair products pay off.
 constexpr int64_t kMaxLeanGateValues = int64_t(1) << 21;
+constexpr int64_t kMaxLeanBf16WeightValues = int64_t(1) << 15;
 bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
                std::initializer_list<const OptTensor*> opts) {
   if (s.cell == Cell::GruResetBefore || s.cell == Cell::LstmLn) return false;
   if (s.B * s.G * s.H > kMaxLeanGateValues) return false;
+  const auto dtype = (*ts.begin())->scalar_type();
+  if (dtype == at::kBFloat16 && s.G * s.H * (s.I + s.H) > kMaxLeanBf16WeightValues) return false;
   for (const Tensor* t : ts) {
     const auto st = t->scalar_type();
-    if ((st != at::kFloat && st != at::kDouble) || !t->is_contiguous()) return false;
+    if (st != dtype || (st != at::kFloat && st != at::kDouble && st != at::kBFloat16) ||
+        !t->is_contiguous())
+      return false;
   }
   for (const OptTensor* t : opts)
-    if (t->has_value() && !(*t)->is_contiguous()) return false;
+    if (t->has_value() && ((*t)->scalar_type() != dtype || !(*t)->is_contiguous())) return false;
   return true;
 }
+
+namespace {
+
+const Tensor* opt_tensor(const OptTensor& t) { return t.has_value() ? &*t : nullptr; }
+
+// The float32 values of bf16 tensors (null: absent), widened one after the
+// other into scratch per thread.
+std::vector<const float*> widened(std::initializer_list<const Tensor*> ts) {
+  thread_local std::vector<float> buf;
+  size_t n = 0;
+  for (const Tensor* t : ts) n += t != nullptr ? static_cast<size_t>(t->numel()) : 0;
+  if (buf.size() < n) buf.resize(n);
+  std::vector<const float*> out;
+  float* p = buf.data();
+  for (const Tensor* t : ts) {
+    if (t == nullptr) {
+      out.push_back(nullptr);
+      continue;
+    }
+    const uint16_t* src = pairs::bf16_bits(*t);
+    const int64_t m = t->numel();
+    for (int64_t i = 0; i < m; ++i) p[i] = pairs::from_bf16(src[i]);
+    out.push_back(p);
+    p += m;
+  }
+  return out;
+}
+
+// Float32 results per thread, rounded into bf16 tensors by narrow_into.
+float* results_scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+void narrow_into(const float* src, const Tensor& dst) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst.data_ptr());
+  for (int64_t i = 0, n = dst.numel(); i < n; ++i) bits[i] = pairs::to_bf16(src[i]);
+}
+
+}  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> step_lean(const StepSizes& s, const Tensor& x, const Tensor& h,
                                              const OptTensor& c, const Tensor& w_ih,
@@ -221,7 +274,16 @@ std::tuple<Tensor, Tensor, Tensor> step_lean(const StepSizes& s, const Tensor& x
   const auto opt = x.options();
   Tensor h_new = at::empty({s.B, s.H}, opt);
   Tensor c_new = s.cell == Cell::Lstm ? at::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
-  Tensor ws = at::empty({s.B, workspace_size(s.cell, s.H)}, opt);
+  Tensor ws = at::empty({s.B, workspace_size(s.cell, s.H)}, opt.dtype(acc));
+  if (dtype == at::kBFloat16) {  // widened, the float32 step, rounded (see lean_step)
+    const auto in = widened({&x, &h, opt_tensor(c), &w_ih, &w_hh, opt_tensor(b_ih), opt_tensor(b_hh)});
+    float* out = results_scratch(static_cast<size_t>(2 * s.B * s.H));
+    lean_step_forward<float>(s, in[0], in[1], in[2], in[3], in[4], in[5], in[6], out,
+                             c.has_value() ? out + s.B * s.H : nullptr, ptr<float>(ws));
+    narrow_into(out, h_new);
+    if (c.has_value()) narrow_into(out + s.B * s.H, c_new);
+    return {h_new, c_new, ws};
+  }
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_cpu", [&] {
     auto opt_ptr = [](const OptTensor& t) { return t.has_value() ? cptr<scalar_t>(*t) : nullptr; };
     lean_step_forward<scalar_t>(s, cptr<scalar_t>(x), cptr<scalar_t>(h), opt_ptr(c),
@@ -252,6 +314,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   Tensor d_w_hh = wanted(4) ? pooled_empty({GH, s.H}, opt) : none();
   Tensor d_b_ih = wanted(5) ? at::empty({GH}, opt) : none();
   Tensor d_b_hh = wanted(6) ? at::empty({GH}, opt) : none();
+  if (dtype == at::kBFloat16) {  // widened, the float32 step, rounded (see lean_step)
+    const auto in = widened({&gh, lstm ? &*gc : nullptr, &x, &h, lstm ? &*c : nullptr, &w_ih,
+                             &w_hh, &h_new});
+    const int64_t B = s.B, I = s.I, H = s.H;
+    float* d = results_scratch(static_cast<size_t>(B * I + 2 * B * H + GH * (I + H) + 2 * GH));
+    float* dx = d;  // the results, one after the other
+    float* dh = dx + B * I;
+    float* dc = dh + B * H;
+    float* dwi = dc + B * H;
+    float* dwh = dwi + GH * I;
+    float* dbi = dwh + GH * H;
+    float* dbh = dbi + GH;
+    lean_step_backward<float>(s, in[0], in[1], in[2], in[3], in[4], in[5], in[6], in[7],
+                              cptr<float>(workspace), wanted(0) ? dx : nullptr, dh,
+                              lstm ? dc : nullptr, wanted(3) ? dwi : nullptr,
+                              wanted(4) ? dwh : nullptr, wanted(5) ? dbi : nullptr,
+                              wanted(6) ? dbh : nullptr, wanted(1));
+    const std::pair<const float*, const Tensor*> results[] = {
+        {dx, &d_x}, {dh, &d_h}, {dc, &d_c}, {dwi, &d_w_ih}, {dwh, &d_w_hh}, {dbi, &d_b_ih}, {dbh, &d_b_hh}};
+    for (const auto& [src, dst] : results)
+      if (dst->numel() > 0) narrow_into(src, *dst);
+    return {d_x,    wanted(1) ? d_h : none(), wanted(2) ? d_c : none(), d_w_ih, d_w_hh, d_b_ih,
+            d_b_hh, none()};
+  }
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_step_backward_cpu", [&] {
     auto out = [](const Tensor& t) { return t.numel() > 0 ? ptr<scalar_t>(t) : nullptr; };
     lean_step_backward<scalar_t>(

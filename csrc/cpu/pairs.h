@@ -17,8 +17,9 @@
 //    them) and the weight gradients dW_hh, dW_hr (gemm below);
 //  * rnnkern::linear and its backward: the input projection x W_ih^T (x
 //    and W_ih already bf16: exact pairs), dX and dW_ih.
-// A call of one step keeps its float32 per-step products (weights read in
-// place: see products.h).
+// Calls of one step (the cells, a sequence of one step) too: their weights
+// packed from their bf16 bits each call (PackedPairs::pack), which costs less
+// than the float32 copies the float32 products would read.
 //
 // Layout: B[K, N] in column panels of kNR = 32 columns (two 16-lane
 // vectors); panel p holds, for each pair kp, the 32 columns' pairs as uint32

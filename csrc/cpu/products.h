@@ -95,9 +95,9 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
 }
 
 // W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
-// [G*H, K] weight; as bf16 pairs where bf16_pairs (float weights holding
-// bf16 values; a call of one step keeps the weight in place instead, for a
-// batch of batch_rows rows).
+// [G*H, K] weight; as bf16 pairs where bf16_pairs (w bfloat16, or float
+// holding bf16 values), packed at any T; else a float call of one step keeps
+// the weight in place, for a batch of batch_rows rows.
 template <typename A>
 StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_place,
                            int64_t batch_rows, bool bf16_pairs) {
