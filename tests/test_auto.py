@@ -28,17 +28,21 @@ CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Ze
                # (its rows replace the Zen 3's of the same cases)
                "bench/results/cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
 # A Zen 4 with its AVX512_BF16 (the cpu:512bit+bf16 class): the bf16 family at 1 and 2
-# threads and the bf16 latency sizes, bfloat16 rows only (bench.auto_table --dtypes).
+# threads, the bf16 latency sizes, and one-step calls (T=1) at 1 thread, bfloat16 rows
+# only (bench.auto_table --dtypes).
+STEP_RESULTS = "bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json"
 BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
                 "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json",
                 "bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-da2a16a/bench.json",
-                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json")
-# The same Zen 4 in float32 (the default grid at 1 and 2 threads, and the bf16 family's
-# float32 rows): oneDNN's AVX-512 LSTM forward is level with rnnkern's there.
+                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json",
+                STEP_RESULTS)
+# The same Zen 4 in float32 (the default grid at 1 and 2 threads, the bf16 family's
+# float32 rows, one-step calls): oneDNN's AVX-512 LSTM forward is level with rnnkern's there.
 F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-default-t1-3d88262/bench.json",
                "bench/results/cpu-zen4-2026-12-01-default-t2-3d88262/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
-               "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json")
+               "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json",
+               STEP_RESULTS)
 CPU = torch.device("cpu")
 
 
@@ -166,7 +170,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
     assert {e["dtype"] for e in zen4} == {"bfloat16", "float32"}
     for e in zen4:
-        runs = ("-default-t", "-bf16-t") if e["dtype"] == "float32" else ("-bf16-",)
+        runs = ("-default-t", "-bf16-t", "-step-bf16-t") if e["dtype"] == "float32" else ("-bf16-",)
         assert any(r in e["source"] for r in runs), e
     # What it says for the measured H100 cases (median of 10 CUDA-event timings).
     by_case = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]["cuda"]
