@@ -259,10 +259,10 @@ def test_modules_on_pairs_match_torch_nn_bf16(pair_mode, name):
 def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
     """Each element sums its pairs in one order whatever rows or units a
     thread takes: the recurrence forward and backward (split by rows at
-    B = 32; every gradient), a cell's step and its gradients, and the input
-    projection with its gradients give
-    the same bits at every thread count, emulated and (where the CPU has it)
-    on the instruction."""
+    B = 32; every gradient), a cell's step on pairs and a small one's lean
+    step, with their gradients, and the input projection with its gradients
+    give the same bits at every thread count, emulated and (where the CPU
+    has it) on the instruction."""
     g = generator("pairs-threads")
     m = rnnkern.LSTM(48, 128, backend="cpu").bfloat16()
     x = bf16_values(g, 9, 32, 48)
@@ -274,6 +274,8 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
 
     cell = rnnkern.GRUCell(48, 128, backend="cpu").bfloat16()
     hc = bf16_values(g, 32, 128)
+    small = rnnkern.LSTMCell(48, 40, backend="cpu").bfloat16()  # the lean step's size (widened)
+    hs, cs = bf16_values(g, 32, 40), bf16_values(g, 32, 40)
 
     def run(threads):
         torch.set_num_threads(threads)
@@ -281,7 +283,10 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
         grads = torch.autograd.grad((out * cot).sum(), [x, *m.parameters()])
         h1 = cell(x[0], hc)
         cell_grads = torch.autograd.grad((h1 * cot[0]).sum(), [x, *cell.parameters()])
-        return [out, h, c, *grads, h1, *cell_grads, torch.ops.rnnkern.linear(xl, wl),
+        h2, c2 = small(x[0], (hs, cs))
+        small_grads = torch.autograd.grad((h2 * cot[0, :, :40]).sum() + c2.sum(), [x, *small.parameters()])
+        return [out, h, c, *grads, h1, *cell_grads, h2, c2, *small_grads,
+                torch.ops.rnnkern.linear(xl, wl),
                 *torch.ops.rnnkern.linear_backward(gl, xl, wl, True, True)]
 
     try:
