@@ -1,6 +1,6 @@
 """The size grid: which (cell, B, T, H, dtype, call) cases a run measures.
 
-Six families of sizes, one list per device:
+Seven families of sizes, one list per device:
 
 ============  =====================================  ======================================
 family        GPU (the benchmark's grid)             CPU (scaled to 2 shared cores)
@@ -17,6 +17,9 @@ step          B 1, 16 x H 64, 256, and B 1 H 8;       the same
               call
 bf16          the CPU sizes                          B 32 T 128 H 256, B 64 T 64 H 512, in
                                                      bfloat16 and float32 whatever --dtypes
+packed        (CPU only)                             232 sequences, longest 100, the others
+                                                     of exponential lengths (mean 17.5),
+                                                     I 64, H 128; float32, forward+backward
 ============  =====================================  ======================================
 
 ``peers`` is the table of rnnkern against the CPU inference engines a user
@@ -28,9 +31,14 @@ call of the cell (``rnnkern.LSTMCell`` vs ``torch.nn.LSTMCell``).  ``bf16`` meas
 bfloat16 beside float32 at the same sizes, whatever ``--dtypes`` says, so that the
 report gives each candidate's bf16 speed against its own float32: what bf16 is worth
 where the CPU has the bf16 dot-product instruction (AVX512_BF16, which oneDNN's bf16
-RNNs and rnnkern's bf16 pairs run on).  None of the three is in the default run
-(``--families peers step bf16`` asks for them; ``--full`` and ``--quick`` include
-them).
+RNNs and rnnkern's bf16 pairs run on).  ``packed`` is a study rather than cases of the
+grid (bench/packed.py, ``python -m bench.packed`` on its own): a PackedSequence of a few
+long and many short sequences, what splitting RL trajectories at episode ends gives,
+against torch.nn's packed path (which costs the real steps), with rnnkern's ``lengths=``
+on the same batch padded and its dense batch of the same number of steps; its results go
+to the JSON's ``packed`` list and the report's packed table.  None of the four is in the
+default run (``--families peers step bf16 packed`` asks for them; ``--full`` and
+``--quick`` include them).
 
 The CPU grid keeps the shape of the GPU one (three batch sizes against three hidden
 sizes, a large-batch family, sequences up to thousands of steps) at a size where
@@ -48,7 +56,11 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step", "bf16")
+FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step", "bf16", "packed")
+#: Families that are studies of their own (bench/packed.py), not cases of the grid.
+STUDY_FAMILIES = ("packed",)
+#: The packed study's batch: (longest T, sequences B, I, H, mean length of the others).
+PACKED_SIZES = {"cpu": (100, 232, 64, 128, 17.5), "quick": (12, 9, 4, 8, 3.0)}
 #: The families of ``python -m bench`` without --families (--full and --quick: all).
 DEFAULT_FAMILIES = ("latency", "throughput", "long", "headline")
 #: How a case calls its module: "sequence" (nn.LSTM & co. on [T, B, I]) or "cell"
@@ -204,7 +216,7 @@ def build_grid(device: str, cells, dtypes, families, grid: str) -> list[Case]:
         for dtype in every:
             tags: dict[tuple, list] = {}
             for family in families:
-                if dtype not in FAMILY_DTYPES.get(family, dtypes):
+                if family in STUDY_FAMILIES or dtype not in FAMILY_DTYPES.get(family, dtypes):
                     continue
                 for size in family_sizes(table, family, cell):
                     for call in FAMILY_CALLS.get(family, ("sequence",)):

@@ -5,6 +5,7 @@ same number of steps; rnnkern's ``lengths=`` on the same batch padded (unsorted)
     python -m bench.packed                      # LSTM H=128, 232 sequences, longest 100
     python -m bench.packed --cells lstm gru rnn_tanh --threads 1
     python -m bench.packed --quick              # tiny sizes, a smoke test
+    python -m bench --families packed           # the same study as a family of the benchmark
 
 What splitting RL trajectories at episode ends gives (torchrl's split-and-pad,
 recurrent PPO's sequence batches): here B sequences, one of the longest length T
@@ -35,8 +36,9 @@ import rnnkern
 
 from . import report, timing
 
-MODULES = {"lstm": (torch.nn.LSTM, rnnkern.LSTM), "gru": (torch.nn.GRU, rnnkern.GRU),
-           "rnn_tanh": (torch.nn.RNN, rnnkern.RNN)}
+MODULES = {"lstm": (torch.nn.LSTM, rnnkern.LSTM, {}), "gru": (torch.nn.GRU, rnnkern.GRU, {}),
+           "rnn_tanh": (torch.nn.RNN, rnnkern.RNN, {}),
+           "rnn_relu": (torch.nn.RNN, rnnkern.RNN, {"nonlinearity": "relu"})}
 TOLERANCE = 1e-10  # float64 agreement, outputs and every gradient
 
 
@@ -50,8 +52,9 @@ def skewed_lengths(B: int, T: int, mean: float, seed: int) -> torch.Tensor:
 
 def pair(cell: str, I: int, H: int, dtype, seed: int):
     torch.manual_seed(seed)
-    theirs = MODULES[cell][0](I, H)
-    ours = MODULES[cell][1](I, H, backend="cpu")
+    torch_cls, rnnkern_cls, kwargs = MODULES[cell]
+    theirs = torch_cls(I, H, **kwargs)
+    ours = rnnkern_cls(I, H, backend="cpu", **kwargs)
     ours.load_state_dict(theirs.state_dict())
     return theirs.to(dtype), ours.to(dtype)
 
@@ -185,11 +188,7 @@ def main(argv=None) -> None:
     for cell in args.cells:
         r = measure(cell, args.T, args.B, args.I, args.H, args.mean, args.rounds, seed=0)
         results.append(r)
-        print(f"{cell} B={r['B']} longest {r['T']} H={r['H']}: {r['steps']} steps of a {r['grid']} grid; "
-              f"torch.nn {r['ms']['torch.nn packed']:.3g} ms, rnnkern {r['ms']['rnnkern packed']:.3g} ms: "
-              f"{r['speedup_vs_torch']:.2f}x (lengths= {r['ms']['rnnkern lengths=']:.3g} ms: "
-              f"{r['lengths_speedup_vs_torch']:.2f}x); packed / dense of the same steps "
-              f"{r['packed_over_dense']:.2f} (float64 agreement {r['float64_max_difference']:.1e})", flush=True)
+        print(report.packed_line(r), flush=True)
     report.write_study(args.json, {"meta": meta, "results": results})
 
 if __name__ == "__main__":

@@ -257,6 +257,30 @@ def summary(doc) -> str:
     return "\n".join(out).rstrip()
 
 
+def packed_line(r) -> str:
+    """One line of the packed study (bench/packed.py): a cell's packed batch of skewed
+    lengths against torch.nn, its lengths= twin, and packed / dense of the same steps."""
+    return (f"{r['cell']} B={r['B']} longest {r['T']} H={r['H']}: {r['steps']} steps of a {r['grid']} grid; "
+            f"torch.nn {r['ms']['torch.nn packed']:.3g} ms, rnnkern {r['ms']['rnnkern packed']:.3g} ms: "
+            f"{r['speedup_vs_torch']:.2f}x (lengths= {r['ms']['rnnkern lengths=']:.3g} ms: "
+            f"{r['lengths_speedup_vs_torch']:.2f}x); packed / dense of the same steps "
+            f"{r['packed_over_dense']:.2f} (float64 agreement {r['float64_max_difference']:.1e})")
+
+
+PACKED_HEADER = ["cell", "B", "longest T", "H", "steps / grid", "torch.nn packed (ms)",
+                 "rnnkern-cpu packed", "rnnkern-cpu lengths=", "rnnkern packed / dense"]
+
+
+def packed_rows(doc) -> list:
+    """The packed study's table rows (forward + backward, float32): speed ratios against
+    torch.nn's packed path, and rnnkern's packed time over its dense batch of the same
+    number of steps (1.00: packing costs nothing beyond the real steps)."""
+    return [[r["cell"], str(r["B"]), str(r["T"]), str(r["H"]), f"{r['steps']} / {r['grid']}",
+             f"{r['ms']['torch.nn packed']:.3g}", f"{r['speedup_vs_torch']:.2f}x",
+             f"{r['lengths_speedup_vs_torch']:.2f}x", f"{r['packed_over_dense']:.2f}"]
+            for r in doc.get("packed", [])]
+
+
 def markdown(doc) -> str:
     """The summary as markdown tables, with the command and the machine."""
     m = doc["meta"]
@@ -288,6 +312,18 @@ def markdown(doc) -> str:
         out.append("|" + "|".join("---" for _ in header) + "|")
         out += ["| " + " | ".join(row) + " |" for row in rows]
         out.append("")
+    rows = packed_rows(doc)
+    if rows:
+        out.append("**forward + backward: packed batches of skewed lengths** (bench/packed.py, float32; "
+                   "speed ratios against torch.nn's packed path; packed / dense: rnnkern's packed time over "
+                   "its dense batch of the same number of steps)")
+        out.append("")
+        out.append("| " + " | ".join(PACKED_HEADER) + " |")
+        out.append("|" + "|".join("---" for _ in PACKED_HEADER) + "|")
+        out += ["| " + " | ".join(row) + " |" for row in rows]
+        out.append("")
+    if doc.get("packed_note"):
+        out += [f"Packed study not run: {doc['packed_note']}.", ""]
     notes = _not_run_notes(doc)
     if notes:
         out += ["Not run: " + "; ".join(notes) + ".", ""]

@@ -45,8 +45,8 @@ from . import agreement, fma_peak, report, timing
 from .candidates import (BASELINE, CANDIDATES, FLASHRNN_FAMILIES, LOOP_MAX_T, ONNX_EXPORT, OPENVINO_HINTS,
                          PEERS, torch_module)
 from .cost import cost
-from .grid import (CELLS, DEFAULT_CELLS, DEFAULT_DTYPES, DEFAULT_FAMILIES, DTYPES, FAMILIES, FAMILY_CALLS, Case,
-                   build_grid, sizes)
+from .grid import (CELLS, DEFAULT_CELLS, DEFAULT_DTYPES, DEFAULT_FAMILIES, DTYPES, FAMILIES, FAMILY_CALLS,
+                   PACKED_SIZES, STUDY_FAMILIES, Case, build_grid, sizes)
 
 SCHEMA = "rnnkern-bench/1"
 PHASES = ("forward", "forward_backward")
@@ -357,8 +357,9 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
         "complete": False,      # true once every case is measured
         "stopped_by": None,     # "SIGINT" / "SIGTERM" when the run was stopped
         "cells": list(cfg.cells), "dtypes": list(dtypes), "families": list(families),
-        "grid": {f: grid_entry(table[f]) for f in families},
-        "grid_calls": {f: list(FAMILY_CALLS.get(f, ("sequence",))) for f in families},
+        "grid": {f: grid_entry(table[f]) if f not in STUDY_FAMILIES else packed_size(cfg)
+                 for f in families},
+        "grid_calls": {f: list(FAMILY_CALLS.get(f, ("sequence",))) for f in families if f not in STUDY_FAMILIES},
         "grid_note": ("sizes are [B, T, H] (peers: per cell); input size I = H; one layer, one direction; "
                       "grid_calls: how each family's sizes are called (sequence: nn.LSTM & co.; "
                       "cell: nn.LSTMCell & co. on x[0], T = 1)"),
@@ -385,6 +386,32 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
                       "floor": {str(k).replace("torch.", ""): v for k, v in agreement.FLOOR.items()}},
         "limits": {"loop_max_T": LOOP_MAX_T[device.type], "flashrnn_families": list(FLASHRNN_FAMILIES)},
     }
+
+
+def packed_size(cfg: Config) -> dict:
+    """The packed study's batch (bench/grid.py PACKED_SIZES)."""
+    T, B, I, H, mean = PACKED_SIZES["quick" if cfg.quick else "cpu"]
+    return {"T": T, "B": B, "I": I, "H": H, "mean_length": mean}
+
+
+def run_packed(doc: dict, device: torch.device, cfg: Config, say, outputs) -> None:
+    """The packed family: bench/packed.py's study per cell, into doc["packed"]."""
+    from . import packed
+
+    if device.type != "cpu":
+        doc["packed_note"] = "the packed study runs on the CPU (rnnkern's cpu backend against torch.nn)"
+        say(f"packed: not run ({doc['packed_note']})")
+        return
+    size = packed_size(cfg)
+    rounds = cfg.rounds or (3 if cfg.quick else 7)
+    doc["packed"] = []
+    for cell in cfg.cells:
+        r = packed.measure(cell, size["T"], size["B"], size["I"], size["H"], size["mean_length"], rounds, seed=0)
+        doc["packed"].append(r)
+        say("[packed] " + report.packed_line(r))
+        sys.stdout.flush()
+        if outputs is not None:
+            outputs.save(doc, final=False)
 
 
 class Stopped(Exception):
@@ -485,6 +512,9 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
             sys.stdout.flush()
             if outputs is not None:
                 outputs.save(doc, final=False)
+        if "packed" in cfg.run_families():
+            progress.set_postfix_str("packed batches")
+            run_packed(doc, device, cfg, say, outputs)
         progress.set_postfix_str("measuring peaks")
         doc["peaks"] = timing.best_peaks(doc["peaks"], timing.measure_peaks(device, [DTYPES[d] for d in dtypes]))
         if "fma" in doc["peaks"]:

@@ -24,7 +24,7 @@ import torch
 import rnnkern
 from bench import agreement, fma_peak, report, suite
 from bench.cost import cost
-from bench.grid import DEFAULT_FAMILIES, FAMILIES, build_grid
+from bench.grid import DEFAULT_FAMILIES, FAMILIES, PACKED_SIZES, STUDY_FAMILIES, build_grid
 from rnnkern.check.probe import ISA_CAPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def test_quick_json_is_well_formed(quick_run):
 
     results = doc["results"]
     seen = {(r["cell"], r["phase"], f) for r in results for f in r["families"]}
-    assert seen == {(c, p, f) for c in CELLS for p in PHASES for f in FAMILIES}
+    assert seen == {(c, p, f) for c in CELLS for p in PHASES for f in FAMILIES if f not in STUDY_FAMILIES}
     for r in results:
         where = f"{r['cell']} B{r['B']} T{r['T']} H{r['H']} {r['phase']}"
         # float32 but for the bf16 family, measured in bfloat16 beside float32
@@ -215,6 +215,30 @@ def test_quick_runs_the_peers_and_the_step_family(quick_run):
                 # A sequence call runs OpenVINO's own recurrent operator, a cell call the products.
                 rnn_ops = {"LSTMSequence", "GRUSequence", "RNNSequence", "TensorIterator", "Loop"}
                 assert bool(rnn_ops & set(engine["ops"])) == (r["call"] == "sequence"), (r, engine["ops"])
+
+
+def test_quick_runs_the_packed_family(quick_run):
+    """The packed family (bench/packed.py as a study of the run): every cell's packed
+    batch of skewed lengths, agreed with torch.nn in float64 before its timing, its
+    line printed as it is measured, and the report's table the JSON's figures."""
+    out, stdout = quick_run
+    doc = json.loads((out / "quick.json").read_text())
+    T, B, I, H, mean = PACKED_SIZES["quick"]
+    assert doc["meta"]["grid"]["packed"] == {"T": T, "B": B, "I": I, "H": H, "mean_length": mean}
+    rows = doc["packed"]
+    assert [r["cell"] for r in rows] == list(CELLS)
+    md = (out / "quick.md").read_text()
+    assert "packed batches of skewed lengths" in md
+    for r in rows:
+        assert (r["T"], r["B"], r["I"], r["H"]) == (T, B, I, H), r
+        assert 0 <= r["float64_max_difference"] <= 1e-10, r
+        assert B <= r["steps"] < r["grid"] == T * B, r  # mostly padding, as the study means
+        for name in ("torch.nn packed", "rnnkern packed", "rnnkern lengths=", "rnnkern dense"):
+            assert positive(r["ms"][name]), (r["cell"], name)
+        assert r["speedup_vs_torch"] == pytest.approx(r["ms"]["torch.nn packed"] / r["ms"]["rnnkern packed"])
+        assert "[packed] " + report.packed_line(r) in stdout
+        assert "| " + " | ".join(next(row for row in report.packed_rows(doc) if row[0] == r["cell"])) + " |" in md
+        assert f"| {r['cell']} | {B} | {T} | {H} | {r['steps']} / {T * B} | " in md
 
 
 def test_quick_prints_tables_and_writes_plots(quick_run):
