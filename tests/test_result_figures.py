@@ -66,17 +66,9 @@ def records(path: Path) -> List[dict]:
                                     "resets": {"ms": r["rnnkern_ms"], "x": r["speedup"]}}))
         return out
     if "packed_over_dense" in (data["results"] or [{}])[0]:  # python -m bench.packed
-        for r in data["results"]:
-            out.append(dict(cell=r["cell"], call="sequence", B=r["B"], T=r["T"], H=r["H"], dtype="float32",
-                            phase="forward_backward", threads=meta["threads"],
-                            values={"torch": {"ms": r["ms"]["torch.nn packed"], "x": 1.0},
-                                    "packed": {"ms": r["ms"]["rnnkern packed"], "x": r["speedup_vs_torch"]},
-                                    "packed_over_dense": {"x": r["packed_over_dense"]},
-                                    **({"lengths": {"ms": r["ms"]["rnnkern lengths="],
-                                                    "x": r["lengths_speedup_vs_torch"]}}
-                                       if "lengths_speedup_vs_torch" in r else {})}))
-        return out
+        return [packed_record(r, meta["threads"]) for r in data["results"]]
     threads = meta["device"].get("threads")
+    out = [packed_record(r, threads) for r in data.get("packed", [])]  # python -m bench's packed family
     for r in data["results"]:
         values = {}
         for name, c in r["candidates"].items():
@@ -85,6 +77,18 @@ def records(path: Path) -> List[dict]:
         out.append(dict(cell=r["cell"], call=r.get("call", "sequence"), B=r["B"], T=r["T"], H=r["H"],
                         dtype=r["dtype"], phase=r["phase"], threads=threads, values=values))
     return out
+
+
+def packed_record(r: dict, threads) -> dict:
+    """A packed study's result (bench/packed.py) as a record: its candidates torch,
+    packed, lengths (where measured) and packed_over_dense."""
+    return dict(cell=r["cell"], call="sequence", B=r["B"], T=r["T"], H=r["H"], dtype="float32",
+                phase="forward_backward", threads=threads,
+                values={"torch": {"ms": r["ms"]["torch.nn packed"], "x": 1.0},
+                        "packed": {"ms": r["ms"]["rnnkern packed"], "x": r["speedup_vs_torch"]},
+                        "packed_over_dense": {"x": r["packed_over_dense"]},
+                        **({"lengths": {"ms": r["ms"]["rnnkern lengths="], "x": r["lengths_speedup_vs_torch"]}}
+                           if "lengths_speedup_vs_torch" in r else {})})
 
 
 # ------------------------------------------------------------ the pages ----
