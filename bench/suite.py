@@ -474,7 +474,7 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
     doc = {"meta": metadata(device, cfg, dtypes, candidates), "results": []}
     say = tqdm.write
     n_threads = torch.get_num_threads()
-    study = (f" and the packed study ({len(cfg.cells)} cells)"
+    study = (f" and the packed study ({len(cfg.cells)} cell{'s' if len(cfg.cells) != 1 else ''})"
              if "packed" in cfg.run_families() and device.type == "cpu" else "")
     say(f"bench: {len(cases)} cases x 2 phases{study} on {doc['meta']['device']['name']}, {n_threads} "
         f"thread{'s' if n_threads != 1 else ''}; candidates: {', '.join(CANDIDATES[n].label for n in names)}")
