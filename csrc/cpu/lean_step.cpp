@@ -192,19 +192,20 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
 }  // namespace
 
 // Whether step(cell ...) takes the lean path: a cell without options and
-// inputs already contiguous in the accumulate type, whatever the thread count
-// (the choice must not depend on it: the two paths sum in different orders;
-// and the driver's T = 1 input projection packs W_ih, which made an LSTM step
-// at B=32 H=256 take 324 us against the lean path's 168 at B=31, one thread).
-// Its scratch is kept per thread, so a step with more than kMaxLeanGateValues
-// gate pre-activations (B x G x H; 16 MiB of float32 scratch) goes to the
-// driver, whose buffers are pooled.
-// A bfloat16 step takes it too where its weights are small (G*H*(I + H) up
-// to kMaxLeanBf16WeightValues: an RNN or GRU cell at H = 64, an LSTM's at
-// H = 45): its values widened into float32 scratch (exact), the float32
-// step, the results rounded to bf16.  The driver's bf16 path (pairs.h) cost
-// 16 us of such a step's 18 in checks and buffers, 0.7x torch.nn's RNNCell;
-// the widening grows with the weights, where the pair products pay off.
+// inputs already contiguous in the accumulate type (or bfloat16, below),
+// whatever the thread count (the choice must not depend on it: the two paths
+// sum in different orders; and the driver's T = 1 input projection packs
+// W_ih, which made an LSTM step at B=32 H=256 take 324 us against the lean
+// path's 168 at B=31, one thread).  Its scratch is kept per thread, so a
+// step with more than kMaxLeanGateValues gate pre-activations (B x G x H;
+// 16 MiB of float32 scratch) goes to the driver, whose buffers are pooled.
+// A bfloat16 step takes it where its weights are small (G*H*(I + H) up to
+// kMaxLeanBf16WeightValues; with I = H an RNN cell up to H = 128, a GRU's up
+// to 73, an LSTM's up to 64): its values widened into float32 scratch
+// (exact), the float32 step, the results rounded to bf16.  The driver's bf16
+// path (pairs.h) cost 16 us of such a step's 18 in checks and buffers, 0.7x
+// torch.nn's RNNCell; the widening grows with the weights, where the pair
+// products pay off.
 constexpr int64_t kMaxLeanGateValues = int64_t(1) << 21;
 constexpr int64_t kMaxLeanBf16WeightValues = int64_t(1) << 15;
 bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
