@@ -207,6 +207,19 @@ def outputs_and_grads(backend, cell, args, lengths=None, reverse=False, key=()):
     return dict(zip(["output", "h_n", "c_n"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
+def step_outputs_and_grads(backend, cell, args, key=()):
+    """rnnkern.ops.step on a step_inputs dict: h_new, c_new and the gradients of
+    every input under a random linear functional of both."""
+    h, c = ops.step(cell, args["x"], args["h"], args["c"], args["w_ih"], args["w_hh"],
+                    args["b_ih"], args["b_hh"], backend=backend)
+    out = [t for t in (h, c) if t is not None]
+    g = generator("step-cotangent", *key)
+    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
+    names = differentiable(args)
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return dict(zip(["h_new", "c_new"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
+
+
 def torch_module(cell, input_size, hidden_size, **kwargs):
     """The torch.nn module computing `cell` (None for gru_reset_before, which torch lacks)."""
     if cell == "lstm":

@@ -18,7 +18,7 @@ import torch
 import rnnkern
 from rnnkern import _C, ops
 from conftest import (CELLS, assert_close, assert_low_precision, generator, outputs_and_grads,
-                      randn, recurrence_inputs, step_inputs)
+                      randn, recurrence_inputs, step_inputs, step_outputs_and_grads)
 
 
 @contextlib.contextmanager
@@ -195,17 +195,6 @@ def test_bfloat16_on_pairs_within_reference_error(pair_mode, cell, proj, T, B):
         assert got[name].dtype == torch.bfloat16, name
         assert torch.isfinite(got[name]).all(), name
         assert_low_precision(got[name], ref16[name], want[name], what=name)
-
-
-def step_outputs_and_grads(backend, cell, args, key):
-    h, c = ops.step(cell, args["x"], args["h"], args["c"], args["w_ih"], args["w_hh"],
-                    args["b_ih"], args["b_hh"], backend=backend)
-    out = [t for t in (h, c) if t is not None]
-    g = generator("step-cotangent", *key)
-    loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in out)
-    names = [n for n, t in args.items() if t is not None]
-    grads = torch.autograd.grad(loss, [args[n] for n in names])
-    return dict(zip(["h_new", "c_new"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
 @pytest.mark.parametrize("cell,B,I,H", [("lstm", 1, 48, 80), ("gru", 5, 33, 110),

@@ -11,6 +11,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <utility>
@@ -26,6 +27,8 @@
 
 namespace rnnkern::cpu {
 namespace {
+
+bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
 // Scratch of the lean step, per thread, grown as needed and kept.
 template <typename A>
@@ -199,25 +202,25 @@ RNNKERN_CPU_CLONES void lean_step_backward(const StepSizes& s, const A* grad_h, 
 // path's 168 at B=31, one thread).  Its scratch is kept per thread, so a
 // step with more than kMaxLeanGateValues gate pre-activations (B x G x H;
 // 16 MiB of float32 scratch) goes to the driver, whose buffers are pooled.
-// A bfloat16 step takes it where its weights are small (G*H*(I + H) up to
-// kMaxLeanBf16WeightValues; with I = H an RNN cell up to H = 128, a GRU's up
-// to 73, an LSTM's up to 64): its values widened into float32 scratch
-// (exact), the float32 step, the results rounded to bf16.  The driver's bf16
-// path (pairs.h) cost 16 us of such a step's 18 in checks and buffers, 0.7x
-// torch.nn's RNNCell; the widening grows with the weights, where the pair
-// products pay off.
+// A bfloat16 or float16 step takes it where its weights are small (G*H*(I +
+// H) up to kMaxLeanHalfWeightValues; with I = H an RNN cell up to H = 128, a
+// GRU's up to 73, an LSTM's up to 64): its values widened into float32
+// scratch (exact), the float32 step, the results rounded to the half type.
+// The driver's path cost 16 us of such a bf16 step's 18 in checks and
+// buffers, 0.7x torch.nn's RNNCell (float16: 0.76-0.93x at B=1); the
+// widening grows with the weights, where the driver's products (bf16 pairs,
+// pooled conversions) pay off.
 constexpr int64_t kMaxLeanGateValues = int64_t(1) << 21;
-constexpr int64_t kMaxLeanBf16WeightValues = int64_t(1) << 15;
+constexpr int64_t kMaxLeanHalfWeightValues = int64_t(1) << 15;
 bool lean_step(const StepSizes& s, std::initializer_list<const Tensor*> ts,
                std::initializer_list<const OptTensor*> opts) {
   if (s.cell == Cell::GruResetBefore || s.cell == Cell::LstmLn) return false;
   if (s.B * s.G * s.H > kMaxLeanGateValues) return false;
   const auto dtype = (*ts.begin())->scalar_type();
-  if (dtype == at::kBFloat16 && s.G * s.H * (s.I + s.H) > kMaxLeanBf16WeightValues) return false;
+  if (is_half(dtype) && s.G * s.H * (s.I + s.H) > kMaxLeanHalfWeightValues) return false;
   for (const Tensor* t : ts) {
     const auto st = t->scalar_type();
-    if (st != dtype || (st != at::kFloat && st != at::kDouble && st != at::kBFloat16) ||
-        !t->is_contiguous())
+    if (st != dtype || (st != at::kFloat && st != at::kDouble && !is_half(st)) || !t->is_contiguous())
       return false;
   }
   for (const OptTensor* t : opts)
@@ -229,8 +232,22 @@ namespace {
 
 const Tensor* opt_tensor(const OptTensor& t) { return t.has_value() ? &*t : nullptr; }
 
-// The float32 values of bf16 tensors (null: absent), widened one after the
-// other into scratch per thread.
+// A half type's values as float32 and back (c10's roundings), per ISA level.
+RNNKERN_CPU_CLONES void widen_bf16(int64_t n, const uint16_t* __restrict src, float* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = pairs::from_bf16(src[i]);
+}
+RNNKERN_CPU_CLONES void widen_f16(int64_t n, const uint16_t* __restrict src, float* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+RNNKERN_CPU_CLONES void narrow_bf16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = pairs::to_bf16(src[i]);
+}
+RNNKERN_CPU_CLONES void narrow_f16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::fp16_ieee_from_fp32_value(src[i]);
+}
+
+// The float32 values of half-type tensors (null: absent), widened one after
+// the other into scratch per thread.
 std::vector<const float*> widened(std::initializer_list<const Tensor*> ts) {
   thread_local std::vector<float> buf;
   size_t n = 0;
@@ -243,16 +260,19 @@ std::vector<const float*> widened(std::initializer_list<const Tensor*> ts) {
       out.push_back(nullptr);
       continue;
     }
-    const uint16_t* src = pairs::bf16_bits(*t);
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(t->const_data_ptr());
     const int64_t m = t->numel();
-    for (int64_t i = 0; i < m; ++i) p[i] = pairs::from_bf16(src[i]);
+    if (t->scalar_type() == at::kBFloat16)
+      widen_bf16(m, src, p);
+    else
+      widen_f16(m, src, p);
     out.push_back(p);
     p += m;
   }
   return out;
 }
 
-// Float32 results per thread, rounded into bf16 tensors by narrow_into.
+// Float32 results per thread, rounded into half-type tensors by narrow_into.
 float* results_scratch(size_t n) {
   thread_local std::vector<float> buf;
   if (buf.size() < n) buf.resize(n);
@@ -261,7 +281,10 @@ float* results_scratch(size_t n) {
 
 void narrow_into(const float* src, const Tensor& dst) {
   uint16_t* bits = reinterpret_cast<uint16_t*>(dst.data_ptr());
-  for (int64_t i = 0, n = dst.numel(); i < n; ++i) bits[i] = pairs::to_bf16(src[i]);
+  if (dst.scalar_type() == at::kBFloat16)
+    narrow_bf16(dst.numel(), src, bits);
+  else
+    narrow_f16(dst.numel(), src, bits);
 }
 
 }  // namespace
@@ -276,7 +299,7 @@ std::tuple<Tensor, Tensor, Tensor> step_lean(const StepSizes& s, const Tensor& x
   Tensor h_new = at::empty({s.B, s.H}, opt);
   Tensor c_new = s.cell == Cell::Lstm ? at::empty({s.B, s.H}, opt) : empty_like_options(x, dtype);
   Tensor ws = at::empty({s.B, workspace_size(s.cell, s.H)}, opt.dtype(acc));
-  if (dtype == at::kBFloat16) {  // widened, the float32 step, rounded (see lean_step)
+  if (is_half(dtype)) {  // widened, the float32 step, rounded (see lean_step)
     const auto in = widened({&x, &h, opt_tensor(c), &w_ih, &w_hh, opt_tensor(b_ih), opt_tensor(b_hh)});
     float* out = results_scratch(static_cast<size_t>(2 * s.B * s.H));
     lean_step_forward<float>(s, in[0], in[1], in[2], in[3], in[4], in[5], in[6], out,
@@ -315,7 +338,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   Tensor d_w_hh = wanted(4) ? pooled_empty({GH, s.H}, opt) : none();
   Tensor d_b_ih = wanted(5) ? at::empty({GH}, opt) : none();
   Tensor d_b_hh = wanted(6) ? at::empty({GH}, opt) : none();
-  if (dtype == at::kBFloat16) {  // widened, the float32 step, rounded (see lean_step)
+  if (is_half(dtype)) {  // widened, the float32 step, rounded (see lean_step)
     const auto in = widened({&gh, lstm ? &*gc : nullptr, &x, &h, lstm ? &*c : nullptr, &w_ih,
                              &w_hh, &h_new});
     const int64_t B = s.B, I = s.I, H = s.H;
