@@ -281,6 +281,12 @@ def packed_rows(doc) -> list:
             for r in doc.get("packed", [])]
 
 
+def _md_table(header, rows) -> list:
+    """A markdown table's lines, and a blank line after it."""
+    return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+            + ["| " + " | ".join(row) + " |" for row in rows] + [""])
+
+
 def markdown(doc) -> str:
     """The summary as markdown tables, with the command and the machine."""
     m = doc["meta"]
@@ -297,10 +303,7 @@ def markdown(doc) -> str:
                 continue
             out.append(f"**{_title(phase, section)}**")
             out.append("")
-            out.append("| " + " | ".join(header) + " |")
-            out.append("|" + "|".join("---" for _ in header) + "|")
-            out += ["| " + " | ".join(row) + " |" for row in rows]
-            out.append("")
+            out += _md_table(header, rows)
     for phase in ("forward", "forward_backward"):
         header, rows = _half_summary(doc, phase)
         if not rows:
@@ -308,20 +311,14 @@ def markdown(doc) -> str:
         out.append(f"**{_half_title(phase)}** (each candidate's float32 time / its own half-type time, "
                    "> 1: the half type is faster)")
         out.append("")
-        out.append("| " + " | ".join(header) + " |")
-        out.append("|" + "|".join("---" for _ in header) + "|")
-        out += ["| " + " | ".join(row) + " |" for row in rows]
-        out.append("")
+        out += _md_table(header, rows)
     rows = packed_rows(doc)
     if rows:
         out.append("**forward + backward: packed batches of skewed lengths** (bench/packed.py, float32; "
                    "speed ratios against torch.nn's packed path; packed / dense: rnnkern's packed time over "
                    "its dense batch of the same number of steps)")
         out.append("")
-        out.append("| " + " | ".join(PACKED_HEADER) + " |")
-        out.append("|" + "|".join("---" for _ in PACKED_HEADER) + "|")
-        out += ["| " + " | ".join(row) + " |" for row in rows]
-        out.append("")
+        out += _md_table(PACKED_HEADER, rows)
     if doc.get("packed_note"):
         out += [f"Packed study not run: {doc['packed_note']}.", ""]
     notes = _not_run_notes(doc)

@@ -220,6 +220,22 @@ def step_outputs_and_grads(backend, cell, args, key=()):
     return dict(zip(["h_new", "c_new"], out)) | {f"grad_{n}": gr for n, gr in zip(names, grads)}
 
 
+def assert_half_step_within_reference_error(cell, B, I, H, dtype, key=()):
+    """One step of the CPU backend in a half type: h_new, c_new and every gradient
+    finite, in that dtype, and within twice the reference's own error in it."""
+    args = step_inputs(cell, B, I, H, dtype=dtype, key=key)
+    low = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
+    high = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = (*key, cell, B, I, H)
+    want = step_outputs_and_grads("reference", cell, high, key)
+    ref_low = step_outputs_and_grads("reference", cell, low, key)
+    got = step_outputs_and_grads("cpu", cell, low, key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert torch.isfinite(got[name]).all(), name
+        assert_low_precision(got[name], ref_low[name], want[name], what=name)
+
+
 def torch_module(cell, input_size, hidden_size, **kwargs):
     """The torch.nn module computing `cell` (None for gru_reset_before, which torch lacks)."""
     if cell == "lstm":

@@ -10,10 +10,9 @@ import torch
 
 import rnnkern
 from rnnkern import ops, reference
-from conftest import (CELLS, assert_close, assert_low_precision, differentiable, generator,
-                      outputs_and_grads, randn,
-                      recurrence_inputs, rnnkern_module, step_inputs, step_outputs_and_grads,
-                      torch_module)
+from conftest import (CELLS, assert_close, assert_half_step_within_reference_error,
+                      assert_low_precision, differentiable, generator, outputs_and_grads, randn,
+                      recurrence_inputs, rnnkern_module, step_inputs, torch_module)
 
 # (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
 CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
@@ -222,17 +221,7 @@ def test_float16_step_within_reference_error(cell, B, I, H):
     the lean step on values widened to float32, results rounded to float16 as
     c10 rounds; above, the driver on pooled float32 conversions.  h_new, c_new
     and every gradient within twice the reference's own float16 error."""
-    args = step_inputs(cell, B, I, H, dtype=torch.float16, key=("f16-step",))
-    args16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
-    args32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
-    key = (cell, B, I, H)
-    want = step_outputs_and_grads("reference", cell, args32, key)
-    ref16 = step_outputs_and_grads("reference", cell, args16, key)
-    got = step_outputs_and_grads("cpu", cell, args16, key)
-    for name in want:
-        assert got[name].dtype == torch.float16, name
-        assert torch.isfinite(got[name]).all(), name
-        assert_low_precision(got[name], ref16[name], want[name], what=name)
+    assert_half_step_within_reference_error(cell, B, I, H, torch.float16, key=("f16-step",))
 
 
 # ------------------------------------------ input projection (linear op) ----

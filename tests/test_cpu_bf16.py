@@ -17,8 +17,8 @@ import torch
 
 import rnnkern
 from rnnkern import _C, ops
-from conftest import (CELLS, assert_close, assert_low_precision, generator, outputs_and_grads,
-                      randn, recurrence_inputs, step_inputs, step_outputs_and_grads)
+from conftest import (CELLS, assert_close, assert_half_step_within_reference_error,
+                      assert_low_precision, generator, outputs_and_grads, randn, recurrence_inputs)
 
 
 @contextlib.contextmanager
@@ -211,17 +211,7 @@ def test_step_on_pairs_within_reference_error(pair_mode, cell, B, I, H):
     values widened to float32, the float32 step, results rounded.  One row
     and batches; h_new, c_new and every gradient within twice the
     reference's own bfloat16 error."""
-    args = step_inputs(cell, B, I, H, dtype=torch.bfloat16, key=("bf16-pairs-step",))
-    args16 = {k: None if v is None else v.requires_grad_() for k, v in args.items()}
-    args32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
-    key = (cell, B, I, H)
-    want = step_outputs_and_grads("reference", cell, args32, key)
-    ref16 = step_outputs_and_grads("reference", cell, args16, key)
-    got = step_outputs_and_grads("cpu", cell, args16, key)
-    for name in want:
-        assert got[name].dtype == torch.bfloat16, name
-        assert torch.isfinite(got[name]).all(), name
-        assert_low_precision(got[name], ref16[name], want[name], what=name)
+    assert_half_step_within_reference_error(cell, B, I, H, torch.bfloat16, key=("bf16-pairs-step",))
 
 
 @pytest.mark.parametrize("name", ["LSTM", "GRU", "RNN"])
