@@ -95,9 +95,9 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
 }
 
 // W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
-// [G*H, K] weight; as bf16 pairs where bf16_pairs (w bfloat16, or float
-// holding bf16 values), packed at any T; else a float call of one step keeps
-// the weight in place, for a batch of batch_rows rows.
+// [G*H, K] weight; as bf16 pairs from its bits where bf16_pairs (w is then
+// bfloat16: bindings.cpp's product_weight), packed at any T; else a call of
+// one step keeps the weight in place, for a batch of batch_rows rows.
 template <typename A>
 StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_place,
                            int64_t batch_rows, bool bf16_pairs) {
@@ -110,18 +110,12 @@ StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_
   s.H = w.size(0) / G;
   s.j0 = sl.j0;
   s.n = sl.n;
-  TORCH_CHECK(w.scalar_type() != at::kBFloat16 || s.bf16_pairs,
-              "rnnkern internal: a bfloat16 weight outside the bf16 pair products");
+  TORCH_CHECK((w.scalar_type() == at::kBFloat16) == s.bf16_pairs,
+              "rnnkern internal: the bf16 pair products take the bfloat16 weight, and only they");
   if (in_place) {
     s.w = cptr<A>(w);
   } else if (s.bf16_pairs) {
-    if constexpr (std::is_same_v<A, float>) {
-      const Tensor rows = gate_rows(w, G, sl);
-      if (rows.scalar_type() == at::kBFloat16)
-        s.pair_panels.pack_transposed(pairs::bf16_bits(rows), s.K, G * sl.n, s.K);
-      else
-        s.pair_panels.pack_transposed(cptr<A>(rows), s.K, G * sl.n, s.K);
-    }
+    s.pair_panels.pack_transposed(pairs::bf16_bits(gate_rows(w, G, sl)), s.K, G * sl.n, s.K);
   } else {
     s.packed.resize(s.K, G * sl.n);
     gemm::pack_panels(s.packed, cptr<A>(gate_rows(w, G, sl)), 1, s.K, 0, s.packed.panels());
@@ -130,24 +124,18 @@ StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_
 }
 
 // Columns [j0, j0 + n) of a contiguous [K, C] weight: the B of  dh = da W[:, slice];
-// as bf16 pairs where bf16_pairs (float weights holding bf16 values), in
-// place of either: the pairs are packed at any batch (read in place, W would
-// have to be converted at every step).
+// as bf16 pairs from its bits where bf16_pairs (w is then bfloat16), in
+// place of either: the pairs are packed at any batch.
 template <typename A>
 StepWeightCols<A> weight_cols(const Tensor& w, const Slice& sl, bool in_place,
                               bool bf16_pairs = false) {
   StepWeightCols<A> b;
-  TORCH_CHECK(w.scalar_type() != at::kBFloat16 || bf16_pairs,
-              "rnnkern internal: a bfloat16 weight outside the bf16 pair products");
-  if constexpr (std::is_same_v<A, float>) {
-    if (bf16_pairs) {
-      b.bf16_pairs = true;
-      if (w.scalar_type() == at::kBFloat16)
-        b.pair_panels.pack_rows(pairs::bf16_bits(w) + sl.j0, w.size(1), w.size(0), sl.n);
-      else
-        b.pair_panels.pack_rows(cptr<A>(w) + sl.j0, w.size(1), w.size(0), sl.n);
-      return b;
-    }
+  TORCH_CHECK((w.scalar_type() == at::kBFloat16) == bf16_pairs,
+              "rnnkern internal: the bf16 pair products take the bfloat16 weight, and only they");
+  if (bf16_pairs) {
+    b.bf16_pairs = true;
+    b.pair_panels.pack_rows(pairs::bf16_bits(w) + sl.j0, w.size(1), w.size(0), sl.n);
+    return b;
   }
   if (in_place) {
     b.packed = gemm::PackedB<A>::view_rows(cptr<A>(w) + sl.j0, w.size(0), sl.n, w.size(1));
