@@ -271,6 +271,37 @@ def run_recurrence_with_reset_state(backend: str, cell: str, xproj: Tensor, h0: 
                           reverse, resets, zoneout, ln, reset_h, reset_c, cell_steps)
 
 
+#: The multiply-adds of one direction's recurrence from which a bidirectional
+#: CPU layer runs its directions at once (run_concurrently): some 200 us of a
+#: core, against the ~50 us a thread takes to start and meet.
+CONCURRENT_MIN_MACS = 1 << 22
+
+
+def run_concurrently(a, b):
+    """``(a(), b())``, the two calls at once on two of torch's threads
+    (rnnkern._C's run_concurrently: b with this thread's autograd and dispatch
+    state; inside, each call's own parallel loops run on its one thread).  A
+    bidirectional layer's two directions at a small batch: each direction's
+    steps are too small to split between threads, so one after the other they
+    keep one core busy (LSTM B=1 H=512: 55 us a step streaming W_hh's 4 MB
+    from L3), and at once they take the time of one.  The kernels give the
+    same bits whatever their thread count."""
+    return _C.run_concurrently(a, b)
+
+
+def cpu_recurrence_threads(cell: str, B: int, H: int, P: int, elem_bytes: int) -> int:
+    """The threads the CPU backend's recurrence of these sizes runs its steps on
+    at torch's thread count (csrc/cpu/schedule.h: by rows, by hidden units, or
+    one thread when a step is too small to split)."""
+    return _C.cpu_recurrence_threads(cell, B, H, P, elem_bytes)
+
+
+def concurrent_directions_pay(rows: int, G: int, H: int, P: int) -> bool:
+    """Whether one direction's recurrence over ``rows`` (T*B) positions has work
+    enough to pay for a thread of its own (CONCURRENT_MIN_MACS)."""
+    return rows * G * H * P >= CONCURRENT_MIN_MACS
+
+
 def input_projection(x: Tensor, w_ih: Tensor, backend: str = "auto") -> Tensor:
     """``x W_ih^T`` over all steps at once: x [T, B, I] -> [T, B, G*H] (no bias; the
     recurrence adds b_ih)."""

@@ -10,6 +10,7 @@ import torch
 
 import rnnkern
 from rnnkern import ops, reference
+from rnnkern.modules.sequence import _RecurrentMixin
 from conftest import (CELLS, assert_close, assert_half_step_within_reference_error,
                       assert_low_precision, differentiable, generator, outputs_and_grads, randn,
                       recurrence_inputs, rnnkern_module, step_inputs, torch_module)
@@ -905,3 +906,150 @@ def test_same_bits_at_1_2_and_3_threads(name, kwargs, T, B, H, dtype):
         got = _results_at(threads, make, run)
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"{name} B={B} H={H}: result {i} differs at {threads} threads"
+
+
+# ------------------------------------- a bidirectional layer's directions at once ----
+
+# (module, kwargs, forward kwargs): bidirectional two-layer modules whose
+# directions run at once in inference (ops.run_concurrently), with the options
+# that reach the recurrence through other paths: variable lengths (packed rows),
+# resets with a reset state, zoneout's expectation, a projection, LayerNorm.
+AT_ONCE_CASES = [("LSTM", {}, {}), ("GRU", {}, {}), ("GRU", {"reset_after": False}, {}),
+                 ("RNN", {"nonlinearity": "relu"}, {}), ("LSTM", {"proj_size": 48}, {}),
+                 ("LayerNormLSTM", {}, {}), ("LSTM", {"zoneout": 0.3}, {}),
+                 ("GRU", {}, {"lengths": True}), ("LSTM", {}, {"resets": True})]
+
+
+def _at_once_run(name, kwargs, fwd, B, H, dtype, grad=False):
+    T = 300  # work enough per direction (ops.CONCURRENT_MIN_MACS)
+    torch.manual_seed(B + H)
+    m = getattr(rnnkern, name)(H, H, num_layers=2, bidirectional=True, backend="cpu", dtype=dtype,
+                               **kwargs).eval()
+    g = generator("at-once", name, repr(kwargs), B, H)
+    x = randn(g, T, B, H, dtype=dtype, requires_grad=grad)
+    call = {}
+    if fwd.get("lengths"):
+        call["lengths"] = torch.tensor([T] + [max(1, T - 7 * b) for b in range(1, B)])
+    if fwd.get("resets"):
+        call["resets"] = torch.rand(T, B, generator=g) < 0.1
+        P = kwargs.get("proj_size") or H
+        call["reset_state"] = (randn(g, 4, B, P, dtype=dtype), randn(g, 4, B, H, dtype=dtype))
+    out = m(x, **call)
+    return [o.detach() for o in torch.utils._pytree.tree_leaves(out)]
+
+
+@pytest.mark.parametrize("name,kwargs,fwd", AT_ONCE_CASES,
+                         ids=["lstm", "gru", "gru_reset_before", "rnn_relu", "lstm-proj", "lstm_ln",
+                              "lstm-zoneout", "gru-lengths", "lstm-resets"])
+@pytest.mark.parametrize("B,H", [(1, 128), (3, 96)])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_directions_at_once_give_the_bits_of_one_after_the_other(monkeypatch, name, kwargs, fwd, B, H,
+                                                                 mode):
+    """In inference on two threads or more, a bidirectional layer runs its two
+    directions at once (each on one thread); the outputs and states are the
+    bits of running them one after the other, and of one thread."""
+    calls = []
+    run_concurrently = ops.run_concurrently
+
+    def spy(a, b):
+        calls.append(1)
+        return run_concurrently(a, b)
+
+    monkeypatch.setattr(ops, "run_concurrently", spy)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context():
+        want = _results_at(1, lambda: None, lambda _: _at_once_run(name, kwargs, fwd, B, H, torch.float32))
+        assert not calls, "one thread: the directions run one after the other"
+        for threads in (2, 3):
+            got = _results_at(threads, lambda: None,
+                              lambda _: _at_once_run(name, kwargs, fwd, B, H, torch.float32))
+            assert len(calls) == 2, f"{threads} threads: both layers' directions at once, got {len(calls)}"
+            calls.clear()
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), f"{name} {kwargs} {fwd}: result {i} differs at {threads} threads"
+        monkeypatch.setattr(_RecurrentMixin, "_directions_at_once", lambda *args: False)
+        got = _results_at(2, lambda: None, lambda _: _at_once_run(name, kwargs, fwd, B, H, torch.float32))
+        assert not calls
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_directions_at_once_float64_match_torch_nn():
+    """The bidirectional layer run at once against torch.nn on the same weights, float64."""
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(64, 96, num_layers=2, bidirectional=True, dtype=torch.float64)
+    m = rnnkern.LSTM(64, 96, num_layers=2, bidirectional=True, backend="cpu", dtype=torch.float64)
+    m.load_state_dict(ref.state_dict())
+    x = randn(generator("at-once-truth"), 50, 2, 64)
+    h0 = randn(generator("at-once-h0"), 4, 2, 96)
+    c0 = randn(generator("at-once-c0"), 4, 2, 96)
+    with torch.no_grad():
+        want = ref(x, (h0, c0))
+        got = _results_at(2, lambda: None, lambda _: m(x, (h0, c0)))
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert_close(a, b, what="LSTM bidirectional at once")
+
+
+def test_directions_run_one_after_the_other_when_a_graph_is_built(monkeypatch):
+    """With autograd recording (the backward runs node by node anyway, and
+    saved-tensor hooks count in order), under a dispatch mode, or on one thread,
+    the directions run one after the other."""
+    calls = []
+    monkeypatch.setattr(ops, "run_concurrently", lambda a, b: calls.append(1) or (a(), b()))
+    torch.manual_seed(0)
+    m = rnnkern.GRU(128, 128, num_layers=2, bidirectional=True, backend="cpu")
+    x = torch.randn(100, 1, 128)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, h = m(x)
+        out.sum().backward()
+        assert not calls
+        x.requires_grad_()
+        with torch.no_grad():
+            m(x)
+        assert len(calls) == 2, "no_grad with a leaf that requires grad: no graph, directions at once"
+        calls.clear()
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Passthrough(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with torch.no_grad(), Passthrough():
+            m(x)
+        assert not calls
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_run_concurrently_results_errors_and_thread_state():
+    """(a(), b()) in order; b sees the caller's grad and inference mode; an error
+    of either is raised once both have finished, a's first."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert ops.run_concurrently(lambda: 1, lambda: 2) == (1, 2)
+        with torch.no_grad():
+            assert ops.run_concurrently(torch.is_grad_enabled, torch.is_grad_enabled) == (False, False)
+        assert ops.run_concurrently(torch.is_grad_enabled, torch.is_grad_enabled) == (True, True)
+        with torch.inference_mode():
+            modes = ops.run_concurrently(torch.is_inference_mode_enabled, torch.is_inference_mode_enabled)
+        assert modes == (True, True)
+        finished = []
+
+        def fail(what):
+            def f():
+                finished.append(what)
+                raise ValueError(what)
+            return f
+
+        with pytest.raises(ValueError, match="^b$"):
+            ops.run_concurrently(lambda: finished.append("a"), fail("b"))
+        assert sorted(finished) == ["a", "b"]
+        with pytest.raises(ValueError, match="^a$"):
+            ops.run_concurrently(fail("a"), fail("b"))
+        with pytest.raises(TypeError, match="callables"):
+            rnnkern._C.run_concurrently(1, lambda: 2)
+    finally:
+        torch.set_num_threads(saved)

@@ -156,7 +156,7 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, int64_t ld, in
 template <typename A>
 void column_sums(const A* d, int64_t ld, int64_t T, int64_t B, const Positions& pos, double* sum,
                  int64_t N) {
-  const int64_t workers = std::clamp<int64_t>(N / 64, 1, at::get_num_threads());
+  const int64_t workers = std::clamp<int64_t>(N / 64, 1, threads());
   for_each_worker(workers, [&](size_t t) {
     const int64_t j0 = N * int64_t(t) / workers, j1 = N * (int64_t(t) + 1) / workers;
     for (int64_t p = 0; p < T; ++p)

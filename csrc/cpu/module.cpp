@@ -1,7 +1,10 @@
 // The CPU backend's functions of the rnnkern._C module (module.h): the buffer
-// cache, the ISA level and vector width of the kernels, and the count of
-// parallel regions, for rnnkern.ops and the tests.
+// cache, the ISA level and vector width of the kernels, the count of
+// parallel regions, for rnnkern.ops and the tests; and the runner of two
+// calls at once (a bidirectional layer's directions, rnnkern/modules).
 #include "../module.h"
+
+#include <ATen/ThreadLocalState.h>
 
 #include <string>
 
@@ -10,6 +13,7 @@
 #include "isa.h"
 #include "pairs.h"
 #include "parallel.h"
+#include "schedule.h"
 
 namespace rnnkern::cpu {
 namespace {
@@ -71,7 +75,104 @@ PyObject* cpu_parallel_regions(PyObject*, PyObject*) {
   return PyLong_FromLongLong(parallel_regions.load());
 }
 
+// The Python error of a call, fetched (owned) so that another may run meanwhile.
+struct FetchedError {
+  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+  void fetch() { PyErr_Fetch(&type, &value, &traceback); }
+  bool set() const { return type != nullptr; }
+  void restore() {  // gives the references back to Python as the current error
+    PyErr_Restore(type, value, traceback);
+    type = value = traceback = nullptr;
+  }
+  void drop() {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    type = value = traceback = nullptr;
+  }
+};
+
+// run_concurrently(a, b) -> (a(), b()): the two calls at once, as the two
+// workers of a parallel region of torch's own threads (a() on this thread).
+// Two recurrences that each keep one core busy (a bidirectional layer's
+// directions at a small batch: a step too small to split between threads)
+// then take the time of one.  torch's threads, not one of our own: a thread
+// beside them met torch's worker still spinning after the region before
+// (libgomp spins a while before it sleeps) and ran at half speed.  Inside,
+// every kernel's own parallel loop runs on its one thread (ATen runs a
+// nested parallel_for inline), so each call's results are the bits it gives
+// alone.  The worker runs with this thread's thread-local state (grad and
+// inference mode, autocast, the dispatch keys and modes: at::ThreadLocalState,
+// as at::launch passes it on); each call holds the GIL only between ops.  An
+// error of either is raised after both have finished (a()'s first).
+PyObject* run_concurrently(PyObject*, PyObject* args) {
+  PyObject *a, *b;
+  if (!PyArg_ParseTuple(args, "OO:run_concurrently", &a, &b)) return nullptr;
+  if (!PyCallable_Check(a) || !PyCallable_Check(b)) {
+    PyErr_SetString(PyExc_TypeError, "run_concurrently: a and b must be callables");
+    return nullptr;
+  }
+  const at::ThreadLocalState state;
+  PyObject* calls[2] = {a, b};
+  PyObject* results[2] = {nullptr, nullptr};
+  FetchedError errors[2];
+  Py_BEGIN_ALLOW_THREADS
+  for_each_worker(2, [&](int64_t t) {
+    at::ThreadLocalStateGuard guard(state);
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    results[t] = PyObject_CallNoArgs(calls[t]);
+    if (results[t] == nullptr) errors[t].fetch();
+    PyGILState_Release(gil);
+  });
+  Py_END_ALLOW_THREADS
+  if (errors[0].set() || errors[1].set()) {
+    Py_XDECREF(results[0]);
+    Py_XDECREF(results[1]);
+    const int first = errors[0].set() ? 0 : 1;
+    errors[1 - first].drop();
+    errors[first].restore();
+    return nullptr;
+  }
+  PyObject* both = PyTuple_Pack(2, results[0], results[1]);
+  Py_DECREF(results[0]);
+  Py_DECREF(results[1]);
+  return both;
+}
+
+// cpu_recurrence_threads(cell, B, H, P, elem_bytes) -> the threads a
+// recurrence of these sizes runs its steps on (schedule.h's Split, at torch's
+// thread count): whether a bidirectional layer's directions gain from
+// running at once (rnnkern/modules: each gets one thread there).
+PyObject* cpu_recurrence_threads(PyObject*, PyObject* args) {
+  const char* cell;
+  long long B, H, P, elem_bytes;
+  if (!PyArg_ParseTuple(args, "sLLLL:cpu_recurrence_threads", &cell, &B, &H, &P, &elem_bytes)) {
+    return nullptr;
+  }
+  try {
+    RecurrenceSizes z{};
+    z.cell = parse_cell(cell);
+    z.T = 1;
+    z.B = B;
+    z.H = H;
+    z.P = P;
+    z.G = gate_count(z.cell);
+    z.has_proj = P != H;
+    return PyLong_FromSize_t(Split(z, size_t(elem_bytes)).unit_workers());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+
 const ModuleFunctions functions({
+    {"cpu_recurrence_threads", cpu_recurrence_threads, METH_VARARGS,
+     "cpu_recurrence_threads(cell, B, H, P, elem_bytes): the threads a CPU recurrence of these "
+     "sizes runs its steps on at torch's thread count."},
+    {"run_concurrently", run_concurrently, METH_VARARGS,
+     "run_concurrently(a, b) -> (a(), b()): the two calls at once on two of torch's threads, "
+     "with this thread's autograd and dispatch state; an error of either is raised after both "
+     "finish."},
     {"empty_cpu_cache", empty_cpu_cache, METH_NOARGS,
      "Returns the CPU buffers cached by rnnkern to the system; the bytes released."},
     {"cpu_isa", cpu_isa, METH_NOARGS,

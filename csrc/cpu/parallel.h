@@ -28,6 +28,15 @@ namespace rnnkern::cpu {
 // for tests that check what a call costs in meetings of the threads).
 inline std::atomic<int64_t> parallel_regions{0};
 
+// The threads the kernels may plan for: torch's, or one inside a parallel
+// region (run_concurrently's, cpu/module.cpp), where ATen runs a nested
+// parallel_for inline on the calling thread: planned for two, a recurrence
+// ran its two blocks of rows one after the other (LSTM B=4 H=512: 3x the
+// time of one thread).
+inline int64_t threads() {
+  return at::in_parallel_region() ? 1 : at::get_num_threads();
+}
+
 // f(0), ..., f(workers - 1), each on its own thread; no region for one worker.
 template <typename F>
 void for_each_worker(int64_t workers, const F& f) {
@@ -48,7 +57,7 @@ constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;
 
 // The threads a product of `macs` multiply-adds may use.
 inline int64_t product_threads(int64_t macs) {
-  return std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, macs / kMinMacsPerThread));
+  return std::min<int64_t>(threads(), std::max<int64_t>(1, macs / kMinMacsPerThread));
 }
 
 // Rows [0, M) in whole blocks of `block` rows (a micro-kernel's), split

@@ -128,7 +128,7 @@ struct Split {
   // dense batch of the same steps).  A row's result does not depend on its
   // block, so any split gives the same bits.
   Split(const RecurrenceSizes& z, size_t elem_bytes, const int64_t* lengths = nullptr) {
-    const int64_t threads = at::get_num_threads();
+    const int64_t threads = cpu::threads();
     const int64_t step_macs = z.B * (z.G * z.H * z.P + (z.has_proj ? z.P * z.H : 0));
     const int64_t step_workers = std::min<int64_t>(threads, step_macs / kMinStepMacsPerWorker);
     const int64_t parts = std::min<int64_t>(threads, z.B / kMinRowsPerThread);

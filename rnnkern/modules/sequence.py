@@ -410,25 +410,34 @@ class _RecurrentMixin(_RnnkernOptions):
             if not self.training:  # the expectation: one [Z] vector, broadcast
                 zoneout = torch.full((Z,), p, dtype=x.dtype, device=x.device).expand(T, B, Z)
         steps = {"cell_steps": True} if cell_steps else {}  # (the plain calls keep their form)
+        at_once = D == 2 and self._directions_at_once(backend, x, hx, weights, reset_state)
+
+        def direction(layer: int, d: int, x: Tensor, zoneout: Optional[Tensor]):
+            idx = layer * D + d
+            w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
+            xproj = self._input_projection(x, w_ih, backend, packing, x_rows if layer == 0 else None)
+            ln = None if lns is None else lns[idx]
+            if step_resets[d] is None or reset_is_hx:
+                return ops.run_recurrence(
+                    backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
+                    b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, **steps)
+            return ops.run_recurrence_with_reset_state(
+                backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
+                b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, r0[idx],
+                rc0[idx] if lstm else None, **steps)
+
         h_n, c_n = [], []
         for layer in range(self.num_layers):
+            masks = [zoneout] * D
+            if p and self.training:  # a fresh Bernoulli mask per layer and direction, in order
+                masks = [x.new_empty((T, B, Z)).bernoulli_(p) for _ in range(D)]
+            if at_once:
+                results = ops.run_concurrently(lambda: direction(layer, 0, x, masks[0]),
+                                               lambda: direction(layer, 1, x, masks[1]))
+            else:
+                results = [direction(layer, d, x, masks[d]) for d in range(D)]
             outputs = []
-            for d in range(D):
-                idx = layer * D + d
-                w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
-                if p and self.training:  # a fresh Bernoulli mask per layer and direction
-                    zoneout = x.new_empty((T, B, Z)).bernoulli_(p)
-                xproj = self._input_projection(x, w_ih, backend, packing, x_rows if layer == 0 else None)
-                ln = None if lns is None else lns[idx]
-                if step_resets[d] is None or reset_is_hx:
-                    out, h, c = ops.run_recurrence(
-                        backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
-                        b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, **steps)
-                else:
-                    out, h, c = ops.run_recurrence_with_reset_state(
-                        backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
-                        b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, r0[idx],
-                        rc0[idx] if lstm else None, **steps)
+            for out, h, c in results:
                 outputs.append(out)
                 h_n.append(h)
                 if lstm:
@@ -442,6 +451,38 @@ class _RecurrentMixin(_RnnkernOptions):
             x = x.to(result_dtypes[0])
             hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
         return x, hidden
+
+    def _directions_at_once(self, backend: str, x: Tensor, hx, weights, reset_state) -> bool:
+        """Whether a bidirectional layer runs its two directions at once
+        (ops.run_concurrently, each direction on one thread): on the CPU
+        backend, where that uses the threads better than one direction after
+        the other -- two threads, or a recurrence that would run on one thread
+        anyway (a small batch: ops.cpu_recurrence_threads) -- with work enough
+        per direction; in inference (no autograd graph: the backward runs node
+        by node on one thread anyway, and hooks on saved tensors,
+        torch.utils.checkpoint's among them, count them in the order they
+        come); eagerly (no compile, trace, torch.func transform, forward-mode
+        AD or Python mode: they keep state of their own per thread, or would
+        see the two directions' ops interleaved).  The same bits either way."""
+        if backend != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return False
+        threads = torch.get_num_threads()
+        if threads < 2:
+            return False
+        tensors = [x, *hx, *(w for ws in weights for w in ws if w is not None),
+                   *(reset_state or ())]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return False
+        if _peek_interpreter_stack() is not None or forward_ad._current_level >= 0 \
+                or torch._C._is_torch_function_mode_enabled() \
+                or torch._C._len_torch_dispatch_stack() > 0 \
+                or any(type(t) is not Tensor and type(t) is not nn.Parameter for t in tensors):
+            return False
+        rows = x.size(0) if x.dim() == 2 else x.size(0) * x.size(1)  # (packed rows: [N, I])
+        B, H, P = hx[0].size(1), self.hidden_size, self.proj_size or self.hidden_size
+        if not ops.concurrent_directions_pay(rows, reference._GATES[self.cell], H, P):
+            return False
+        return threads == 2 or ops.cpu_recurrence_threads(self.cell, B, H, P, x.element_size()) == 1
 
     def _one_step_forward(self, input: Tensor, hx, backend: str, resets: Optional[Tensor] = None):
         """The forward of the commonest one-step call (streaming inference, an
