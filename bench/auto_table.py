@@ -17,6 +17,9 @@ adds its column to a CUDA grid:
         bench/results/cpu-zen3-2026-11-27-peers-step-t1/bench.json \
         bench/results/cpu-zen4avx2-2026-11-28-lstm-latency-t2/bench.json
 
+A run with the speech family (bench/speech.py) adds rows for bidirectional stacks
+("directions": 2), which decide bidirectional calls (auto.py).
+
 CPU rows keep the run's thread count: the fifth and sixth files are one-thread
 runs of the same CPU as the fourth, a two-thread run; the last, a Zen 4 whose
 AVX-512 the host hides (the same CPU class), two threads.
@@ -83,6 +86,15 @@ def entries_of(path: str, root: str, dtypes=None) -> tuple[str, list]:
             out.append({"device": key, "cell": r["cell"], "dtype": r["dtype"], "phase": r["phase"],
                         "B": r["B"], "T": r["T"], "H": r["H"], "threads": threads,
                         "speedups": {k: round(v, 3) for k, v in speedups.items()}, "source": source})
+    # The speech study (bench/speech.py): bidirectional stacks, float32, rnnkern's cpu backend.
+    for r in doc.get("speech", []):
+        if dtypes and "float32" not in dtypes:
+            continue
+        for phase, p in r["phases"].items():
+            out.append({"device": key, "cell": r["cell"], "dtype": "float32", "phase": phase,
+                        "B": r["B"], "T": r["T"], "H": r["H"], "threads": threads, "directions": 2,
+                        "speedups": {"cpu": round(p["speedup_vs_torch"]["rnnkern-cpu"], 3)},
+                        "source": source})
     return key, out
 
 
@@ -99,7 +111,8 @@ def main(argv=None) -> int:
         key, entries = entries_of(path, root, a.dtypes)
         devices.add(key)
         for e in entries:
-            case = tuple(e[k] for k in ("device", "cell", "dtype", "phase", "B", "T", "H", "threads"))
+            case = tuple(e[k] for k in ("device", "cell", "dtype", "phase", "B", "T", "H", "threads")) \
+                + (e.get("directions", 1),)
             if case in merged:  # a later file's ratios replace an earlier one's, backend by backend
                 was = merged[case]
                 e = {**e, "speedups": {**was["speedups"], **e["speedups"]},
@@ -112,7 +125,8 @@ def main(argv=None) -> int:
     kept = [e for e in old if e["device"] not in devices or (a.dtypes and e["dtype"] not in a.dtypes)]
     doc = {"about": "rnnkern/auto.py: what backend='auto' runs; written by python -m bench.auto_table",
            "entries": sorted(kept + new, key=lambda e: (e["device"], e["cell"], e["dtype"], e["phase"],
-                                                       e["B"], e["T"], e["H"], e.get("threads") or 0))}
+                                                       e.get("directions", 1), e["B"], e["T"], e["H"],
+                                                       e.get("threads") or 0))}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

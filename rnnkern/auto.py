@@ -14,7 +14,9 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    :data:`LEVEL`, 0.97x: level counts as rnnkern's) at the measured size nearest to the call's
    (log-distance in B, H and T; forward for inference, forward+backward when the
    call builds a graph) runs; on a CPU, from the rows measured at the thread
-   count nearest to the call's (torch.get_num_threads()).  On a GPU, Triton's kernels are a third candidate,
+   count nearest to the call's (torch.get_num_threads()); a bidirectional call
+   from the rows of bidirectional stacks where the table has them (bench/speech.py),
+   else from the one-direction rows.  On a GPU, Triton's kernels are a third candidate,
    trusted only where the call would run the same Triton kernel as the
    measurement (the whole-sequence kernel that keeps W_hh on chip, or the
    spread or per-step paths: their speeds differ five- to fifty-fold, :func:`triton_path`)
@@ -214,35 +216,51 @@ def _triton_usable() -> bool:
 def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
            training: bool, torch_lacks: Optional[str], rnnkern_backend: str,
            device_key: Optional[str] = None, proj_size: int = 0,
-           threads: Optional[int] = None) -> Choice:
+           threads: Optional[int] = None, directions: int = 1) -> Choice:
     """The implementation for one call of a sequence module.
 
     ``torch_lacks``: the option of the call torch.nn cannot run (None: it can);
     ``rnnkern_backend``: rnnkern's backend for this device (``resolve_backend``);
     ``device_key``: the table's key for the device (default :func:`device_class`);
     ``proj_size``: the LSTM's projection (0: none), for Triton's kernel choice;
-    ``threads``: the call's thread count (default torch's), for the CPU rows.
+    ``threads``: the call's thread count (default torch's), for the CPU rows;
+    ``directions``: 2 for a bidirectional module (see :func:`_for_directions`).
     Answers are remembered per table and arguments (each module also keeps its last)."""
     if torch_lacks is not None:
         return Choice(rnnkern_backend, f"torch.nn has no {torch_lacks}")
     key = device_key or device_class(device)
     threads = threads or torch.get_num_threads()
     _current_table()
-    memo = (cell, device.type, dtype, B, H, T, training, rnnkern_backend, key, proj_size, threads)
+    memo = (cell, device.type, dtype, B, H, T, training, rnnkern_backend, key, proj_size, threads,
+            directions)
     choice = _CHOICES.get(memo)
     if choice is None:
         if len(_CHOICES) > 4096:
             _CHOICES.clear()
         choice = _CHOICES[memo] = _choose(cell, device, dtype, B, H, T, training, rnnkern_backend,
-                                          key, proj_size, threads)
+                                          key, proj_size, threads, directions)
     return choice
 
 
+def _for_directions(rows: list, directions: int) -> list:
+    """The rows that speak for a call of ``directions``: a bidirectional call's
+    own rows where the table has them (bench/speech.py: on a CPU rnnkern runs
+    the two directions at once in inference, so its ratio there is not a
+    one-direction row's), else the one-direction rows; a one-direction call's,
+    those alone."""
+    if directions == 2:
+        own = [e for e in rows if e.get("directions", 1) == 2]
+        if own:
+            return own
+    return [e for e in rows if e.get("directions", 1) == 1]
+
+
 def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
-            training: bool, rnnkern_backend: str, key: str, proj_size: int, threads: int) -> Choice:
+            training: bool, rnnkern_backend: str, key: str, proj_size: int, threads: int,
+            directions: int = 1) -> Choice:
     dtype_name = str(dtype).replace("torch.", "")
     phase = "forward_backward" if training else "forward"
-    rows = _index().get((key, cell, dtype_name, phase), [])
+    rows = _for_directions(_index().get((key, cell, dtype_name, phase), []), directions)
     if device.type == "cpu":
         rows = _at_threads(rows, threads)
     found = []  # (ratio, backend, entry)
@@ -265,7 +283,8 @@ def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int,
     if found:
         ratio, backend, e = max(found, key=lambda f: f[0])
         at_threads = f", {e['threads']} thread{'s' if e['threads'] > 1 else ''}" if e.get("threads") else ""
-        where = (f"{cell} {dtype_name} {phase.replace('_', '+')} at B={e['B']} T={e['T']} H={e['H']}"
+        stack = " bidirectional" if e.get("directions", 1) == 2 else ""
+        where = (f"{cell}{stack} {dtype_name} {phase.replace('_', '+')} at B={e['B']} T={e['T']} H={e['H']}"
                  f"{at_threads} on {key} ({e['source']})")
         if ratio >= LEVEL:
             return Choice(backend, f"measured {ratio:.2f}x torch.nn's speed: {where}")

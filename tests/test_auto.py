@@ -134,6 +134,35 @@ def test_cpu_rows_at_the_nearest_thread_count(table, monkeypatch):
     assert choose(cell="gru", threads=1).uses_torch and choose(cell="gru", threads=2).uses_torch
 
 
+def test_a_bidirectional_call_decides_by_bidirectional_rows(table):
+    """On a CPU rnnkern runs a bidirectional layer's two directions at once in
+    inference (ops.run_concurrently): a bidirectional call decides by the rows
+    measured on bidirectional stacks (bench/speech.py) where the table has
+    them, else by the one-direction rows; a one-direction call never by the
+    bidirectional rows."""
+    table += [entry("cpu:256bit", "lstm", "float32", "forward", 1, 256, 128, 0.9, threads=2),
+              dict(entry("cpu:256bit", "lstm", "float32", "forward", 1, 400, 512, 1.35, threads=2),
+                   directions=2)]
+    bi = choose(B=1, T=400, H=512, threads=2, directions=2)
+    assert bi.implementation == "cpu" and "1.35x" in bi.reason and "bidirectional" in bi.reason, bi
+    one = choose(B=1, T=400, H=512, threads=2)
+    assert one.uses_torch and "0.90x" in one.reason and "bidirectional" not in one.reason, one
+    # No bidirectional row for the GRU or for training: the one-direction rows decide.
+    table.append(entry("cpu:256bit", "gru", "float32", "forward", 1, 256, 128, 0.8, threads=2))
+    gru = choose(cell="gru", B=1, T=400, H=512, threads=2, directions=2)
+    assert gru.uses_torch and "0.80x" in gru.reason, gru
+
+
+def test_modules_tell_auto_their_directions(table, monkeypatch):
+    asked = []
+    real = auto.choose
+    monkeypatch.setattr(auto, "choose", lambda **kw: asked.append(kw["directions"]) or real(**kw))
+    x = torch.randn(5, 2, 8)
+    for bidirectional in (False, True):
+        rnnkern.GRU(8, 8, bidirectional=bidirectional, backend="auto")(x)
+    assert asked == [1, 2]
+
+
 def test_without_a_measurement(table):
     cuda = choose(device=torch.device("cuda"), device_key="cuda:sm_90", rnnkern_backend="cuda")
     assert cuda.uses_torch and "cuDNN" in cuda.reason

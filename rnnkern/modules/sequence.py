@@ -299,7 +299,7 @@ class _RecurrentMixin(_RnnkernOptions):
         training = torch.is_grad_enabled() and (data.requires_grad or weight.requires_grad)
         return auto.choose(cell=self.cell, device=device, dtype=dtype, B=B, H=self.hidden_size,
                            T=T, training=training, torch_lacks=lacks, rnnkern_backend=backend,
-                           proj_size=self.proj_size)
+                           proj_size=self.proj_size, directions=2 if self.bidirectional else 1)
 
     def _zoneout_width(self) -> int:
         """Units of a zoneout mask row: h's (P) then c's (H) for LSTMs, H otherwise."""
