@@ -56,9 +56,10 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step", "bf16", "packed")
-#: Families that are studies of their own (bench/packed.py), not cases of the grid.
-STUDY_FAMILIES = ("packed",)
+FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step", "bf16", "packed", "speech")
+#: Families that are studies of their own (bench/packed.py, bench/speech.py), not cases of
+#: the grid.
+STUDY_FAMILIES = ("packed", "speech")
 #: The packed study's batch: (longest T, sequences B, I, H, mean length of the others).
 PACKED_SIZES = {"cpu": (100, 232, 64, 128, 17.5), "quick": (12, 9, 4, 8, 3.0)}
 #: The families of ``python -m bench`` without --families (--full and --quick: all).

@@ -281,6 +281,37 @@ def packed_rows(doc) -> list:
             for r in doc.get("packed", [])]
 
 
+def speech_line(r) -> str:
+    """One line of the speech study (bench/speech.py): a cell's bidirectional stack,
+    rnnkern's cpu backend and auto against torch.nn, inference and training."""
+    parts = []
+    for phase in ("forward", "forward_backward"):
+        p = r["phases"][phase]
+        parts.append(f"{phase.replace('_', '+')} torch.nn {p['ms']['torch.nn']:.3g} ms, rnnkern-cpu "
+                     f"{p['speedup_vs_torch']['rnnkern-cpu']:.2f}x, auto "
+                     f"{p['speedup_vs_torch']['rnnkern-auto']:.2f}x")
+    return (f"{r['cell']} {r['layers']} layers bidirectional B={r['B']} T={r['T']} I={r['I']} H={r['H']}: "
+            + "; ".join(parts) + f" (float64 agreement {r['float64_max_difference']:.1e})")
+
+
+SPEECH_HEADER = ["cell", "B", "T", "I", "H", "layers", "torch.nn fwd (ms)", "rnnkern-cpu fwd",
+                 "rnnkern-auto fwd", "torch.nn fwd+bwd (ms)", "rnnkern-cpu fwd+bwd", "rnnkern-auto fwd+bwd"]
+
+
+def speech_rows(doc) -> list:
+    """The speech study's table rows (float32, bidirectional): speed ratios against
+    torch.nn, inference (no_grad) and training."""
+    rows = []
+    for r in doc.get("speech", []):
+        row = [r["cell"], str(r["B"]), str(r["T"]), str(r["I"]), str(r["H"]), str(r["layers"])]
+        for phase in ("forward", "forward_backward"):
+            p = r["phases"][phase]
+            row += [f"{p['ms']['torch.nn']:.3g}", f"{p['speedup_vs_torch']['rnnkern-cpu']:.2f}x",
+                    f"{p['speedup_vs_torch']['rnnkern-auto']:.2f}x"]
+        rows.append(row)
+    return rows
+
+
 def _md_table(header, rows) -> list:
     """A markdown table's lines, and a blank line after it."""
     return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -321,6 +352,14 @@ def markdown(doc) -> str:
         out += _md_table(PACKED_HEADER, rows)
     if doc.get("packed_note"):
         out += [f"Packed study not run: {doc['packed_note']}.", ""]
+    rows = speech_rows(doc)
+    if rows:
+        out.append("**speech-sized bidirectional stacks** (bench/speech.py, float32; speed ratios against "
+                   "torch.nn; fwd: inference under no_grad)")
+        out.append("")
+        out += _md_table(SPEECH_HEADER, rows)
+    if doc.get("speech_note"):
+        out += [f"Speech study not run: {doc['speech_note']}.", ""]
     notes = _not_run_notes(doc)
     if notes:
         out += ["Not run: " + "; ".join(notes) + ".", ""]

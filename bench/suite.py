@@ -357,7 +357,7 @@ def metadata(device: torch.device, cfg: Config, dtypes, candidates: dict) -> dic
         "complete": False,      # true once every case is measured
         "stopped_by": None,     # "SIGINT" / "SIGTERM" when the run was stopped
         "cells": list(cfg.cells), "dtypes": list(dtypes), "families": list(families),
-        "grid": {f: grid_entry(table[f]) if f not in STUDY_FAMILIES else packed_size(cfg)
+        "grid": {f: grid_entry(table[f]) if f not in STUDY_FAMILIES else study_sizes(f, cfg)
                  for f in families},
         "grid_calls": {f: list(FAMILY_CALLS.get(f, ("sequence",))) for f in families if f not in STUDY_FAMILIES},
         "grid_note": ("sizes are [B, T, H] (peers: per cell); input size I = H; one layer, one direction; "
@@ -392,6 +392,39 @@ def packed_size(cfg: Config) -> dict:
     """The packed study's batch (bench/grid.py PACKED_SIZES)."""
     T, B, I, H, mean = PACKED_SIZES["quick" if cfg.quick else "cpu"]
     return {"T": T, "B": B, "I": I, "H": H, "mean_length": mean}
+
+
+def speech_sizes(cfg: Config) -> list:
+    """The speech study's stacks (bench/speech.py SIZES)."""
+    from . import speech
+
+    return [dict(zip(("B", "T", "I", "H", "layers"), size))
+            for size in speech.SIZES["quick" if cfg.quick else "cpu"]]
+
+
+def study_sizes(family: str, cfg: Config):
+    return packed_size(cfg) if family == "packed" else speech_sizes(cfg)
+
+
+def run_speech(doc: dict, device: torch.device, cfg: Config, say, outputs) -> None:
+    """The speech family: bench/speech.py's study per cell it has (LSTM, GRU) and size,
+    into doc["speech"]."""
+    from . import speech
+
+    if device.type != "cpu":
+        doc["speech_note"] = "the speech study runs on the CPU (rnnkern's cpu backend against torch.nn)"
+        say(f"speech: not run ({doc['speech_note']})")
+        return
+    rounds = cfg.rounds or (3 if cfg.quick else 7)
+    doc["speech"] = []
+    for cell in (c for c in cfg.cells if c in speech.MODULES):
+        for size in speech_sizes(cfg):
+            r = speech.measure(cell, size["B"], size["T"], size["I"], size["H"], size["layers"], rounds, seed=0)
+            doc["speech"].append(r)
+            say("[speech] " + report.speech_line(r))
+            sys.stdout.flush()
+            if outputs is not None:
+                outputs.save(doc, final=False)
 
 
 def run_packed(doc: dict, device: torch.device, cfg: Config, say, outputs) -> None:
@@ -474,8 +507,8 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
     doc = {"meta": metadata(device, cfg, dtypes, candidates), "results": []}
     say = tqdm.write
     n_threads = torch.get_num_threads()
-    study = (f" and the packed study ({len(cfg.cells)} cell{'s' if len(cfg.cells) != 1 else ''})"
-             if "packed" in cfg.run_families() and device.type == "cpu" else "")
+    studies = [f for f in STUDY_FAMILIES if f in cfg.run_families()] if device.type == "cpu" else []
+    study = (f" and the {' and '.join(studies)} stud{'ies' if len(studies) > 1 else 'y'}" if studies else "")
     say(f"bench: {len(cases)} cases x 2 phases{study} on {doc['meta']['device']['name']}, {n_threads} "
         f"thread{'s' if n_threads != 1 else ''}; candidates: {', '.join(CANDIDATES[n].label for n in names)}")
     for n, c in candidates.items():
@@ -517,6 +550,9 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
         if "packed" in cfg.run_families():
             progress.set_postfix_str("packed batches")
             run_packed(doc, device, cfg, say, outputs)
+        if "speech" in cfg.run_families():
+            progress.set_postfix_str("speech stacks")
+            run_speech(doc, device, cfg, say, outputs)
         progress.set_postfix_str("measuring peaks")
         doc["peaks"] = timing.best_peaks(doc["peaks"], timing.measure_peaks(device, [DTYPES[d] for d in dtypes]))
         if "fma" in doc["peaks"]:

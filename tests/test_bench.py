@@ -241,6 +241,36 @@ def test_quick_runs_the_packed_family(quick_run):
         assert f"| {r['cell']} | {B} | {T} | {H} | {r['steps']} / {T * B} | " in md
 
 
+def test_quick_runs_the_speech_family(quick_run):
+    """The speech family (bench/speech.py as a study of the run): the bidirectional
+    two-layer LSTM and GRU at the quick size, agreed with torch.nn in float64 before
+    any timing, rnnkern's cpu backend and auto timed against torch.nn in inference
+    and training, each line printed as measured, the report's table the JSON's."""
+    from bench import speech
+
+    out, stdout = quick_run
+    doc = json.loads((out / "quick.json").read_text())
+    sizes = [dict(zip(("B", "T", "I", "H", "layers"), size)) for size in speech.SIZES["quick"]]
+    assert doc["meta"]["grid"]["speech"] == sizes
+    rows = doc["speech"]
+    assert [(r["cell"], r["B"]) for r in rows] == [(c, s["B"]) for c in CELLS if c in speech.MODULES
+                                                   for s in sizes]
+    md = (out / "quick.md").read_text()
+    assert "speech-sized bidirectional stacks" in md
+    for r in rows:
+        assert r["bidirectional"] and 0 <= r["float64_max_difference"] <= speech.TOLERANCE, r
+        for phase in ("forward", "forward_backward"):
+            p = r["phases"][phase]
+            for name in speech.CANDIDATES:
+                assert positive(p["ms"][name]), (r["cell"], phase, name)
+            for name in speech.CANDIDATES[1:]:
+                assert p["speedup_vs_torch"][name] == pytest.approx(p["ms"]["torch.nn"] / p["ms"][name])
+            assert p["auto_runs"].startswith(("torch.nn", "rnnkern backend=")), p["auto_runs"]
+        assert "[speech] " + report.speech_line(r) in stdout
+        row = next(row for row in report.speech_rows(doc) if row[:2] == [r["cell"], str(r["B"])])
+        assert "| " + " | ".join(row) + " |" in md
+
+
 def test_quick_prints_tables_and_writes_plots(quick_run):
     out, stdout = quick_run
     assert "speed vs torch.nn, fwd " in stdout and "speed vs torch.nn, fwd+bwd" in stdout

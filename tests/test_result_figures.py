@@ -69,6 +69,7 @@ def records(path: Path) -> List[dict]:
         return [packed_record(r, meta["threads"]) for r in data["results"]]
     threads = meta["device"].get("threads")
     out = [packed_record(r, threads) for r in data.get("packed", [])]  # python -m bench's packed family
+    out += [rec for r in data.get("speech", []) for rec in speech_records(r, threads)]  # its speech family
     for r in data["results"]:
         values = {}
         for name, c in r["candidates"].items():
@@ -89,6 +90,17 @@ def packed_record(r: dict, threads) -> dict:
                         "packed_over_dense": {"x": r["packed_over_dense"]},
                         **({"lengths": {"ms": r["ms"]["rnnkern lengths="], "x": r["lengths_speedup_vs_torch"]}}
                            if "lengths_speedup_vs_torch" in r else {})})
+
+
+def speech_records(r: dict, threads) -> List[dict]:
+    """A speech study's result (bench/speech.py: a bidirectional stack) as a record per
+    phase: its candidates torch, cpu and auto."""
+    names = {"torch.nn": "torch", "rnnkern-cpu": "cpu", "rnnkern-auto": "auto"}
+    return [dict(cell=r["cell"], call="sequence", B=r["B"], T=r["T"], H=r["H"], dtype="float32",
+                 phase=phase, threads=threads,
+                 values={names[n]: {"ms": ms, "x": 1.0 if n == "torch.nn" else p["speedup_vs_torch"][n]}
+                         for n, ms in p["ms"].items()})
+            for phase, p in r["phases"].items()]
 
 
 # ------------------------------------------------------------ the pages ----
