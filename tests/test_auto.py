@@ -37,12 +37,15 @@ BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
                 "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json",
                 STEP_RESULTS)
 # The same Zen 4 in float32 (the default grid at 1 and 2 threads, the bf16 family's
-# float32 rows, one-step calls): oneDNN's AVX-512 LSTM forward is level with rnnkern's there.
+# float32 rows, one-step calls, and the speech family's bidirectional stacks at 1 and 2
+# threads): oneDNN's AVX-512 LSTM forward is level with rnnkern's there.
+SPEECH_RESULTS = ("bench/results/cpu-zen4-2026-12-01-speech-t1-7c53bcf/bench.json",
+                  "bench/results/cpu-zen4-2026-12-01-speech-t2-7c53bcf/bench.json")
 F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-default-t1-3d88262/bench.json",
                "bench/results/cpu-zen4-2026-12-01-default-t2-3d88262/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json",
-               STEP_RESULTS)
+               STEP_RESULTS, *SPEECH_RESULTS)
 CPU = torch.device("cpu")
 
 
@@ -199,7 +202,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
     assert {e["dtype"] for e in zen4} == {"bfloat16", "float32"}
     for e in zen4:
-        runs = ("-default-t", "-bf16-t", "-step-bf16-t") if e["dtype"] == "float32" else ("-bf16-",)
+        runs = ("-default-t", "-bf16-t", "-step-bf16-t", "-speech-t") if e["dtype"] == "float32" else ("-bf16-",)
         assert any(r in e["source"] for r in runs), e
     # What it says for the measured H100 cases (median of 10 CUDA-event timings).
     by_case = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]["cuda"]
@@ -220,6 +223,13 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     assert len(zen4) == 18 and zen4[("forward", 1, 256)] < auto.LEVEL
     # One thread, B=64 T=64 H=128 LSTM training: 0.88x on the Zen 3 before c13bd73's
     # products, 1.01x on the Zen 4 after: its row is the later run's, and auto runs rnnkern.
+    # The Zen 4's bidirectional rows (the speech family): the LSTM at B=1 on two threads runs
+    # its directions at once in inference (rnnkern), while its training there stays torch.nn's.
+    bi = {(e["cell"], e["phase"], e["B"], e["threads"]): e["speedups"]["cpu"] for e in shipped["entries"]
+          if e.get("directions") == 2}
+    assert len(bi) == 16 and all(e["device"] == "cpu:512bit+bf16" for e in shipped["entries"]
+                                 if e.get("directions") == 2)
+    assert bi[("lstm", "forward", 1, 2)] > 1.2 and bi[("lstm", "forward_backward", 1, 2)] < auto.LEVEL
     row = next(e for e in shipped["entries"] if e["device"] == "cpu:256bit" and e["cell"] == "lstm"
                and e["phase"] == "forward_backward" and (e["B"], e["T"], e["H"], e["threads"]) == (64, 64, 128, 1))
     assert row["source"].endswith("cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
