@@ -109,16 +109,11 @@ def measure(cell: str, T: int, B: int, H: int, fraction: float, rounds: int, see
     fns = {"torch.nn pieces": lambda inp: forward_backward(torch_pieces, theirs, inp),
            "rnnkern resets=": lambda inp: forward_backward(rnnkern_resets, ours, inp)}
     device = torch.device("cpu")
-    plans = {}
-    for name, fn in fns.items():
-        est = timing.estimate(fn, pool, device, timing.wall_time(lambda: fn(pool[0]), device))
-        plans[name] = timing.plan(est, rounds, round_target_s=0.2, budget_s=60, min_rounds=min(3, rounds))
-    samples = timing.interleaved(fns, pool, plans, device)
-    stats = {n: timing.summarize(s) for n, s in samples.items()}
+    stats = timing.study_stats(fns, pool, rounds, device)
     base, cand = stats["torch.nn pieces"]["median_s"], stats["rnnkern resets="]["median_s"]
     return {"cell": cell, "T": T, "B": B, "H": H, "reset_fraction": fraction,
             "resets": int(pool[0][3].sum()), "torch_pieces": pieces,
-            "float64_max_difference": worst, "rounds": {n: len(s) for n, s in samples.items()},
+            "float64_max_difference": worst, "rounds": {n: s["samples"] for n, s in stats.items()},
             "torch_pieces_ms": 1e3 * base, "rnnkern_ms": 1e3 * cand, "speedup": base / cand,
             "stats_s": stats}
 

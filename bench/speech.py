@@ -99,13 +99,8 @@ def measure(cell: str, B: int, T: int, I: int, H: int, layers: int, rounds: int,
     device = torch.device("cpu")
     phases = {}
     for phase, fn in FNS.items():
-        fns = {n: (lambda inp, m=ms[n]: fn(m, inp)) for n in CANDIDATES}
-        plans = {}
-        for n, f in fns.items():
-            est = timing.estimate(f, pool, device, timing.wall_time(lambda: f(pool[0]), device))
-            plans[n] = timing.plan(est, rounds, round_target_s=0.2, budget_s=60, min_rounds=min(3, rounds))
-        samples = timing.interleaved(fns, pool, plans, device)
-        stats = {n: timing.summarize(s) for n, s in samples.items()}
+        stats = timing.study_stats({n: (lambda inp, m=ms[n]: fn(m, inp)) for n in CANDIDATES}, pool,
+                                   rounds, device)
         med = {n: 1e3 * s["median_s"] for n, s in stats.items()}
         phases[phase] = {"ms": med,
                          "speedup_vs_torch": {n: med["torch.nn"] / med[n] for n in CANDIDATES[1:]},

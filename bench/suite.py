@@ -406,42 +406,42 @@ def study_sizes(family: str, cfg: Config):
     return packed_size(cfg) if family == "packed" else speech_sizes(cfg)
 
 
-def run_speech(doc: dict, device: torch.device, cfg: Config, say, outputs) -> None:
-    """The speech family: bench/speech.py's study per cell it has (LSTM, GRU) and size,
-    into doc["speech"]."""
-    from . import speech
-
-    if device.type != "cpu":
-        doc["speech_note"] = "the speech study runs on the CPU (rnnkern's cpu backend against torch.nn)"
-        say(f"speech: not run ({doc['speech_note']})")
-        return
-    rounds = cfg.rounds or (3 if cfg.quick else 7)
-    doc["speech"] = []
-    for cell in (c for c in cfg.cells if c in speech.MODULES):
-        for size in speech_sizes(cfg):
-            r = speech.measure(cell, size["B"], size["T"], size["I"], size["H"], size["layers"], rounds, seed=0)
-            doc["speech"].append(r)
-            say("[speech] " + report.speech_line(r))
-            sys.stdout.flush()
-            if outputs is not None:
-                outputs.save(doc, final=False)
-
-
-def run_packed(doc: dict, device: torch.device, cfg: Config, say, outputs) -> None:
-    """The packed family: bench/packed.py's study per cell, into doc["packed"]."""
+def _packed_results(cfg: Config, rounds: int):
+    """bench/packed.py's study per cell."""
     from . import packed
 
-    if device.type != "cpu":
-        doc["packed_note"] = "the packed study runs on the CPU (rnnkern's cpu backend against torch.nn)"
-        say(f"packed: not run ({doc['packed_note']})")
-        return
     size = packed_size(cfg)
-    rounds = cfg.rounds or (3 if cfg.quick else 7)
-    doc["packed"] = []
     for cell in cfg.cells:
-        r = packed.measure(cell, size["T"], size["B"], size["I"], size["H"], size["mean_length"], rounds, seed=0)
-        doc["packed"].append(r)
-        say("[packed] " + report.packed_line(r))
+        yield packed.measure(cell, size["T"], size["B"], size["I"], size["H"], size["mean_length"], rounds,
+                             seed=0)
+
+
+def _speech_results(cfg: Config, rounds: int):
+    """bench/speech.py's study per cell it has (LSTM, GRU) and size."""
+    from . import speech
+
+    for cell in (c for c in cfg.cells if c in speech.MODULES):
+        for size in speech_sizes(cfg):
+            yield speech.measure(cell, size["B"], size["T"], size["I"], size["H"], size["layers"], rounds, seed=0)
+
+
+#: Per study family: its results as they are measured, its line, and what it compares.
+STUDIES = {"packed": (_packed_results, report.packed_line, "rnnkern's cpu backend against torch.nn"),
+           "speech": (_speech_results, report.speech_line, "rnnkern's cpu backend against torch.nn")}
+
+
+def run_study(family: str, doc: dict, device: torch.device, cfg: Config, say, outputs) -> None:
+    """A study family (bench/packed.py, bench/speech.py) into doc[family]: each result
+    printed and saved as it comes; CPU only."""
+    results, line, what = STUDIES[family]
+    if device.type != "cpu":
+        doc[f"{family}_note"] = f"the {family} study runs on the CPU ({what})"
+        say(f"{family}: not run ({doc[f'{family}_note']})")
+        return
+    doc[family] = []
+    for r in results(cfg, cfg.rounds or (3 if cfg.quick else 7)):
+        doc[family].append(r)
+        say(f"[{family}] " + line(r))
         sys.stdout.flush()
         if outputs is not None:
             outputs.save(doc, final=False)
@@ -547,12 +547,10 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
             sys.stdout.flush()
             if outputs is not None:
                 outputs.save(doc, final=False)
-        if "packed" in cfg.run_families():
-            progress.set_postfix_str("packed batches")
-            run_packed(doc, device, cfg, say, outputs)
-        if "speech" in cfg.run_families():
-            progress.set_postfix_str("speech stacks")
-            run_speech(doc, device, cfg, say, outputs)
+        for family in STUDY_FAMILIES:
+            if family in cfg.run_families():
+                progress.set_postfix_str(f"the {family} study")
+                run_study(family, doc, device, cfg, say, outputs)
         progress.set_postfix_str("measuring peaks")
         doc["peaks"] = timing.best_peaks(doc["peaks"], timing.measure_peaks(device, [DTYPES[d] for d in dtypes]))
         if "fma" in doc["peaks"]:

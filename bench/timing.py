@@ -201,3 +201,14 @@ def best_peaks(a: dict, b: dict) -> dict:
     out["copy_gbps"] = max(a["copy_gbps"], b["copy_gbps"])
     out["how"] = a["how"] + "; measured at the start and at the end of the run, the better kept"
     return out
+
+
+def study_stats(fns: dict, pool: list, rounds: int, device, budget_s: float = 60) -> dict:
+    """The studies' timing (bench/speech.py, bench/resets.py): each function's calls per
+    sample planned from an estimate on the pool, then ``rounds`` interleaved rounds;
+    {name: summarize(its samples) and their count, "samples"}."""
+    plans = {}
+    for name, fn in fns.items():
+        est = estimate(fn, pool, device, wall_time(lambda: fn(pool[0]), device))
+        plans[name] = plan(est, rounds, round_target_s=0.2, budget_s=budget_s, min_rounds=min(3, rounds))
+    return {n: {**summarize(s), "samples": len(s)} for n, s in interleaved(fns, pool, plans, device).items()}
