@@ -75,8 +75,19 @@ PyObject* cpu_parallel_regions(PyObject*, PyObject*) {
   return PyLong_FromLongLong(parallel_regions.load());
 }
 
-// The Python error of a call, fetched (owned) so that another may run meanwhile.
+// The Python error of a call, fetched (owned) so that another may run meanwhile;
+// dropped or restored with the GIL held.
 struct FetchedError {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject* exception = nullptr;
+  void fetch() { exception = PyErr_GetRaisedException(); }
+  bool set() const { return exception != nullptr; }
+  void restore() {  // gives the reference back to Python as the current error
+    PyErr_SetRaisedException(exception);
+    exception = nullptr;
+  }
+  void drop() { Py_CLEAR(exception); }
+#else
   PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
   void fetch() { PyErr_Fetch(&type, &value, &traceback); }
   bool set() const { return type != nullptr; }
@@ -85,11 +96,11 @@ struct FetchedError {
     type = value = traceback = nullptr;
   }
   void drop() {
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(traceback);
-    type = value = traceback = nullptr;
+    Py_CLEAR(type);
+    Py_CLEAR(value);
+    Py_CLEAR(traceback);
   }
+#endif
 };
 
 // run_concurrently(a, b) -> (a(), b()): the two calls at once, as the two
