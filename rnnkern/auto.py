@@ -14,7 +14,9 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    :data:`LEVEL`, 0.97x: level counts as rnnkern's) at the measured size nearest to the call's
    (log-distance in B, H and T; forward for inference, forward+backward when the
    call builds a graph) runs; on a CPU, from the rows measured at the thread
-   count nearest to the call's (torch.get_num_threads()); a bidirectional call
+   count nearest to the call's (torch.get_num_threads()), of the call's regime
+   (one-step rows for a T=1 call, sequence rows otherwise) where the table has
+   them; a bidirectional call
    from the rows of bidirectional stacks where the table has them (bench/speech.py),
    else from the one-direction rows.  On a GPU, Triton's kernels are a third candidate,
    trusted only where the call would run the same Triton kernel as the
@@ -255,12 +257,25 @@ def _for_directions(rows: list, directions: int) -> list:
     return [e for e in rows if e.get("directions", 1) == 1]
 
 
+def _same_regime(rows: list, T: int) -> list:
+    """The rows of the call's regime where the table has them: one-step rows
+    (T=1) for a one-step call, sequence rows for a sequence call.  A one-step
+    call costs its per-call work, a sequence its steps: on a Zen 4 at two
+    threads the nearest rows of an LSTM's one-step forward were T=256 rows
+    (0.95x, torch.nn ran) while the one-step rows, measured at one thread
+    only, said 1.4-4.8x, as the call then measured at two (auto ran it at
+    0.92-0.96x).  So a regime's rows at another thread count come before the
+    other regime's at the call's."""
+    same = [e for e in rows if (e["T"] == 1) == (T == 1)]
+    return same or rows
+
+
 def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
             training: bool, rnnkern_backend: str, key: str, proj_size: int, threads: int,
             directions: int = 1) -> Choice:
     dtype_name = str(dtype).replace("torch.", "")
     phase = "forward_backward" if training else "forward"
-    rows = _for_directions(_index().get((key, cell, dtype_name, phase), []), directions)
+    rows = _same_regime(_for_directions(_index().get((key, cell, dtype_name, phase), []), directions), T)
     if device.type == "cpu":
         rows = _at_threads(rows, threads)
     found = []  # (ratio, backend, entry)

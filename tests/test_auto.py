@@ -41,11 +41,13 @@ BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
 # threads): oneDNN's AVX-512 LSTM forward is level with rnnkern's there.
 SPEECH_RESULTS = ("bench/results/cpu-zen4-2026-12-01-speech-t1-7c53bcf/bench.json",
                   "bench/results/cpu-zen4-2026-12-01-speech-t2-7c53bcf/bench.json")
+# One-step calls at two threads (their one-thread rows are STEP_RESULTS' float32 rows).
+STEP_T2_RESULTS = "bench/results/cpu-zen4-2026-12-01-step-t2-c7f7bfd/bench.json"
 F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-default-t1-3d88262/bench.json",
                "bench/results/cpu-zen4-2026-12-01-default-t2-3d88262/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json",
-               STEP_RESULTS, *SPEECH_RESULTS)
+               STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
 CPU = torch.device("cpu")
 
 
@@ -137,6 +139,21 @@ def test_cpu_rows_at_the_nearest_thread_count(table, monkeypatch):
     assert choose(cell="gru", threads=1).uses_torch and choose(cell="gru", threads=2).uses_torch
 
 
+def test_a_one_step_call_decides_by_one_step_rows(table):
+    """A one-step call (T=1) costs its per-call work, a sequence its steps: a T=1
+    call decides by the one-step rows where the table has them, even measured
+    at another thread count, and a sequence call by the sequence rows."""
+    table += [entry("cpu:256bit", "lstm", "float32", "forward", 1, 256, 256, 0.95, threads=2),
+              entry("cpu:256bit", "lstm", "float32", "forward", 1, 1, 256, 3.2, threads=1)]
+    step = choose(B=1, T=1, H=256, threads=2)
+    assert step.implementation == "cpu" and "3.20x" in step.reason and "T=1" in step.reason, step
+    sequence = choose(B=1, T=64, H=256, threads=2)
+    assert sequence.uses_torch and "0.95x" in sequence.reason, sequence
+    # Without rows of its regime, a call decides by the others.
+    table.append(entry("cpu:256bit", "gru", "float32", "forward", 1, 256, 256, 0.9, threads=2))
+    assert choose(cell="gru", B=1, T=1, H=256, threads=2).uses_torch
+
+
 def test_a_bidirectional_call_decides_by_bidirectional_rows(table):
     """On a CPU rnnkern runs a bidirectional layer's two directions at once in
     inference (ops.run_concurrently): a bidirectional call decides by the rows
@@ -202,7 +219,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
     assert {e["dtype"] for e in zen4} == {"bfloat16", "float32"}
     for e in zen4:
-        runs = ("-default-t", "-bf16-t", "-step-bf16-t", "-speech-t") if e["dtype"] == "float32" else ("-bf16-",)
+        runs = ("-default-t", "-bf16-t", "-step-", "-speech-t") if e["dtype"] == "float32" else ("-bf16-",)
         assert any(r in e["source"] for r in runs), e
     # What it says for the measured H100 cases (median of 10 CUDA-event timings).
     by_case = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]["cuda"]
