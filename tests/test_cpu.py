@@ -1019,6 +1019,16 @@ def test_directions_run_one_after_the_other_when_a_graph_is_built(monkeypatch):
         with torch.no_grad(), Passthrough():
             m(x)
         assert not calls
+        # LayerNormLSTM: its gains alone requiring grad build a graph too.
+        ln = rnnkern.LayerNormLSTM(128, 128, num_layers=2, bidirectional=True, backend="cpu")
+        for name, param in ln.named_parameters():
+            param.requires_grad_(name.startswith("ln_"))
+        out, _ = ln(x.detach())
+        assert out.requires_grad and not calls
+        out.sum().backward()
+        ln.requires_grad_(False)
+        ln(x.detach())
+        assert len(calls) == 2, "nothing requires grad: no graph, directions at once"
     finally:
         torch.set_num_threads(saved)
 

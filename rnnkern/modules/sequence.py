@@ -410,7 +410,7 @@ class _RecurrentMixin(_RnnkernOptions):
             if not self.training:  # the expectation: one [Z] vector, broadcast
                 zoneout = torch.full((Z,), p, dtype=x.dtype, device=x.device).expand(T, B, Z)
         steps = {"cell_steps": True} if cell_steps else {}  # (the plain calls keep their form)
-        at_once = D == 2 and self._directions_at_once(backend, x, hx, weights, reset_state)
+        at_once = D == 2 and self._directions_at_once(backend, x, hx, weights, reset_state, lns)
 
         def direction(layer: int, d: int, x: Tensor, zoneout: Optional[Tensor]):
             idx = layer * D + d
@@ -452,7 +452,7 @@ class _RecurrentMixin(_RnnkernOptions):
             hidden = tuple(h.to(dt) for h, dt in zip(hidden, result_dtypes[1:]))
         return x, hidden
 
-    def _directions_at_once(self, backend: str, x: Tensor, hx, weights, reset_state) -> bool:
+    def _directions_at_once(self, backend: str, x: Tensor, hx, weights, reset_state, lns=None) -> bool:
         """Whether a bidirectional layer runs its two directions at once
         (ops.run_concurrently, each direction on one thread): on the CPU
         backend, where that uses the threads better than one direction after
@@ -470,7 +470,7 @@ class _RecurrentMixin(_RnnkernOptions):
         if threads < 2:
             return False
         tensors = [x, *hx, *(w for ws in weights for w in ws if w is not None),
-                   *(reset_state or ())]
+                   *(reset_state or ()), *(lns or ())]
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return False
         if _peek_interpreter_stack() is not None or forward_ad._current_level >= 0 \
