@@ -105,7 +105,11 @@ def cpu_isa_flags():
         return []
     if isa not in CPU_ISA_LEVELS:
         raise SystemExit(f"RNNKERN_CPU_ISA={isa!r}: expected one of {', '.join(CPU_ISA_LEVELS)}")
-    return [f"-DRNNKERN_CPU_ISA={isa}"] + (["-DRNNKERN_CPU_ISA_V4"] if isa == "x86-64-v4" else [])
+    return (
+        [f"-DRNNKERN_CPU_ISA={isa}"]
+        + (["-DRNNKERN_CPU_ISA_V4"] if isa == "x86-64-v4" else [])
+        + (["-DRNNKERN_CPU_ISA_F16C"] if isa in ("x86-64-v3", "x86-64-v4") else [])
+    )
 
 
 def extensions():

@@ -225,6 +225,53 @@ def test_float16_step_within_reference_error(cell, B, I, H):
     assert_half_step_within_reference_error(cell, B, I, H, torch.float16, key=("f16-step",))
 
 
+def half_weight(g, *shape):
+    """float16 weights with every tenth value a subnormal (below 2^-14)."""
+    w = randn(g, *shape, scale=0.2)
+    tiny = torch.randint(-1023, 1024, shape, generator=g).float() * 2.0 ** -24
+    return torch.where(torch.rand(shape, generator=g) < 0.1, tiny, w).half()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("B", [1, 2, 4])
+def test_float16_step_is_the_float32_step_on_its_values(threads, cell, B):
+    """A float16 step too large for the lean one, at a batch the dot products
+    take: W_ih and W_hh read as float16 and widened block by block as the
+    products go (gemm::multiply_nt_half, on CPUs with F16C), exactly: the bits
+    of the float32 step on the same float16 values, rounded to float16 (h_new,
+    c_new), subnormal weights included, at 1 and 2 threads.  And
+    rnnkern.linear with a float16 weight whose rows lie apart."""
+    I, H = 48, 160  # G*H*(I + H) > 2^15: the driver, not the lean step
+    G = {"lstm": 4, "gru": 3, "gru_reset_before": 3}.get(cell, 1)
+    g = generator("f16-in-place", cell, B)
+    x, h, c = (randn(g, B, n, scale=0.5).half() for n in (I, H, H))
+    c = c if cell == "lstm" else None
+    w_ih, w_hh = half_weight(g, G * H, I), half_weight(g, G * H, H)
+    b_ih, b_hh = (randn(g, G * H, scale=0.1).half() for _ in range(2))
+    args16 = (x, h, c, w_ih, w_hh, b_ih, b_hh)
+    args32 = tuple(None if t is None else t.float() for t in args16)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = ops.step(cell, *args16, backend="cpu")
+            want = ops.step(cell, *args32, backend="cpu")
+            wide = torch.zeros(G * H, I + 9, dtype=torch.float16)
+            w_apart = wide[:, 3:3 + I].copy_(w_ih)  # rows I + 9 values apart
+            assert w_apart.stride() == (I + 9, 1)
+            y16 = torch.ops.rnnkern.linear(x, w_apart)
+            y32 = torch.ops.rnnkern.linear(x.float(), w_ih.float())
+    finally:
+        torch.set_num_threads(saved)
+    for name, a, b in (("h_new", got[0], want[0]), ("c_new", got[1], want[1]), ("x W_ih^T", y16, y32)):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == torch.float16, name
+        assert torch.equal(a, b.half()), f"{name}: {(a.float() - b.half().float()).abs().max().item()}"
+
+
 # ------------------------------------------ input projection (linear op) ----
 
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40), (3001, 203, 7),

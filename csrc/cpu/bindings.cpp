@@ -89,6 +89,15 @@ Tensor product_weight(const OptTensor& w, at::ScalarType acc, bool on_pairs) {
   return on_pairs ? w->contiguous() : to_acc(*w, acc);
 }
 
+// Whether a forward's float16 W_hh stays float16: a call of one step (its
+// products read W in place: forward.cpp) whose batch takes the dot products
+// (gemm::multiply_nt_half widens W's rows as they are read).  Same bits as
+// reading a float32 copy, which cost a pass over W and twice its bytes.
+bool half_weight_in_place(const RecurrenceSizes& z, const Tensor& w_hh, at::ScalarType acc) {
+  return z.T == 1 && z.B < gemm::kMinBroadcastRows && w_hh.scalar_type() == at::kHalf &&
+         acc == at::kFloat && gemm::widens_half_natively();
+}
+
 // Forward on tensors of any floating dtype; results in the accumulate dtype.
 std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
     const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
@@ -114,7 +123,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             x_bf16 ? xproj.contiguous() : to_acc(xproj, acc),
                             h0a,
                             c0a,
-                            product_weight(w_hh, acc, on_pairs),
+                            half_weight_in_place(z, w_hh, acc) ? w_hh.contiguous()
+                                                               : product_weight(w_hh, acc, on_pairs),
                             bias_or_zeros(b_ih, z.G * z.H, opt),
                             bias_or_zeros(b_hh, z.G * z.H, opt),
                             product_weight(w_hr, acc, on_pairs),

@@ -575,6 +575,24 @@ RNNKERN_ALWAYS_INLINE void multiply_nt_rows(int64_t M, const T* A, int64_t lda, 
   multiply_nt_rows_impl<T, kNarrow>(M, A, lda, W, ldw, N, K, C, ldc);
 }
 
+// float16 values (their bits) widened to float32, exactly (linear.cpp):
+// on F16C's conversions where widens_half_natively(), else one value at a
+// time -- slower than the float32 copy torch makes, which callers then keep.
+bool widens_half_natively();
+void widen_half(const uint16_t* src, float* dst, int64_t n);
+
+// C[M, N] (+)= A[M, K] W^T for a row-major float16 W (its bits, row n at
+// W + n*ldw) and fewer than kMinBroadcastRows rows of A: W's rows widened a
+// block at a time into scratch that stays in L1, and multiply_nt's dot
+// products run on each block.  The same bits as multiply_nt on a float32 copy
+// of W (widening is exact, and each element of C is its own dot product,
+// whatever rows of W lie beside it), but W is read once, at half the bytes,
+// and no float32 copy of it is written and read back: a float16 LSTMCell at
+// B=1 H=256 spent a quarter of its time converting its weights to float32.
+// (linear.cpp; compiled per ISA level, as the dot products it runs.)
+void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W, int64_t ldw,
+                      int64_t N, int64_t K, float* C, int64_t ldc, bool accumulate);
+
 // ---- blocked large products ----------------------------------------------
 // A block of rows [m0, m0 + m) and of K [k0, k0 + kc), packed as micro-panels
 // of kMR rows: dst[(i / kMR) * kc * kMR + k * kMR + i % kMR], zero past M.

@@ -27,3 +27,11 @@
 #define RNNKERN_CPU_WIDE_VECTORS 1
 #define RNNKERN_CPU_WIDE_TARGET __attribute__((target("arch=x86-64-v4"), noinline))
 #endif
+
+// float16 values widen to float32 on F16C's vcvtph2ps (x86-64-v3 and up),
+// chosen by CPUID (gemm::widen_half); a build pinned below v3 keeps the
+// portable conversion.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    (!defined(RNNKERN_CPU_ISA) || defined(RNNKERN_CPU_ISA_F16C))
+#define RNNKERN_CPU_F16C 1
+#endif

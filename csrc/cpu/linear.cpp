@@ -15,7 +15,12 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(RNNKERN_CPU_F16C)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdlib>
@@ -47,6 +52,55 @@ bool wide_vectors() {
 #else
   return false;
 #endif
+}
+
+#if defined(RNNKERN_CPU_F16C)
+// vcvtph2ps ignores MXCSR's denormals-are-zero: subnormal float16 values
+// widen exactly, as in the portable form.
+__attribute__((target("arch=x86-64-v3"), noinline)) void widen_half_f16c(const uint16_t* src, float* dst,
+                                                                          int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+#endif
+
+bool widens_half_natively() {
+#if defined(RNNKERN_CPU_F16C)
+  static const bool f16c = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v3") != 0;
+  }();
+  return f16c;
+#else
+  return false;
+#endif
+}
+
+void widen_half(const uint16_t* src, float* dst, int64_t n) {
+#if defined(RNNKERN_CPU_F16C)
+  if (widens_half_natively()) return widen_half_f16c(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+
+RNNKERN_CPU_CLONES void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
+                                         int64_t ldw, int64_t N, int64_t K, float* C, int64_t ldc,
+                                         bool accumulate) {
+  constexpr int64_t kBlockValues = 4096;  // 16 KB of float32 rows
+  const int64_t rows = std::max<int64_t>(8, kBlockValues / std::max<int64_t>(K, 1) / 8 * 8);
+  thread_local std::vector<float> block;  // grown as needed and kept
+  block.resize(std::max<size_t>(block.size(), static_cast<size_t>(rows * K)));
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t nr = std::min(rows, N - n0);
+    if (ldw == K) {
+      widen_half(W + n0 * K, block.data(), nr * K);
+    } else {
+      for (int64_t r = 0; r < nr; ++r) widen_half(W + (n0 + r) * ldw, block.data() + r * K, K);
+    }
+    multiply_nt(M, A, lda, block.data(), K, nr, K, C + n0, ldc, accumulate);
+  }
 }
 
 }  // namespace gemm
@@ -220,6 +274,16 @@ at::Tensor linear_acc(const at::Tensor& x, const at::Tensor& weight) {
   if (on_pairs({&x, &weight})) {  // bf16 pairs of x and W as they lie, float32 sums
     pairs::gemm<uint16_t>(M, N, K, pairs::bf16_bits(x), x.stride(0), x.stride(1), pairs::bf16_bits(weight),
                           weight.stride(1), weight.stride(0), y.data_ptr<float>(), N, false);
+    return y;
+  }
+  if (x.scalar_type() == at::kHalf && weight.scalar_type() == at::kHalf && M <= kInPlace &&
+      M < gemm::kMinBroadcastRows && weight.stride(1) == 1 && gemm::widens_half_natively()) {
+    // float16 rows of W widened block by block as the dot products read them
+    // (gemm::multiply_nt_half): blocked_gemm's in-place product on a float32
+    // copy of W, without the copy.
+    const at::Tensor xa = to_acc_2d(x, acc);
+    gemm::multiply_nt_half(M, xa.const_data_ptr<float>(), xa.stride(0), reinterpret_cast<const uint16_t*>(weight.const_data_ptr()),
+                           weight.stride(0), N, K, y.data_ptr<float>(), N, false);
     return y;
   }
   const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);

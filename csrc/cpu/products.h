@@ -41,6 +41,10 @@ const A* cptr(const Tensor& t) {
 template <typename A>
 struct StepWeightT {
   bool in_place = false;
+  // in_place, a float16 weight (its bits) where w would be its float32 copy:
+  // widened block by block as the product reads it (gemm::multiply_nt_half),
+  // for fewer than gemm::kMinBroadcastRows batch rows.
+  const uint16_t* w_half = nullptr;
   bool bf16_pairs = false;
   gemm::PackedB<A> packed;  // !in_place && !bf16_pairs
   pairs::PackedPairs pair_panels;  // bf16_pairs
@@ -65,9 +69,16 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
     // rows of each gate block.
     const bool whole = w.n == w.H;
     for (int64_t g = 0; g < (whole ? 1 : w.blocks); ++g) {
-      const A* rows = whole ? w.w : w.w + (g * w.H + w.j0) * w.K;
+      const int64_t first = whole ? 0 : (g * w.H + w.j0) * w.K;  // the block's first value
       const int64_t n = whole ? w.blocks * w.H : w.n;
       A* cg = c + g * w.n;
+      if constexpr (std::is_same_v<A, float>) {
+        if (w.w_half != nullptr) {  // (multiply_nt_rows takes multiply_nt's path at these rows)
+          gemm::multiply_nt_half(M, a, lda, w.w_half + first, w.K, n, w.K, cg, w.cols(), accumulate);
+          continue;
+        }
+      }
+      const A* rows = w.w + first;
       if (accumulate)
         gemm::multiply_nt(M, a, lda, rows, w.K, n, w.K, cg, w.cols(), true);
       else
@@ -112,7 +123,12 @@ StepWeightT<A> gate_rows_t(const Tensor& w, int64_t G, const Slice& sl, bool in_
   s.n = sl.n;
   TORCH_CHECK((w.scalar_type() == at::kBFloat16) == s.bf16_pairs,
               "rnnkern internal: the bf16 pair products take the bfloat16 weight, and only they");
-  if (in_place) {
+  if (in_place && w.scalar_type() == at::kHalf) {
+    TORCH_CHECK((std::is_same_v<A, float>) && batch_rows < gemm::kMinBroadcastRows,
+                "rnnkern internal: a float16 weight is read in place by float32 products of fewer than ",
+                gemm::kMinBroadcastRows, " rows");
+    s.w_half = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
+  } else if (in_place) {
     s.w = cptr<A>(w);
   } else if (s.bf16_pairs) {
     s.pair_panels.pack_transposed(pairs::bf16_bits(gate_rows(w, G, sl)), s.K, G * sl.n, s.K);
