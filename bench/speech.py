@@ -36,7 +36,6 @@ MODULES = {"lstm": (torch.nn.LSTM, rnnkern.LSTM), "gru": (torch.nn.GRU, rnnkern.
 SIZES = {"cpu": [(1, 400, 640, 512, 2), (8, 400, 640, 512, 2)], "quick": [(2, 12, 16, 24, 2)]}
 TOLERANCE = 1e-10  # float64 agreement, outputs and every gradient
 CANDIDATES = ("torch.nn", "rnnkern-cpu", "rnnkern-auto")
-PHASES = ("forward", "forward_backward")
 
 
 def modules(cell: str, I: int, H: int, layers: int, dtype, seed: int) -> dict:
@@ -110,7 +109,7 @@ def measure(cell: str, B: int, T: int, I: int, H: int, layers: int, rounds: int,
         phases["forward"]["auto_runs"] = str(rnnkern.explain(ms["rnnkern-auto"], pool[0][0]))
     phases["forward_backward"]["auto_runs"] = str(rnnkern.explain(ms["rnnkern-auto"], pool[0][0]))
     return {"cell": cell, "B": B, "T": T, "I": I, "H": H, "layers": layers, "bidirectional": True,
-            "threads": torch.get_num_threads(), "float64_max_difference": worst, "phases": phases}
+            "float64_max_difference": worst, "phases": phases}
 
 
 def main(argv=None) -> None:

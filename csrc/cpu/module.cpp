@@ -161,14 +161,8 @@ PyObject* cpu_recurrence_threads(PyObject*, PyObject* args) {
     return nullptr;
   }
   try {
-    RecurrenceSizes z{};
-    z.cell = parse_cell(cell);
-    z.T = 1;
-    z.B = B;
-    z.H = H;
-    z.P = P;
-    z.G = gate_count(z.cell);
-    z.has_proj = P != H;
+    const Cell c = parse_cell(cell);
+    const RecurrenceSizes z{c, 1, B, H, P, gate_count(c), P != H};
     return PyLong_FromSize_t(Split(z, size_t(elem_bytes)).unit_workers());
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
