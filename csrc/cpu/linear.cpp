@@ -277,13 +277,15 @@ at::Tensor linear_acc(const at::Tensor& x, const at::Tensor& weight) {
     return y;
   }
   if (x.scalar_type() == at::kHalf && weight.scalar_type() == at::kHalf && M <= kInPlace &&
-      M < gemm::kMinBroadcastRows && weight.stride(1) == 1 && gemm::widens_half_natively()) {
+      weight.stride(1) == 1 && gemm::widens_half_natively()) {
     // float16 rows of W widened block by block as the dot products read them
     // (gemm::multiply_nt_half): blocked_gemm's in-place product on a float32
     // copy of W, without the copy.
+    static_assert(kInPlace < gemm::kMinBroadcastRows, "multiply_nt_half runs the dot products");
     const at::Tensor xa = to_acc_2d(x, acc);
-    gemm::multiply_nt_half(M, xa.const_data_ptr<float>(), xa.stride(0), reinterpret_cast<const uint16_t*>(weight.const_data_ptr()),
-                           weight.stride(0), N, K, y.data_ptr<float>(), N, false);
+    const auto* w_bits = reinterpret_cast<const uint16_t*>(weight.const_data_ptr());
+    gemm::multiply_nt_half(M, xa.const_data_ptr<float>(), xa.stride(0), w_bits, weight.stride(0), N, K,
+                           y.data_ptr<float>(), N, false);
     return y;
   }
   const at::Tensor xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
