@@ -237,8 +237,8 @@ def half_weight(g, *shape):
 @pytest.mark.parametrize("B", [1, 2, 4])
 def test_float16_step_is_the_float32_step_on_its_values(threads, cell, B):
     """A float16 step too large for the lean one, at a batch the dot products
-    take: W_ih and W_hh read as float16 and widened block by block as the
-    products go (gemm::multiply_nt_half, on CPUs with F16C), exactly: the bits
+    take: W_ih and W_hh read as float16 and converted as the products load
+    them (gemm::multiply_nt_half, on CPUs with F16C), exactly: the bits
     of the float32 step on the same float16 values, rounded to float16 (h_new,
     c_new), subnormal weights included, at 1 and 2 threads.  And
     rnnkern.linear with a float16 weight whose rows lie apart."""

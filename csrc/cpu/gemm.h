@@ -32,6 +32,8 @@
 #define RNNKERN_ALWAYS_INLINE inline
 #endif
 
+#include <c10/util/Half.h>
+
 #include "isa.h"
 
 namespace rnnkern::cpu::gemm {
@@ -347,13 +349,43 @@ RNNKERN_ALWAYS_INLINE void multiply_packed_impl(int64_t m, const T* a_packed, co
   }
 }
 
+// A vector of W's values as float: W's own type loaded as it lies, or
+// float16 values (their bits, uint16_t) converted on the way by F16C's
+// vcvtph2ps, exactly.  The conversion is written as inline assembly: the
+// intrinsics cannot inline into these portable templates, whose target is
+// the baseline's; the instruction is only ever compiled into the x86-64-v3
+// and v4 functions that instantiate the templates with float16 weights
+// (linear.cpp's multiply_nt_half), which run only on CPUs with F16C.
+template <typename T, int Bytes, typename W_t>
+RNNKERN_ALWAYS_INLINE typename Vec<T, Bytes>::type load_w(const W_t* w) {
+  typename Vec<T, Bytes>::type v;
+  if constexpr (std::is_same_v<W_t, T>) {
+    std::memcpy(&v, w, sizeof(v));
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<W_t, uint16_t>, "float16 bits into float");
+    asm("vcvtph2ps %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const W_t(*)[Vec<T, Bytes>::kLanes]>(w)));
+  }
+  return v;
+}
+
+// One value of W as T (float16 bits widened exactly, as c10 does).
+template <typename T, typename W_t>
+RNNKERN_ALWAYS_INLINE T w_value(W_t w) {
+  if constexpr (std::is_same_v<W_t, T>) {
+    return w;
+  } else {
+    return c10::detail::fp16_ieee_to_fp32_value(w);
+  }
+}
+
 // C[M, N] (+)= A[M, K] W^T for a row-major W [N, K] (row n at W + n*ldw), W
 // unpacked: dot products of the rows of A with the rows of W, NB rows of W at
 // a time so that each load of A serves NB of them.  The per-step product of a
 // call of one step, where packing W would cost about two passes over it, more
-// than the product.
-template <typename T, int MB, int NB, int Bytes>
-RNNKERN_ALWAYS_INLINE void dot_block(int64_t K, const T* A, int64_t lda, const T* W, int64_t ldw,
+// than the product.  W may be float16 for a float T (load_w): every product
+// and sum as for W's values in float.
+template <typename T, int MB, int NB, int Bytes, typename W_t = T>
+RNNKERN_ALWAYS_INLINE void dot_block(int64_t K, const T* A, int64_t lda, const W_t* W, int64_t ldw,
                                      T* C, int64_t ldc, bool accumulate) {
   using V = typename Vec<T, Bytes>::type;
   constexpr int L = Vec<T, Bytes>::kLanes;
@@ -365,8 +397,7 @@ RNNKERN_ALWAYS_INLINE void dot_block(int64_t K, const T* A, int64_t lda, const T
     V a[MB];
     for (int m = 0; m < MB; ++m) std::memcpy(&a[m], A + m * lda + k, sizeof(V));
     for (int n = 0; n < NB; ++n) {
-      V w;
-      std::memcpy(&w, W + n * ldw + k, sizeof(V));
+      const V w = load_w<T, Bytes>(W + n * ldw + k);
       for (int m = 0; m < MB; ++m) acc[m][n] += a[m] * w;
     }
   }
@@ -374,34 +405,34 @@ RNNKERN_ALWAYS_INLINE void dot_block(int64_t K, const T* A, int64_t lda, const T
     for (int n = 0; n < NB; ++n) {
       T sum = 0;
       for (int l = 0; l < L; ++l) sum += acc[m][n][l];
-      for (int64_t kk = k; kk < K; ++kk) sum += A[m * lda + kk] * W[n * ldw + kk];
+      for (int64_t kk = k; kk < K; ++kk) sum += A[m * lda + kk] * w_value<T>(W[n * ldw + kk]);
       T& c = C[m * ldc + n];
       c = accumulate ? c + sum : sum;
     }
   }
 }
 
-template <typename T, int Bytes>
-RNNKERN_ALWAYS_INLINE void multiply_nt_impl(int64_t M, const T* A, int64_t lda, const T* W,
+template <typename T, int Bytes, typename W_t = T>
+RNNKERN_ALWAYS_INLINE void multiply_nt_impl(int64_t M, const T* A, int64_t lda, const W_t* W,
                                             int64_t ldw, int64_t N, int64_t K, T* C, int64_t ldc,
                                             bool accumulate) {
   int64_t m = 0;
   for (; m + 2 <= M; m += 2) {
     int64_t n = 0;
     for (; n + 4 <= N; n += 4)
-      dot_block<T, 2, 4, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+      dot_block<T, 2, 4, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
                                 accumulate);
     for (; n < N; ++n)
-      dot_block<T, 2, 1, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+      dot_block<T, 2, 1, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
                                 accumulate);
   }
   if (m < M) {
     int64_t n = 0;
     for (; n + 8 <= N; n += 8)
-      dot_block<T, 1, 8, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+      dot_block<T, 1, 8, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
                                 accumulate);
     for (; n < N; ++n)
-      dot_block<T, 1, 1, Bytes>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
+      dot_block<T, 1, 1, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
                                 accumulate);
   }
 }
@@ -575,21 +606,17 @@ RNNKERN_ALWAYS_INLINE void multiply_nt_rows(int64_t M, const T* A, int64_t lda, 
   multiply_nt_rows_impl<T, kNarrow>(M, A, lda, W, ldw, N, K, C, ldc);
 }
 
-// float16 values (their bits) widened to float32, exactly (linear.cpp):
-// on F16C's conversions where widens_half_natively(), else one value at a
-// time -- slower than the float32 copy torch makes, which callers then keep.
+// Whether this CPU converts float16 to float32 in its vector instructions
+// (F16C: x86-64-v3 and up, and a build not pinned below v3).
 bool widens_half_natively();
-void widen_half(const uint16_t* src, float* dst, int64_t n);
 
 // C[M, N] (+)= A[M, K] W^T for a row-major float16 W (its bits, row n at
-// W + n*ldw) and fewer than kMinBroadcastRows rows of A: W's rows widened a
-// block at a time into scratch that stays in L1, and multiply_nt's dot
-// products run on each block.  The same bits as multiply_nt on a float32 copy
-// of W (widening is exact, and each element of C is its own dot product,
-// whatever rows of W lie beside it), but W is read once, at half the bytes,
-// and no float32 copy of it is written and read back: a float16 LSTMCell at
-// B=1 H=256 spent a quarter of its time converting its weights to float32.
-// (linear.cpp; compiled per ISA level, as the dot products it runs.)
+// W + n*ldw) and fewer than kMinBroadcastRows rows of A: multiply_nt's dot
+// products with W's vectors converted as they are loaded (load_w), where
+// widens_half_natively().  The same bits as multiply_nt on a float32 copy of
+// W (the conversion is exact), without the copy: a float16 LSTMCell at B=1
+// H=256 spent a quarter of its time in torch's conversion of its weights to
+// float32, then read twice the bytes.  (linear.cpp.)
 void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W, int64_t ldw,
                       int64_t N, int64_t K, float* C, int64_t ldc, bool accumulate);
 

@@ -18,10 +18,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(RNNKERN_CPU_F16C)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdlib>
 #include <initializer_list>
@@ -54,18 +50,6 @@ bool wide_vectors() {
 #endif
 }
 
-#if defined(RNNKERN_CPU_F16C)
-// vcvtph2ps ignores MXCSR's denormals-are-zero: subnormal float16 values
-// widen exactly, as in the portable form.
-__attribute__((target("arch=x86-64-v3"), noinline)) void widen_half_f16c(const uint16_t* src, float* dst,
-                                                                          int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
-}
-#endif
-
 bool widens_half_natively() {
 #if defined(RNNKERN_CPU_F16C)
   static const bool f16c = [] {
@@ -78,29 +62,38 @@ bool widens_half_natively() {
 #endif
 }
 
-void widen_half(const uint16_t* src, float* dst, int64_t n) {
-#if defined(RNNKERN_CPU_F16C)
-  if (widens_half_natively()) return widen_half_f16c(src, dst, n);
-#endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+// The dot products with float16 rows of W (multiply_nt_impl's, W's vectors
+// converted as they are loaded: load_w), compiled for the ISA levels that
+// have F16C: 512-bit where the products run so, else 256-bit.
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+RNNKERN_CPU_WIDE_TARGET void multiply_nt_half_wide(int64_t M, const float* A, int64_t lda,
+                                                   const uint16_t* W, int64_t ldw, int64_t N, int64_t K,
+                                                   float* C, int64_t ldc, bool accumulate) {
+  multiply_nt_impl<float, kWide, uint16_t>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
 }
+#endif
+#if defined(RNNKERN_CPU_F16C)
+__attribute__((target("arch=x86-64-v3"), noinline)) void multiply_nt_half_narrow(
+    int64_t M, const float* A, int64_t lda, const uint16_t* W, int64_t ldw, int64_t N, int64_t K,
+    float* C, int64_t ldc, bool accumulate) {
+  multiply_nt_impl<float, kNarrow, uint16_t>(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
+}
+#endif
 
-RNNKERN_CPU_CLONES void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
-                                         int64_t ldw, int64_t N, int64_t K, float* C, int64_t ldc,
-                                         bool accumulate) {
-  constexpr int64_t kBlockValues = 4096;  // 16 KB of float32 rows
-  const int64_t rows = std::max<int64_t>(8, kBlockValues / std::max<int64_t>(K, 1) / 8 * 8);
-  thread_local std::vector<float> block;  // grown as needed and kept
-  block.resize(std::max<size_t>(block.size(), static_cast<size_t>(rows * K)));
-  for (int64_t n0 = 0; n0 < N; n0 += rows) {
-    const int64_t nr = std::min(rows, N - n0);
-    if (ldw == K) {
-      widen_half(W + n0 * K, block.data(), nr * K);
-    } else {
-      for (int64_t r = 0; r < nr; ++r) widen_half(W + (n0 + r) * ldw, block.data() + r * K, K);
-    }
-    multiply_nt(M, A, lda, block.data(), K, nr, K, C + n0, ldc, accumulate);
-  }
+void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W, int64_t ldw, int64_t N,
+                      int64_t K, float* C, int64_t ldc, bool accumulate) {
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+  if (wide_vectors()) return multiply_nt_half_wide(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
+#endif
+#if defined(RNNKERN_CPU_F16C)
+  if (widens_half_natively()) return multiply_nt_half_narrow(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
+#endif
+  // (Callers take this path only where widens_half_natively(): a float32
+  // copy of W, as they make otherwise.)
+  std::vector<float> w(static_cast<size_t>(N * K));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) w[n * K + k] = c10::detail::fp16_ieee_to_fp32_value(W[n * ldw + k]);
+  multiply_nt(M, A, lda, w.data(), K, N, K, C, ldc, accumulate);
 }
 
 }  // namespace gemm
@@ -278,7 +271,7 @@ at::Tensor linear_acc(const at::Tensor& x, const at::Tensor& weight) {
   }
   if (x.scalar_type() == at::kHalf && weight.scalar_type() == at::kHalf && M <= kInPlace &&
       weight.stride(1) == 1 && gemm::widens_half_natively()) {
-    // float16 rows of W widened block by block as the dot products read them
+    // float16 rows of W converted as the dot products load them
     // (gemm::multiply_nt_half): blocked_gemm's in-place product on a float32
     // copy of W, without the copy.
     static_assert(kInPlace < gemm::kMinBroadcastRows, "multiply_nt_half runs the dot products");

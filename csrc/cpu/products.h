@@ -42,7 +42,7 @@ template <typename A>
 struct StepWeightT {
   bool in_place = false;
   // in_place, a float16 weight (its bits) where w would be its float32 copy:
-  // widened block by block as the product reads it (gemm::multiply_nt_half),
+  // converted as the product loads it (gemm::multiply_nt_half),
   // for fewer than gemm::kMinBroadcastRows batch rows.
   const uint16_t* w_half = nullptr;
   bool bf16_pairs = false;
