@@ -420,20 +420,20 @@ RNNKERN_ALWAYS_INLINE void multiply_nt_impl(int64_t M, const T* A, int64_t lda, 
   for (; m + 2 <= M; m += 2) {
     int64_t n = 0;
     for (; n + 4 <= N; n += 4)
-      dot_block<T, 2, 4, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
-                                accumulate);
+      dot_block<T, 2, 4, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n,
+                                     ldc, accumulate);
     for (; n < N; ++n)
-      dot_block<T, 2, 1, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
-                                accumulate);
+      dot_block<T, 2, 1, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n,
+                                     ldc, accumulate);
   }
   if (m < M) {
     int64_t n = 0;
     for (; n + 8 <= N; n += 8)
-      dot_block<T, 1, 8, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
-                                accumulate);
+      dot_block<T, 1, 8, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n,
+                                     ldc, accumulate);
     for (; n < N; ++n)
-      dot_block<T, 1, 1, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n, ldc,
-                                accumulate);
+      dot_block<T, 1, 1, Bytes, W_t>(K, A + m * lda, lda, W + n * ldw, ldw, C + m * ldc + n,
+                                     ldc, accumulate);
   }
 }
 

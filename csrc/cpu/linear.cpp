@@ -88,8 +88,8 @@ void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
 #if defined(RNNKERN_CPU_F16C)
   if (widens_half_natively()) return multiply_nt_half_narrow(M, A, lda, W, ldw, N, K, C, ldc, accumulate);
 #endif
-  // (Callers take this path only where widens_half_natively(): a float32
-  // copy of W, as they make otherwise.)
+  // (Not reached from the callers, which check widens_half_natively() first:
+  // without F16C, a float32 copy of W.)
   std::vector<float> w(static_cast<size_t>(N * K));
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k) w[n * K + k] = c10::detail::fp16_ieee_to_fp32_value(W[n * ldw + k]);
