@@ -91,7 +91,7 @@ Tensor product_weight(const OptTensor& w, at::ScalarType acc, bool on_pairs) {
 
 // Whether a forward's float16 W_hh stays float16: a call of one step (its
 // products read W in place: forward.cpp) whose batch takes the dot products
-// (gemm::multiply_nt_half widens W's rows as they are read).  Same bits as
+// (gemm::multiply_nt_half converts W as its dot products load it).  Same bits as
 // reading a float32 copy, which cost a pass over W and twice its bytes.
 bool half_weight_in_place(const RecurrenceSizes& z, const Tensor& w_hh, at::ScalarType acc) {
   return z.T == 1 && z.B < gemm::kMinBroadcastRows && w_hh.scalar_type() == at::kHalf &&
