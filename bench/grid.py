@@ -15,6 +15,8 @@ peers         the CPU sizes (the peers are CPU only)  LSTM B32 T256 H256, B1 T25
 step          B 1, 16 x H 64, 256, and B 1 H 8;       the same
               T 1, as a sequence call and as a cell
               call
+short         B 1, 16, 64 x H 256, 1024; T 16, 64    B 1, 16, 64 x H 32, 64, 128, 256;
+                                                     T 8, 32
 bf16          the CPU sizes                          B 32 T 128 H 256, B 64 T 64 H 512, in
                                                      bfloat16 and float32 whatever --dtypes
 packed        (CPU only)                             232 sequences, longest 100, the others
@@ -27,7 +29,10 @@ would pick instead (ONNX Runtime, OpenVINO; bench/candidates/peers.py): its size
 per cell.  ``step`` is the one-step regime (RL agents stepping one observation at a
 time, streaming inference, token-by-token generation): every size is measured twice,
 as a T=1 call of the sequence module (``rnnkern.LSTM`` vs ``torch.nn.LSTM``) and as a
-call of the cell (``rnnkern.LSTMCell`` vs ``torch.nn.LSTMCell``).  ``bf16`` measures
+call of the cell (``rnnkern.LSTMCell`` vs ``torch.nn.LSTMCell``).  ``short`` is the
+short-sequence regime between them (a truncated-BPTT window, an RL library's chunk of a
+rollout, a streaming chunk): there a call's fixed costs weigh against its steps, and
+``backend="auto"`` decides such calls by these rows rather than by T >= 64 ones.  ``bf16`` measures
 bfloat16 beside float32 at the same sizes, whatever ``--dtypes`` says, so that the
 report gives each candidate's bf16 speed against its own float32: what bf16 is worth
 where the CPU has the bf16 dot-product instruction (AVX512_BF16, which oneDNN's bf16
@@ -36,8 +41,8 @@ grid (bench/packed.py, ``python -m bench.packed`` on its own): a PackedSequence 
 long and many short sequences, what splitting RL trajectories at episode ends gives,
 against torch.nn's packed path (which costs the real steps), with rnnkern's ``lengths=``
 on the same batch padded and its dense batch of the same number of steps; its results go
-to the JSON's ``packed`` list and the report's packed table.  None of the four is in the
-default run (``--families peers step bf16 packed`` asks for them; ``--full`` and
+to the JSON's ``packed`` list and the report's packed table.  None of these five is in the
+default run (``--families peers step short bf16 packed`` asks for them; ``--full`` and
 ``--quick`` include them).
 
 The CPU grid keeps the shape of the GPU one (three batch sizes against three hidden
@@ -56,7 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step", "bf16", "packed", "speech")
+FAMILIES = ("latency", "throughput", "long", "headline", "peers", "step", "short", "bf16", "packed",
+            "speech")
 #: Families that are studies of their own (bench/packed.py, bench/speech.py), not cases of
 #: the grid.
 STUDY_FAMILIES = ("packed", "speech")
@@ -97,6 +103,9 @@ PEER_SIZES = {
 STEP_SIZES = [(1, 1, 8)] + _cross((1, 16), (64, 256), (1,))
 #: The bfloat16 sizes (issue 24): B=32 T=128 H=256 and B=64 T=64 H=512.
 BF16_SIZES = [(32, 128, 256), (64, 64, 512)]
+#: The short sequences (T 8 and 32 on the CPU), B 1, 16 and 64.
+SHORT_SIZES = {"cuda": _cross((1, 16, 64), (256, 1024), (16, 64)),
+               "cpu": _cross((1, 16, 64), (32, 64, 128, 256), (8, 32))}
 
 
 #: (B, T, H) per family, per device kind, per mode; a family whose sizes depend on
@@ -109,6 +118,7 @@ SIZES = {
         "headline": [(16, 1024, 768)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "short": SHORT_SIZES["cuda"],
         "bf16": BF16_SIZES,
     },
     "cpu": {
@@ -118,6 +128,7 @@ SIZES = {
         "headline": [(32, 256, 256)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "short": SHORT_SIZES["cpu"],
         "bf16": BF16_SIZES,
     },
     "quick": {
@@ -127,6 +138,7 @@ SIZES = {
         "headline": [(8, 32, 64)],
         "peers": {cell: [(4, 16, 32)] for cell in PEER_SIZES},
         "step": [(1, 1, 32)],
+        "short": [(4, 8, 16)],
         "bf16": [(4, 16, 32)],
     },
 }
@@ -176,6 +188,7 @@ DEFAULT_SIZES = {
         "headline": [(16, 1024, 768)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "short": SHORT_SIZES["cuda"],
         "bf16": BF16_SIZES,
     },
     "cpu": {
@@ -185,6 +198,7 @@ DEFAULT_SIZES = {
         "headline": [(32, 256, 256)],
         "peers": PEER_SIZES,
         "step": STEP_SIZES,
+        "short": SHORT_SIZES["cpu"],
         "bf16": BF16_SIZES,
     },
 }
