@@ -36,12 +36,14 @@ threads:
         bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-da2a16a/bench.json \
         bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json --dtypes bfloat16
 
-and its float32 rows (the full grid of the default families at 1 and 2 threads, and the
-bf16 family's float32 cases), leaving the bfloat16 rows:
+and its float32 rows (the full grid of the default families and the short family at 1 and 2
+threads, and the bf16 family's float32 cases), leaving the bfloat16 rows:
 
     python -m bench.auto_table \
         bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json \
         bench/results/cpu-zen4-2026-12-01-grid-t2-7b7cf32/bench.json \
+        bench/results/cpu-zen4-2026-12-01-short-t1-bd57cdd/bench.json \
+        bench/results/cpu-zen4-2026-12-01-short-t2-bd57cdd/bench.json \
         bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json \
         bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json \

@@ -45,6 +45,8 @@ SPEECH_RESULTS = ("bench/results/cpu-zen4-2026-12-01-speech-t1-7c53bcf/bench.jso
 STEP_T2_RESULTS = "bench/results/cpu-zen4-2026-12-01-step-t2-c7f7bfd/bench.json"
 F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
                "bench/results/cpu-zen4-2026-12-01-grid-t2-7b7cf32/bench.json",
+               "bench/results/cpu-zen4-2026-12-01-short-t1-bd57cdd/bench.json",
+               "bench/results/cpu-zen4-2026-12-01-short-t2-bd57cdd/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t1-da2a16a/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t2-da2a16a/bench.json",
                STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
@@ -219,7 +221,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
     assert {e["dtype"] for e in zen4} == {"bfloat16", "float32"}
     for e in zen4:
-        runs = ("-grid-t", "-bf16-t", "-step-", "-speech-t") if e["dtype"] == "float32" else ("-bf16-",)
+        runs = ("-grid-t", "-short-t", "-bf16-t", "-step-", "-speech-t") if e["dtype"] == "float32" else ("-bf16-",)
         assert any(r in e["source"] for r in runs), e
     # What it says for the measured H100 cases (median of 10 CUDA-event timings).
     by_case = {(e["cell"], e["dtype"], e["phase"], e["B"], e["T"], e["H"]): e["speedups"]["cuda"]
@@ -253,6 +255,9 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
             for e in shipped["entries"] if "-grid-t" in e["source"]}
     assert len(grid) == 3 * 15 * 2 * 2
     assert grid[("lstm", "forward", 1, 256, 256, 2)] < auto.LEVEL
+    # and the short family's (T 8 and 32): 24 sizes a cell, decided by their own rows.
+    short = [e for e in shipped["entries"] if "-short-t" in e["source"]]
+    assert len(short) == 3 * 24 * 2 * 2 and {e["T"] for e in short} == {8, 32}
     row = next(e for e in shipped["entries"] if e["device"] == "cpu:256bit" and e["cell"] == "lstm"
                and e["phase"] == "forward_backward" and (e["B"], e["T"], e["H"], e["threads"]) == (64, 64, 128, 1))
     assert row["source"].endswith("cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
