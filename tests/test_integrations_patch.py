@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import pickle
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -208,3 +211,68 @@ def test_nesting_handles_and_unpatch():
     assert type(nn.LSTM(2, 3)) is rnnkern.LSTM
     fresh.undo()
     assert type(nn.LSTM(2, 3)) is nn.LSTM
+
+
+def copy_like_torchrl(torch_cls):
+    """A class made as torchrl 0.14 makes its LSTMBase and GRUBase: an nn.RNNBase
+    into which torch_cls's class attributes are copied -- the patch's __new__
+    among them when the copy is made while patched (a library imported after
+    rnnkern.patch())."""
+    class Copied(nn.RNNBase):
+        def __init__(self, *args, **kwargs):
+            super().__init__(torch_cls.__name__, *args, **kwargs)
+
+    for attr in torch_cls.__dict__:
+        if attr != "__init__":
+            setattr(Copied, attr, getattr(torch_cls, attr))
+    return Copied
+
+
+@pytest.mark.parametrize("torch_cls", [nn.LSTM, nn.GRU], ids=["LSTM", "GRU"])
+def test_a_class_that_copied_torch_nn_while_patched_is_built_as_it_is(torch_cls):
+    # It is no torch.nn recurrent class (convert leaves it alone), so the patch
+    # does too, silently; it raised ValueError from the hook's subclass check.
+    with rnnkern.patch():
+        copied = copy_like_torchrl(torch_cls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.manual_seed(6)
+            m = copied(3, 5, num_layers=2, batch_first=True).double()
+    assert type(m) is copied and not isinstance(m, rnnkern.LSTM)
+    plain = torch_cls(3, 5, num_layers=2, batch_first=True).double()
+    plain.load_state_dict(m.state_dict())
+    x = randn(generator("patch-copied-" + torch_cls.__name__), 2, 6, 3)
+    for a, b in zip(flat(m(x)), flat(plain(x))):
+        assert_close(a, b)
+
+
+def test_torchrl_imported_while_patched_builds_its_modules():
+    """torchrl imported after rnnkern.patch() (its LSTMBase and GRUBase then copy
+    the hook): its own python LSTM and GRU build as they are, its LSTMModule and
+    GRUModule's torch.nn modules as rnnkern's, with torch.nn's numbers.  In a
+    process of its own: the copy happens at torchrl's import."""
+    pytest.importorskip("torchrl", reason="torchrl is not installed (requirements-dev.txt)")
+    code = textwrap.dedent("""
+        import torch, rnnkern
+        rnnkern.patch()
+        from torchrl.modules import GRU, LSTM, GRUModule, LSTMModule
+        x = torch.randn(2, 6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        for cls, module_cls, twin, torch_cls in ((LSTM, LSTMModule, rnnkern.LSTM, torch.nn.LSTM),
+                                                 (GRU, GRUModule, rnnkern.GRU, torch.nn.GRU)):
+            theirs = cls(3, 5, num_layers=2, batch_first=True).double()
+            assert type(theirs) is cls, type(theirs)
+            ours = torch_cls(3, 5, num_layers=2, batch_first=True).double()
+            assert type(ours) is twin, type(ours)
+            ours.load_state_dict(theirs.state_dict())
+            for a, b in zip(torch.utils._pytree.tree_leaves(theirs(x)),
+                            torch.utils._pytree.tree_leaves(ours(x))):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+            for python_based, want in ((False, twin), (True, cls)):
+                m = module_cls(input_size=3, hidden_size=5, in_key="obs", out_key="feat",
+                               python_based=python_based)
+                inner = m.lstm if cls is LSTM else m.gru
+                assert type(inner) is want, (python_based, type(inner))
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

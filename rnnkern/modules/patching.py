@@ -43,7 +43,13 @@ _generation = 0
 def _make_new(torch_cls: type, twin: type):
     def __new__(cls, *args, **kwargs):
         # (object.__new__ takes no arguments: __init__ gets them)
-        if not _depth or issubclass(cls, _RnnkernOptions):
+        # A class that is not torch_cls's can still reach this hook: one that
+        # copied torch_cls's attributes into itself while patched (torchrl's
+        # LSTMBase and GRUBase copy nn.LSTM's and nn.GRU's class dicts, this
+        # __new__ included, so that its own LSTM and GRU run torch.nn's
+        # methods).  It is not a torch.nn recurrent class: convert() leaves it
+        # alone, and so does the patch.
+        if not _depth or issubclass(cls, _RnnkernOptions) or not issubclass(cls, torch_cls):
             return object.__new__(cls)
         return object.__new__(twin if cls is torch_cls else _patched_subclass(cls))
     return staticmethod(__new__)
