@@ -3,6 +3,7 @@ backend) raises the right exception type with a message naming the argument;
 edge cases behave as torch.nn."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -364,6 +365,35 @@ def test_bad_cell_sizes(cls, args, words):
     rnnkern's say which argument is wrong.  Sizes of 0 are valid, as in torch.nn
     (tests/test_torch_contract.py runs hidden_size=0)."""
     _raises_like_torch(lambda: getattr(nn, cls)(*args), lambda: getattr(rnnkern, cls)(*args), *words)
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell", "LayerNormLSTMCell"])
+@pytest.mark.parametrize("size", [np.int64(3), torch.tensor(3), torch.tensor([3], dtype=torch.int32), True],
+                         ids=["numpy-int64", "tensor-0d", "tensor-1-element", "bool"])
+def test_cell_sizes_given_as_integer_indices(cls, size):
+    """torch.nn's cells take any integer index as a size (they hand it to
+    torch.empty): speechbrain's RNNCell/GRUCell/LSTMCell pass
+    ``torch.prod(torch.tensor(input_shape[2:]))``.  rnnkern's take them too, as
+    ints, and compute torch.nn's numbers."""
+    n = int(size)
+    m = getattr(rnnkern, cls)(size, 5).double()
+    assert m.input_size == n and type(m.input_size) is int and m.weight_ih.shape == (m.weight_ih.shape[0], n)
+    assert getattr(rnnkern, cls)(4, size).hidden_size == n
+    if cls == "LayerNormLSTMCell":
+        return  # no torch.nn twin; its numbers are tests/test_options_layer_norm.py's
+    theirs = getattr(nn, cls)(size, 5).double()
+    theirs.load_state_dict(m.state_dict())
+    x = torch.randn(2, n, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    for a, b in zip(torch.utils._pytree.tree_leaves(m(x)), torch.utils._pytree.tree_leaves(theirs(x))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("size", [3.0, torch.tensor(3.0), torch.tensor([3, 4])],
+                         ids=["float", "float-tensor", "tensor-2-elements"])
+def test_cell_sizes_that_are_no_integer_index(cls, size):
+    _raises_like_torch(lambda: getattr(nn, cls)(size, 5), lambda: getattr(rnnkern, cls)(size, 5),
+                       "input_size", "int")
 
 
 @pytest.mark.parametrize("cls", ["RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell"])

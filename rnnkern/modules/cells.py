@@ -2,6 +2,7 @@
 (:func:`rnnkern.ops.run_step`) per call, zoneout blended after it."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -13,16 +14,24 @@ from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_
                      _current, _dtype_mismatch, _promote, _RnnkernOptions,
                      _runs_torch_nn_forward, _well_formed_state)
 
-def _check_cell_sizes(input_size, hidden_size) -> None:
-    # torch.nn's cells take sizes of 0 (hidden_size=0 gives empty states) and
-    # fail on other bad sizes from inside their init (TypeError for a float,
-    # RuntimeError for a negative size); the same types, with messages that
-    # name the argument.
+def _cell_sizes(input_size, hidden_size) -> tuple:
+    """The sizes as ints, as torch.nn's cells take them: anything that is an
+    integer index -- an int, a bool, a numpy integer, an integer tensor of one
+    element (speechbrain's cells pass ``torch.prod(torch.tensor(shape[2:]))``),
+    which torch.nn hands to ``torch.empty``.  torch.nn's cells take sizes of 0
+    (hidden_size=0 gives empty states) and fail on other bad sizes from inside
+    their init (TypeError for a float, RuntimeError for a negative size); the
+    same types here, with messages that name the argument."""
+    sizes = []
     for arg, value in (("input_size", input_size), ("hidden_size", hidden_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{arg} should be of type int, got: {type(value).__name__}")
-        if value < 0:
-            raise RuntimeError(f"{arg} must be non-negative, got {value}")
+        try:
+            size = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{arg} should be of type int, got: {type(value).__name__}") from None
+        if size < 0:
+            raise RuntimeError(f"{arg} must be non-negative, got {size}")
+        sizes.append(size)
+    return tuple(sizes)
 
 
 #: The cells' parameters, in rnnkern.ops.step's order.
@@ -210,7 +219,7 @@ class RNNCell(_CellMixin, nn.RNNCell):
 
     def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
                  zoneout: float = 0.0, **kwargs):
-        _check_cell_sizes(input_size, hidden_size)
+        input_size, hidden_size = _cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
         self._init_rnnkern(backend, zoneout=zoneout)
 
@@ -221,7 +230,7 @@ class GRUCell(_CellMixin, nn.GRUCell):
 
     def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
                  reset_after: bool = True, zoneout: float = 0.0, **kwargs):
-        _check_cell_sizes(input_size, hidden_size)
+        input_size, hidden_size = _cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
         self._init_rnnkern(backend, reset_after, zoneout)
 
@@ -231,6 +240,6 @@ class LSTMCell(_CellMixin, nn.LSTMCell):
 
     def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
                  zoneout: float = 0.0, **kwargs):
-        _check_cell_sizes(input_size, hidden_size)
+        input_size, hidden_size = _cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, *args, **kwargs)
         self._init_rnnkern(backend, zoneout=zoneout)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .cells import _CellMixin, _check_cell_sizes
+from .cells import _CellMixin, _cell_sizes
 from .sequence import _RecurrentMixin
 
 #: The layer norms' parameters of lstm_ln, in the order of the op's ``ln``: name
@@ -107,7 +107,7 @@ class LayerNormLSTMCell(_CellMixin, nn.RNNCellBase):
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, zoneout: float = 0.0,
                  backend: str = "auto", device=None, dtype=None):
-        _check_cell_sizes(input_size, hidden_size)
+        input_size, hidden_size = _cell_sizes(input_size, hidden_size)
         super().__init__(input_size, hidden_size, bias, num_chunks=4, device=device, dtype=dtype)
         for stem, width, _ in _LN_PARAMETERS:
             setattr(self, stem, nn.Parameter(torch.empty(width * hidden_size, device=device,
