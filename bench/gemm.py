@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import report, timing
-from .fma_peak import fma_peak
+from .fma_peak import at_least_measured, fma_loop_tflops, fma_peak
 
 # (M, K, N): the input projection of an LSTM at T*B rows, input width K, hidden N/4.
 SHAPES = [(8192, 64, 256),     # sb3-contrib 64 envs x T=128, 64 features, hidden 64
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     shapes, rounds = (QUICK_SHAPES, 3) if args.quick else (SHAPES, args.rounds)
     meta = report.study_meta("bench.gemm", argv)
-    peak = fma_peak(meta["threads"], ["float32"])
+    peak = at_least_measured(fma_peak(meta["threads"], ["float32"]), {}, fma_loop_tflops(meta["threads"]))
     meta["fma_peak"] = peak
     peak_gflops = 1e3 * peak["tflops"].get("float32", float("nan"))
     print(f"bench.gemm on {meta['cpu']}, {meta['threads']} thread(s), load average "

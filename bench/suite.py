@@ -531,8 +531,9 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
             # peaks stay those of --dtypes (torch.mm in bf16 runs at 0.3 GFLOP/s on
             # CPUs without bf16 instructions: minutes at the peak's size).
             case_dtypes = tuple(dict.fromkeys([*dtypes, *(c.dtype for c in cases)]))
-            doc["peaks"]["fma"] = fma_peak.at_least_measured(fma_peak.fma_peak(torch.get_num_threads(), case_dtypes),
-                                                             doc["peaks"]["gemm_tflops"])
+            doc["peaks"]["fma"] = fma_peak.at_least_measured(
+                fma_peak.fma_peak(torch.get_num_threads(), case_dtypes), doc["peaks"]["gemm_tflops"],
+                fma_peak.fma_loop_tflops(torch.get_num_threads()))
             overhead = timing.harness_overhead([None] * 4)
             doc["meta"]["timing"]["harness_overhead_us"] = overhead * 1e6
         for i, case in enumerate(cases):
@@ -554,7 +555,9 @@ def run(cfg: Config, outputs: Optional[Outputs] = None) -> dict:
         progress.set_postfix_str("measuring peaks")
         doc["peaks"] = timing.best_peaks(doc["peaks"], timing.measure_peaks(device, [DTYPES[d] for d in dtypes]))
         if "fma" in doc["peaks"]:
-            doc["peaks"]["fma"] = fma_peak.at_least_measured(doc["peaks"]["fma"], doc["peaks"]["gemm_tflops"])
+            loop = max(doc["peaks"]["fma"].get("fma_loop_tflops") or 0.0,
+                       fma_peak.fma_loop_tflops(doc["peaks"]["fma"]["threads"]))
+            doc["peaks"]["fma"] = fma_peak.at_least_measured(doc["peaks"]["fma"], doc["peaks"]["gemm_tflops"], loop)
         doc["meta"]["complete"] = True
     except (Stopped, KeyboardInterrupt) as e:
         doc["meta"]["stopped_by"] = e.signal_name if isinstance(e, Stopped) else "SIGINT"

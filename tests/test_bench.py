@@ -176,6 +176,26 @@ def test_fma_peak_per_core(family, model, flags, core, fp32_per_cycle):
     assert math.isclose(raised["clock_mhz"], 4500.0) and raised["stated_clock_mhz"] == 3000.0
     assert math.isclose(raised["tflops"]["float32"], 1.5 * peak["tflops"]["float32"])
     assert "implied by the measured float32 GEMM" in raised["clock_source"]
+    # The FMA loop's rate raises it the same way, the higher of the two deciding.
+    looped = fma_peak.at_least_measured(peak, {"float32": 1.2 * peak["tflops"]["float32"]},
+                                        1.5 * peak["tflops"]["float32"])
+    assert math.isclose(looped["clock_mhz"], 4500.0) and looped["stated_clock_mhz"] == 3000.0
+    assert "FMA loop" in looped["clock_source"] and looped["fma_loop_tflops"] == 1.5 * peak["tflops"]["float32"]
+    slower = fma_peak.at_least_measured(peak, {}, 0.9 * peak["tflops"]["float32"])
+    assert slower["clock_mhz"] == 3000.0 and slower["fma_loop_tflops"] == 0.9 * peak["tflops"]["float32"]
+
+
+def test_fma_loop_rate_is_a_rate():
+    """rnnkern._C.cpu_fma_rate (the loop behind fma_loop_tflops) returns FLOP/s
+    of a loop that ran; its size is checked before it runs.  (What it measures
+    is the benchmark's business, not a test's.)"""
+    from rnnkern import _C
+    rate = _C.cpu_fma_rate(1000)
+    assert isinstance(rate, float) and math.isfinite(rate) and rate > 0
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="iterations must be positive"):
+            _C.cpu_fma_rate(bad)
+    assert fma_peak.fma_loop_tflops(2, rounds=1, seconds=0.001) > 0
 
 def test_quick_runs_the_peers_and_the_step_family(quick_run):
     """The peers family's cases and the step family's T=1 and cell calls, every cell;

@@ -620,6 +620,11 @@ RNNKERN_ALWAYS_INLINE void multiply_nt_rows(int64_t M, const T* A, int64_t lda, 
   multiply_nt_rows_impl<T, kNarrow>(M, A, lda, W, ldw, N, K, C, ldc);
 }
 
+// FLOP/s of `iterations` rounds of float32 multiply-adds on independent
+// accumulators, in this process's vectors, on the calling thread: the core's
+// FMA peak at the clock it runs (linear.cpp; the bench's %peak).
+double fma_rate(int64_t iterations);
+
 // Whether this CPU converts float16 to float32 in its vector instructions
 // (F16C: x86-64-v3 and up, and a build not pinned below v3).
 bool widens_half_natively();

@@ -19,6 +19,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
@@ -94,6 +96,49 @@ void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k) w[n * K + k] = c10::detail::fp16_ieee_to_fp32_value(W[n * ldw + k]);
   multiply_nt(M, A, lda, w.data(), K, N, K, C, ldc, accumulate);
+}
+
+// The float32 multiply-add rate of one core in the vectors the products use
+// (fma_rate): kChains independent accumulators so that no FMA waits on the
+// latency of the one before (4 cycles, up to 2 issued a cycle: at least 8
+// needed), multiplied by 1 - 2^-10 and offset so that they converge instead
+// of overflowing.  Its result is the bench's FMA peak where the stated clock
+// is below the core's (bench/fma_peak.py): a virtual machine states its
+// nominal clock, and the GEMM the bench measured before (torch.mm) reached
+// 80% of the loop (Zen 4: 92 against 115 GFLOP/s), so %peak read above 100%.
+constexpr int kFmaChains = 16;
+
+template <int Bytes>
+RNNKERN_ALWAYS_INLINE double fma_loop_impl(int64_t iterations) {
+  using V = typename Vec<float, Bytes>::type;
+  constexpr int L = Vec<float, Bytes>::kLanes;
+  V acc[kFmaChains];
+  for (int j = 0; j < kFmaChains; ++j) acc[j] = V{} + float(j) * 1e-3f;
+  const V b = V{} + (1.f - 1.f / 1024.f), c = V{} + 1e-3f;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kFmaChains; ++j) acc[j] = acc[j] * b + c;  // (no reassociation: each FMA runs)
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  float sum = 0.f;
+  for (int j = 0; j < kFmaChains; ++j)
+    for (int l = 0; l < L; ++l) sum += acc[j][l];
+  TORCH_CHECK(std::isfinite(sum), "rnnkern internal: the FMA loop diverged");
+  return double(iterations) * kFmaChains * L * 2 / seconds;
+}
+
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+RNNKERN_CPU_WIDE_TARGET double fma_loop_wide(int64_t iterations) { return fma_loop_impl<kWide>(iterations); }
+#endif
+RNNKERN_CPU_CLONES double fma_loop_narrow(int64_t iterations) { return fma_loop_impl<kNarrow>(iterations); }
+
+double fma_rate(int64_t iterations) {
+  TORCH_CHECK(iterations > 0, "fma_rate: iterations must be positive, got ", iterations);
+#if defined(RNNKERN_CPU_WIDE_VECTORS)
+  if (wide_vectors()) return fma_loop_wide(iterations);
+#endif
+  return fma_loop_narrow(iterations);
 }
 
 }  // namespace gemm

@@ -44,6 +44,21 @@ PyObject* cpu_vector_bits(PyObject*, PyObject*) {
   return PyLong_FromLong(gemm::wide_vectors() ? 512 : 256);
 }
 
+// FLOP/s of the calling thread's float32 multiply-adds (gemm::fma_rate).
+PyObject* cpu_fma_rate(PyObject*, PyObject* arg) {
+  const long long iterations = PyLong_AsLongLong(arg);
+  if (iterations == -1 && PyErr_Occurred()) return nullptr;
+  if (iterations <= 0) {
+    PyErr_Format(PyExc_ValueError, "cpu_fma_rate: iterations must be positive, got %lld", iterations);
+    return nullptr;
+  }
+  double rate = 0;
+  Py_BEGIN_ALLOW_THREADS
+  rate = gemm::fma_rate(iterations);
+  Py_END_ALLOW_THREADS
+  return PyFloat_FromDouble(rate);
+}
+
 // How bfloat16 products run in this process (pairs.h): "native" (the
 // AVX512_BF16 dot-product instruction), "emulated" (its portable emulation,
 // for tests) or "float32".
@@ -184,6 +199,9 @@ const ModuleFunctions functions({
      "The x86 ISA level of the CPU kernels' vectorised loops in this process."},
     {"cpu_vector_bits", cpu_vector_bits, METH_NOARGS,
      "The vector width (bits) of the CPU kernels' products in this process."},
+    {"cpu_fma_rate", cpu_fma_rate, METH_O,
+     "FLOP/s of `iterations` rounds of float32 multiply-adds on the calling thread, in the "
+     "vectors the CPU products use: the core's FMA peak at its running clock."},
     {"cpu_parallel_regions", cpu_parallel_regions, METH_NOARGS,
      "The number of parallel regions rnnkern's CPU kernels have opened in this process."},
     {"cpu_bf16_products", cpu_bf16_products, METH_NOARGS,
