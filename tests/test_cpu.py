@@ -291,11 +291,13 @@ def test_linear_matches_matmul(M, K, N, dtype):
     assert_close(gw, gy.double().t().mm(x.double()).to(dtype), what="grad_w")
 
 
-@pytest.mark.parametrize("M,K,N", [(600, 300, 40), (9001, 61, 37), (4096, 128, 512)])
+@pytest.mark.parametrize("M,K,N", [(600, 300, 40), (9001, 61, 37), (4096, 128, 512), (8, 256, 1024),
+                                   (40, 300, 517), (96, 128, 530)])
 def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
-    """rnnkern::linear and its gradients split rows of C between threads and
-    pick packed or in-place operands by shape alone: every thread count gives
-    the same bits."""
+    """rnnkern::linear and its gradients split rows of C between threads (up
+    to 96 rows, B's panels: the last three sizes, K in two chunks and tail
+    panels among them) and pick packed or in-place operands by shape alone:
+    every thread count gives the same bits, and they are the product's."""
     g = generator("linear-bits", M, K, N)
     x, w, gy = randn(g, M, K), randn(g, N, K), randn(g, M, N)
 
@@ -303,6 +305,9 @@ def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
         return [torch.ops.rnnkern.linear(x, w), *torch.ops.rnnkern.linear_backward(gy, x, w, True, True)]
 
     want = _results_at(1, lambda: None, lambda _: run())
+    truth = [x.double().mm(w.double().t()), gy.double().mm(w.double()), gy.double().t().mm(x.double())]
+    for name, a, b in zip(("y", "grad_x", "grad_w"), want, truth):
+        assert_close(a, b, what=name)
     for threads in (2, 3):
         got = _results_at(threads, lambda: None, lambda _: run())
         for name, a, b in zip(("y", "grad_x", "grad_w"), got, want):
