@@ -291,11 +291,11 @@ def test_linear_matches_matmul(M, K, N, dtype):
     assert_close(gw, gy.double().t().mm(x.double()).to(dtype), what="grad_w")
 
 
-@pytest.mark.parametrize("M,K,N", [(600, 300, 40), (9001, 61, 37), (4096, 128, 512), (8, 256, 1024),
-                                   (40, 300, 517), (96, 128, 530)])
+@pytest.mark.parametrize("M,K,N", [(600, 300, 40), (9001, 61, 37), (4096, 128, 512), (5, 512, 1024),
+                                   (8, 256, 1024), (40, 300, 517), (96, 128, 530)])
 def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
     """rnnkern::linear and its gradients split rows of C between threads (up
-    to 96 rows, B's panels: the last three sizes, K in two chunks and tail
+    to 96 rows, B's panels: the last four sizes, K in two chunks and tail
     panels among them) and pick packed or in-place operands by shape alone:
     every thread count gives the same bits, and they are the product's."""
     g = generator("linear-bits", M, K, N)

@@ -100,7 +100,7 @@ void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
 }
 
 // The float32 multiply-add rate of one core in the vectors the products use
-// (fma_rate): kChains independent accumulators so that no FMA waits on the
+// (fma_rate): kFmaChains independent accumulators so that no FMA waits on the
 // latency of the one before (4 cycles, up to 2 issued a cycle: at least 8
 // needed), multiplied by 1 - 2^-10 and offset so that they converge instead
 // of overflowing.  Its result is the bench's FMA peak where the stated clock
@@ -258,8 +258,8 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rows, i
     // process alternating the two: M=8 K=256 N=1024 100 -> 56 us, M=32 168 ->
     // 127, M=64 237 -> 204, M=96 level; M=32 K=128 N=512 39 -> 29): the
     // input projection of a short call.  Each element of C sums as before.
-    if (threads > 1 && M <= kMC) {
-      const int64_t workers = std::min<int64_t>(product_threads(M * N * K), panels);
+    const int64_t workers = std::min<int64_t>(product_threads(M * N * K), panels);
+    if (M <= kMC && workers > 1) {  // (from 5 rows: up to kInPlace they are read in place)
       for_each_worker(workers, [&](int64_t t) {
         const int64_t p0 = panels * t / workers, p1 = panels * (t + 1) / workers;
         for (int64_t c = 0; c < chunks; ++c)
