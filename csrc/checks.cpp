@@ -400,6 +400,24 @@ StepSizes check_step_backward(c10::string_view cell_str, const Tensor& grad_h_ne
   return s;
 }
 
+RecurrenceSizes check_recurrence_from_input(c10::string_view cell, const Tensor& x,
+                                            const Tensor& w_ih, const Tensor& h0,
+                                            const OptTensor& c0, const Tensor& w_hh,
+                                            const OptTensor& b_ih, const OptTensor& b_hh) {
+  const char* op = "rnnkern.recurrence_from_input";
+  check_floating(op, "x", x);
+  TORCH_CHECK_VALUE(x.dim() == 3, op, ": expected x to be 3-D [T, B, I], got ", shape_str(x));
+  TORCH_CHECK_VALUE(w_hh.dim() == 2, op, ": expected w_hh to be 2-D [G*H, H], got ", shape_str(w_hh));
+  TORCH_CHECK_VALUE(w_ih.dim() == 2 && w_ih.size(0) == w_hh.size(0) && w_ih.size(1) == x.size(2), op,
+                    ": expected w_ih of shape [", w_hh.size(0), ", ", x.size(2), "] (w_hh.size(0), x.size(2)), got ",
+                    shape_str(w_ih));
+  check_arg(op, "w_ih", w_ih, w_ih.sizes(), x);
+  // The rest as recurrence's, xproj [T, B, G*H] standing for x W_ih^T.
+  const Tensor xproj = x.new_empty({1}).expand({x.size(0), x.size(1), w_ih.size(0)});
+  return check_recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, std::nullopt, std::nullopt,
+                          std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+}
+
 void check_linear(const Tensor& x, const Tensor& weight) {
   const char* op = "rnnkern.linear";
   check_floating(op, "x", x);

@@ -102,6 +102,12 @@ StepSizes check_step_backward(c10::string_view cell, const Tensor& grad_h_new,
                               const Tensor& h_new, const Tensor& workspace, const OptTensor& ln);
 
 // linear(x[M,K], weight[N,K]) -> x weight^T: the input projection of the CPU backend.
+// recurrence_from_input(cell, x[T,B,I], w_ih[G*H,I], h0, c0?, w_hh, b_ih?, b_hh?):
+// recurrence's sizes, with x and w_ih where xproj would be.
+RecurrenceSizes check_recurrence_from_input(c10::string_view cell, const Tensor& x,
+                                            const Tensor& w_ih, const Tensor& h0,
+                                            const OptTensor& c0, const Tensor& w_hh,
+                                            const OptTensor& b_ih, const OptTensor& b_hh);
 void check_linear(const Tensor& x, const Tensor& weight);
 void check_linear_backward(const Tensor& grad_y, const Tensor& x, const Tensor& weight);
 

@@ -57,6 +57,14 @@ TORCH_LIBRARY(rnnkern, m) {
       "Tensor? resets=None, Tensor? zoneout=None, Tensor? ln=None, Tensor? reset_h=None, "
       "Tensor? reset_c=None, bool cell_steps=False) "
       "-> (Tensor output, Tensor h_n, Tensor c_n, Tensor workspace)");
+  // Inference (CPU): recurrence from the input itself, xproj = x W_ih^T made
+  // inside (x [T, B, I], w_ih [G*H, I]), a plain cell without lengths or
+  // options; the same results as linear then recurrence.  Refuses inputs
+  // that need gradients: modules call it only where none are needed.
+  m.def(
+      "recurrence_from_input(str cell, Tensor x, Tensor w_ih, Tensor h0, Tensor? c0, "
+      "Tensor w_hh, Tensor? b_ih, Tensor? b_hh, bool reverse) "
+      "-> (Tensor output, Tensor h_n, Tensor c_n)");
   m.def(
       "recurrence_backward(str cell, Tensor grad_output, Tensor grad_h_n, Tensor? grad_c_n, "
       "Tensor h0, Tensor? c0, Tensor w_hh, Tensor? w_hr, Tensor output, Tensor workspace, "

@@ -189,6 +189,14 @@ def _linear_fake(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+@torch.library.register_fake("rnnkern::recurrence_from_input")
+def _recurrence_from_input_fake(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse):
+    T, B = x.shape[0], x.shape[1]
+    H = w_hh.shape[0] // gate_count(cell)
+    c_n = x.new_empty((B, H)) if has_cell_state(cell) else x.new_empty((0,))
+    return x.new_empty((T, B, H)), x.new_empty((B, H)), c_n
+
+
 @torch.library.register_fake("rnnkern::grid_zeros")
 def _grid_zeros_fake(like, size):
     return like.new_zeros(size)

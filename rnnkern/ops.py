@@ -19,7 +19,9 @@ Every op family has the same four schemas (csrc/ops.cpp): ``recurrence``,
 ``recurrence_backward``, ``step``, ``step_backward``.  The CPU backend also
 computes the input projection with its own op (``rnnkern::linear``), whose
 GEMM and pooled buffers beat the BLAS bundled with torch on the CPUs measured;
-the other backends use torch's matmul.  Their fake (meta) implementations and
+the other backends use torch's matmul.  For inference at batch 1 it has one
+more, ``rnnkern::recurrence_from_input`` (:func:`run_recurrence_from_input`):
+the two in one, the projection made inside the steps' products.  Their fake (meta) implementations and
 their autograd formulas are registered once per family by
 :func:`rnnkern.library.register_op_family`, so ``torch.compile(fullgraph=True)``
 traces every backend without a graph break.  This module chooses the backend
@@ -236,6 +238,37 @@ def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optio
     output, h_n, c_n, _ = _op_family(backend).recurrence.default(
         cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln,
         reset_h, reset_c, cell_steps)
+    return output, h_n, (c_n if has_cell_state(cell) else None)
+
+
+#: The cells recurrence_from_input runs (its plain cells: no options).
+FROM_INPUT_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+def from_input_applies(backend: str, cell: str, x: Tensor, h0: Tensor, c0: Optional[Tensor],
+                       weights) -> bool:
+    """Whether a layer stack's plain recurrences (no lengths, options or projection:
+    the caller's to check) run as :func:`run_recurrence_from_input`: an inference
+    call (nothing needs a gradient) of one float32 sequence (B = 1) on the CPU
+    backend, outside torch.compile and torch.func.  ``weights``: the stack's
+    per-layer tuples."""
+    if backend != "cpu" or cell not in FROM_INPUT_CELLS or x.dim() != 3 or x.size(1) != 1 \
+            or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return False
+    flat = [w for ws in weights for w in ws]
+    return not _needs_grad(x, h0, c0, *flat) and not _transformed(x, h0, c0, *flat)
+
+
+def run_recurrence_from_input(cell: str, x: Tensor, w_ih: Tensor, h0: Tensor,
+                              c0: Optional[Tensor], w_hh: Tensor, b_ih: Optional[Tensor],
+                              b_hh: Optional[Tensor], reverse: bool):
+    """:func:`run_recurrence` of ``input_projection(x, w_ih)`` in one op
+    (``rnnkern::recurrence_from_input``, CPU, inference): at batch 1 the
+    projection goes along with the steps' products, in the time the products
+    wait on W_hh's stream (csrc/cpu/forward.cpp, forward_from_input); the same
+    bits.  Where :func:`from_input_applies`."""
+    output, h_n, c_n = torch.ops.rnnkern.recurrence_from_input.default(
+        cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse)
     return output, h_n, (c_n if has_cell_state(cell) else None)
 
 

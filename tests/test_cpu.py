@@ -1115,3 +1115,195 @@ def test_run_concurrently_results_errors_and_thread_state():
             rnnkern._C.run_concurrently(1, lambda: 2)
     finally:
         torch.set_num_threads(saved)
+
+
+# ------------------------------ the input projection inside the recurrence ----
+# rnnkern::recurrence_from_input: at batch 1 the projection x W_ih^T goes along
+# with the steps' products (csrc/cpu/forward.cpp, forward_from_input), which
+# the modules run for a plain inference call of one sequence.  Its results are
+# linear-then-recurrence's, bit for bit: chunks of the projection's sum
+# (I > 256), a last, partial chunk of steps (T not a multiple of the tile's
+# rows), panels cut short (4H not a multiple of the panel width), both
+# directions.
+
+FROM_INPUT_SIZES = [(8, 16, 16), (13, 40, 24), (64, 128, 128), (37, 300, 70), (20, 600, 33),
+                    (9, 7, 3)]
+
+
+def _from_input_args(cell, T, B, I, H, dtype=torch.float32, key=()):
+    g = generator("from-input", cell, T, B, I, H, str(dtype), *key)
+    G = reference.gate_count(cell)
+    return dict(x=randn(g, T, B, I, dtype=dtype), w_ih=randn(g, G * H, I, dtype=dtype, scale=I ** -0.5),
+                h0=randn(g, B, H, dtype=dtype, scale=0.5),
+                c0=randn(g, B, H, dtype=dtype, scale=0.5) if cell == "lstm" else None,
+                w_hh=randn(g, G * H, H, dtype=dtype, scale=H ** -0.5),
+                b_ih=randn(g, G * H, dtype=dtype), b_hh=randn(g, G * H, dtype=dtype))
+
+
+def _linear_then_recurrence(cell, a, reverse):
+    T, B, I = a["x"].shape
+    xproj = torch.ops.rnnkern.linear(a["x"].reshape(T * B, I), a["w_ih"]).view(T, B, -1)
+    out, h_n, c_n, _ = torch.ops.rnnkern.recurrence(cell, xproj, a["h0"], a["c0"], a["w_hh"], a["b_ih"],
+                                                    a["b_hh"], None, None, reverse, False)
+    return out, h_n, c_n
+
+
+def _poison_heap(*shapes):
+    """Frees NaN-filled blocks of these sizes, which the next allocations may reuse:
+    an output the op leaves unwritten then reads NaN rather than stale numbers."""
+    for shape in shapes:
+        torch.full(shape, float("nan"))
+
+
+@pytest.mark.parametrize("cell", ops.FROM_INPUT_CELLS)
+@pytest.mark.parametrize("T,I,H", FROM_INPUT_SIZES, ids=[f"T{t}-I{i}-H{h}" for t, i, h in FROM_INPUT_SIZES])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_recurrence_from_input_is_linear_then_recurrence_bit_for_bit(cell, T, I, H, reverse):
+    a = _from_input_args(cell, T, 1, I, H)
+    want = _linear_then_recurrence(cell, a, reverse)
+    _poison_heap((T, 1, H), (1, H))
+    got = torch.ops.rnnkern.recurrence_from_input(cell, a["x"], a["w_ih"], a["h0"], a["c0"], a["w_hh"],
+                                                  a["b_ih"], a["b_hh"], reverse)
+    for name, g, w in zip(("output", "h_n", "c_n"), got, want):
+        assert not g.isnan().any(), name
+        assert torch.equal(g, w), f"{name}: max difference {(g - w).abs().max().item():.3g}"
+
+
+_FROM_INPUT_WIDTH_SCRIPT = r'''
+import torch
+import rnnkern
+from rnnkern import ops
+torch.manual_seed(0)
+for cell in ops.FROM_INPUT_CELLS:
+    for T, I, H in [(13, 40, 24), (37, 300, 70), (64, 128, 128)]:
+        for reverse in (False, True):
+            G = 4 if cell == "lstm" else 3 if cell == "gru" else 1
+            x, w_ih, w_hh = torch.randn(T, 1, I), torch.randn(G * H, I) / I ** 0.5, torch.randn(G * H, H) / H ** 0.5
+            b_ih, b_hh, h0 = torch.randn(G * H), torch.randn(G * H), torch.randn(1, H)
+            c0 = torch.randn(1, H) if cell == "lstm" else None
+            xp = torch.ops.rnnkern.linear(x.view(T, I), w_ih).view(T, 1, G * H)
+            want = torch.ops.rnnkern.recurrence(cell, xp, h0, c0, w_hh, b_ih, b_hh, None, None, reverse, False)[:3]
+            got = torch.ops.rnnkern.recurrence_from_input(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (cell, T, I, H, reverse)
+print(rnnkern._C.cpu_vector_bits())
+'''
+
+
+def test_recurrence_from_input_on_256_bit_vectors_is_linear_then_recurrence_bit_for_bit():
+    """With 256-bit vectors (an AVX2 CPU's; RNNKERN_CPU_VECTOR_BITS=256 on an
+    AVX-512 one), which carry no tiles, the op is the composition: its bits."""
+    env = dict(os.environ, RNNKERN_CPU_VECTOR_BITS="256")
+    run = subprocess.run([sys.executable, "-c", _FROM_INPUT_WIDTH_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "256"
+
+
+@pytest.mark.parametrize("case", ["float64", "batch3", "T4", "H296"])
+def test_recurrence_from_input_elsewhere_is_the_composition(case):
+    """Calls the tiles do not take (float64, a batch of 3, fewer steps than a
+    tile's rows, a W_hh past L2: 1 MB and more) run linear then recurrence
+    themselves: the same bits, and float64 against the reference."""
+    dtype = torch.float64 if case == "float64" else torch.float32
+    T, B = (4, 1) if case == "T4" else (11, 3 if case == "batch3" else 1)
+    H = 296 if case == "H296" else 12
+    for cell in ops.FROM_INPUT_CELLS:
+        a = _from_input_args(cell, T, B, 20, H, dtype=dtype, key=(case,))
+        got = torch.ops.rnnkern.recurrence_from_input(cell, a["x"], a["w_ih"], a["h0"], a["c0"], a["w_hh"],
+                                                      a["b_ih"], a["b_hh"], True)
+        want = _linear_then_recurrence(cell, a, True)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        if dtype == torch.float64:
+            ref = reference.recurrence(cell, a["x"] @ a["w_ih"].T, a["h0"], a["c0"], a["w_hh"], a["b_ih"],
+                                       a["b_hh"], None, None, True)
+            assert_close(got[0], ref[0], what=f"{cell} output")
+
+
+def test_recurrence_from_input_refuses_gradients_and_bad_arguments():
+    a = _from_input_args("lstm", 9, 1, 8, 6)
+    args = lambda **kw: [kw.get(k, a[k]) for k in ("x", "w_ih", "h0", "c0", "w_hh", "b_ih", "b_hh")]
+    w = a["w_hh"].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="recurrence_from_input is for inference"):
+        torch.ops.rnnkern.recurrence_from_input("lstm", *args(w_hh=w), False)
+    with torch.no_grad():  # no gradient wanted: it runs
+        assert torch.ops.rnnkern.recurrence_from_input("lstm", *args(w_hh=w), False)[0].shape == (9, 1, 6)
+    with pytest.raises(ValueError, match="expected w_ih of shape"):
+        torch.ops.rnnkern.recurrence_from_input("lstm", *args(w_ih=a["w_ih"][:, :5]), False)
+    with pytest.raises(ValueError, match="expected x to be 3-D"):
+        torch.ops.rnnkern.recurrence_from_input("lstm", *args(x=a["x"][0]), False)
+    with pytest.raises(TypeError, match="expected w_ih of dtype"):
+        torch.ops.rnnkern.recurrence_from_input("lstm", *args(w_ih=a["w_ih"].double()), False)
+    with pytest.raises(ValueError, match="needs c0"):
+        torch.ops.rnnkern.recurrence_from_input("lstm", *args(c0=None), False)
+
+
+@pytest.mark.parametrize("name,kwargs", [("LSTM", {}), ("GRU", {"num_layers": 2}),
+                                         ("RNN", {"nonlinearity": "relu", "bidirectional": True}),
+                                         ("LSTM", {"num_layers": 2, "bidirectional": True, "batch_first": True})],
+                         ids=["lstm", "gru-2layers", "rnn_relu-bidir", "lstm-2layers-bidir-batch_first"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
+def test_modules_infer_one_sequence_through_recurrence_from_input(monkeypatch, name, kwargs, mode):
+    """An inference call of one float32 sequence runs each layer and direction
+    as recurrence_from_input: the bits of the call that keeps gradients (linear,
+    then recurrence), torch.nn's numbers on the same weights."""
+    torch.manual_seed(7)
+    ref = getattr(torch.nn, name)(24, 40, **kwargs)
+    m = getattr(rnnkern, name)(24, 40, backend="cpu", **kwargs)
+    m.load_state_dict(ref.state_dict())
+    g = generator("from-input-module", name, repr(kwargs))
+    shape = (1, 29, 24) if kwargs.get("batch_first") else (29, 1, 24)
+    x = randn(g, *shape, dtype=torch.float32)
+    with_grad = [o.detach() for o in torch.utils._pytree.tree_leaves(m(x))]
+    calls = []
+    real = ops.run_recurrence_from_input
+    monkeypatch.setattr(ops, "run_recurrence_from_input", lambda *a: calls.append(a[0]) or real(*a))
+    if mode == "frozen":
+        for p in m.parameters():
+            p.requires_grad_(False)
+        got = m(x)
+    else:
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+            got = m(x)
+    got = torch.utils._pytree.tree_leaves(got)
+    layers = kwargs.get("num_layers", 1) * (2 if kwargs.get("bidirectional") else 1)
+    assert len(calls) == layers
+    for a, b in zip(got, with_grad):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        for a, b in zip(got, torch.utils._pytree.tree_leaves(ref(x))):
+            assert_close(a, b, what=name)
+
+
+@pytest.mark.parametrize("name,kwargs,B,dtype", [("LSTM", {}, 2, torch.float32),
+                                                 ("GRU", {}, 1, torch.float64),
+                                                 ("LSTM", {"proj_size": 8}, 1, torch.float32),
+                                                 ("GRU", {"reset_after": False}, 1, torch.float32),
+                                                 ("LSTM", {"zoneout": 0.2}, 1, torch.float32)],
+                         ids=["batch2", "float64", "proj", "gru_reset_before", "zoneout"])
+def test_modules_keep_linear_then_recurrence_elsewhere(monkeypatch, name, kwargs, B, dtype):
+    """Batches of more than one, other dtypes, a projection, the other cells and
+    the options keep the two ops (where the tiles have nothing to gain or do
+    not apply)."""
+    m = getattr(rnnkern, name)(12, 16, backend="cpu", dtype=dtype, **kwargs).eval()
+    monkeypatch.setattr(ops, "run_recurrence_from_input", lambda *a: pytest.fail("took from_input"))
+    with torch.no_grad():
+        out = m(torch.randn(10, B, 12, dtype=dtype))[0]
+    assert out.shape == (10, B, kwargs.get("proj_size") or 16)
+
+
+def test_recurrence_from_input_same_bits_at_1_2_and_3_threads():
+    """A two-layer LSTM's inference at batch 1 (H = 128: the step's product on
+    one thread, the projection's split between threads when apart) gives the
+    same bits at any thread count, as every call does."""
+    torch.manual_seed(3)
+    m = rnnkern.LSTM(128, 128, num_layers=2, backend="cpu").eval()
+    x = randn(generator("from-input-bits"), 70, 1, 128, dtype=torch.float32)
+
+    def run(_):
+        with torch.no_grad():
+            return torch.utils._pytree.tree_leaves(m(x))
+    want = _results_at(1, lambda: None, run)
+    for n in (2, 3):
+        for a, b in zip(_results_at(n, lambda: None, run), want):
+            assert torch.equal(a, b)

@@ -7,6 +7,8 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers: a much faster compile
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -234,6 +236,70 @@ recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const 
           r.d_reset_h.to(dtype), r.d_reset_c.to(dtype)};
 }
 
+// W_hh's bytes up to which recurrence_from_input carries the projection in the
+// steps' products: where W_hh streams from L2 (Zen 4's is 1 MB), the product
+// waits on it, and the tiles' multiply-adds fill the wait (T=256 B=1, one
+// thread, Zen 4: LSTM H=128 1.19x, H=192 1.20x; GRU H=256 1.27x).  From L3,
+// the tiles' own stream of W_ih competes with it (LSTM H=256 1.01x, H=512
+// 0.97x).
+constexpr int64_t kMaxTiledWeightBytes = int64_t(768) << 10;
+
+// recurrence_from_input (ops.cpp): a sequence of batch 1 in float32 with
+// kProjectionTileRows steps or more and a W_hh of at most kMaxTiledWeightBytes runs
+// forward_from_input on 512-bit vectors (the input projection inside the
+// steps' products, the same bits); any other call is the composition
+// itself, rnnkern::linear then rnnkern::recurrence.
+std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
+    c10::string_view cell, const Tensor& x, const Tensor& w_ih, const Tensor& h0, const OptTensor& c0,
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, bool reverse) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
+  const RecurrenceSizes z = check_recurrence_from_input(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh);
+  const bool plain = z.cell == Cell::Lstm || z.cell == Cell::Gru || z.cell == Cell::RnnTanh ||
+                     z.cell == Cell::RnnRelu;
+  const bool tiles = plain && z.B == 1 && z.T >= gemm::kProjectionTileRows && x.scalar_type() == at::kFloat &&
+                     z.G * z.H * z.H * 4 <= kMaxTiledWeightBytes && gemm::wide_vectors();
+  if (!tiles) {
+    static const auto linear = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("rnnkern::linear", "")
+                                   .typed<Tensor(const Tensor&, const Tensor&)>();
+    const Tensor xproj = linear.call(x.reshape({z.T * z.B, x.size(2)}), w_ih).view({z.T, z.B, z.G * z.H});
+    auto [output, h_n, c_n, ws] = recurrence_cpu(cell, xproj, h0, c0, w_hh, b_ih, b_hh, std::nullopt,
+                                                 std::nullopt, reverse, false, std::nullopt,
+                                                 std::nullopt, std::nullopt, std::nullopt,
+                                                 std::nullopt, false);
+    return {output, h_n, c_n};
+  }
+  const auto opt = h0.options();
+  const Tensor x_rows = x.stride(2) == 1 ? x : x.contiguous();
+  FromInputArgs a{z.cell, z.T, x.size(2), z.H, z.G,
+                  x_rows.const_data_ptr<float>(), x_rows.stride(0),
+                  w_ih.contiguous(), h0.contiguous(), c0.has_value() ? c0->contiguous() : Tensor(),
+                  w_hh.contiguous(), bias_or_zeros(b_ih, z.G * z.H, opt),
+                  bias_or_zeros(b_hh, z.G * z.H, opt), reverse};
+  Tensor output = at::empty({z.T, 1, z.H}, opt);
+  Tensor h_n = at::empty({1, z.H}, opt);
+  Tensor c_n = z.cell == Cell::Lstm ? at::empty({1, z.H}, opt) : empty_like_options(h0, at::kFloat);
+  forward_from_input(a, output, h_n, c_n);
+  return {output, h_n, c_n};
+}
+
+// Its autograd kernel: no formula (the modules call it without gradients);
+// inputs that need one get an error, not results autograd would not see.
+std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_autograd(
+    c10::string_view cell, const Tensor& x, const Tensor& w_ih, const Tensor& h0, const OptTensor& c0,
+    const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, bool reverse) {
+  if (at::GradMode::is_enabled()) {
+    const bool grads = x.requires_grad() || w_ih.requires_grad() || h0.requires_grad() ||
+                       w_hh.requires_grad() || (c0.has_value() && c0->requires_grad()) ||
+                       (b_ih.has_value() && b_ih->requires_grad()) ||
+                       (b_hh.has_value() && b_hh->requires_grad());
+    TORCH_CHECK(!grads, "rnnkern.recurrence_from_input is for inference and has no gradient: "
+                "under torch.no_grad() or with inputs that do not require grad, else call "
+                "rnnkern.linear then rnnkern.recurrence");
+  }
+  return recurrence_from_input_cpu(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse);
+}
+
 RecurrenceSizes step_as_recurrence(const StepSizes& s) {
   return RecurrenceSizes{s.cell, 1, s.B, s.H, s.H, s.G, false};
 }
@@ -306,4 +372,9 @@ TORCH_LIBRARY_IMPL(rnnkern, CPU, m) {
   m.impl("recurrence_backward", &rnnkern::cpu::recurrence_backward_cpu);
   m.impl("step", &rnnkern::cpu::step_cpu);
   m.impl("step_backward", &rnnkern::cpu::step_backward_cpu);
+  m.impl("recurrence_from_input", &rnnkern::cpu::recurrence_from_input_cpu);
+}
+
+TORCH_LIBRARY_IMPL(rnnkern, AutogradCPU, m) {
+  m.impl("recurrence_from_input", &rnnkern::cpu::recurrence_from_input_autograd);
 }

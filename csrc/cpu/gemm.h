@@ -369,6 +369,171 @@ RNNKERN_ALWAYS_INLINE void multiply_packed_impl(int64_t m, const T* a_packed, co
   }
 }
 
+// ---- a step's product with the input projection carried along -------------
+// K of the large products in chunks of this many (linear.cpp's blocking): an
+// element of C is the sum of its chunks' sums, each from zero, chunk by chunk.
+constexpr int64_t kKC = 256;
+
+// Rows of X per projection tile (row_with_tiles_impl): 8 x 2 accumulators,
+// beside the matrix-vector product's four, of the 32 512-bit registers.  (In
+// 256-bit vectors, whose 16 registers hold 4 x 2 beside two, the tiles made a
+// Zen 4 step 6-19% slower: the product's two accumulators bound it by their
+// FMA latency.  Only the 512-bit kernels carry tiles.)
+constexpr int kProjectionTileRows = 8;
+
+// Projection tiles that one step's matrix-vector product h W_hh^T carries
+// along: Y[r, panels p0..p1) = X[r, :] W^T for kProjectionTileRows rows of X,
+// given transposed (xt[k * kProjectionTileRows + r]: one broadcast base for
+// all rows), W^T packed (w, PackedB::pack: panels nr apart), row r of Y at
+// y + r * ldy.
+// Each element of Y sums as blocked_gemm's would (linear.cpp): k in order
+// from zero within each chunk of kKC, the chunks' sums added in order, so the
+// projection has the same bits made here as by rnnkern::linear.
+template <typename T>
+struct ProjectionTiles {
+  const T* xt = nullptr;
+  const PackedB<T>* w = nullptr;
+  T* y = nullptr;
+  int64_t ldy = 0;
+  int64_t p0 = 0, p1 = 0;
+};
+
+// Product k range [k0, k1) of c (+)= a B over NQ panels (the first at b, the
+// next K * 2L on; their sums in s: loaded, added to, stored), with `steps` k
+// of one projection tile along (its sums in acc; X^T and W^T's rows from xt
+// and w, both at the tile's first k here), `rate` of them after every four k
+// of the product.  Every sum stays in registers through the loop; the caller
+// keeps them in memory between segments, where a chunk's sums may go to Y.
+template <typename T, int Bytes, int NQ>  // NQ = 0: the tile's k alone
+RNNKERN_ALWAYS_INLINE void row_segment(int64_t k0, int64_t k1, const T* a, const T* b, int64_t K,
+                                       T* s_buf, const T* xt, const T* w, int64_t steps,
+                                       int64_t rate, T* acc_buf) {
+  using V = typename Vec<T, Bytes>::type;
+  constexpr int L = Vec<T, Bytes>::kLanes;
+  constexpr int R = kProjectionTileRows;
+  V s[NQ > 0 ? 2 * NQ : 1], acc[R][2];
+  if constexpr (NQ > 0) std::memcpy(s, s_buf, sizeof(s));
+  std::memcpy(acc, acc_buf, sizeof(acc));
+  auto product = [&](int64_t k) {
+    const T ak = a[k];
+    for (int q = 0; q < NQ; ++q) {
+      V b0, b1;
+      std::memcpy(&b0, b + q * K * 2 * L + k * 2 * L, sizeof(V));
+      std::memcpy(&b1, b + q * K * 2 * L + k * 2 * L + L, sizeof(V));
+      s[2 * q] += ak * b0;
+      s[2 * q + 1] += ak * b1;
+    }
+  };
+  int64_t t = 0;
+  auto tile = [&]() {
+    for (int64_t i = 0; i < rate && t < steps; ++i, ++t) {
+      V b0, b1;
+      std::memcpy(&b0, w + t * 2 * L, sizeof(V));
+      std::memcpy(&b1, w + t * 2 * L + L, sizeof(V));
+      for (int r = 0; r < R; ++r) {
+        const T xv = xt[t * R + r];
+        acc[r][0] += xv * b0;
+        acc[r][1] += xv * b1;
+      }
+    }
+  };
+  if constexpr (NQ == 0) {
+    while (t < steps) tile();
+  } else {
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {
+      product(k);
+      product(k + 1);
+      product(k + 2);
+      product(k + 3);
+      tile();
+    }
+    if (k < k1) {
+      for (; k < k1; ++k) product(k);
+      tile();
+    }
+  }
+  if constexpr (NQ > 0) std::memcpy(s_buf, s, sizeof(s));
+  std::memcpy(acc_buf, acc, sizeof(acc));
+}
+
+// c[N] = a[K] B (B packed by PackedB::pack), with the projection tiles
+// computed along the way: the product of one row streams B from L2 or beyond
+// and leaves the FMA units mostly idle, which the tiles' multiply-adds (each
+// load of their W^T serving kProjectionTileRows rows) fill.  The tiles' k are
+// spread evenly over the product's passes (two panels each: four
+// accumulators, as multiply()'s micro-kernel at one row); what is left at its
+// end is finished after it.  B without panels: the tiles alone.  Each element
+// of c sums k in order from zero, as multiply()'s micro-kernel does.  (Kept
+// in one function, the tiles' sums went to the stack in the product's loop,
+// which ran 0.6x; in segments they stay in registers.)
+template <typename T, int Bytes>
+RNNKERN_ALWAYS_INLINE void row_with_tiles_impl(const T* a, const PackedB<T>& B, T* c,
+                                               const ProjectionTiles<T>& t) {
+  constexpr int L = Vec<T, Bytes>::kLanes;
+  constexpr int R = kProjectionTileRows;
+  constexpr int NP = 2;
+  const int64_t K = B.K, Kx = t.w != nullptr ? t.w->K : 0;
+  const int64_t panels = B.N > 0 ? B.panels() : 0;
+  const int64_t groups = (K + 3) / 4;  // a pass's groups of four k
+  const int64_t passes = (panels + NP - 1) / NP;
+  const int64_t work = (t.p1 - t.p0) * Kx;
+  const int64_t rate = passes * groups > 0 ? (work + passes * groups - 1) / (passes * groups) : 0;
+  alignas(64) T acc[R * 2 * L] = {};
+  int64_t tp = t.p0, tk = 0;  // the tiles' panel and k
+  // The tiles' next `steps` k have been summed into acc; at the end of a
+  // chunk of kKC or of the panel, the sums go to Y.
+  auto tiles_advanced = [&](int64_t steps) {
+    tk += steps;
+    if (tk % kKC != 0 && tk != Kx) return;
+    const bool first = tk <= kKC;
+    const int64_t n0 = tp * 2 * L, nc = std::min<int64_t>(2 * L, t.w->N - n0);
+    for (int r = 0; r < R; ++r) {
+      T* y = t.y + r * t.ldy + n0;
+      const T* sums = acc + r * 2 * L;
+      if (first && nc == 2 * L) {
+        std::memcpy(y, sums, 2 * L * sizeof(T));
+        continue;
+      }
+      for (int64_t j = 0; j < nc; ++j) y[j] = first ? sums[j] : sums[j] + y[j];
+    }
+    std::fill_n(acc, R * 2 * L, T(0));
+    if (tk == Kx) tk = 0, ++tp;
+  };
+  // The tiles' k that one segment may take: up to the next flush.
+  auto tile_span = [&]() { return tp >= t.p1 ? 0 : std::min(Kx, (tk / kKC + 1) * kKC) - tk; };
+  auto tile_w = [&]() { return t.w->panel(tp) + tk * 2 * L; };
+  for (int64_t p = 0; p < panels; p += NP) {
+    const bool whole = p + NP <= panels;
+    const T* b = B.panel(p);
+    alignas(64) T s[2 * NP * L] = {};
+    for (int64_t g = 0; g < groups;) {
+      const int64_t span = std::min(tile_span(), rate * (groups - g));
+      // The groups that take this span's k (rate a group), or all that are left.
+      const int64_t g1 = span > 0 ? std::min(groups, g + (span + rate - 1) / rate) : groups;
+      const T* xt = t.xt + tk * R;
+      const T* w = span > 0 ? tile_w() : nullptr;
+      if (whole)
+        row_segment<T, Bytes, NP>(4 * g, std::min(K, 4 * g1), a, b, K, s, xt, w, span, rate, acc);
+      else
+        row_segment<T, Bytes, 1>(4 * g, std::min(K, 4 * g1), a, b, K, s, xt, w, span, rate, acc);
+      if (span > 0) tiles_advanced(span);
+      g = g1;
+    }
+    for (int64_t q = 0; q < (whole ? NP : 1); ++q) {
+      const int64_t n0 = (p + q) * 2 * L, nc = std::min<int64_t>(2 * L, B.N - n0);
+      if (nc == 2 * L)  // (a call of fixed size: a copy of two vectors, not memcpy's)
+        std::memcpy(c + n0, s + q * 2 * L, 2 * L * sizeof(T));
+      else
+        std::memcpy(c + n0, s + q * 2 * L, static_cast<size_t>(nc) * sizeof(T));
+    }
+  }
+  for (int64_t span; (span = tile_span()) > 0;) {  // the rest (or all) of the tiles
+    row_segment<T, Bytes, 0>(0, 0, nullptr, nullptr, 0, nullptr, t.xt + tk * R, tile_w(), span, 1, acc);
+    tiles_advanced(span);
+  }
+}
+
 // A vector of W's values as float: W's own type loaded as it lies, or
 // float16 values (their bits, uint16_t) converted on the way by F16C's
 // vcvtph2ps, exactly.  The conversion is written as inline assembly: the
@@ -566,6 +731,12 @@ RNNKERN_CPU_WIDE_TARGET void multiply_nt_rows_wide(int64_t M, const T* A, int64_
                                                    int64_t ldw, int64_t N, int64_t K, T* C,
                                                    int64_t ldc) {
   multiply_nt_rows_impl<T, kWide>(M, A, lda, W, ldw, N, K, C, ldc);
+}
+// (B and the tiles' W^T packed for 512 bits: PackedB::wide().)
+template <typename T>
+RNNKERN_CPU_WIDE_TARGET void row_with_tiles_wide(const T* a, const PackedB<T>& B, T* c,
+                                                 const ProjectionTiles<T>& t) {
+  row_with_tiles_impl<T, kWide>(a, B, c, t);
 }
 #endif
 

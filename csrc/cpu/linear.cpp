@@ -146,7 +146,7 @@ double fma_rate(int64_t iterations) {
 
 namespace {
 
-constexpr int64_t kKC = 256;
+using gemm::kKC;  // (the projection tiles of forward_from_input sum in the same chunks)
 constexpr int64_t kMC = 16 * gemm::kMR;
 // Up to this size B is packed whole (see blocked_gemm).
 constexpr int64_t kWholeBBytes = int64_t(2) << 20;

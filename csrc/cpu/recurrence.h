@@ -60,6 +60,22 @@ template <typename A>
 void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& c_n,
                   Tensor& ws);
 
+// Inference of one sequence (batch 1) from its input: x [T, I] (rows ldx
+// apart, unit stride along I), w_ih [G*H, I], h0 [1, H], c0 [1, H] (LSTM),
+// w_hh [G*H, H], b_x, b_h [G*H], float32 and contiguous but x; a plain cell
+// (no options).  The input projection goes along with the steps' products
+// (gemm::row_with_tiles_wide, 512-bit vectors) instead of before them: the
+// same bits as rnnkern::linear followed by forward_impl (forward.cpp).
+struct FromInputArgs {
+  Cell cell;
+  int64_t T, I, H, G;
+  const float* x;
+  int64_t ldx;
+  Tensor w_ih, h0, c0, w_hh, b_x, b_h;
+  bool reverse;
+};
+void forward_from_input(const FromInputArgs& a, Tensor& output, Tensor& h_n, Tensor& c_n);
+
 // Backward (BPTT) of the whole sequence, every gradient (backward.cpp).
 template <typename A>
 struct BackwardArgs {

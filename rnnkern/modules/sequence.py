@@ -412,9 +412,19 @@ class _RecurrentMixin(_RnnkernOptions):
         steps = {"cell_steps": True} if cell_steps else {}  # (the plain calls keep their form)
         at_once = D == 2 and self._directions_at_once(backend, x, hx, weights, reset_state, lns)
 
+        # A plain inference call of one sequence: each layer's projection inside
+        # its recurrence (ops.run_recurrence_from_input).
+        from_input = (not packed and not p and resets is None and lns is None and not cell_steps
+                      and self.proj_size == 0
+                      and ops.from_input_applies(backend, cell, x, h0, c0, weights))
+
         def direction(layer: int, d: int, x: Tensor, zoneout: Optional[Tensor]):
             idx = layer * D + d
             w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
+            if from_input:
+                return ops.run_recurrence_from_input(cell, x, w_ih, h0[idx],
+                                                     c0[idx] if lstm else None, w_hh, b_ih, b_hh,
+                                                     d == 1)
             xproj = self._input_projection(x, w_ih, backend, packing, x_rows if layer == 0 else None)
             ln = None if lns is None else lns[idx]
             if step_resets[d] is None or reset_is_hx:
