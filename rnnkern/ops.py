@@ -249,10 +249,9 @@ def from_input_applies(backend: str, cell: str, x: Tensor, h0: Tensor, c0: Optio
                        weights) -> bool:
     """Whether a layer stack's plain recurrences (no lengths, options or projection:
     the caller's to check) run as :func:`run_recurrence_from_input`: an inference
-    call (nothing needs a gradient) of one float32 sequence (B = 1) on the CPU
-    backend, outside torch.compile and torch.func.  ``weights``: the stack's
-    per-layer tuples."""
-    if backend != "cpu" or cell not in FROM_INPUT_CELLS or x.dim() != 3 or x.size(1) != 1 \
+    call (nothing needs a gradient) in float32 on the CPU backend, outside
+    torch.compile and torch.func.  ``weights``: the stack's per-layer tuples."""
+    if backend != "cpu" or cell not in FROM_INPUT_CELLS or x.dim() != 3 \
             or x.dtype != torch.float32 or torch.compiler.is_compiling():
         return False
     flat = [w for ws in weights for w in ws]
@@ -263,10 +262,12 @@ def run_recurrence_from_input(cell: str, x: Tensor, w_ih: Tensor, h0: Tensor,
                               c0: Optional[Tensor], w_hh: Tensor, b_ih: Optional[Tensor],
                               b_hh: Optional[Tensor], reverse: bool):
     """:func:`run_recurrence` of ``input_projection(x, w_ih)`` in one op
-    (``rnnkern::recurrence_from_input``, CPU, inference): at batch 1 the
-    projection goes along with the steps' products, in the time the products
-    wait on W_hh's stream (csrc/cpu/forward.cpp, forward_from_input); the same
-    bits.  Where :func:`from_input_applies`."""
+    (``rnnkern::recurrence_from_input``, CPU, inference), with the same bits:
+    at batch 1 the projection goes along with the steps' products, in the time
+    the products wait on W_hh's stream (csrc/cpu/forward.cpp,
+    forward_from_input); an LSTM batch of 16 rows or more makes each step's
+    x_t W_ih^T in its product (ForwardArgs::x_rows); other calls run the two
+    ops.  Where :func:`from_input_applies`."""
     output, h_n, c_n = torch.ops.rnnkern.recurrence_from_input.default(
         cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse)
     return output, h_n, (c_n if has_cell_state(cell) else None)

@@ -1275,16 +1275,14 @@ def test_modules_infer_one_sequence_through_recurrence_from_input(monkeypatch, n
             assert_close(a, b, what=name)
 
 
-@pytest.mark.parametrize("name,kwargs,B,dtype", [("LSTM", {}, 2, torch.float32),
-                                                 ("GRU", {}, 1, torch.float64),
+@pytest.mark.parametrize("name,kwargs,B,dtype", [("GRU", {}, 1, torch.float64),
                                                  ("LSTM", {"proj_size": 8}, 1, torch.float32),
                                                  ("GRU", {"reset_after": False}, 1, torch.float32),
                                                  ("LSTM", {"zoneout": 0.2}, 1, torch.float32)],
-                         ids=["batch2", "float64", "proj", "gru_reset_before", "zoneout"])
+                         ids=["float64", "proj", "gru_reset_before", "zoneout"])
 def test_modules_keep_linear_then_recurrence_elsewhere(monkeypatch, name, kwargs, B, dtype):
-    """Batches of more than one, other dtypes, a projection, the other cells and
-    the options keep the two ops (where the tiles have nothing to gain or do
-    not apply)."""
+    """Other dtypes, a projection, the classic GRU and the options keep the two
+    ops (where the op has nothing to gain or does not apply)."""
     m = getattr(rnnkern, name)(12, 16, backend="cpu", dtype=dtype, **kwargs).eval()
     monkeypatch.setattr(ops, "run_recurrence_from_input", lambda *a: pytest.fail("took from_input"))
     with torch.no_grad():
@@ -1307,3 +1305,49 @@ def test_recurrence_from_input_same_bits_at_1_2_and_3_threads():
     for n in (2, 3):
         for a, b in zip(_results_at(n, lambda: None, run), want):
             assert torch.equal(a, b)
+
+
+# An LSTM batch of 16 rows or more (W_ih and W_hh within 768 KB, I <= 256): each
+# step's product makes x_t W_ih^T too (ForwardArgs::x_rows), the same bits.
+INSIDE_SIZES = [(5, 16, 16, 16), (13, 17, 40, 24), (64, 64, 128, 128), (9, 33, 256, 70),
+                (6, 20, 300, 20), (7, 15, 32, 32)]
+
+
+@pytest.mark.parametrize("T,B,I,H", INSIDE_SIZES, ids=[f"T{t}-B{b}-I{i}-H{h}" for t, b, i, h in INSIDE_SIZES])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_recurrence_from_input_batches_are_linear_then_recurrence_bit_for_bit(threads, T, B, I, H, reverse,
+                                                                             n_threads):
+    """Split by rows or by units at 2 and 3 threads, I past 256 and B under 16
+    (the composition), every cell: the composition's bits."""
+    threads(n_threads)
+    for cell in ops.FROM_INPUT_CELLS:
+        a = _from_input_args(cell, T, B, I, H, key=("batch",))
+        want = _linear_then_recurrence(cell, a, reverse)
+        _poison_heap((T, B, H), (B, H))
+        got = torch.ops.rnnkern.recurrence_from_input(cell, a["x"], a["w_ih"], a["h0"], a["c0"], a["w_hh"],
+                                                      a["b_ih"], a["b_hh"], reverse)
+        for name, g, w in zip(("output", "h_n", "c_n"), got, want):
+            assert not g.isnan().any(), name
+            assert torch.equal(g, w), f"{cell} {name}: max difference {(g - w).abs().max().item():.3g}"
+
+
+def test_lstm_batch_inference_runs_recurrence_from_input(monkeypatch):
+    """A two-layer bidirectional LSTM's inference at B=32: the op per layer and
+    direction, the bits of the gradient-keeping call, torch.nn's numbers."""
+    torch.manual_seed(5)
+    ref = torch.nn.LSTM(24, 40, num_layers=2, bidirectional=True)
+    m = rnnkern.LSTM(24, 40, num_layers=2, bidirectional=True, backend="cpu")
+    m.load_state_dict(ref.state_dict())
+    x = randn(generator("inside-module"), 21, 32, 24, dtype=torch.float32)
+    with_grad = [o.detach() for o in torch.utils._pytree.tree_leaves(m(x))]
+    calls = []
+    real = ops.run_recurrence_from_input
+    monkeypatch.setattr(ops, "run_recurrence_from_input", lambda *a: calls.append(a[0]) or real(*a))
+    with torch.no_grad():
+        got = torch.utils._pytree.tree_leaves(m(x))
+        want = torch.utils._pytree.tree_leaves(ref(x))
+    assert len(calls) == 4
+    for a, b, r in zip(got, with_grad, want):
+        assert torch.equal(a, b)
+        assert_close(a, r, what="LSTM B=32")

@@ -244,6 +244,35 @@ recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const 
 // 0.97x).
 constexpr int64_t kMaxTiledWeightBytes = int64_t(768) << 10;
 
+// A batch of at least kMinInsideRows rows (per step) whose W_ih and W_hh
+// together take at most kMaxInsideWeightBytes: each step's product makes its
+// x_t W_ih^T too (ForwardArgs::x_rows), at the speed of the step's product
+// and without xproj's trip through memory (the input projection's output:
+// LSTM B=64 T=64 H=128, 8 MB).
+constexpr int64_t kMinInsideRows = 16;
+constexpr int64_t kMaxInsideWeightBytes = int64_t(768) << 10;
+
+std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, const Tensor& x,
+                                                    const Tensor& w_ih, const Tensor& h0,
+                                                    const OptTensor& c0, const Tensor& w_hh,
+                                                    const OptTensor& b_ih, const OptTensor& b_hh,
+                                                    bool reverse) {
+  const auto opt = h0.options();
+  Tensor output = pooled_empty(layout_sizes(z, z.P), opt);
+  Tensor h_n = at::empty({z.B, z.P}, opt);
+  Tensor c_n = has_cell_state(z.cell) ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, at::kFloat);
+  Tensor ws = empty_like_options(h0, at::kFloat);
+  const Tensor h0c = h0.contiguous();
+  const Tensor c0c = c0.has_value() ? c0->contiguous() : Tensor();
+  ForwardArgs<float> a{z, Tensor(), h0c, c0c, w_hh.contiguous(),
+                       bias_or_zeros(b_ih, z.G * z.H, opt), bias_or_zeros(b_hh, z.G * z.H, opt),
+                       Tensor(), Positions{nullptr, z.T, reverse, z.B}, false, Tensor(), Tensor(),
+                       Tensor(), h0c, c0c, false,
+                       x.reshape({z.T * z.B, x.size(2)}).contiguous(), w_ih.contiguous()};
+  forward_impl<float>(a, output, h_n, c_n, ws);
+  return {output, h_n, c_n};
+}
+
 // recurrence_from_input (ops.cpp): a sequence of batch 1 in float32 with
 // kProjectionTileRows steps or more and a W_hh of at most kMaxTiledWeightBytes runs
 // forward_from_input on 512-bit vectors (the input projection inside the
@@ -258,6 +287,9 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
                      z.cell == Cell::RnnRelu;
   const bool tiles = plain && z.B == 1 && z.T >= gemm::kProjectionTileRows && x.scalar_type() == at::kFloat &&
                      z.G * z.H * z.H * 4 <= kMaxTiledWeightBytes && gemm::wide_vectors();
+  const bool inside = z.cell == Cell::Lstm && z.B >= kMinInsideRows && z.T > 1 && x.scalar_type() == at::kFloat &&
+                      x.size(2) <= gemm::kKC && z.G * z.H * (x.size(2) + z.H) * 4 <= kMaxInsideWeightBytes;
+  if (!tiles && inside) return forward_x_inside(z, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse);
   if (!tiles) {
     static const auto linear = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("rnnkern::linear", "")

@@ -52,8 +52,14 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // (bf16 pairs are packed for one step too: converting W to float32 for the
   // float32 product in place costs more than packing its pairs)
   const bool in_place = T == 1 && !a.bf16_products;  // see kMaxInPlaceRows
-  std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice;
+  const bool x_inside = a.x_rows.defined();  // ForwardArgs::x_rows
+  std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice, w_x_slice;
+  TORCH_CHECK(!x_inside || (!in_place && z.cell == Cell::Lstm && !a.pos.lengths &&
+                            !a.resets.defined() && !z.has_proj && !a.bf16_products &&
+                            a.x_rows.size(1) <= gemm::kKC),
+              "rnnkern internal: x W_ih^T inside the step products of a plain call only");
   for (const Slice& sl : split.units) {
+    if (x_inside) w_x_slice.push_back(gate_rows_t<A>(a.w_ih, G, sl, false, B, false));
     // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
     w_slice.push_back(gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
                                      reset_before ? 2 : G, sl, in_place, B, a.bf16_products));
@@ -97,12 +103,15 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // blocks at a time as the gate math reads them, in cache, instead of a float
   // copy of the whole (the call's largest buffer: 16 MB at LSTM B=32 T=128
   // H=256, written and read back).
-  const bool x_bf16 = a.xproj.scalar_type() == at::kBFloat16;
-  const char* x_bytes = static_cast<const char*>(a.xproj.const_data_ptr());
+  // (x W_ih^T inside the steps' products: xproj reads as zeros.)
+  const std::vector<A> x_zeros(static_cast<size_t>(x_inside ? GH : 0), A(0));
+  const bool x_bf16 = !x_inside && a.xproj.scalar_type() == at::kBFloat16;
+  const char* x_bytes = x_inside ? nullptr : static_cast<const char*>(a.xproj.const_data_ptr());
   const int64_t x_size = x_bf16 ? 2 : int64_t(sizeof(A));
-  const A* xp = x_bf16 ? nullptr : cptr<A>(a.xproj);
+  const A* xp = x_bf16 || x_inside ? nullptr : cptr<A>(a.xproj);
   // xproj's row `row` at unit j0: gate k of unit j0 + j at [k * H + j], j < n.
   auto x_of = [&](int64_t row, int64_t j0, int64_t n) -> const A* {
+    if (x_inside) return x_zeros.data() + j0;
     if (!x_bf16) return xp + row * GH + j0;
     thread_local std::vector<A> wide;
     if (static_cast<int64_t>(wide.size()) < GH) wide.resize(static_cast<size_t>(GH));
@@ -155,7 +164,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     // GEMM computes: a call's xproj outgrows the caches (LSTM B=32 T=256
     // H=256: 32 MB), and a step's rows span more pages than the hardware
     // prefetchers follow.
-    if (s + 1 < T) {
+    if (s + 1 < T && !x_inside) {
       for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
         const int64_t p = a.pos.at(b, s + 1);
         if (p < 0) continue;
@@ -166,7 +175,12 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       }
     }
     const int64_t nl = live(r, s);
-    step_gemm<A>(nl, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), false);
+    if (x_inside) {  // x_t W_ih^T, then h_{t-1} W_hh^T added (every row at one position)
+      const int64_t I = a.x_rows.size(1);
+      const A* x_t = cptr<A>(a.x_rows) + a.pos.row(a.pos.at(r.b0, s), r.b0) * I;
+      step_gemm<A>(nl, x_t, I, w_x_slice[u], ptr<A>(hproj[t]), false);
+    }
+    step_gemm<A>(nl, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), x_inside);
     A* hp = ptr<A>(hproj[t]);
     const int64_t ldh = n;
     const int64_t hrow = hproj[t].size(1);

@@ -412,8 +412,8 @@ class _RecurrentMixin(_RnnkernOptions):
         steps = {"cell_steps": True} if cell_steps else {}  # (the plain calls keep their form)
         at_once = D == 2 and self._directions_at_once(backend, x, hx, weights, reset_state, lns)
 
-        # A plain inference call of one sequence: each layer's projection inside
-        # its recurrence (ops.run_recurrence_from_input).
+        # A plain float32 inference call: each layer's projection inside its
+        # recurrence (ops.run_recurrence_from_input).
         from_input = (not packed and not p and resets is None and lns is None and not cell_steps
                       and self.proj_size == 0
                       and ops.from_input_applies(backend, cell, x, h0, c0, weights))
