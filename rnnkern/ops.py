@@ -19,9 +19,10 @@ Every op family has the same four schemas (csrc/ops.cpp): ``recurrence``,
 ``recurrence_backward``, ``step``, ``step_backward``.  The CPU backend also
 computes the input projection with its own op (``rnnkern::linear``), whose
 GEMM and pooled buffers beat the BLAS bundled with torch on the CPUs measured;
-the other backends use torch's matmul.  For inference at batch 1 it has one
-more, ``rnnkern::recurrence_from_input`` (:func:`run_recurrence_from_input`):
-the two in one, the projection made inside the steps' products.  Their fake (meta) implementations and
+the other backends use torch's matmul.  For inference it has one more,
+``rnnkern::recurrence_from_input`` (:func:`run_recurrence_from_input`): the
+two in one, at batch 1 and for LSTM batches with the projection made inside
+the steps' products.  Their fake (meta) implementations and
 their autograd formulas are registered once per family by
 :func:`rnnkern.library.register_op_family`, so ``torch.compile(fullgraph=True)``
 traces every backend without a graph break.  This module chooses the backend

@@ -268,7 +268,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, co
                        bias_or_zeros(b_ih, z.G * z.H, opt), bias_or_zeros(b_hh, z.G * z.H, opt),
                        Tensor(), Positions{nullptr, z.T, reverse, z.B}, false, Tensor(), Tensor(),
                        Tensor(), h0c, c0c, false,
-                       x.reshape({z.T * z.B, x.size(2)}).contiguous(), w_ih.contiguous()};
+                       to_acc(x, at::kFloat).view({z.T * z.B, x.size(2)}), w_ih.contiguous()};
   forward_impl<float>(a, output, h_n, c_n, ws);
   return {output, h_n, c_n};
 }
@@ -294,7 +294,10 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
     static const auto linear = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("rnnkern::linear", "")
                                    .typed<Tensor(const Tensor&, const Tensor&)>();
-    const Tensor xproj = linear.call(x.reshape({z.T * z.B, x.size(2)}), w_ih).view({z.T, z.B, z.G * z.H});
+    // (x dense in a pooled buffer where it is not: a batch-first input transposed
+    // to time-major, which reshape would copy into fresh memory; ops.rows_of.)
+    const Tensor rows = to_acc(x, x.scalar_type()).view({z.T * z.B, x.size(2)});
+    const Tensor xproj = linear.call(rows, w_ih).view({z.T, z.B, z.G * z.H});
     auto [output, h_n, c_n, ws] = recurrence_cpu(cell, xproj, h0, c0, w_hh, b_ih, b_hh, std::nullopt,
                                                  std::nullopt, reverse, false, std::nullopt,
                                                  std::nullopt, std::nullopt, std::nullopt,
