@@ -274,10 +274,11 @@ std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, co
 }
 
 // recurrence_from_input (ops.cpp): a sequence of batch 1 in float32 with
-// kProjectionTileRows steps or more and a W_hh of at most kMaxTiledWeightBytes runs
-// forward_from_input on 512-bit vectors (the input projection inside the
-// steps' products, the same bits); any other call is the composition
-// itself, rnnkern::linear then rnnkern::recurrence.
+// kProjectionTileRows steps or more and a W_hh of at most
+// kMaxTiledWeightBytes runs forward_from_input on 512-bit vectors (the input
+// projection inside the steps' products); an LSTM batch of kMinInsideRows or
+// more, forward_x_inside; any other call is the composition itself,
+// rnnkern::linear then rnnkern::recurrence.  All three give the same bits.
 std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
     c10::string_view cell, const Tensor& x, const Tensor& w_ih, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, bool reverse) {
