@@ -1290,6 +1290,68 @@ def test_modules_keep_linear_then_recurrence_elsewhere(monkeypatch, name, kwargs
     assert out.shape == (10, B, kwargs.get("proj_size") or 16)
 
 
+@pytest.mark.parametrize("name,kwargs,B,with_hx", [
+    ("LSTM", {}, 1, False), ("LSTM", {"num_layers": 2, "batch_first": True}, 3, True),
+    ("GRU", {"bias": False}, 1, True), ("GRU", {"num_layers": 2}, 2, False),
+    ("RNN", {"nonlinearity": "relu", "batch_first": True}, 1, False), ("RNN", {}, 4, True),
+    ("LSTM", {"num_layers": 2, "dropout": 0.5}, 1, True)],
+    ids=["lstm", "lstm-2layers-batch_first-hx", "gru-nobias-hx", "gru-2layers-B2", "rnn_relu-batch_first",
+         "rnn-B4-hx", "lstm-dropout-eval"])
+def test_modules_short_path_of_inference_is_the_full_forward(monkeypatch, name, kwargs, B, with_hx):
+    """A one-direction inference call in float32 skips the full forward's Python
+    (_from_input_forward: the same ops, layer after layer): the same bits, shapes
+    and strides as the full forward, which it leaves every other call to."""
+    torch.manual_seed(11)
+    m = getattr(rnnkern, name)(12, 20, backend="cpu", **kwargs).eval()
+    g = generator("from-input-short", name, repr(kwargs))
+    L = kwargs.get("num_layers", 1)
+    x = randn(g, *((B, 9, 12) if kwargs.get("batch_first") else (9, B, 12)), dtype=torch.float32)
+    hx = None
+    if with_hx:
+        hx = tuple(randn(g, L, B, 20, dtype=torch.float32) for _ in range(2 if name == "LSTM" else 1))
+        hx = hx if name == "LSTM" else hx[0]
+    cls = type(m)
+    fast = cls._from_input_forward
+    taken = []
+    monkeypatch.setattr(cls, "_from_input_forward",
+                        lambda self, *a: taken.append(1) or fast(self, *a))
+    with torch.no_grad():
+        got = torch.utils._pytree.tree_leaves(m(x, hx))
+        assert taken and fast(m, x, hx, "cpu") is not None
+        monkeypatch.setattr(cls, "_from_input_forward", lambda self, *a: None)
+        want = torch.utils._pytree.tree_leaves(m(x, hx))
+    assert len(got) == len(want) == (3 if name == "LSTM" else 2)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.shape == b.shape and a.stride() == b.stride()
+        assert not a.requires_grad
+
+
+def test_modules_short_path_of_inference_leaves_other_calls():
+    """What _from_input_forward leaves to the full forward: two directions,
+    dropout to draw, a gradient wanted, float64, one step, hx of another shape
+    (the full forward's error), autocast."""
+    torch.manual_seed(3)
+    x = torch.randn(7, 2, 5)
+
+    def short(m, x, hx=None):
+        return m._from_input_forward(x, hx, "cpu")
+
+    with torch.no_grad():
+        assert short(rnnkern.LSTM(5, 6, backend="cpu"), x) is not None
+        assert short(rnnkern.LSTM(5, 6, bidirectional=True, backend="cpu"), x) is None
+        assert short(rnnkern.LSTM(5, 6, num_layers=2, dropout=0.5, backend="cpu").train(), x) is None
+        assert short(rnnkern.LSTM(5, 6, backend="cpu"), x.double()) is None
+        assert short(rnnkern.GRU(5, 6, backend="cpu"), x[:1]) is None
+        assert short(rnnkern.GRU(5, 6, backend="cpu"), x, torch.zeros(1, 3, 6)) is None
+        assert short(rnnkern.GRU(5, 6, backend="cpu"), x, torch.zeros(1, 2, 6, dtype=torch.float64)) is None
+        assert short(rnnkern.GRU(5, 6, backend="cpu", reset_after=False), x) is None
+        with pytest.raises(RuntimeError, match="Expected hidden size"):
+            rnnkern.GRU(5, 6, backend="cpu")(x, torch.zeros(1, 3, 6))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert short(rnnkern.RNN(5, 6, backend="cpu"), x) is None
+    assert short(rnnkern.RNN(5, 6, backend="cpu"), x) is None  # (gradients wanted)
+
+
 def test_recurrence_from_input_same_bits_at_1_2_and_3_threads():
     """A two-layer LSTM's inference at batch 1 (H = 128: the step's product on
     one thread, the projection's split between threads when apart) gives the
