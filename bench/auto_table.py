@@ -43,8 +43,8 @@ threads, and the bf16 family's float32 cases), leaving the bfloat16 rows:
     python -m bench.auto_table \
         bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json \
         bench/results/cpu-zen4-2026-12-01-grid-t2-7b7cf32/bench.json \
-        bench/results/cpu-zen4-2026-12-01-short-t1-bd57cdd/bench.json \
-        bench/results/cpu-zen4-2026-12-01-short-t2-bd57cdd/bench.json \
+        bench/results/cpu-zen4-2026-12-01-short-t1-425b41b/bench.json \
+        bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json \
         bench/results/cpu-zen4-2026-12-01-bf16-t1-3e0775b/bench.json \
         bench/results/cpu-zen4-2026-12-01-bf16-t2-3e0775b/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json \

@@ -45,8 +45,8 @@ SPEECH_RESULTS = ("bench/results/cpu-zen4-2026-12-01-speech-t1-7c53bcf/bench.jso
 STEP_T2_RESULTS = "bench/results/cpu-zen4-2026-12-01-step-t2-c7f7bfd/bench.json"
 F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
                "bench/results/cpu-zen4-2026-12-01-grid-t2-7b7cf32/bench.json",
-               "bench/results/cpu-zen4-2026-12-01-short-t1-bd57cdd/bench.json",
-               "bench/results/cpu-zen4-2026-12-01-short-t2-bd57cdd/bench.json",
+               "bench/results/cpu-zen4-2026-12-01-short-t1-425b41b/bench.json",
+               "bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t1-3e0775b/bench.json",
                "bench/results/cpu-zen4-2026-12-01-bf16-t2-3e0775b/bench.json",
                STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
