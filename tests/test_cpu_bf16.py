@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rnnkern
-from rnnkern import _C, ops
+from rnnkern import _C, ops, reference
 from conftest import (CELLS, assert_close, assert_half_step_within_reference_error,
                       assert_low_precision, generator, outputs_and_grads, randn, recurrence_inputs)
 
@@ -176,6 +176,47 @@ def test_backward_product_reads_the_gate_gradient_as_bf16(B, H):
     assert worst_excess("float32") > 0
 
 
+@pytest.mark.parametrize("cell", ["rnn_tanh", "lstm", "gru"])
+@pytest.mark.parametrize("lengths,reverse", [(None, False), ([7, 3, 7, 1, 5], False),
+                                             ([7, 3, 7, 1, 5], True)])
+def test_weight_gradient_reads_the_gate_gradients_it_hands_back(pair_mode, cell, lengths, reverse):
+    """The backward rounds each step's gate gradients to bf16 once, as the
+    step leaves them (csrc/cpu/recurrence.h, rounds_gate_gradients): the
+    rounded rows are grad_xproj, the next step's product and dW_hh's operand.
+    So dW_hh (for the GRU its r, z rows) must be the sum over the real
+    positions of grad_xproj^T h_{t-1}, h_{t-1} the bf16 output one step
+    earlier in the direction of the pass (h0 at a sequence's first step),
+    within the float32 sums' error and dW's rounding to bf16; a padded
+    position's grad_xproj is zero."""
+    T, B, H = 7, 5, 40
+    args = recurrence_inputs(cell, T, B, H, dtype=torch.bfloat16, key=("pairs-dw",))
+    g = generator("pairs-dw-cot", cell)
+    cot = bf16_values(g, T, B, H)
+    lens = None if lengths is None else torch.tensor(lengths)
+    xproj = args["xproj"].clone().requires_grad_()
+    w_hh = args["w_hh"].clone().requires_grad_()
+    out = ops.recurrence(cell, **(args | {"xproj": xproj, "w_hh": w_hh}), lengths=lens,
+                         reverse=reverse, backend="cpu")[0]
+    gx, gw = torch.autograd.grad((out * cot).sum(), [xproj, w_hh])
+    rows = H * (2 if cell == "gru" else reference.gate_count(cell))
+    want = torch.zeros(rows, H, dtype=torch.float64)
+    size = torch.zeros(rows, H, dtype=torch.float64)
+    for b in range(B):
+        n = T if lens is None else int(lens[b])
+        assert (gx[n:, b] == 0).all()
+        for p in range(n):
+            earlier = p + 1 if reverse else p - 1
+            h_prev = args["h0"][b] if not 0 <= earlier < n else out[earlier, b]
+            d = gx[p, b, :rows].double()
+            want += torch.outer(d, h_prev.double())
+            size += torch.outer(d.abs(), h_prev.double().abs())
+    terms = T * B
+    bound = 2.0 ** -8 * want.abs() + terms * 2.0 ** -24 * size
+    assert gw.dtype == torch.bfloat16
+    excess = (gw[:rows].double() - want).abs() - bound
+    assert excess.max() <= 0, excess.max()
+
+
 @pytest.mark.parametrize("cell,proj,T,B", [(cell, 0, 16, 4) for cell in CELLS] +
                          [("lstm", 5, 16, 4), ("gru", 0, 40, 16)])
 def test_bfloat16_on_pairs_within_reference_error(pair_mode, cell, proj, T, B):
@@ -238,10 +279,11 @@ def test_modules_on_pairs_match_torch_nn_bf16(pair_mode, name):
 def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
     """Each element sums its pairs in one order whatever rows or units a
     thread takes: the recurrence forward and backward (split by rows at
-    B = 32; every gradient), a cell's step on pairs and a small one's lean
-    step, with their gradients, and the input projection with its gradients
-    give the same bits at every thread count, emulated and (where the CPU
-    has it) on the instruction."""
+    B = 32; by units at H = 384 B = 58, where W_hh outgrows the caches and
+    each worker rounds its units' gate gradients to bf16; every gradient), a
+    cell's step on pairs and a small one's lean step, with their gradients,
+    and the input projection with its gradients give the same bits at every
+    thread count, emulated and (where the CPU has it) on the instruction."""
     g = generator("pairs-threads")
     m = rnnkern.LSTM(48, 128, backend="cpu").bfloat16()
     x = bf16_values(g, 9, 32, 48)
@@ -255,6 +297,9 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
     hc = bf16_values(g, 32, 128)
     small = rnnkern.LSTMCell(48, 40, backend="cpu").bfloat16()  # the lean step's size (widened)
     hs, cs = bf16_values(g, 32, 40), bf16_values(g, 32, 40)
+    wide = rnnkern.LSTM(16, 384, backend="cpu").bfloat16()
+    xw, cot_w = bf16_values(g, 3, 58, 16), bf16_values(g, 3, 58, 384)
+    lengths = torch.tensor([3, 1, 2] * 19 + [2])
 
     def run(threads):
         torch.set_num_threads(threads)
@@ -264,7 +309,9 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
         cell_grads = torch.autograd.grad((h1 * cot[0]).sum(), [x, *cell.parameters()])
         h2, c2 = small(x[0], (hs, cs))
         small_grads = torch.autograd.grad((h2 * cot[0, :, :40]).sum() + c2.sum(), [x, *small.parameters()])
-        return [out, h, c, *grads, h1, *cell_grads, h2, c2, *small_grads,
+        out_w = wide(xw.requires_grad_(), lengths=lengths)[0]
+        wide_grads = torch.autograd.grad((out_w * cot_w).sum(), [xw, *wide.parameters()])
+        return [out, h, c, *grads, h1, *cell_grads, h2, c2, *small_grads, out_w, *wide_grads,
                 torch.ops.rnnkern.linear(xl, wl),
                 *torch.ops.rnnkern.linear_backward(gl, xl, wl, True, True)]
 

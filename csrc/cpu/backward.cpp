@@ -91,10 +91,14 @@ std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, in
 
 // d: the gradients of the N rows of W (unit stride, row stride ld) at every
 // row of the layout (Positions::row), out: the output (row stride P).
+// d16: d rounded to bf16 (its bits, the same layout) where the backward
+// rounded it (rounds_gate_gradients), else null: the main product reads it
+// in place of d, the same values its pairs would round d to.
 template <typename A>
-void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, int64_t ld, int64_t N,
-                               const Tensor& out, const Tensor& h0, const Positions& pos,
-                               int64_t T, int64_t B, const bool* resets, const Tensor& reset_h) {
+void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t* d16, int64_t ld,
+                               int64_t N, const Tensor& out, const Tensor& h0,
+                               const Positions& pos, int64_t T, int64_t B, const bool* resets,
+                               const Tensor& reset_h) {
   const int64_t P = out.size(-1);
   A* c = ptr<A>(dw);
   if (T == 0 || B == 0) {
@@ -113,10 +117,19 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, int64_t ld, in
     gathered_weight_gemm<A>(bf16, N, P, pairs, d, ld, cptr<A>(out), P, c, dw.stride(0), false,
                             out.options());
   } else {
-    const A* d_later = d + (pos.reverse ? 0 : B * ld);
+    const int64_t later = pos.reverse ? 0 : B * ld;
     const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
-    weight_product<A>(bf16, N, P, (T - 1) * B, d_later, 1, ld, out_earlier, P, 1, c, dw.stride(0),
-                      false);
+    bool done = false;
+    if constexpr (std::is_same_v<A, float>) {
+      if (d16 != nullptr) {
+        pairs::gemm<uint16_t, float>(N, P, (T - 1) * B, d16 + later, 1, ld, out_earlier, P, 1, c,
+                                     dw.stride(0), false);
+        done = true;
+      }
+    }
+    if (!done)
+      weight_product<A>(bf16, N, P, (T - 1) * B, d + later, 1, ld, out_earlier, P, 1, c,
+                        dw.stride(0), false);
   }
   // Each sequence's gradient at its first step, against h0.
   Tensor d_first = at::zeros({B, N}, out.options());
@@ -204,7 +217,7 @@ void add_row(A* __restrict acc, const A* __restrict src, int64_t n) {
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
                    Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
-                   Tensor& d_ln, Tensor& d_reset_h, Tensor& d_reset_c) {
+                   Tensor& d_ln, Tensor& d_reset_h, Tensor& d_reset_c, Tensor& d_xproj_bf16) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t GH = G * H;
@@ -283,6 +296,27 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
            : da_in_dhp ? ptr<A>(dhp_all) + a.pos.at(0, s) * B * GH
                        : ptr<A>(da[s & 1]);
   };
+  // d_xproj rounded to bf16 as each step's pointwise phase leaves it
+  // (rounds_gate_gradients); where da is d_xproj's rows, the next step's
+  // product reads the rounded rows as its pairs.
+  uint16_t* dx16 = nullptr;
+  if constexpr (std::is_same_v<A, float>) {
+    if (rounds_gate_gradients(z, a.bf16_products)) {
+      d_xproj_bf16 = pooled_empty(d_xproj.sizes(), d_xproj.options().dtype(at::kBFloat16));
+      dx16 = reinterpret_cast<uint16_t*>(d_xproj_bf16.data_ptr());
+    }
+  }
+  const bool da16 = dx16 != nullptr && da_in_dx;
+  // dh(t) += da(s) W[:, carry slice c] for rows [b0, b0 + nb) live at step s.
+  auto add_da_product = [&](int64_t s, int64_t b0, int64_t nb, size_t ci, const Tensor& dh_t) {
+    const int64_t live = a.pos.live_rows(b0, nb, s);
+    if constexpr (std::is_same_v<A, float>) {
+      if (da16)
+        return step_gemm(live, dx16 + a.pos.at(0, s) * B * GH + b0 * GH, GH, w_dh_cols[ci],
+                         ptr<A>(dh_t), true);
+    }
+    step_gemm<A>(live, da_of(s) + b0 * da_width, da_width, w_dh_cols[ci], ptr<A>(dh_t), true);
+  };
   // Time-ordered inputs of the final weight GEMMs, a row per row of the
   // layout (Positions::row).
   Tensor dhn_all = gru ? pooled_empty({rows, H}, opt) : Tensor();
@@ -332,9 +366,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // there (zeros): the product skips them (Positions::live_rows).
   auto add_gemm_part = [&](size_t t, int64_t s) {
     const auto [r, ci, c] = carry_work(t);
-    if (s + 1 < T)
-      step_gemm<A>(a.pos.live_rows(r.b0, r.nb, s + 1), da_of(s + 1) + r.b0 * da_width, da_width,
-                   w_dh_cols[ci], ptr<A>(dh[t]), true);
+    if (s + 1 < T) add_da_product(s + 1, r.b0, r.nb, ci, dh[t]);
   };
 
   // With a projection, phase 0 per output slice: the total gradient of the
@@ -393,6 +425,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         }
         if (!a.pos.padded()) continue;  // (no position s for the row)
         for (int64_t k = 0; k < G; ++k) zero_row(dx + (s * B + b) * GH + k * H + j0, n);
+        if (dx16 != nullptr)
+          for (int64_t k = 0; k < G; ++k) zero_row(dx16 + (s * B + b) * GH + k * H + j0, n);
         if (gru) zero_row(ptr<A>(dhn_all) + (s * B + b) * H + j0, n);
         if (reset_before) zero_row(ptr<A>(rh_all) + (s * B + b) * H + j0, n);
         if (z.has_proj) zero_row(ptr<A>(h_full_all) + (s * B + b) * H + j0, n);
@@ -457,6 +491,10 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       }
       if (!gru && !reset_before && !da_in_dx)
         for (int64_t k = 0; k < G; ++k) copy_row(dxr + k * H, dar + k * H, n);
+      if constexpr (std::is_same_v<A, float>)
+        if (dx16 != nullptr)
+          for (int64_t k = 0; k < G; ++k)
+            pairs::narrow_bf16(n, dxr + k * H, dx16 + row * GH + k * H + j0);
     }
   };
 
@@ -530,9 +568,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // The GEMM part of dh_0, then the carry into d_h0.
   for_each_worker(carry_workers, [&](size_t t) {
     const auto [r, ci, c] = carry_work(t);
-    if (T > 0)
-      step_gemm<A>(a.pos.live_rows(r.b0, r.nb, 0), da_of(0) + r.b0 * da_width, da_width, w_dh_cols[ci],
-                   ptr<A>(dh[t]), true);
+    if (T > 0) add_da_product(0, r.b0, r.nb, ci, dh[t]);
     d_h0.narrow(0, r.b0, r.nb).narrow(1, c.j0, c.n).copy_(dh[t]);
   });
   if (resets && z.has_reset_state) {
@@ -594,26 +630,28 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
     const bool bf16 = a.bf16_products;
-    weight_grad_by_prev_state<A>(bf16, dw_rz, dx, GH, 2 * H, a.output, a.h0, a.pos, T, B,
+    weight_grad_by_prev_state<A>(bf16, dw_rz, dx, dx16, GH, 2 * H, a.output, a.h0, a.pos, T, B,
                                  opts.resets, a.reset_h);
     if (gru) {
-      weight_grad_by_prev_state<A>(bf16, dw_n, cptr<A>(dhn_all), H, H, a.output, a.h0, a.pos, T,
-                                   B, opts.resets, a.reset_h);
+      weight_grad_by_prev_state<A>(bf16, dw_n, cptr<A>(dhn_all), nullptr, H, H, a.output, a.h0,
+                                   a.pos, T, B, opts.resets, a.reset_h);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
       real_rows_gemm(H, H, dx + 2 * H, GH, cptr<A>(rh_all), H, ptr<A>(dw_n));
     }
   } else {
-    weight_grad_by_prev_state<A>(a.bf16_products, d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx, GH,
-                                 GH, a.output, a.h0, a.pos, T, B, opts.resets, a.reset_h);
+    weight_grad_by_prev_state<A>(a.bf16_products, d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx,
+                                 ln_cell ? nullptr : dx16, GH, GH, a.output, a.h0, a.pos, T, B,
+                                 opts.resets, a.reset_h);
   }
   if (z.has_proj)
     real_rows_gemm(P, H, cptr<A>(dh_tot_all), P, cptr<A>(h_full_all), H, ptr<A>(d_w_hr));
 }
 
 template void backward_impl<float>(const BackwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&,
-                                   Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&);
+                                   Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&);
 template void backward_impl<double>(const BackwardArgs<double>&, Tensor&, Tensor&, Tensor&,
-                                    Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&);
+                                    Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
+                                    Tensor&);
 
 }  // namespace rnnkern::cpu

@@ -145,6 +145,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
 
 struct BackwardResult {
   Tensor d_xproj, d_h0, d_c0, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_ln, d_reset_h, d_reset_c;
+  Tensor d_xproj_bf16;  // where the backward rounded d_xproj step by step (backward_impl)
+  // d_xproj in the call's dtype.
+  Tensor d_xproj_in(at::ScalarType dtype) const {
+    return d_xproj_bf16.defined() && dtype == at::kBFloat16 ? d_xproj_bf16 : pooled_to(d_xproj, dtype);
+  }
 };
 
 // Backward on tensors of any floating dtype; results in the accumulate dtype.
@@ -190,7 +195,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
                              on_pairs};
     backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
-                            r.d_w_hr, r.d_ln, r.d_reset_h, r.d_reset_c);
+                            r.d_w_hr, r.d_ln, r.d_reset_h, r.d_reset_c, r.d_xproj_bf16);
   });
   return r;
 }
@@ -231,7 +236,7 @@ recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const 
       run_backward(z, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output, workspace,
                    holder.positions(lengths, z, reverse), resets, zoneout, ln, reset_h, reset_c);
   const auto dtype = output.scalar_type();
-  return {pooled_to(r.d_xproj, dtype), r.d_h0.to(dtype), r.d_c0.to(dtype), pooled_to(r.d_w_hh, dtype),
+  return {r.d_xproj_in(dtype), r.d_h0.to(dtype), r.d_c0.to(dtype), pooled_to(r.d_w_hh, dtype),
           r.d_b_ih.to(dtype),  r.d_b_hh.to(dtype), r.d_w_hr.to(dtype), r.d_ln.to(dtype),
           r.d_reset_h.to(dtype), r.d_reset_c.to(dtype)};
 }
@@ -391,8 +396,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> step_
   // dX = dXproj W_ih, dW_ih = dXproj^T X: rnnkern::linear's backward, with
   // dXproj rounded to x's dtype as a sequence's backward hands it to that op
   // (on bf16 pairs, its products read it as bf16 anyway).
-  const Tensor dxp = r.d_xproj.view({s.B, s.G * s.H});
-  const auto [d_x, d_w_ih] = linear_backward_acc(dxp.to(dtype), x, w_ih, true, true);
+  const Tensor dxp = r.d_xproj_in(dtype).view({s.B, s.G * s.H});
+  const auto [d_x, d_w_ih] = linear_backward_acc(dxp, x, w_ih, true, true);
   const Tensor got[8] = {d_x, r.d_h0, r.d_c0, d_w_ih, r.d_w_hh, r.d_b_ih, r.d_b_hh, r.d_ln};
   auto keep = [&](int64_t i) {
     return wanted(i) ? got[i].to(dtype) : empty_like_options(x, dtype);

@@ -117,8 +117,12 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     if (static_cast<int64_t>(wide.size()) < GH) wide.resize(static_cast<size_t>(GH));
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x_bytes) + row * GH + j0;
     A* dst = wide.data() + j0;
-    for (int64_t k = 0; k < G; ++k)
-      for (int64_t j = 0; j < n; ++j) dst[k * H + j] = A(pairs::from_bf16(src[k * H + j]));
+    for (int64_t k = 0; k < G; ++k) {
+      if constexpr (std::is_same_v<A, float>)
+        pairs::widen_bf16(n, src + k * H, dst + k * H);
+      else  // (a bf16 call computes in float: not reached)
+        for (int64_t j = 0; j < n; ++j) dst[k * H + j] = A(pairs::from_bf16(src[k * H + j]));
+    }
     return dst;
   };
   // Every cell but the GRU candidate needs only the sum of the two biases.

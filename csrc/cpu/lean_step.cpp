@@ -232,15 +232,10 @@ namespace {
 
 const Tensor* opt_tensor(const OptTensor& t) { return t.has_value() ? &*t : nullptr; }
 
-// A half type's values as float32 and back (c10's roundings), per ISA level.
-RNNKERN_CPU_CLONES void widen_bf16(int64_t n, const uint16_t* __restrict src, float* __restrict dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = pairs::from_bf16(src[i]);
-}
+// float16 values as float32 and back (c10's roundings), per ISA level (the
+// bfloat16 ones: pairs.h).
 RNNKERN_CPU_CLONES void widen_f16(int64_t n, const uint16_t* __restrict src, float* __restrict dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
-}
-RNNKERN_CPU_CLONES void narrow_bf16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = pairs::to_bf16(src[i]);
 }
 RNNKERN_CPU_CLONES void narrow_f16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::fp16_ieee_from_fp32_value(src[i]);
@@ -263,7 +258,7 @@ std::vector<const float*> widened(std::initializer_list<const Tensor*> ts) {
     const uint16_t* src = reinterpret_cast<const uint16_t*>(t->const_data_ptr());
     const int64_t m = t->numel();
     if (t->scalar_type() == at::kBFloat16)
-      widen_bf16(m, src, p);
+      pairs::widen_bf16(m, src, p);
     else
       widen_f16(m, src, p);
     out.push_back(p);
@@ -282,7 +277,7 @@ float* results_scratch(size_t n) {
 void narrow_into(const float* src, const Tensor& dst) {
   uint16_t* bits = reinterpret_cast<uint16_t*>(dst.data_ptr());
   if (dst.scalar_type() == at::kBFloat16)
-    narrow_bf16(dst.numel(), src, bits);
+    pairs::narrow_bf16(dst.numel(), src, bits);
   else
     narrow_f16(dst.numel(), src, bits);
 }

@@ -172,10 +172,6 @@ RNNKERN_CPU_CLONES void floats_to_pairs(int64_t K, const float* __restrict a, ui
   if (K % 2 != 0) dst[whole] = to_bf16(a[K - 1]);
 }
 
-// dst[j] = src[j] rounded to bf16 (to_bf16), per ISA level.
-RNNKERN_CPU_CLONES void floats_to_bf16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = to_bf16(src[j]);
-}
 
 // line[m] = the pair (lo[m], hi[m]) for m < M (hi null: past an odd K),
 // compiled per ISA level so that the rounding of float rows vectorises.
@@ -310,6 +306,14 @@ constexpr int64_t kRowBlock = 12 * kMR;
 
 }  // namespace
 
+RNNKERN_CPU_CLONES void narrow_bf16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_bf16(src[j]);
+}
+
+RNNKERN_CPU_CLONES void widen_bf16(int64_t n, const uint16_t* __restrict src, float* __restrict dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = from_bf16(src[j]);
+}
+
 bool native_available() {
 #if defined(RNNKERN_PAIRS_NATIVE)
   __builtin_cpu_init();
@@ -327,13 +331,34 @@ bool set_mode(Mode m) {
   return true;
 }
 
-void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, float* c, int64_t ldc,
-              bool accumulate) {
+namespace {
+
+template <typename Src>
+void multiply_rows(int64_t M, const Src* a, int64_t lda, const PackedPairs& b, float* c,
+                   int64_t ldc, bool accumulate) {
   if (M <= 0) return;
+  if constexpr (std::is_same_v<Src, uint16_t>) {
+    // Rows of bf16 values whose pairs are in place: a row of K (even) values
+    // is its K / 2 pairs (little-endian, element 2kp in the low half).
+    if (b.K % 2 == 0 && lda == b.K && reinterpret_cast<uintptr_t>(a) % alignof(uint32_t) == 0)
+      return run_mode(M, reinterpret_cast<const uint32_t*>(a), b, c, ldc, accumulate);
+  }
   thread_local std::vector<uint32_t> rows;  // grown as needed and kept: no allocation per step
   rows.resize(std::max<size_t>(rows.size(), static_cast<size_t>(M * b.pairs())));
   rows_to_pairs(M, b.K, a, lda, 1, rows.data());
   run_mode(M, rows.data(), b, c, ldc, accumulate);
+}
+
+}  // namespace
+
+void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, float* c, int64_t ldc,
+              bool accumulate) {
+  multiply_rows(M, a, lda, b, c, ldc, accumulate);
+}
+
+void multiply(int64_t M, const uint16_t* a, int64_t lda, const PackedPairs& b, float* c,
+              int64_t ldc, bool accumulate) {
+  multiply_rows(M, a, lda, b, c, ldc, accumulate);
 }
 
 namespace {
@@ -342,9 +367,9 @@ namespace {
 // done (c16; not accumulating): a float32 copy of the whole C, converted
 // afterwards, cost a write and a read of twice C's bytes (the input
 // projection's output is a call's largest tensor).
-template <typename Src>
-void gemm_impl(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
-               const Src* b, int64_t b_ks, int64_t b_ns, float* c, uint16_t* c16, int64_t ldc,
+template <typename SrcA, typename SrcB>
+void gemm_impl(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, int64_t a_ks,
+               const SrcB* b, int64_t b_ks, int64_t b_ns, float* c, uint16_t* c16, int64_t ldc,
                bool accumulate) {
   if (c16 != nullptr) {
     if (M <= 0 || N <= 0) return;
@@ -382,7 +407,7 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, in
         run_mode(m, rows.data(), bc, ci, ldci, accumulate || ch > 0);
       }
       if (c16 != nullptr)
-        for (int64_t r = 0; r < m; ++r) floats_to_bf16(N, ci + r * N, c16 + (i + r) * ldc);
+        for (int64_t r = 0; r < m; ++r) narrow_bf16(N, ci + r * N, c16 + (i + r) * ldc);
     }
   });
 }
@@ -400,9 +425,9 @@ void PackedPairs::pack(const Src* b, int64_t sk, int64_t sn, int64_t K_, int64_t
 template void PackedPairs::pack<float>(const float*, int64_t, int64_t, int64_t, int64_t);
 template void PackedPairs::pack<uint16_t>(const uint16_t*, int64_t, int64_t, int64_t, int64_t);
 
-template <typename Src>
-void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
-          const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate) {
+template <typename SrcA, typename SrcB>
+void gemm(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, int64_t a_ks,
+          const SrcB* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate) {
   gemm_impl(M, N, K, a, a_rows, a_ks, b, b_ks, b_ns, c, nullptr, ldc, accumulate);
 }
 
@@ -418,5 +443,7 @@ template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int6
                           int64_t, int64_t, float*, int64_t, bool);
 template void gemm<uint16_t>(int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                              const uint16_t*, int64_t, int64_t, float*, int64_t, bool);
+template void gemm<uint16_t, float>(int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                    const float*, int64_t, int64_t, float*, int64_t, bool);
 
 }  // namespace rnnkern::cpu::pairs

@@ -73,6 +73,13 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
 }
 
+// dst[j] = src[j] rounded to bf16 (to_bf16), and bf16 bits widened to
+// float32 (exact), n values; vectorised per ISA level (pairs.cpp).  Loops
+// over a half type's values compiled for the baseline ISA ran 16 bytes at a
+// time (the forward's bf16 xproj widened so: ~4% of an LSTM call).
+void narrow_bf16(int64_t n, const float* src, uint16_t* dst);
+void widen_bf16(int64_t n, const uint16_t* src, float* dst);
+
 // A bfloat16 tensor's values as their bits, as the packing reads them.
 inline const uint16_t* bf16_bits(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
@@ -124,17 +131,22 @@ struct PackedPairs {
 // to bf16 as they are read; C row-major, leading dimension ldc.  One thread.
 void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, float* c, int64_t ldc,
               bool accumulate);
+// The same for rows of A already bf16 (their bits; the backward's gate
+// gradients as it rounds them once per step, BackwardArgs): their pairs are
+// their bytes, read in place where a row holds B's K values (K even).
+void multiply(int64_t M, const uint16_t* a, int64_t lda, const PackedPairs& b, float* c,
+              int64_t ldc, bool accumulate);
 
 // C[M, N] (+)= A[M, K] B[K, N] on all threads, A[m][k] = a[m*a_rows + k*a_ks],
-// B[k][n] = b[k*b_ks + n*b_ns], of bf16 values (Src = uint16_t: their bits;
-// float: rounded to bf16 as read), C float32, row-major with leading
+// B[k][n] = b[k*b_ks + n*b_ns], of bf16 values (SrcA, SrcB = uint16_t: their
+// bits; float: rounded to bf16 as read), C float32, row-major with leading
 // dimension ldc: the large products (the input projection, dX, the weight
 // gradients), blocked like linear.cpp's blocked_gemm: K in chunks, B packed
 // once, rows split between the threads.  (Mode::Float32 is the caller's
 // business.)
-template <typename Src>
-void gemm(int64_t M, int64_t N, int64_t K, const Src* a, int64_t a_rows, int64_t a_ks,
-          const Src* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate);
+template <typename SrcA, typename SrcB = SrcA>
+void gemm(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, int64_t a_ks,
+          const SrcB* b, int64_t b_ks, int64_t b_ns, float* c, int64_t ldc, bool accumulate);
 // The same product, C rounded to bf16 (c: its bits) block of rows by block as
 // it is done, without a float32 C: the same values as gemm then rounding.
 template <typename Src>

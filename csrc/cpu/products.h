@@ -105,6 +105,13 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
   gemm::multiply(M, a, gemm::StridesA{lda, 1}, b.packed, c, b.packed.N, accumulate);
 }
 
+// The same product for rows of A already bf16 (their bits), B on pairs.
+inline void step_gemm(int64_t M, const uint16_t* a, int64_t lda, const StepWeightCols<float>& b,
+                      float* c, bool accumulate) {
+  TORCH_CHECK(b.bf16_pairs, "rnnkern internal: bf16 rows of A multiply bf16 pairs only");
+  pairs::multiply(M, a, lda, b.pair_panels, c, b.pair_panels.N, accumulate);
+}
+
 // W_s^T for hproj = h W_s^T: gate rows [j0, j0 + n) of a contiguous
 // [G*H, K] weight; as bf16 pairs from its bits where bf16_pairs (w is then
 // bfloat16: bindings.cpp's product_weight), packed at any T; else a call of

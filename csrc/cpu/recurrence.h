@@ -96,11 +96,26 @@ struct BackwardArgs {
   bool bf16_products = false;  // as ForwardArgs'
 };
 
+// Whether the backward of a bfloat16 call on the pair products rounds the
+// gate gradients d_xproj to bf16 step by step, as each step leaves them
+// (backward_impl's d_xproj_bf16): the cells whose d_xproj rows are whole
+// once their step's pointwise phase is done.  The rounded rows are what
+// every later reader takes (the next step's product, dW_hh, and the
+// caller: rnnkern::linear's backward), read in cache and once, where the
+// float32 rows were rounded again by each of them, the whole of d_xproj last
+// (16 MB at LSTM B=32 T=128 H=256).
+inline bool rounds_gate_gradients(const RecurrenceSizes& z, bool bf16_products) {
+  return bf16_products && (z.cell == Cell::RnnTanh || z.cell == Cell::RnnRelu ||
+                           z.cell == Cell::Lstm || z.cell == Cell::Gru);
+}
+
 // d_reset_h, d_reset_c: written where a.z.has_reset_state (else the restarts'
-// gradient is d_h0's, d_c0's).
+// gradient is d_h0's, d_c0's).  d_xproj_bf16: d_xproj rounded to bf16 (its
+// bits, same layout), written where rounds_gate_gradients (then defined, and
+// A float), else undefined.
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
                    Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
-                   Tensor& d_ln, Tensor& d_reset_h, Tensor& d_reset_c);
+                   Tensor& d_ln, Tensor& d_reset_h, Tensor& d_reset_c, Tensor& d_xproj_bf16);
 
 }  // namespace rnnkern::cpu
