@@ -48,7 +48,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   const bool resets = opts.resets != nullptr, zone = opts.zone != nullptr;
 
   // Packed weights per unit (output) slice, scratch per worker, allocated once.
-  const Split split(z, sizeof(A), a.pos.lengths);
+  const Split split(z, a.bf16_products ? sizeof(uint16_t) : sizeof(A), a.pos.lengths);
   // (bf16 pairs are packed for one step too: converting W to float32 for the
   // float32 product in place costs more than packing its pairs)
   const bool in_place = T == 1 && !a.bf16_products;  // see kMaxInPlaceRows
