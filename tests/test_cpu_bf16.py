@@ -311,7 +311,10 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
         small_grads = torch.autograd.grad((h2 * cot[0, :, :40]).sum() + c2.sum(), [x, *small.parameters()])
         out_w = wide(xw.requires_grad_(), lengths=lengths)[0]
         wide_grads = torch.autograd.grad((out_w * cot_w).sum(), [xw, *wide.parameters()])
+        out_g = wide(xw)[0]  # the grid: the output rounded in the steps, by units
+        grid_grads = torch.autograd.grad((out_g * cot_w).sum(), [xw, *wide.parameters()])
         return [out, h, c, *grads, h1, *cell_grads, h2, c2, *small_grads, out_w, *wide_grads,
+                out_g, *grid_grads,
                 torch.ops.rnnkern.linear(xl, wl),
                 *torch.ops.rnnkern.linear_backward(gl, xl, wl, True, True)]
 

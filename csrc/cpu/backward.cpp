@@ -92,7 +92,7 @@ std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, in
 // d: the gradients of the N rows of W (unit stride, row stride ld) at every
 // row of the layout (Positions::row), out: the output (row stride P).
 // d16: d rounded to bf16 (its bits, the same layout) where the backward
-// rounded it (rounds_gate_gradients), else null: the main product reads it
+// rounded it (rounds_rows_in_steps), else null: the main product reads it
 // in place of d, the same values its pairs would round d to.
 template <typename A>
 void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t* d16, int64_t ld,
@@ -297,11 +297,11 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
                        : ptr<A>(da[s & 1]);
   };
   // d_xproj rounded to bf16 as each step's pointwise phase leaves it
-  // (rounds_gate_gradients); where da is d_xproj's rows, the next step's
+  // (rounds_rows_in_steps); where da is d_xproj's rows, the next step's
   // product reads the rounded rows as its pairs.
   uint16_t* dx16 = nullptr;
   if constexpr (std::is_same_v<A, float>) {
-    if (rounds_gate_gradients(z, a.bf16_products)) {
+    if (rounds_rows_in_steps(z, a.bf16_products)) {
       d_xproj_bf16 = pooled_empty(d_xproj.sizes(), d_xproj.options().dtype(at::kBFloat16));
       dx16 = reinterpret_cast<uint16_t*>(d_xproj_bf16.data_ptr());
     }

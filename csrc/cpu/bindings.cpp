@@ -100,8 +100,9 @@ bool half_weight_in_place(const RecurrenceSizes& z, const Tensor& w_hh, at::Scal
          acc == at::kFloat && gemm::widens_half_natively();
 }
 
-// Forward on tensors of any floating dtype; results in the accumulate dtype.
-std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
+// Forward on tensors of any floating dtype; results in the accumulate dtype
+// (and the output rounded to bf16 where forward_impl rounds it in the steps).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> run_forward(
     const RecurrenceSizes& z, const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, const OptTensor& w_hr,
     const Positions& pos, bool train, const OptTensor& resets, const OptTensor& zoneout,
@@ -117,6 +118,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const int64_t W = workspace_size(z.cell, z.H, z.has_zoneout);
   Tensor ws = train ? pooled_empty(layout_sizes(z, W), opt) : empty_like_options(h0, acc);
   const bool on_pairs = bf16_products(h0, w_hh, w_hr);
+  Tensor output_bf16;
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     // bf16 xproj is read as it is (forward.cpp widens it row by row).
@@ -138,9 +140,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
                             reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
                             reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
                             on_pairs};
-    forward_impl<scalar_t>(a, output, h_n, c_n, ws);
+    forward_impl<scalar_t>(a, output, h_n, c_n, ws, output_bf16);
   });
-  return {output, h_n, c_n, ws};
+  return {output, h_n, c_n, ws, output_bf16};
 }
 
 struct BackwardResult {
@@ -211,12 +213,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> recurrence_cpu(
                                              resets, zoneout, ln, reset_h, reset_c, cell_steps,
                                              /*allow_packed_rows=*/true);
   LengthsHolder holder;
-  auto [output, h_n, c_n, ws] =
+  auto [output, h_n, c_n, ws, output_bf16] =
       run_forward(z, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr,
                   holder.positions(lengths, z, reverse), train, resets, zoneout, ln, reset_h,
                   reset_c);
   const auto dtype = xproj.scalar_type();
-  return {pooled_to(output, dtype), h_n.to(dtype), pooled_to(c_n, dtype), ws};
+  const Tensor out = output_bf16.defined() && dtype == at::kBFloat16 ? output_bf16
+                                                                    : pooled_to(output, dtype);
+  return {out, h_n.to(dtype), pooled_to(c_n, dtype), ws};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
@@ -274,7 +278,8 @@ std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, co
                        Tensor(), Positions{nullptr, z.T, reverse, z.B}, false, Tensor(), Tensor(),
                        Tensor(), h0c, c0c, false,
                        to_acc(x, at::kFloat).view({z.T * z.B, x.size(2)}), w_ih.contiguous()};
-  forward_impl<float>(a, output, h_n, c_n, ws);
+  Tensor output_bf16;  // (float32: none)
+  forward_impl<float>(a, output, h_n, c_n, ws, output_bf16);
   return {output, h_n, c_n};
 }
 
@@ -361,7 +366,7 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   if (lean_step(s, {&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh}))
     return step_lean(s, x, h, c, w_ih, w_hh, b_ih, b_hh);
   const Tensor xproj = linear_acc(x, w_ih);
-  auto [output, h_new, c_new, ws] =
+  auto [output, h_new, c_new, ws, output_bf16] =  // (T = 1: no output_bf16)
       run_forward(step_as_recurrence(s), xproj.unsqueeze(0), h, c, w_hh, b_ih, b_hh,
                   std::nullopt, Positions{nullptr, 1, false, s.B}, true, std::nullopt, std::nullopt,
                   ln, std::nullopt, std::nullopt);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "buffers.h"
 #include "products.h"
 #include "recurrence.h"
 #include "rows.h"
@@ -33,7 +34,7 @@ namespace rnnkern::cpu {
 //  * lstm_ln: see ln_product below.
 template <typename A>
 void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& c_n,
-                  Tensor& ws) {
+                  Tensor& ws, Tensor& output_bf16) {
   const RecurrenceSizes& z = a.z;
   const int64_t T = z.T, B = z.B, H = z.H, P = z.P, G = z.G;
   const int64_t GH = G * H;
@@ -93,6 +94,15 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // output (all rows of a step at one position), which is then the next
   // step's h_{t-1}: no state buffer and no copy.
   const bool h_in_out = !a.pos.lengths && !z.has_proj;
+  // The output rounded to bf16 as each step leaves it (rounds_rows_in_steps):
+  // from step 1 on the step's product reads h_{t-1} as those rows' pairs.
+  uint16_t* out16 = nullptr;
+  if constexpr (std::is_same_v<A, float>) {
+    if (rounds_rows_in_steps(z, a.bf16_products) && h_in_out && T > 1) {
+      output_bf16 = pooled_empty(output.sizes(), output.options().dtype(at::kBFloat16));
+      out16 = reinterpret_cast<uint16_t*>(output_bf16.data_ptr());
+    }
+  }
   Tensor h_buf[2] = {a.h0.clone(), h_in_out ? Tensor() : at::empty({B, P}, opt)};
   Tensor c_buf[2];
   if (lstm) c_buf[0] = a.c0.clone(), c_buf[1] = at::empty({B, H}, opt);
@@ -184,7 +194,15 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       const A* x_t = cptr<A>(a.x_rows) + a.pos.row(a.pos.at(r.b0, s), r.b0) * I;
       step_gemm<A>(nl, x_t, I, w_x_slice[u], ptr<A>(hproj[t]), false);
     }
-    step_gemm<A>(nl, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), x_inside);
+    bool multiplied = false;
+    if constexpr (std::is_same_v<A, float>) {
+      if (out16 != nullptr && s > 0) {  // h_{t-1}: the output rows of step s - 1
+        step_gemm(nl, out16 + a.pos.at(0, s - 1) * B * P + r.b0 * P, P, w_slice[u],
+                  ptr<A>(hproj[t]), x_inside);
+        multiplied = true;
+      }
+    }
+    if (!multiplied) step_gemm<A>(nl, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), x_inside);
     A* hp = ptr<A>(hproj[t]);
     const int64_t ldh = n;
     const int64_t hrow = hproj[t].size(1);
@@ -259,6 +277,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
           continue;  // ln_product and ln_rows
       }
       if (!z.has_proj && !h_in_out) copy_row(out + row * H + j0, h, n);
+      if constexpr (std::is_same_v<A, float>)
+        if (out16 != nullptr) pairs::narrow_bf16(n, h, out16 + row * H + j0);
     }
   };
 
@@ -493,7 +513,9 @@ void forward_from_input(const FromInputArgs& a, Tensor& output, Tensor& h_n, Ten
 #endif
 }
 
-template void forward_impl<float>(const ForwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&);
-template void forward_impl<double>(const ForwardArgs<double>&, Tensor&, Tensor&, Tensor&, Tensor&);
+template void forward_impl<float>(const ForwardArgs<float>&, Tensor&, Tensor&, Tensor&, Tensor&,
+                                  Tensor&);
+template void forward_impl<double>(const ForwardArgs<double>&, Tensor&, Tensor&, Tensor&, Tensor&,
+                                   Tensor&);
 
 }  // namespace rnnkern::cpu

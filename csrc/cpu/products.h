@@ -87,6 +87,13 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
   }
 }
 
+// The same product for rows of A already bf16 (their bits), W on pairs.
+inline void step_gemm(int64_t M, const uint16_t* a, int64_t lda, const StepWeightT<float>& w,
+                      float* c, bool accumulate) {
+  TORCH_CHECK(w.bf16_pairs, "rnnkern internal: bf16 rows of A multiply bf16 pairs only");
+  pairs::multiply(M, a, lda, w.pair_panels, c, w.cols(), accumulate);
+}
+
 // The backward's per-step B: packed or a view (PackedB), or for a bfloat16
 // call bf16 pairs (the rows of A then rounded to bf16).
 template <typename A>

@@ -64,10 +64,12 @@ Options<A> options_of(const RecurrenceSizes& z, const Tensor& resets, const Tens
 }
 
 // Forward of the whole sequence into output [T, B, P], h_n, c_n and the
-// workspace ws (forward.cpp; A = float or double).
+// workspace ws (forward.cpp; A = float or double); output_bf16: the output
+// rounded to bf16 (its bits) where forward_impl rounds it in the steps
+// (rounds_rows_in_steps; then defined), else undefined.
 template <typename A>
 void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& c_n,
-                  Tensor& ws);
+                  Tensor& ws, Tensor& output_bf16);
 
 // Inference of one sequence (batch 1) from its input: x [T, I] (rows ldx
 // apart, unit stride along I), w_ih [G*H, I], h0 [1, H], c0 [1, H] (LSTM),
@@ -96,22 +98,24 @@ struct BackwardArgs {
   bool bf16_products = false;  // as ForwardArgs'
 };
 
-// Whether the backward of a bfloat16 call on the pair products rounds the
-// gate gradients d_xproj to bf16 step by step, as each step leaves them
-// (backward_impl's d_xproj_bf16): the cells whose d_xproj rows are whole
-// once their step's pointwise phase is done.  The rounded rows are what
-// every later reader takes (the next step's product, dW_hh, and the
-// caller: rnnkern::linear's backward), read in cache and once, where the
-// float32 rows were rounded again by each of them, the whole of d_xproj last
-// (16 MB at LSTM B=32 T=128 H=256).
-inline bool rounds_gate_gradients(const RecurrenceSizes& z, bool bf16_products) {
+// Whether a bfloat16 call on the pair products rounds its results to bf16
+// step by step, as each step leaves them: the forward its output
+// (forward_impl's output_bf16: where h_t is written into the output, the
+// grid without a projection, T > 1), the backward its gate gradients
+// d_xproj (backward_impl's d_xproj_bf16).  The cells whose step writes
+// those rows whole in its first phase.  The rounded rows are what every
+// later reader takes (the next step's product, dW_hh, and the caller), read
+// in cache and rounded once, where the float32 rows were rounded again by
+// each of them, the whole tensor last (d_xproj: 16 MB at LSTM B=32 T=128
+// H=256).
+inline bool rounds_rows_in_steps(const RecurrenceSizes& z, bool bf16_products) {
   return bf16_products && (z.cell == Cell::RnnTanh || z.cell == Cell::RnnRelu ||
                            z.cell == Cell::Lstm || z.cell == Cell::Gru);
 }
 
 // d_reset_h, d_reset_c: written where a.z.has_reset_state (else the restarts'
 // gradient is d_h0's, d_c0's).  d_xproj_bf16: d_xproj rounded to bf16 (its
-// bits, same layout), written where rounds_gate_gradients (then defined, and
+// bits, same layout), written where rounds_rows_in_steps (then defined, and
 // A float), else undefined.
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
