@@ -10,11 +10,13 @@
 // Used by the CPU backend for bfloat16 calls (pairs.cpp holds the choice):
 //  * the recurrence's per-step products h_{t-1} W^T (products.h, step_gemm):
 //    W packed into pairs once per call, the float32 state rounded to bf16
-//    (round to nearest even) as the product reads it; the state itself stays
-//    float32 between steps;
+//    (round to nearest even): as the step writes it into the bf16 output
+//    where that is the state (recurrence.h, rounds_rows_in_steps), else as
+//    the product reads it; the state itself stays float32 between steps;
 //  * the backward's per-step products dh += dA W (the float32 gate
-//    gradients rounded to bf16 as read, as oneDNN's bf16 backward keeps
-//    them) and the weight gradients dW_hh, dW_hr (gemm below);
+//    gradients rounded to bf16, as oneDNN's bf16 backward keeps them: once,
+//    as the step writes them, where rounds_rows_in_steps) and the weight
+//    gradients dW_hh, dW_hr (gemm below);
 //  * rnnkern::linear and its backward: the input projection x W_ih^T (x
 //    and W_ih already bf16: exact pairs), dX and dW_ih.
 // Calls of one step (the cells, a sequence of one step) too: their weights
