@@ -181,7 +181,7 @@ def test_backward_product_reads_the_gate_gradient_as_bf16(B, H):
                                              ([7, 3, 7, 1, 5], True)])
 def test_weight_gradient_reads_the_gate_gradients_it_hands_back(pair_mode, cell, lengths, reverse):
     """The backward rounds each step's gate gradients to bf16 once, as the
-    step leaves them (csrc/cpu/recurrence.h, rounds_gate_gradients): the
+    step leaves them (csrc/cpu/recurrence.h, rounds_rows_in_steps): the
     rounded rows are grad_xproj, the next step's product and dW_hh's operand.
     So dW_hh (for the GRU its r, z rows) must be the sum over the real
     positions of grad_xproj^T h_{t-1}, h_{t-1} the bf16 output one step
