@@ -250,10 +250,10 @@ def from_input_applies(backend: str, cell: str, x: Tensor, h0: Tensor, c0: Optio
                        weights) -> bool:
     """Whether a layer stack's plain recurrences (no lengths, options or projection:
     the caller's to check) run as :func:`run_recurrence_from_input`: an inference
-    call (nothing needs a gradient) in float32 on the CPU backend, outside
+    call (nothing needs a gradient) in float32 or bfloat16 on the CPU backend, outside
     torch.compile and torch.func.  ``weights``: the stack's per-layer tuples."""
     if backend != "cpu" or cell not in FROM_INPUT_CELLS or x.dim() != 3 \
-            or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            or x.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling():
         return False
     flat = [w for ws in weights for w in ws]
     return not _needs_grad(x, h0, c0, *flat) and not _transformed(x, h0, c0, *flat)
@@ -266,9 +266,10 @@ def run_recurrence_from_input(cell: str, x: Tensor, w_ih: Tensor, h0: Tensor,
     (``rnnkern::recurrence_from_input``, CPU, inference), with the same bits:
     at batch 1 the projection goes along with the steps' products, in the time
     the products wait on W_hh's stream (csrc/cpu/forward.cpp,
-    forward_from_input); an LSTM batch of 16 rows or more makes each step's
-    x_t W_ih^T in its product (ForwardArgs::x_rows); other calls run the two
-    ops.  Where :func:`from_input_applies`."""
+    forward_from_input); a batch of 16 rows or more makes each step's
+    x_t W_ih^T in the step (ForwardArgs::x_rows: a float32 LSTM, or any plain
+    cell on the bf16 pair products); other calls run the two ops.  Where
+    :func:`from_input_applies`."""
     output, h_n, c_n = torch.ops.rnnkern.recurrence_from_input.default(
         cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse)
     return output, h_n, (c_n if has_cell_state(cell) else None)

@@ -327,6 +327,73 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
         torch.set_num_threads(saved)
 
 
+# rnnkern::recurrence_from_input on pairs: at a batch of 16 rows or more (W_ih
+# and W_hh within 1 MB as pairs, I <= 512) each step makes its x_t W_ih^T, a
+# product of its own rounded to bf16 (ForwardArgs::x_rows), the bits of
+# linear then recurrence; other batches are that composition.  Odd I (the
+# rows' pairs not in place), I past 512 and B under 16 (the composition), at
+# 1, 2 and 3 threads (split by rows).
+FROM_INPUT_SIZES = [(5, 16, 16, 16), (13, 17, 41, 24), (9, 33, 256, 70), (6, 20, 520, 20),
+                    (7, 15, 32, 32), (4, 40, 64, 160)]
+
+
+@pytest.mark.parametrize("T,B,I,H", FROM_INPUT_SIZES, ids=[f"T{t}-B{b}-I{i}-H{h}" for t, b, i, h in FROM_INPUT_SIZES])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_recurrence_from_input_on_pairs_is_linear_then_recurrence_bit_for_bit(pair_mode, T, B, I, H, reverse):
+    saved = torch.get_num_threads()
+    try:
+        for cell in ops.FROM_INPUT_CELLS:
+            g = generator("pairs-from-input", cell, T, B, I, H)
+            G = reference.gate_count(cell)
+            x, w_ih = bf16_values(g, T, B, I), bf16_values(g, G * H, I, scale=I ** -0.5)
+            h0 = bf16_values(g, B, H, scale=0.5)
+            c0 = bf16_values(g, B, H, scale=0.5) if cell == "lstm" else None
+            w_hh = bf16_values(g, G * H, H, scale=H ** -0.5)
+            b_ih, b_hh = bf16_values(g, G * H), bf16_values(g, G * H)
+            xproj = torch.ops.rnnkern.linear(x.reshape(T * B, I), w_ih).view(T, B, G * H)
+            want = torch.ops.rnnkern.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, None, None, reverse,
+                                                False)[:3]
+            for n_threads in (1, 2, 3):
+                torch.set_num_threads(n_threads)
+                for shape in ((T, B, H), (B, H)):
+                    torch.full(shape, float("nan"), dtype=torch.bfloat16)  # freed: the next buffers may be these
+                got = torch.ops.rnnkern.recurrence_from_input(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse)
+                for name, a, b in zip(("output", "h_n", "c_n"), got, want):
+                    assert a.dtype == torch.bfloat16, name
+                    assert not a.isnan().any(), (cell, name, n_threads)
+                    assert torch.equal(a, b), (cell, name, n_threads, (a.float() - b.float()).abs().max().item())
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("name", ["LSTM", "GRU", "RNN"])
+def test_batch_inference_on_pairs_runs_recurrence_from_input(pair_mode, name, monkeypatch):
+    """A two-layer bidirectional bf16 module's inference at B=32, batch first:
+    the op per layer and direction, the bits of the gradient-keeping call,
+    torch.nn's numbers within bf16's error."""
+    torch.manual_seed(6)
+    ref = getattr(torch.nn, name)(24, 40, num_layers=2, bidirectional=True, batch_first=True)
+    m = getattr(rnnkern, name)(24, 40, num_layers=2, bidirectional=True, batch_first=True, backend="cpu")
+    m.load_state_dict(ref.state_dict())
+    x = randn(generator("pairs-inside-module", name), 32, 21, 24, dtype=torch.float32)
+    want = torch.utils._pytree.tree_leaves(ref(x))
+    m.bfloat16()
+    ref.bfloat16()
+    x16 = x.bfloat16()
+    with_grad = [o.detach() for o in torch.utils._pytree.tree_leaves(m(x16))]
+    calls = []
+    real = ops.run_recurrence_from_input
+    monkeypatch.setattr(ops, "run_recurrence_from_input", lambda *a: calls.append(a[0]) or real(*a))
+    with torch.no_grad():
+        got = torch.utils._pytree.tree_leaves(m(x16))
+        theirs = torch.utils._pytree.tree_leaves(ref(x16))
+    assert len(calls) == 4
+    for a, b, r16, r in zip(got, with_grad, theirs, want):
+        assert a.dtype == torch.bfloat16
+        assert torch.equal(a, b)
+        assert_low_precision(a, r16, r, what=f"{name} B=32")
+
+
 def test_native_agrees_with_the_emulation():
     """Where the CPU has the instruction: the same bits as the emulation (it
     differs only where the instruction flushes a denormal, which products of

@@ -254,41 +254,48 @@ recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const 
 constexpr int64_t kMaxTiledWeightBytes = int64_t(768) << 10;
 
 // A batch of at least kMinInsideRows rows (per step) whose W_ih and W_hh
-// together take at most kMaxInsideWeightBytes: each step's product makes its
+// together take at most kMaxInsideWeightBytes: each step makes its
 // x_t W_ih^T too (ForwardArgs::x_rows), at the speed of the step's product
 // and without xproj's trip through memory (the input projection's output:
-// LSTM B=64 T=64 H=128, 8 MB).
+// LSTM B=64 T=64 H=128, 8 MB).  float32: an LSTM; bf16 pairs: every plain
+// cell, up to kMaxInsidePairBytes of W_ih and W_hh as pairs (1.5-6% faster
+// at H = I = 512, 4 MB for an LSTM; 2% slower at 1024; docs/cpu.md).
 constexpr int64_t kMinInsideRows = 16;
 constexpr int64_t kMaxInsideWeightBytes = int64_t(768) << 10;
+constexpr int64_t kMaxInsidePairBytes = int64_t(4) << 20;
 
 std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, const Tensor& x,
                                                     const Tensor& w_ih, const Tensor& h0,
                                                     const OptTensor& c0, const Tensor& w_hh,
                                                     const OptTensor& b_ih, const OptTensor& b_hh,
                                                     bool reverse) {
-  const auto opt = h0.options();
+  const bool on_pairs = x.scalar_type() == at::kBFloat16;  // (else float32)
+  const auto opt = h0.options().dtype(at::kFloat);
   Tensor output = pooled_empty(layout_sizes(z, z.P), opt);
   Tensor h_n = at::empty({z.B, z.P}, opt);
   Tensor c_n = has_cell_state(z.cell) ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, at::kFloat);
   Tensor ws = empty_like_options(h0, at::kFloat);
-  const Tensor h0c = h0.contiguous();
-  const Tensor c0c = c0.has_value() ? c0->contiguous() : Tensor();
-  ForwardArgs<float> a{z, Tensor(), h0c, c0c, w_hh.contiguous(),
+  const Tensor h0a = to_acc(h0, at::kFloat), c0a = to_acc(c0, at::kFloat);
+  ForwardArgs<float> a{z, Tensor(), h0a, c0a, w_hh.contiguous(),
                        bias_or_zeros(b_ih, z.G * z.H, opt), bias_or_zeros(b_hh, z.G * z.H, opt),
                        Tensor(), Positions{nullptr, z.T, reverse, z.B}, false, Tensor(), Tensor(),
-                       Tensor(), h0c, c0c, false,
-                       to_acc(x, at::kFloat).view({z.T * z.B, x.size(2)}), w_ih.contiguous()};
-  Tensor output_bf16;  // (float32: none)
+                       Tensor(), h0a, c0a, on_pairs,
+                       to_acc(x, x.scalar_type()).view({z.T * z.B, x.size(2)}),
+                       w_ih.contiguous()};
+  Tensor output_bf16;  // where forward_impl rounds the output in the steps
   forward_impl<float>(a, output, h_n, c_n, ws, output_bf16);
-  return {output, h_n, c_n};
+  if (!on_pairs) return {output, h_n, c_n};
+  return {output_bf16.defined() ? output_bf16 : pooled_to(output, at::kBFloat16),
+          h_n.to(at::kBFloat16), pooled_to(c_n, at::kBFloat16)};
 }
 
 // recurrence_from_input (ops.cpp): a sequence of batch 1 in float32 with
 // kProjectionTileRows steps or more and a W_hh of at most
 // kMaxTiledWeightBytes runs forward_from_input on 512-bit vectors (the input
-// projection inside the steps' products); an LSTM batch of kMinInsideRows or
-// more, forward_x_inside; any other call is the composition itself,
-// rnnkern::linear then rnnkern::recurrence.  All three give the same bits.
+// projection inside the steps' products); a batch of kMinInsideRows or more
+// (an LSTM in float32, any plain cell on bf16 pairs) forward_x_inside; any
+// other call is the composition itself, rnnkern::linear then
+// rnnkern::recurrence.  All three give the same bits.
 std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
     c10::string_view cell, const Tensor& x, const Tensor& w_ih, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, bool reverse) {
@@ -298,8 +305,14 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
                      z.cell == Cell::RnnRelu;
   const bool tiles = plain && z.B == 1 && z.T >= gemm::kProjectionTileRows && x.scalar_type() == at::kFloat &&
                      z.G * z.H * z.H * 4 <= kMaxTiledWeightBytes && gemm::wide_vectors();
-  const bool inside = z.cell == Cell::Lstm && z.B >= kMinInsideRows && z.T > 1 && x.scalar_type() == at::kFloat &&
-                      x.size(2) <= gemm::kKC && z.G * z.H * (x.size(2) + z.H) * 4 <= kMaxInsideWeightBytes;
+  const int64_t weight_values = z.G * z.H * (x.size(2) + z.H);
+  const bool on_pairs = bf16_products(h0, w_hh, std::nullopt) && x.scalar_type() == at::kBFloat16 &&
+                        w_ih.scalar_type() == at::kBFloat16;
+  const bool inside =
+      plain && z.B >= kMinInsideRows && z.T > 1 &&
+      (on_pairs ? x.size(2) <= pairs::kChunk && weight_values * 2 <= kMaxInsidePairBytes
+                : z.cell == Cell::Lstm && x.scalar_type() == at::kFloat && x.size(2) <= gemm::kKC &&
+                      weight_values * 4 <= kMaxInsideWeightBytes);
   if (!tiles && inside) return forward_x_inside(z, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse);
   if (!tiles) {
     static const auto linear = c10::Dispatcher::singleton()

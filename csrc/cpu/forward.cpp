@@ -54,13 +54,16 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // float32 product in place costs more than packing its pairs)
   const bool in_place = T == 1 && !a.bf16_products;  // see kMaxInPlaceRows
   const bool x_inside = a.x_rows.defined();  // ForwardArgs::x_rows
+  // bf16 pairs: x_t W_ih^T a product of its own, rounded (x16_of).
+  const bool x16_inside = x_inside && a.bf16_products;
   std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice, w_x_slice;
-  TORCH_CHECK(!x_inside || (!in_place && z.cell == Cell::Lstm && !a.pos.lengths &&
-                            !a.resets.defined() && !z.has_proj && !a.bf16_products &&
-                            a.x_rows.size(1) <= gemm::kKC),
+  TORCH_CHECK(!x_inside || (!in_place && !a.pos.lengths && !a.resets.defined() && !z.has_proj &&
+                            (x16_inside ? z.cell != Cell::GruResetBefore && z.cell != Cell::LstmLn &&
+                                              a.x_rows.size(1) <= pairs::kChunk
+                                        : z.cell == Cell::Lstm && a.x_rows.size(1) <= gemm::kKC)),
               "rnnkern internal: x W_ih^T inside the step products of a plain call only");
   for (const Slice& sl : split.units) {
-    if (x_inside) w_x_slice.push_back(gate_rows_t<A>(a.w_ih, G, sl, false, B, false));
+    if (x_inside) w_x_slice.push_back(gate_rows_t<A>(a.w_ih, G, sl, false, B, a.bf16_products));
     // reset-before: the slice's r, z rows; W_hn multiplies r * h separately.
     w_slice.push_back(gate_rows_t<A>(reset_before ? a.w_hh.narrow(0, 0, 2 * H) : a.w_hh,
                                      reset_before ? 2 : G, sl, in_place, B, a.bf16_products));
@@ -78,6 +81,11 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     hproj.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
     if (resets && (!ln_cell || own_reset)) hproj0.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
     if (reset_before) hn.push_back(at::empty({r.nb, sl.n}, opt));
+  }
+  std::vector<Tensor> xq;  // x16_inside: the worker's rows of x_t W_ih^T
+  for (size_t t = 0; x16_inside && t < split.unit_workers(); ++t) {
+    const auto [r, u, sl] = split.unit_work(t);
+    xq.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
   }
   for (size_t t = 0; t < split.out_workers(); ++t)
     hq.push_back(at::empty({split.out_work(t).r.nb, split.out_work(t).sl.n}, opt));
@@ -135,6 +143,15 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     }
     return dst;
   };
+  // x16_inside: row q of a worker's x_t W_ih^T (gate k of unit j0 + j at
+  // q[k * n + j]) rounded to bf16, laid out as x_of's rows.
+  auto x16_of = [&](const A* q, int64_t j0, int64_t n) -> const A* {
+    thread_local std::vector<A> wide;
+    if (static_cast<int64_t>(wide.size()) < GH) wide.resize(static_cast<size_t>(GH));
+    if constexpr (std::is_same_v<A, float>)
+      for (int64_t k = 0; k < G; ++k) pairs::round_to_bf16(n, q + k * n, wide.data() + k * H + j0);
+    return wide.data() + j0;
+  };
   // Every cell but the GRU candidate needs only the sum of the two biases.
   const Tensor bias_sum = a.b_x.add(a.b_h);
   const A* bias = cptr<A>(bias_sum);
@@ -189,20 +206,25 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       }
     }
     const int64_t nl = live(r, s);
-    if (x_inside) {  // x_t W_ih^T, then h_{t-1} W_hh^T added (every row at one position)
+    // x_t W_ih^T (every row at one position): the h_{t-1} W_hh^T below added
+    // to it, or for bf16 pairs its own.
+    const bool add_h = x_inside && !x16_inside;
+    if (x_inside) {
       const int64_t I = a.x_rows.size(1);
-      const A* x_t = cptr<A>(a.x_rows) + a.pos.row(a.pos.at(r.b0, s), r.b0) * I;
-      step_gemm<A>(nl, x_t, I, w_x_slice[u], ptr<A>(hproj[t]), false);
+      const int64_t x0 = a.pos.row(a.pos.at(r.b0, s), r.b0) * I;
+      if (!x16_inside) step_gemm<A>(nl, cptr<A>(a.x_rows) + x0, I, w_x_slice[u], ptr<A>(hproj[t]), false);
+      if constexpr (std::is_same_v<A, float>)
+        if (x16_inside) step_gemm(nl, pairs::bf16_bits(a.x_rows) + x0, I, w_x_slice[u], ptr<A>(xq[t]), false);
     }
     bool multiplied = false;
     if constexpr (std::is_same_v<A, float>) {
       if (out16 != nullptr && s > 0) {  // h_{t-1}: the output rows of step s - 1
         step_gemm(nl, out16 + a.pos.at(0, s - 1) * B * P + r.b0 * P, P, w_slice[u],
-                  ptr<A>(hproj[t]), x_inside);
+                  ptr<A>(hproj[t]), add_h);
         multiplied = true;
       }
     }
-    if (!multiplied) step_gemm<A>(nl, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), x_inside);
+    if (!multiplied) step_gemm<A>(nl, h_prev + r.b0 * P, P, w_slice[u], ptr<A>(hproj[t]), add_h);
     A* hp = ptr<A>(hproj[t]);
     const int64_t ldh = n;
     const int64_t hrow = hproj[t].size(1);
@@ -225,7 +247,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
         continue;
       }
       const int64_t row = a.pos.row(p, b);
-      const A* x = x_of(row, j0, n);
+      const A* x = x16_inside ? x16_of(ptr<A>(xq[t]) + (b - r.b0) * G * n, j0, n) : x_of(row, j0, n);
       A* hh = hp + (b - r.b0) * hrow;
       A* w = save ? wsp + row * W + j0 : nullptr;
       A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;

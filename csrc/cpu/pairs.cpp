@@ -315,13 +315,17 @@ std::atomic<int>& mode_slot() {
 
 // Blocking of gemm: K in chunks of kKC (256 pairs: a panel's chunk is 32 KiB),
 // rows of A converted kRowBlock at a time (96 rows x 256 pairs: 96 KiB, in L2).
-constexpr int64_t kKC = 512;
+constexpr int64_t kKC = kChunk;
 constexpr int64_t kRowBlock = 12 * kMR;
 
 }  // namespace
 
 RNNKERN_CPU_CLONES void narrow_bf16(int64_t n, const float* __restrict src, uint16_t* __restrict dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = to_bf16(src[j]);
+}
+
+RNNKERN_CPU_CLONES void round_to_bf16(int64_t n, const float* __restrict src, float* __restrict dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = from_bf16(to_bf16(src[j]));
 }
 
 RNNKERN_CPU_CLONES void widen_bf16(int64_t n, const uint16_t* __restrict src, float* __restrict dst) {

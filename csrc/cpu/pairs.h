@@ -81,6 +81,9 @@ inline uint16_t to_bf16(float f) {
 // time (the forward's bf16 xproj widened so: ~4% of an LSTM call).
 void narrow_bf16(int64_t n, const float* src, uint16_t* dst);
 void widen_bf16(int64_t n, const uint16_t* src, float* dst);
+// dst[j] = src[j] rounded to bf16 (to_bf16), as float32: the value of
+// narrow_bf16 then widen_bf16.
+void round_to_bf16(int64_t n, const float* src, float* dst);
 
 // A bfloat16 tensor's values as their bits, as the packing reads them.
 inline const uint16_t* bf16_bits(const at::Tensor& t) {
@@ -138,6 +141,11 @@ void multiply(int64_t M, const float* a, int64_t lda, const PackedPairs& b, floa
 // their bytes, read in place where a row holds B's K values (K even).
 void multiply(int64_t M, const uint16_t* a, int64_t lda, const PackedPairs& b, float* c,
               int64_t ldc, bool accumulate);
+
+// K per chunk of gemm: each element of C sums a chunk's pairs in order, then
+// adds the chunk's sum to C's (a K of at most kChunk: one chain, as
+// multiply's).
+constexpr int64_t kChunk = 512;
 
 // C[M, N] (+)= A[M, K] B[K, N] on all threads, A[m][k] = a[m*a_rows + k*a_ks],
 // B[k][n] = b[k*b_ks + n*b_ns], of bf16 values (SrcA, SrcB = uint16_t: their
