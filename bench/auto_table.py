@@ -31,10 +31,10 @@ Then, for the AVX512_BF16 class (a Zen 4), the bf16 rows at one and two
 threads:
 
     python -m bench.auto_table \
-        bench/results/cpu-zen4-2026-12-02-bf16-t1-6f458dd/bench.json \
-        bench/results/cpu-zen4-2026-12-02-bf16-t2-6f458dd/bench.json \
-        bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-da2a16a/bench.json \
-        bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-latency-t1-930c680/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-latency-t2-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json --dtypes bfloat16
 
 and its float32 rows (the full grid of the default families and the short family at 1 and 2
@@ -45,8 +45,8 @@ threads, and the bf16 family's float32 cases), leaving the bfloat16 rows:
         bench/results/cpu-zen4-2026-12-01-grid-t2-7b7cf32/bench.json \
         bench/results/cpu-zen4-2026-12-01-short-t1-425b41b/bench.json \
         bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json \
-        bench/results/cpu-zen4-2026-12-02-bf16-t1-6f458dd/bench.json \
-        bench/results/cpu-zen4-2026-12-02-bf16-t2-6f458dd/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json \
         bench/results/cpu-zen4-2026-12-01-speech-t1-7c53bcf/bench.json \
         bench/results/cpu-zen4-2026-12-01-speech-t2-7c53bcf/bench.json \

@@ -31,10 +31,10 @@ CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Ze
 # threads, the bf16 latency sizes, and one-step calls (T=1) at 1 thread, bfloat16 rows
 # only (bench.auto_table --dtypes).
 STEP_RESULTS = "bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json"
-BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-02-bf16-t1-6f458dd/bench.json",
-                "bench/results/cpu-zen4-2026-12-02-bf16-t2-6f458dd/bench.json",
-                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t1-da2a16a/bench.json",
-                "bench/results/cpu-zen4-2026-12-01-bf16-latency-t2-da2a16a/bench.json",
+BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json",
+                "bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json",
+                "bench/results/cpu-zen4-2026-12-02-bf16-latency-t1-930c680/bench.json",
+                "bench/results/cpu-zen4-2026-12-02-bf16-latency-t2-930c680/bench.json",
                 STEP_RESULTS)
 # The same Zen 4 in float32 (the default grid at 1 and 2 threads, the bf16 family's
 # float32 rows, one-step calls, and the speech family's bidirectional stacks at 1 and 2
@@ -47,8 +47,8 @@ F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
                "bench/results/cpu-zen4-2026-12-01-grid-t2-7b7cf32/bench.json",
                "bench/results/cpu-zen4-2026-12-01-short-t1-425b41b/bench.json",
                "bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json",
-               "bench/results/cpu-zen4-2026-12-02-bf16-t1-6f458dd/bench.json",
-               "bench/results/cpu-zen4-2026-12-02-bf16-t2-6f458dd/bench.json",
+               "bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json",
+               "bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json",
                STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
 CPU = torch.device("cpu")
 
