@@ -332,9 +332,10 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
 # product of its own rounded to bf16 (ForwardArgs::x_rows), the bits of
 # linear then recurrence; other batches are that composition.  Odd I (the
 # rows' pairs not in place), I past 512 and B under 16 (the composition), at
-# 1, 2 and 3 threads (split by rows).
+# 1, 2 and 3 threads: split by rows, and at H=600 (W_hh past 2 MB as pairs for
+# the LSTM and GRU) by units.
 FROM_INPUT_SIZES = [(5, 16, 16, 16), (13, 17, 41, 24), (9, 33, 256, 70), (6, 20, 520, 20),
-                    (7, 15, 32, 32), (4, 40, 64, 160)]
+                    (7, 15, 32, 32), (4, 40, 64, 160), (2, 32, 64, 600)]
 
 
 @pytest.mark.parametrize("T,B,I,H", FROM_INPUT_SIZES, ids=[f"T{t}-B{b}-I{i}-H{h}" for t, b, i, h in FROM_INPUT_SIZES])
