@@ -267,9 +267,8 @@ def run_recurrence_from_input(cell: str, x: Tensor, w_ih: Tensor, h0: Tensor,
     at batch 1 the projection goes along with the steps' products, in the time
     the products wait on W_hh's stream (csrc/cpu/forward.cpp,
     forward_from_input); a batch of 16 rows or more makes each step's
-    x_t W_ih^T in the step (ForwardArgs::x_rows: a float32 LSTM, or any plain
-    cell on the bf16 pair products); other calls run the two ops.  Where
-    :func:`from_input_applies`."""
+    x_t W_ih^T in the step (ForwardArgs::x_rows), where the weights are small
+    enough; other calls run the two ops.  Where :func:`from_input_applies`."""
     output, h_n, c_n = torch.ops.rnnkern.recurrence_from_input.default(
         cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse)
     return output, h_n, (c_n if has_cell_state(cell) else None)

@@ -1369,10 +1369,11 @@ def test_recurrence_from_input_same_bits_at_1_2_and_3_threads():
             assert torch.equal(a, b)
 
 
-# An LSTM batch of 16 rows or more (W_ih and W_hh within 768 KB, I <= 256): each
-# step's product makes x_t W_ih^T too (ForwardArgs::x_rows), the same bits.
+# A batch of 16 rows or more (I <= 256; W_ih and W_hh within 768 KB for the LSTM,
+# 4 MB for the GRU and RNN): each step makes x_t W_ih^T too (ForwardArgs::x_rows),
+# the same bits; the GRU at H=448 B=64 (W_hh past 2 MB) split by units.
 INSIDE_SIZES = [(5, 16, 16, 16), (13, 17, 40, 24), (64, 64, 128, 128), (9, 33, 256, 70),
-                (6, 20, 300, 20), (7, 15, 32, 32)]
+                (6, 20, 300, 20), (7, 15, 32, 32), (2, 64, 16, 448)]
 
 
 @pytest.mark.parametrize("T,B,I,H", INSIDE_SIZES, ids=[f"T{t}-B{b}-I{i}-H{h}" for t, b, i, h in INSIDE_SIZES])

@@ -257,12 +257,13 @@ constexpr int64_t kMaxTiledWeightBytes = int64_t(768) << 10;
 // together take at most kMaxInsideWeightBytes: each step makes its
 // x_t W_ih^T too (ForwardArgs::x_rows), at the speed of the step's product
 // and without xproj's trip through memory (the input projection's output:
-// LSTM B=64 T=64 H=128, 8 MB).  float32: an LSTM; bf16 pairs: every plain
-// cell, up to kMaxInsidePairBytes of W_ih and W_hh as pairs (1.5-6% faster
-// at H = I = 512, 4 MB for an LSTM; 2% slower at 1024; docs/cpu.md).
+// LSTM B=64 T=64 H=128, 8 MB).  A float32 LSTM adds the step's product to
+// it (up to kMaxInsideWeightBytes); the GRU and RNN, and every cell on bf16
+// pairs, make it a product of its own (up to kMaxOwnProductBytes: 1.5-8%
+// faster at 1.5-4 MB, level at 5-16 MB; docs/cpu.md).
 constexpr int64_t kMinInsideRows = 16;
 constexpr int64_t kMaxInsideWeightBytes = int64_t(768) << 10;
-constexpr int64_t kMaxInsidePairBytes = int64_t(4) << 20;
+constexpr int64_t kMaxOwnProductBytes = int64_t(4) << 20;
 
 std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, const Tensor& x,
                                                     const Tensor& w_ih, const Tensor& h0,
@@ -293,9 +294,9 @@ std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, co
 // kProjectionTileRows steps or more and a W_hh of at most
 // kMaxTiledWeightBytes runs forward_from_input on 512-bit vectors (the input
 // projection inside the steps' products); a batch of kMinInsideRows or more
-// (an LSTM in float32, any plain cell on bf16 pairs) forward_x_inside; any
-// other call is the composition itself, rnnkern::linear then
-// rnnkern::recurrence.  All three give the same bits.
+// with W_ih and W_hh within the bytes above, forward_x_inside; any other call
+// is the composition itself, rnnkern::linear then rnnkern::recurrence.  All
+// three give the same bits.
 std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
     c10::string_view cell, const Tensor& x, const Tensor& w_ih, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, bool reverse) {
@@ -310,9 +311,10 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
                         w_ih.scalar_type() == at::kBFloat16;
   const bool inside =
       plain && z.B >= kMinInsideRows && z.T > 1 &&
-      (on_pairs ? x.size(2) <= pairs::kChunk && weight_values * 2 <= kMaxInsidePairBytes
-                : z.cell == Cell::Lstm && x.scalar_type() == at::kFloat && x.size(2) <= gemm::kKC &&
-                      weight_values * 4 <= kMaxInsideWeightBytes);
+      (on_pairs ? x.size(2) <= pairs::kChunk && weight_values * 2 <= kMaxOwnProductBytes
+                : x.scalar_type() == at::kFloat && x.size(2) <= gemm::kKC &&
+                      weight_values * 4 <= (z.cell == Cell::Lstm ? kMaxInsideWeightBytes
+                                                                 : kMaxOwnProductBytes));
   if (!tiles && inside) return forward_x_inside(z, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse);
   if (!tiles) {
     static const auto linear = c10::Dispatcher::singleton()

@@ -54,13 +54,13 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // float32 product in place costs more than packing its pairs)
   const bool in_place = T == 1 && !a.bf16_products;  // see kMaxInPlaceRows
   const bool x_inside = a.x_rows.defined();  // ForwardArgs::x_rows
-  // bf16 pairs: x_t W_ih^T a product of its own, rounded (x16_of).
-  const bool x16_inside = x_inside && a.bf16_products;
+  // x_t W_ih^T a product of its own (x_own_of): on bf16 pairs, and for the
+  // float32 GRU and RNN, whose formulas do not add xproj and hproj first.
+  const bool x_own = x_inside && (a.bf16_products || z.cell != Cell::Lstm);
   std::vector<StepWeightT<A>> w_slice, w_n_slice, w_r_slice, w_x_slice;
   TORCH_CHECK(!x_inside || (!in_place && !a.pos.lengths && !a.resets.defined() && !z.has_proj &&
-                            (x16_inside ? z.cell != Cell::GruResetBefore && z.cell != Cell::LstmLn &&
-                                              a.x_rows.size(1) <= pairs::kChunk
-                                        : z.cell == Cell::Lstm && a.x_rows.size(1) <= gemm::kKC)),
+                            z.cell != Cell::GruResetBefore && z.cell != Cell::LstmLn &&
+                            a.x_rows.size(1) <= (a.bf16_products ? pairs::kChunk : gemm::kKC)),
               "rnnkern internal: x W_ih^T inside the step products of a plain call only");
   for (const Slice& sl : split.units) {
     if (x_inside) w_x_slice.push_back(gate_rows_t<A>(a.w_ih, G, sl, false, B, a.bf16_products));
@@ -82,8 +82,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     if (resets && (!ln_cell || own_reset)) hproj0.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
     if (reset_before) hn.push_back(at::empty({r.nb, sl.n}, opt));
   }
-  std::vector<Tensor> xq;  // x16_inside: the worker's rows of x_t W_ih^T
-  for (size_t t = 0; x16_inside && t < split.unit_workers(); ++t) {
+  std::vector<Tensor> xq;  // x_own: the worker's rows of x_t W_ih^T
+  for (size_t t = 0; x_own && t < split.unit_workers(); ++t) {
     const auto [r, u, sl] = split.unit_work(t);
     xq.push_back(at::empty({r.nb, w_slice[u].cols()}, opt));
   }
@@ -143,13 +143,21 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     }
     return dst;
   };
-  // x16_inside: row q of a worker's x_t W_ih^T (gate k of unit j0 + j at
-  // q[k * n + j]) rounded to bf16, laid out as x_of's rows.
-  auto x16_of = [&](const A* q, int64_t j0, int64_t n) -> const A* {
+  // x_own: row q of a worker's x_t W_ih^T (gate k of unit j0 + j at
+  // q[k * n + j]) laid out as x_of's rows, rounded to bf16 on pairs (as
+  // linear's bf16 output is).
+  auto x_own_of = [&](const A* q, int64_t j0, int64_t n) -> const A* {
     thread_local std::vector<A> wide;
     if (static_cast<int64_t>(wide.size()) < GH) wide.resize(static_cast<size_t>(GH));
-    if constexpr (std::is_same_v<A, float>)
-      for (int64_t k = 0; k < G; ++k) pairs::round_to_bf16(n, q + k * n, wide.data() + k * H + j0);
+    for (int64_t k = 0; k < G; ++k) {
+      A* dst = wide.data() + k * H + j0;
+      if constexpr (std::is_same_v<A, float>)
+        if (a.bf16_products) {
+          pairs::round_to_bf16(n, q + k * n, dst);
+          continue;
+        }
+      copy_row(dst, q + k * n, n);
+    }
     return wide.data() + j0;
   };
   // Every cell but the GRU candidate needs only the sum of the two biases.
@@ -207,14 +215,20 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     }
     const int64_t nl = live(r, s);
     // x_t W_ih^T (every row at one position): the h_{t-1} W_hh^T below added
-    // to it, or for bf16 pairs its own.
-    const bool add_h = x_inside && !x16_inside;
+    // to it, or (x_own) its own.
+    const bool add_h = x_inside && !x_own;
     if (x_inside) {
       const int64_t I = a.x_rows.size(1);
       const int64_t x0 = a.pos.row(a.pos.at(r.b0, s), r.b0) * I;
-      if (!x16_inside) step_gemm<A>(nl, cptr<A>(a.x_rows) + x0, I, w_x_slice[u], ptr<A>(hproj[t]), false);
-      if constexpr (std::is_same_v<A, float>)
-        if (x16_inside) step_gemm(nl, pairs::bf16_bits(a.x_rows) + x0, I, w_x_slice[u], ptr<A>(xq[t]), false);
+      A* c = ptr<A>(x_own ? xq[t] : hproj[t]);
+      bool multiplied_x = false;
+      if constexpr (std::is_same_v<A, float>) {
+        if (a.bf16_products) {
+          step_gemm(nl, pairs::bf16_bits(a.x_rows) + x0, I, w_x_slice[u], c, false);
+          multiplied_x = true;
+        }
+      }
+      if (!multiplied_x) step_gemm<A>(nl, cptr<A>(a.x_rows) + x0, I, w_x_slice[u], c, false);
     }
     bool multiplied = false;
     if constexpr (std::is_same_v<A, float>) {
@@ -247,7 +261,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
         continue;
       }
       const int64_t row = a.pos.row(p, b);
-      const A* x = x16_inside ? x16_of(ptr<A>(xq[t]) + (b - r.b0) * G * n, j0, n) : x_of(row, j0, n);
+      const A* x = x_own ? x_own_of(ptr<A>(xq[t]) + (b - r.b0) * G * n, j0, n) : x_of(row, j0, n);
       A* hh = hp + (b - r.b0) * hrow;
       A* w = save ? wsp + row * W + j0 : nullptr;
       A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;

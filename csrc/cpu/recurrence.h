@@ -40,15 +40,16 @@ struct ForwardArgs {
   bool bf16_products = false;
   // Where xproj is left undefined: the input rows x_rows [T*B, I] (the grid's
   // order, contiguous) and w_ih [G*H, I], multiplied in each step: the same
-  // bits as xproj from rnnkern::linear, without its trip through memory.
-  // float32 (I <= gemm::kKC), an LSTM: inside the step's product, x_t W_ih^T,
-  // then h_{t-1} W_hh^T added to it, the gate math adding zeros for xproj (one
-  // chain over I, then the two products' sum: the LSTM gate adds xproj and
-  // hproj first; the RNN's and GRU's formulas add them in other orders).
-  // bf16 pairs (x_rows and w_ih bfloat16, I <= pairs::kChunk), any cell but
-  // the reset-before GRU: x_t W_ih^T is a product of its own, rounded to bf16
-  // as linear's output is, which the gate math reads in place of xproj's row.
-  // Without lengths, resets or a projection, T > 1.
+  // bits as xproj from rnnkern::linear (one chain over I, one of linear's K
+  // chunks: I <= gemm::kKC, pairs::kChunk), without its trip through memory.
+  // A float32 LSTM: inside the step's product, x_t W_ih^T, then h_{t-1}
+  // W_hh^T added to it, the gate math adding zeros for xproj (the LSTM gate
+  // adds xproj and hproj first; the RNN's and GRU's formulas add them in
+  // other orders).  The float32 GRU and RNN, and every cell on bf16 pairs
+  // (x_rows and w_ih then bfloat16): x_t W_ih^T is a product of its own,
+  // which the gate math reads in place of xproj's row (rounded to bf16 on
+  // pairs, as linear's bf16 output is).  Plain cells (not the reset-before
+  // GRU or lstm_ln), without lengths, resets or a projection, T > 1.
   Tensor x_rows, w_ih;
 };
 
