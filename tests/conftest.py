@@ -141,6 +141,19 @@ def assert_low_precision(actual, reference_lp, reference_hp, what="", factor=tol
     assert err <= allowed, f"{what}: error {err:.3e} > {factor} x reference's own error (+ floor) = {allowed:.3e}"
 
 
+def inference_through_from_input(monkeypatch, module, x):
+    """module(x) under no_grad, its outputs as tensors (pytree leaves), and the
+    number of ops.run_recurrence_from_input calls it made (one per layer and
+    direction where the modules take that op)."""
+    calls = []
+    real = ops.run_recurrence_from_input
+    monkeypatch.setattr(ops, "run_recurrence_from_input", lambda *a: calls.append(a[0]) or real(*a))
+    with torch.no_grad():
+        out = torch.utils._pytree.tree_leaves(module(x))
+    monkeypatch.setattr(ops, "run_recurrence_from_input", real)
+    return out, len(calls)
+
+
 def recurrence_inputs(cell, T, B, H, *, dtype=torch.float64, proj=0, bias=True,
                       requires_grad=False, key=()):
     """Random arguments for rnnkern.ops.recurrence: a dict of tensors.

@@ -12,8 +12,9 @@ import rnnkern
 from rnnkern import ops, reference
 from rnnkern.modules.sequence import _RecurrentMixin
 from conftest import (CELLS, assert_close, assert_half_step_within_reference_error,
-                      assert_low_precision, differentiable, generator, outputs_and_grads, randn,
-                      recurrence_inputs, rnnkern_module, step_inputs, torch_module)
+                      assert_low_precision, differentiable, generator, inference_through_from_input,
+                      outputs_and_grads, randn, recurrence_inputs, rnnkern_module, step_inputs,
+                      torch_module)
 
 # (cell, proj_size): every cell and GRU form, and the LSTM with a projection.
 CASES = [(cell, 0) for cell in CELLS] + [("lstm", 3)]
@@ -1404,13 +1405,10 @@ def test_lstm_batch_inference_runs_recurrence_from_input(monkeypatch):
     m.load_state_dict(ref.state_dict())
     x = randn(generator("inside-module"), 21, 32, 24, dtype=torch.float32)
     with_grad = [o.detach() for o in torch.utils._pytree.tree_leaves(m(x))]
-    calls = []
-    real = ops.run_recurrence_from_input
-    monkeypatch.setattr(ops, "run_recurrence_from_input", lambda *a: calls.append(a[0]) or real(*a))
+    got, calls = inference_through_from_input(monkeypatch, m, x)
     with torch.no_grad():
-        got = torch.utils._pytree.tree_leaves(m(x))
         want = torch.utils._pytree.tree_leaves(ref(x))
-    assert len(calls) == 4
+    assert calls == 4
     for a, b, r in zip(got, with_grad, want):
         assert torch.equal(a, b)
         assert_close(a, r, what="LSTM B=32")
