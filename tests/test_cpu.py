@@ -1370,9 +1370,10 @@ def test_recurrence_from_input_same_bits_at_1_2_and_3_threads():
             assert torch.equal(a, b)
 
 
-# A batch of 16 rows or more (I <= 256; W_ih and W_hh within 768 KB for the LSTM,
-# 4 MB for the GRU and RNN): each step makes x_t W_ih^T too (ForwardArgs::x_rows),
-# the same bits; the GRU at H=448 B=64 (W_hh past 2 MB) split by units.
+# A batch of 16 rows or more (I <= 256; W_ih and W_hh within 4 MB): each step
+# makes x_t W_ih^T too (ForwardArgs::x_rows), the same bits; H=448 B=64 (W_hh
+# past 2 MB) split by units, the LSTM's accumulating path and the others' own
+# products.
 INSIDE_SIZES = [(5, 16, 16, 16), (13, 17, 40, 24), (64, 64, 128, 128), (9, 33, 256, 70),
                 (6, 20, 300, 20), (7, 15, 32, 32), (2, 64, 16, 448)]
 

@@ -258,12 +258,12 @@ constexpr int64_t kMaxTiledWeightBytes = int64_t(768) << 10;
 // x_t W_ih^T too (ForwardArgs::x_rows), at the speed of the step's product
 // and without xproj's trip through memory (the input projection's output:
 // LSTM B=64 T=64 H=128, 8 MB).  A float32 LSTM adds the step's product to
-// it (up to kMaxInsideWeightBytes); the GRU and RNN, and every cell on bf16
-// pairs, make it a product of its own (up to kMaxOwnProductBytes: 1.5-8%
-// faster at 1.5-4 MB, level at 5-16 MB; docs/cpu.md).
+// it; the GRU and RNN, and every cell on bf16 pairs, make it a product of
+// its own.  1.5-8% faster at 1.5-4 MB (the float32 LSTM from 768 KB, where
+// it stopped before: B=32 T=128 H=256, 2 MB, 1.04x), level at 5-16 MB
+// (docs/cpu.md).
 constexpr int64_t kMinInsideRows = 16;
-constexpr int64_t kMaxInsideWeightBytes = int64_t(768) << 10;
-constexpr int64_t kMaxOwnProductBytes = int64_t(4) << 20;
+constexpr int64_t kMaxInsideWeightBytes = int64_t(4) << 20;
 
 std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, const Tensor& x,
                                                     const Tensor& w_ih, const Tensor& h0,
@@ -311,10 +311,9 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
                         w_ih.scalar_type() == at::kBFloat16;
   const bool inside =
       plain && z.B >= kMinInsideRows && z.T > 1 &&
-      (on_pairs ? x.size(2) <= pairs::kChunk && weight_values * 2 <= kMaxOwnProductBytes
+      (on_pairs ? x.size(2) <= pairs::kChunk && weight_values * 2 <= kMaxInsideWeightBytes
                 : x.scalar_type() == at::kFloat && x.size(2) <= gemm::kKC &&
-                      weight_values * 4 <= (z.cell == Cell::Lstm ? kMaxInsideWeightBytes
-                                                                 : kMaxOwnProductBytes));
+                      weight_values * 4 <= kMaxInsideWeightBytes);
   if (!tiles && inside) return forward_x_inside(z, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse);
   if (!tiles) {
     static const auto linear = c10::Dispatcher::singleton()
