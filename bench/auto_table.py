@@ -33,6 +33,8 @@ threads:
     python -m bench.auto_table \
         bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t1-ec582f6/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t2-ec582f6/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-latency-t1-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-latency-t2-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json --dtypes bfloat16
@@ -50,6 +52,8 @@ bfloat16 rows:
         bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t1-ec582f6/bench.json \
+        bench/results/cpu-zen4-2026-12-02-bf16-t2-ec582f6/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json \
         bench/results/cpu-zen4-2026-12-01-speech-t1-7c53bcf/bench.json \
         bench/results/cpu-zen4-2026-12-01-speech-t2-7c53bcf/bench.json \

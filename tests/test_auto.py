@@ -31,8 +31,13 @@ CPU_RESULTS = ("bench/results/cpu-zen3-2026-11-27-default/bench.json",  # AMD Ze
 # threads, the bf16 latency sizes, and one-step calls (T=1) at 1 thread, bfloat16 rows
 # only (bench.auto_table --dtypes).
 STEP_RESULTS = "bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json"
+# The bf16 family again from ec582f6 (after c5126ae: its float32 LSTM forward rows), whose
+# rows replace 930c680's.
+BF16_RERUN = ("bench/results/cpu-zen4-2026-12-02-bf16-t1-ec582f6/bench.json",
+              "bench/results/cpu-zen4-2026-12-02-bf16-t2-ec582f6/bench.json")
 BF16_RESULTS = ("bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json",
                 "bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json",
+                *BF16_RERUN,
                 "bench/results/cpu-zen4-2026-12-02-bf16-latency-t1-930c680/bench.json",
                 "bench/results/cpu-zen4-2026-12-02-bf16-latency-t2-930c680/bench.json",
                 STEP_RESULTS)
@@ -53,7 +58,7 @@ F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
                "bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json",
                "bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json",
                "bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json",
-               STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
+               *BF16_RERUN, STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
 CPU = torch.device("cpu")
 
 
