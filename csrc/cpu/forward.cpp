@@ -147,6 +147,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // q[k * n + j]) laid out as x_of's rows, rounded to bf16 on pairs (as
   // linear's bf16 output is).
   auto x_own_of = [&](const A* q, int64_t j0, int64_t n) -> const A* {
+    if (!a.bf16_products && n == H) return q;  // all the units (j0 = 0): x_of's layout already
     thread_local std::vector<A> wide;
     if (static_cast<int64_t>(wide.size()) < GH) wide.resize(static_cast<size_t>(GH));
     for (int64_t k = 0; k < G; ++k) {
