@@ -1,6 +1,9 @@
 // Registration of rnnkern's autograd formulas (autograd.cpp) for an op family.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
 #include <string>
 
 namespace rnnkern {
@@ -9,5 +12,21 @@ namespace rnnkern {
 // "rnnkern", rnnkern::linear); the family's ops must be defined.  Once per
 // namespace; later calls do nothing.
 void register_autograd(const std::string& ns);
+
+// A recurrence whose outputs were computed ahead, below autograd (a
+// bidirectional layer's two directions at once on two threads, their graph
+// recorded afterwards on this one: rnnkern/modules, ops.recorded_ahead): the
+// next recording call of the recurrence op on this thread with the same
+// xproj and w_hh tensors, direction and cell takes these outputs (out, h_n,
+// c_n, ws) instead of running the kernel, and its graph node is made here,
+// in the order one direction after the other makes it.  So the graph, and
+// every gradient's order of summation, are those of the directions run one
+// after the other: a node made on another thread would take its sequence
+// number (the backward's order among nodes ready at once) from that thread's
+// counter.  clear_recurrences_ahead drops what no call took and counts it.
+void recurrence_ahead(const at::Tensor& xproj, const at::Tensor& w_hh, bool reverse,
+                      const std::string& cell, const at::Tensor& out, const at::Tensor& h_n,
+                      const at::Tensor& c_n, const at::Tensor& ws);
+size_t clear_recurrences_ahead();
 
 }  // namespace rnnkern

@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "autograd.h"
 #include "module.h"
 
 namespace rnnkern {
@@ -139,6 +140,27 @@ PyObject* layers_step_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// recurrence_ahead(xproj, w_hh, reverse, cell, out, h_n, c_n, ws): autograd.h's
+// recurrence_ahead, for ops.recorded_ahead.
+PyObject* recurrence_ahead_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr const char* op = "recurrence_ahead";
+  TORCH_CHECK_TYPE(nargs == 8, "recurrence_ahead: expected 8 arguments (xproj, w_hh, reverse, ",
+                   "cell, out, h_n, c_n, ws), got ", nargs);
+  const int reverse = PyObject_IsTrue(args[2]);
+  if (reverse < 0) return nullptr;
+  recurrence_ahead(tensor_argument(op, args[0], "xproj"), tensor_argument(op, args[1], "w_hh"),
+                   reverse != 0, string_argument(op, args[3], "cell"),
+                   tensor_argument(op, args[4], "out"), tensor_argument(op, args[5], "h_n"),
+                   tensor_argument(op, args[6], "c_n"), tensor_argument(op, args[7], "ws"));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* clear_recurrences_ahead_call(PyObject*, PyObject*) {
+  return PyLong_FromSize_t(clear_recurrences_ahead());
+}
+
 PyCFunction fastcall(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t)) {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
 }
@@ -149,6 +171,11 @@ const ModuleFunctions functions({
     {"layers_step", fastcall(layers_step_call), METH_FASTCALL,
      "ns::layers_step(cell, input, h0, c0, weights, num_layers, bidirectional, batch_first), "
      "called unboxed (eager calls)."},
+    {"recurrence_ahead", fastcall(recurrence_ahead_call), METH_FASTCALL,
+     "recurrence_ahead(xproj, w_hh, reverse, cell, out, h_n, c_n, ws): outputs computed ahead "
+     "for this thread's next recording recurrence call with these xproj and w_hh (autograd.h)."},
+    {"clear_recurrences_ahead", clear_recurrences_ahead_call, METH_NOARGS,
+     "Drops this thread's recurrence outputs computed ahead that no call took; their count."},
 });
 
 }  // namespace

@@ -30,6 +30,7 @@ only; the op library's plumbing lives in :mod:`rnnkern.library`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -228,18 +229,47 @@ def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optio
                    w_hr: Optional[Tensor], lengths: Optional[Tensor], reverse: bool,
                    resets: Optional[Tensor] = None, zoneout: Optional[Tensor] = None,
                    ln: Optional[Tensor] = None, reset_h: Optional[Tensor] = None,
-                   reset_c: Optional[Tensor] = None, cell_steps: bool = False):
+                   reset_c: Optional[Tensor] = None, cell_steps: bool = False,
+                   ahead: Optional[list] = None):
     """:func:`recurrence` on a backend already resolved (:func:`resolve_backend`)
-    and a checked cell name: the modules' per-call path."""
+    and a checked cell name: the modules' per-call path.  ``ahead``: a list
+    to which the call appends its outputs (and workspace) computed for
+    training, below autograd -- no graph node -- for the caller to record
+    its node later on its own thread (:func:`recorded_ahead`)."""
     if backend == "reference" or _transformed(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h,
                                               reset_c):
         return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
                                     resets, zoneout, ln, reset_h, reset_c, cell_steps)
+    if ahead is not None:
+        with torch._C._AutoDispatchBelowAutograd():
+            output, h_n, c_n, ws = _op_family(backend).recurrence.default(
+                cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, True, resets,
+                zoneout, ln, reset_h, reset_c, cell_steps)
+        ahead.append((xproj, w_hh, reverse, cell, output, h_n, c_n, ws))
+        return output, h_n, (c_n if has_cell_state(cell) else None)
     train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c)
     output, h_n, c_n, _ = _op_family(backend).recurrence.default(
         cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln,
         reset_h, reset_c, cell_steps)
     return output, h_n, (c_n if has_cell_state(cell) else None)
+
+
+@contextlib.contextmanager
+def recorded_ahead(ahead: list):
+    """Within: the recurrences in ``ahead`` (:func:`run_recurrence`'s entries,
+    computed on any thread) are what this thread's recording calls of the op
+    with the same xproj and w_hh, direction and cell take instead of running
+    the kernel (csrc/autograd.h, recurrence_ahead): their graph nodes are made
+    here, in this thread's order.  A bidirectional layer's two directions run
+    at once in training so (rnnkern/modules: _RecurrentMixin._directions_at_once)
+    and leave the graph, and every gradient's bits, of one after the other.
+    What no call took is dropped on exit (its call ran the kernel again)."""
+    for entry in ahead:
+        _C.recurrence_ahead(*entry)
+    try:
+        yield
+    finally:
+        _C.clear_recurrences_ahead()
 
 
 #: The cells recurrence_from_input runs (its plain cells: no options).
@@ -280,7 +310,7 @@ def run_recurrence_with_reset_state(backend: str, cell: str, xproj: Tensor, h0: 
                                     lengths: Optional[Tensor], reverse: bool, resets: Tensor,
                                     zoneout: Optional[Tensor], ln: Optional[Tensor],
                                     reset_h: Tensor, reset_c: Optional[Tensor],
-                                    cell_steps: bool = False):
+                                    cell_steps: bool = False, ahead: Optional[list] = None):
     """:func:`run_recurrence` under the modules' reset rule: where ``resets[t, b]``
     the step at position t starts from the reset state (``reset_h``, ``reset_c``,
     [B, P] / [B, H]), position 0 included; hx (``h0``, ``c0``) enters each row's
@@ -303,7 +333,7 @@ def run_recurrence_with_reset_state(backend: str, cell: str, xproj: Tensor, h0: 
     h_first = torch.where(fresh, reset_h, h0)
     c_first = torch.where(fresh, reset_c, c0) if c0 is not None else None
     return run_recurrence(backend, cell, xproj, h_first, c_first, w_hh, b_ih, b_hh, w_hr, lengths,
-                          reverse, resets, zoneout, ln, reset_h, reset_c, cell_steps)
+                          reverse, resets, zoneout, ln, reset_h, reset_c, cell_steps, ahead)
 
 
 #: The multiply-adds of one direction's recurrence from which a bidirectional

@@ -1043,10 +1043,154 @@ def test_directions_at_once_float64_match_torch_nn():
         assert_close(a, b, what="LSTM bidirectional at once")
 
 
-def test_directions_run_one_after_the_other_when_a_graph_is_built(monkeypatch):
-    """With autograd recording (the backward runs node by node anyway, and
-    saved-tensor hooks count in order), under a dispatch mode, or on one thread,
-    the directions run one after the other."""
+def _at_once_train(name, kwargs, fwd, B, H, threads, hx=True, residual=False, calls=1):
+    """A training step of a bidirectional two-layer module at ``threads``:
+    outputs, then the gradients of the inputs, hx and every parameter.
+    ``residual``: x also feeds the loss directly (three gradients meet in x);
+    ``calls``: the module called on that many inputs (and the first again)."""
+    T, F32 = 300, torch.float32
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(B + H)
+        m = getattr(rnnkern, name)(H, H, num_layers=2, bidirectional=True, backend="cpu",
+                                   **kwargs)
+        g = generator("at-once-train", name, repr(kwargs), B, H)
+        xs = [randn(g, T, B, H, dtype=F32, requires_grad=True) for _ in range(calls)]
+        P = kwargs.get("proj_size") or H
+        lstm = name in ("LSTM", "LayerNormLSTM")
+        state = [randn(g, 4, B, P, dtype=F32, requires_grad=True)] + ([randn(g, 4, B, H, dtype=F32, requires_grad=True)]
+                                                           if lstm else [])
+        call = {}
+        if fwd.get("lengths"):
+            call["lengths"] = torch.tensor([T] + [max(1, T - 7 * b) for b in range(1, B)])
+        if fwd.get("resets"):
+            call["resets"] = torch.rand(T, B, generator=g) < 0.1
+            call["reset_state"] = (randn(g, 4, B, P, dtype=F32, requires_grad=True),
+                                   randn(g, 4, B, H, dtype=F32, requires_grad=True))
+        loss, outs = 0, []
+        for x in xs + xs[:1] if calls > 1 else xs:
+            out = m(x, (tuple(state) if lstm else state[0]) if hx else None, **call)
+            leaves = torch.utils._pytree.tree_leaves(out)
+            outs += [o.detach() for o in leaves]
+            for o in leaves:
+                loss = loss + (o * randn(g, *o.shape, dtype=F32)).sum()
+            if residual:
+                loss = loss + (x * randn(g, *x.shape, dtype=F32)).sum()
+        wrt = xs + (state if hx else []) + list(call.get("reset_state", ())) + list(m.parameters())
+        return outs + list(torch.autograd.grad(loss, wrt))
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def at_once_spy(monkeypatch):
+    """Counts ops.run_concurrently's calls, and the recurrences computed ahead
+    that no recording call took (each would have run its kernel twice)."""
+    seen = {"calls": 0, "untaken": 0}
+    run_concurrently, clear = ops.run_concurrently, ops._C.clear_recurrences_ahead
+
+    def spy(a, b):
+        seen["calls"] += 1
+        return run_concurrently(a, b)
+
+    def counted_clear():
+        left = clear()
+        seen["untaken"] += left
+        return left
+
+    monkeypatch.setattr(ops, "run_concurrently", spy)
+    monkeypatch.setattr(ops._C, "clear_recurrences_ahead", counted_clear)
+    return seen
+
+
+@pytest.mark.parametrize("name,kwargs,fwd", AT_ONCE_CASES,
+                         ids=["lstm", "gru", "gru_reset_before", "rnn_relu", "lstm-proj", "lstm_ln",
+                              "lstm-zoneout", "gru-lengths", "lstm-resets"])
+@pytest.mark.parametrize("B,H", [(1, 128), (3, 96)])
+def test_directions_at_once_in_training_give_the_bits_of_one_after_the_other(
+        monkeypatch, at_once_spy, name, kwargs, fwd, B, H):
+    """In training too a bidirectional layer runs its two directions at once
+    (their kernels on two threads, their graph nodes made afterwards on the
+    caller's, one direction after the other): the outputs and every gradient
+    (x, hx, the reset state, each parameter) are the bits of one thread and of
+    the directions run one after the other, and no direction's kernel runs
+    twice.  (Zoneout's training masks are drawn per call: eval mode keeps them
+    fixed; a zoneout module in training draws its masks before the directions.)"""
+    if kwargs.get("zoneout"):
+        pytest.skip("zoneout in training draws fresh masks per call; its eval form is the "
+                    "inference test's")
+    want = _at_once_train(name, kwargs, fwd, B, H, 1)
+    assert at_once_spy["calls"] == 0, "one thread: the directions run one after the other"
+    for threads in (2, 3):
+        got = _at_once_train(name, kwargs, fwd, B, H, threads)
+        assert at_once_spy["calls"] == 2, f"{threads} threads: both layers at once"
+        at_once_spy["calls"] = 0
+        assert at_once_spy["untaken"] == 0, "a recurrence computed ahead was computed again"
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"{name} {kwargs} {fwd}: result {i} differs at {threads} threads"
+    monkeypatch.setattr(_RecurrentMixin, "_directions_at_once", lambda *args: False)
+    got = _at_once_train(name, kwargs, fwd, B, H, 2)
+    assert at_once_spy["calls"] == 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["LSTM", "GRU"])
+def test_directions_at_once_keep_the_order_of_gradients_meeting_in_a_tensor(at_once_spy, name):
+    """x feeding both directions and the loss itself (three gradients summed
+    in x), and the module called on three inputs and the first again (four
+    into each parameter, in the order the backward reaches them): the same
+    bits at 1, 2 and 3 threads.  Graph nodes made on the second thread took
+    that thread's sequence numbers, which reordered the backward and changed
+    x's sums."""
+    want = _at_once_train(name, {}, {}, 1, 96, 1, residual=True, calls=3)
+    for threads in (2, 3, 2):
+        got = _at_once_train(name, {}, {}, 1, 96, threads, residual=True, calls=3)
+        assert at_once_spy["calls"] == 8
+        at_once_spy["calls"] = 0
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"{name}: result {i} differs at {threads} threads"
+
+
+def test_directions_at_once_under_checkpoint_and_saved_tensor_hooks(at_once_spy):
+    """Saved-tensor hooks see what the layer saves on the caller's thread, in
+    the order of one direction after the other: torch.utils.checkpoint (which
+    pairs what it saved with what it recomputes by that order) gives the
+    gradients of the plain call, bit for bit, with the directions at once in
+    the forward and in its recomputation."""
+    torch.manual_seed(0)
+    m = rnnkern.LSTM(64, 64, num_layers=2, bidirectional=True, backend="cpu")
+    g, F32 = generator("at-once-checkpoint"), torch.float32
+    x = randn(g, 300, 2, 64, dtype=F32, requires_grad=True)
+    cot = randn(g, 300, 2, 128, dtype=F32)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = torch.autograd.grad((m(x)[0] * cot).sum(), [x, *m.parameters()])
+        assert at_once_spy["calls"] == 2
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            got = torch.autograd.grad((m(x)[0] * cot).sum(), [x, *m.parameters()])
+        assert packed, "the hooks saw the layer's saved tensors"
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        at_once_spy["calls"] = 0
+        out = torch.utils.checkpoint.checkpoint(lambda t: m(t)[0], x, use_reentrant=False)
+        got = torch.autograd.grad((out * cot).sum(), [x, *m.parameters()])
+        assert at_once_spy["calls"] == 4, "forward and recomputation, both layers"
+        assert at_once_spy["untaken"] == 0
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_directions_run_one_after_the_other_under_a_dispatch_mode(monkeypatch):
+    """Under a dispatch mode (which would see the two directions' ops
+    interleaved), or on one thread, the directions run one after the other;
+    with or without a graph otherwise at once."""
     calls = []
     monkeypatch.setattr(ops, "run_concurrently", lambda a, b: calls.append(1) or (a(), b()))
     torch.manual_seed(0)
@@ -1055,13 +1199,13 @@ def test_directions_run_one_after_the_other_when_a_graph_is_built(monkeypatch):
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out, h = m(x)
+        out, h = m(x.requires_grad_())
         out.sum().backward()
-        assert not calls
-        x.requires_grad_()
+        assert len(calls) == 2, "a graph: the kernels at once, the nodes made after"
+        calls.clear()
         with torch.no_grad():
             m(x)
-        assert len(calls) == 2, "no_grad with a leaf that requires grad: no graph, directions at once"
+        assert len(calls) == 2
         calls.clear()
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1072,16 +1216,9 @@ def test_directions_run_one_after_the_other_when_a_graph_is_built(monkeypatch):
         with torch.no_grad(), Passthrough():
             m(x)
         assert not calls
-        # LayerNormLSTM: its gains alone requiring grad build a graph too.
-        ln = rnnkern.LayerNormLSTM(128, 128, num_layers=2, bidirectional=True, backend="cpu")
-        for name, param in ln.named_parameters():
-            param.requires_grad_(name.startswith("ln_"))
-        out, _ = ln(x.detach())
-        assert out.requires_grad and not calls
-        out.sum().backward()
-        ln.requires_grad_(False)
-        ln(x.detach())
-        assert len(calls) == 2, "nothing requires grad: no graph, directions at once"
+        torch.set_num_threads(1)
+        m(x)
+        assert not calls
     finally:
         torch.set_num_threads(saved)
 

@@ -29,6 +29,44 @@ _HOST_MASK_SIZE = 256
 _peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
 
+def _ahead(ahead: Optional[list]) -> dict:
+    """The ``ahead`` keyword of ops.run_recurrence where one is given: the
+    plain calls keep their form."""
+    return {} if ahead is None else {"ahead": ahead}
+
+
+def _run_directions_at_once(calls: list) -> list:
+    """A bidirectional layer's two recurrences (``(call, records)`` pairs,
+    _run_layers_cast) at once, each on one of two threads
+    (ops.run_concurrently).  One that records a graph node runs there below
+    autograd, under no_grad (no node, no saved tensor on that thread); then
+    this thread makes the nodes, one direction after the other, from the
+    outputs computed (ops.recorded_ahead): the graph, the order of what is
+    saved (torch.utils.checkpoint's hooks count it) and every gradient's order
+    of summation are those of one direction after the other.  (Nodes made on
+    the other thread would take their sequence numbers, the backward's order
+    among nodes ready at once, from that thread's counter: a tensor fed by both
+    directions and something else, x beside a residual path, summed its three
+    gradients in another order.)"""
+    ahead = [[] if records else None for _, records in calls]
+
+    def on_thread(i: int):
+        call = calls[i][0]
+        if ahead[i] is None:
+            return call
+
+        def run():
+            with torch.no_grad():
+                return call(ahead[i])
+        return run
+
+    first = ops.run_concurrently(on_thread(0), on_thread(1))
+    if ahead[0] is None and ahead[1] is None:
+        return list(first)
+    with ops.recorded_ahead([e for lst in ahead if lst for e in lst]):
+        return [first[i] if ahead[i] is None else calls[i][0]() for i in range(2)]
+
+
 def _on_host(mask: Tensor) -> bool:
     """Whether a mask's values are read on the host: small, on the CPU, eager."""
     return (mask.device.type == "cpu" and mask.numel() <= _HOST_MASK_SIZE
@@ -418,23 +456,33 @@ class _RecurrentMixin(_RnnkernOptions):
                       and self.proj_size == 0
                       and ops.from_input_applies(backend, cell, x, h0, c0, weights))
 
-        def direction(layer: int, d: int, x: Tensor, zoneout: Optional[Tensor]):
+        def recurrence(layer: int, d: int, x: Tensor, zoneout: Optional[Tensor]):
+            """A direction's recurrence as a call, with whether it records a
+            graph node; its inputs made here, on this thread: the projection
+            and the states' rows."""
             idx = layer * D + d
             w_ih, w_hh, b_ih, b_hh, w_hr = weights[idx]
-            if from_input:
-                return ops.run_recurrence_from_input(cell, x, w_ih, h0[idx],
-                                                     c0[idx] if lstm else None, w_hh, b_ih, b_hh,
-                                                     d == 1)
+            h, c = h0[idx], c0[idx] if lstm else None
+            if from_input:  # (inference)
+                return (lambda: ops.run_recurrence_from_input(cell, x, w_ih, h, c, w_hh, b_ih, b_hh,
+                                                              d == 1)), False
             xproj = self._input_projection(x, w_ih, backend, packing, x_rows if layer == 0 else None)
             ln = None if lns is None else lns[idx]
             if step_resets[d] is None or reset_is_hx:
-                return ops.run_recurrence(
-                    backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
-                    b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, **steps)
-            return ops.run_recurrence_with_reset_state(
-                backend, cell, xproj, h0[idx], c0[idx] if lstm else None, w_hh, b_ih,
-                b_hh, w_hr, lengths, d == 1, step_resets[d], zoneout, ln, r0[idx],
-                rc0[idx] if lstm else None, **steps)
+                r = rc = None
+
+                def call(ahead: Optional[list] = None):
+                    return ops.run_recurrence(backend, cell, xproj, h, c, w_hh, b_ih, b_hh, w_hr,
+                                              lengths, d == 1, step_resets[d], zoneout, ln,
+                                              **steps, **_ahead(ahead))
+            else:
+                r, rc = r0[idx], rc0[idx] if lstm else None
+
+                def call(ahead: Optional[list] = None):
+                    return ops.run_recurrence_with_reset_state(
+                        backend, cell, xproj, h, c, w_hh, b_ih, b_hh, w_hr, lengths, d == 1,
+                        step_resets[d], zoneout, ln, r, rc, **steps, **_ahead(ahead))
+            return call, ops._needs_grad(xproj, h, c, w_hh, b_ih, b_hh, w_hr, ln, r, rc)
 
         h_n, c_n = [], []
         for layer in range(self.num_layers):
@@ -442,10 +490,10 @@ class _RecurrentMixin(_RnnkernOptions):
             if p and self.training:  # a fresh Bernoulli mask per layer and direction, in order
                 masks = [x.new_empty((T, B, Z)).bernoulli_(p) for _ in range(D)]
             if at_once:
-                results = ops.run_concurrently(lambda: direction(layer, 0, x, masks[0]),
-                                               lambda: direction(layer, 1, x, masks[1]))
+                results = _run_directions_at_once([recurrence(layer, d, x, masks[d])
+                                                   for d in range(D)])
             else:
-                results = [direction(layer, d, x, masks[d]) for d in range(D)]
+                results = [recurrence(layer, d, x, masks[d])[0]() for d in range(D)]
             outputs = []
             for out, h, c in results:
                 outputs.append(out)
@@ -468,12 +516,13 @@ class _RecurrentMixin(_RnnkernOptions):
         backend, where that uses the threads better than one direction after
         the other -- two threads, or a recurrence that would run on one thread
         anyway (a small batch: ops.cpu_recurrence_threads) -- with work enough
-        per direction; in inference (no autograd graph: the backward runs node
-        by node on one thread anyway, and hooks on saved tensors,
-        torch.utils.checkpoint's among them, count them in the order they
-        come); eagerly (no compile, trace, torch.func transform, forward-mode
-        AD or Python mode: they keep state of their own per thread, or would
-        see the two directions' ops interleaved).  The same bits either way."""
+        per direction; in inference, and in training where the graph may be
+        recorded on two threads (_graph_safe_from_another_thread: the
+        recurrences' nodes there, the rest on this thread; the backward still
+        runs node by node on one thread); eagerly (no compile, trace,
+        torch.func transform, forward-mode AD or Python mode: they keep state
+        of their own per thread, or would see the two directions' ops
+        interleaved).  The same bits either way."""
         if backend != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
             return False
         threads = torch.get_num_threads()
@@ -481,8 +530,6 @@ class _RecurrentMixin(_RnnkernOptions):
             return False
         tensors = [x, *hx, *(w for ws in weights for w in ws if w is not None),
                    *(reset_state or ()), *(lns or ())]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return False
         if _peek_interpreter_stack() is not None or forward_ad._current_level >= 0 \
                 or torch._C._is_torch_function_mode_enabled() \
                 or torch._C._len_torch_dispatch_stack() > 0 \
