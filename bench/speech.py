@@ -12,7 +12,7 @@ convolutions, hidden 512 per direction, 2 layers, bidirectional; one utterance
 (B = 1: streaming a file, a voice assistant) and a batch of 8.  At B = 1 each
 step is a matrix-vector product that streams W_hh (4 MB for the LSTM) from L3,
 so one direction keeps one core busy: rnnkern runs the two directions at once
-in inference (ops.run_concurrently), torch.nn one after the other.  Candidates:
+(ops.run_concurrently; in training their forward), torch.nn one after the other.  Candidates:
 torch.nn, rnnkern's cpu backend, and ``backend="auto"`` (what a converted model
 runs).  Phases: forward under torch.no_grad (inference), and forward + backward
 (the gradients of the input and every weight under a random functional of the

@@ -247,7 +247,7 @@ def choose(*, cell: str, device: torch.device, dtype: torch.dtype, B: int, H: in
 def _for_directions(rows: list, directions: int) -> list:
     """The rows that speak for a call of ``directions``: a bidirectional call's
     own rows where the table has them (bench/speech.py: on a CPU rnnkern runs
-    the two directions at once in inference, so its ratio there is not a
+    the two directions at once, so its ratio there is not a
     one-direction row's), else the one-direction rows; a one-direction call's,
     those alone."""
     if directions == 2:

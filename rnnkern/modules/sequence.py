@@ -516,10 +516,10 @@ class _RecurrentMixin(_RnnkernOptions):
         backend, where that uses the threads better than one direction after
         the other -- two threads, or a recurrence that would run on one thread
         anyway (a small batch: ops.cpu_recurrence_threads) -- with work enough
-        per direction; in inference, and in training where the graph may be
-        recorded on two threads (_graph_safe_from_another_thread: the
-        recurrences' nodes there, the rest on this thread; the backward still
-        runs node by node on one thread); eagerly (no compile, trace,
+        per direction; in inference, and in training (their kernels at once,
+        their graph nodes made afterwards on this thread:
+        _run_directions_at_once; the backward still runs node by node on one
+        thread); eagerly (no compile, trace,
         torch.func transform, forward-mode AD or Python mode: they keep state
         of their own per thread, or would see the two directions' ops
         interleaved).  The same bits either way."""
