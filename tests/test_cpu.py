@@ -1115,11 +1115,8 @@ def test_directions_at_once_in_training_give_the_bits_of_one_after_the_other(
     caller's, one direction after the other): the outputs and every gradient
     (x, hx, the reset state, each parameter) are the bits of one thread and of
     the directions run one after the other, and no direction's kernel runs
-    twice.  (Zoneout's training masks are drawn per call: eval mode keeps them
-    fixed; a zoneout module in training draws its masks before the directions.)"""
-    if kwargs.get("zoneout"):
-        pytest.skip("zoneout in training draws fresh masks per call; its eval form is the "
-                    "inference test's")
+    twice.  (Zoneout's training masks are drawn on the caller's thread, layer
+    by layer before the directions, from the seed each run sets.)"""
     want = _at_once_train(name, kwargs, fwd, B, H, 1)
     assert at_once_spy["calls"] == 0, "one thread: the directions run one after the other"
     for threads in (2, 3):
