@@ -118,6 +118,13 @@ def test_linear_backward_on_pairs_sums_the_exact_products(pair_mode, M, K, N):
         assert ((got.double() - exact).abs() <= bound).all(), (name, (got.double() - exact).abs().max())
     only_w = torch.ops.rnnkern.linear_backward(gy, x, w, False, True)[1]
     assert torch.equal(only_w, gw)
+    only_x = torch.ops.rnnkern.linear_backward(gy, x, w, True, False)[0]
+    assert torch.equal(only_x, gx)
+    # strided operands are read where they lie: the same bits as their dense copies
+    gys, xs = torch.stack([gy, -gy], 2).flatten(1)[:, ::2], torch.stack([x, -x], 2).flatten(1)[:, ::2]
+    assert gys.stride(1) == 2 and xs.stride(1) == 2 and torch.equal(gys, gy) and torch.equal(xs, x)
+    for got, want in zip(torch.ops.rnnkern.linear_backward(gys, xs, w, True, True), (gx, gw)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("B,H", [(1, 37), (2, 70), (9, 70), (20, 16)])

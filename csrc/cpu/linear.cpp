@@ -421,6 +421,27 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_linear_backward(grad_y, x, weight);
   const auto dtype = x.scalar_type();
+  if (on_pairs({&grad_y, &x, &weight})) {
+    // The gradients rounded to bf16 block of rows by block (pairs::gemm_to_bf16),
+    // as linear_cpu's y: no float32 copy of dX (a call's input, T*B rows) to
+    // convert afterwards.  The same bits as linear_backward_acc's then rounding.
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+    at::Tensor grad_x = empty_like_options(x, dtype), grad_w = empty_like_options(x, dtype);
+    if (need_x) {
+      grad_x = pooled_empty({M, K}, x.options());
+      pairs::gemm_to_bf16<uint16_t>(M, K, N, pairs::bf16_bits(grad_y), grad_y.stride(0),
+                                    grad_y.stride(1), pairs::bf16_bits(weight), weight.stride(0),
+                                    weight.stride(1), reinterpret_cast<uint16_t*>(grad_x.data_ptr()),
+                                    K);
+    }
+    if (need_weight) {
+      grad_w = pooled_empty({N, K}, x.options());
+      pairs::gemm_to_bf16<uint16_t>(N, K, M, pairs::bf16_bits(grad_y), grad_y.stride(1),
+                                    grad_y.stride(0), pairs::bf16_bits(x), x.stride(0), x.stride(1),
+                                    reinterpret_cast<uint16_t*>(grad_w.data_ptr()), K);
+    }
+    return {grad_x, grad_w};
+  }
   auto [grad_x, grad_w] = linear_backward_acc(grad_y, x, weight, need_x, need_weight);
   return {need_x ? pooled_to(grad_x, dtype) : empty_like_options(x, dtype),
           need_weight ? pooled_to(grad_w, dtype) : empty_like_options(x, dtype)};
