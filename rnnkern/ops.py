@@ -240,17 +240,14 @@ def run_recurrence(backend: str, cell: str, xproj: Tensor, h0: Tensor, c0: Optio
                                               reset_c):
         return reference.recurrence(cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse,
                                     resets, zoneout, ln, reset_h, reset_c, cell_steps)
+    train = ahead is not None or _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h,
+                                             reset_c)
+    with torch._C._AutoDispatchBelowAutograd() if ahead is not None else contextlib.nullcontext():
+        output, h_n, c_n, ws = _op_family(backend).recurrence.default(
+            cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout,
+            ln, reset_h, reset_c, cell_steps)
     if ahead is not None:
-        with torch._C._AutoDispatchBelowAutograd():
-            output, h_n, c_n, ws = _op_family(backend).recurrence.default(
-                cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, True, resets,
-                zoneout, ln, reset_h, reset_c, cell_steps)
         ahead.append((xproj, w_hh, reverse, cell, output, h_n, c_n, ws))
-        return output, h_n, (c_n if has_cell_state(cell) else None)
-    train = _needs_grad(xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c)
-    output, h_n, c_n, _ = _op_family(backend).recurrence.default(
-        cell, xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, lengths, reverse, train, resets, zoneout, ln,
-        reset_h, reset_c, cell_steps)
     return output, h_n, (c_n if has_cell_state(cell) else None)
 
 

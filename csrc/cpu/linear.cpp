@@ -328,6 +328,32 @@ bool on_pairs(std::initializer_list<const at::Tensor*> ts) {
   return true;
 }
 
+// C[M, N] = A B of bf16 operands (A[m][k] = a[m*a_rows + k*a_ks], B likewise)
+// into c, row-major: float32 sums, or where c is bf16 rounded block of rows by
+// block as they finish (pairs::gemm_to_bf16: the same values, no float32 C).
+void pair_product(int64_t M, int64_t N, int64_t K, const at::Tensor& a, int64_t a_rows,
+                  int64_t a_ks, const at::Tensor& b, int64_t b_ks, int64_t b_ns, at::Tensor& c) {
+  if (c.scalar_type() == at::kBFloat16)
+    pairs::gemm_to_bf16<uint16_t>(M, N, K, pairs::bf16_bits(a), a_rows, a_ks, pairs::bf16_bits(b),
+                                  b_ks, b_ns, reinterpret_cast<uint16_t*>(c.data_ptr()), N);
+  else
+    pairs::gemm<uint16_t>(M, N, K, pairs::bf16_bits(a), a_rows, a_ks, pairs::bf16_bits(b), b_ks,
+                          b_ns, c.data_ptr<float>(), N, false);
+}
+
+// grad_x = grad_y W and grad_w = grad_y^T x on bf16 pairs read as the tensors
+// lie, into grad_x [M, K] and grad_w [N, K] of either dtype (pair_product).
+void pair_gradients(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
+                    bool need_x, bool need_weight, at::Tensor& grad_x, at::Tensor& grad_w) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (need_x)
+    pair_product(M, K, N, grad_y, grad_y.stride(0), grad_y.stride(1), weight, weight.stride(0),
+                 weight.stride(1), grad_x);
+  if (need_weight)
+    pair_product(N, K, M, grad_y, grad_y.stride(1), grad_y.stride(0), x, x.stride(0),
+                 x.stride(1), grad_w);
+}
+
 }  // namespace
 
 at::Tensor linear_acc(const at::Tensor& x, const at::Tensor& weight) {
@@ -370,14 +396,7 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_acc(const at::Tensor& grad_y,
   at::Tensor grad_w = need_weight ? pooled_empty({N, K}, x.options().dtype(acc))
                                   : empty_like_options(x, acc);
   if (on_pairs({&grad_y, &x, &weight})) {  // bf16 pairs read from the tensors as they lie
-    if (need_x)
-      pairs::gemm<uint16_t>(M, K, N, pairs::bf16_bits(grad_y), grad_y.stride(0), grad_y.stride(1),
-                            pairs::bf16_bits(weight), weight.stride(0), weight.stride(1),
-                            grad_x.data_ptr<float>(), K, false);
-    if (need_weight)
-      pairs::gemm<uint16_t>(N, K, M, pairs::bf16_bits(grad_y), grad_y.stride(1), grad_y.stride(0),
-                            pairs::bf16_bits(x), x.stride(0), x.stride(1), grad_w.data_ptr<float>(), K,
-                            false);
+    pair_gradients(grad_y, x, weight, need_x, need_weight, grad_x, grad_w);
     return {grad_x, grad_w};
   }
   const at::Tensor g = to_acc_2d(grad_y, acc), xa = to_acc_2d(x, acc), wa = to_acc_2d(weight, acc);
@@ -426,20 +445,9 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_y,
     // as linear_cpu's y: no float32 copy of dX (a call's input, T*B rows) to
     // convert afterwards.  The same bits as linear_backward_acc's then rounding.
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-    at::Tensor grad_x = empty_like_options(x, dtype), grad_w = empty_like_options(x, dtype);
-    if (need_x) {
-      grad_x = pooled_empty({M, K}, x.options());
-      pairs::gemm_to_bf16<uint16_t>(M, K, N, pairs::bf16_bits(grad_y), grad_y.stride(0),
-                                    grad_y.stride(1), pairs::bf16_bits(weight), weight.stride(0),
-                                    weight.stride(1), reinterpret_cast<uint16_t*>(grad_x.data_ptr()),
-                                    K);
-    }
-    if (need_weight) {
-      grad_w = pooled_empty({N, K}, x.options());
-      pairs::gemm_to_bf16<uint16_t>(N, K, M, pairs::bf16_bits(grad_y), grad_y.stride(1),
-                                    grad_y.stride(0), pairs::bf16_bits(x), x.stride(0), x.stride(1),
-                                    reinterpret_cast<uint16_t*>(grad_w.data_ptr()), K);
-    }
+    at::Tensor grad_x = need_x ? pooled_empty({M, K}, x.options()) : empty_like_options(x, dtype);
+    at::Tensor grad_w = need_weight ? pooled_empty({N, K}, x.options()) : empty_like_options(x, dtype);
+    pair_gradients(grad_y, x, weight, need_x, need_weight, grad_x, grad_w);
     return {grad_x, grad_w};
   }
   auto [grad_x, grad_w] = linear_backward_acc(grad_y, x, weight, need_x, need_weight);
