@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "autograd.h"
+#include "cpu/parallel.h"
 
 namespace rnnkern {
 namespace {
@@ -147,6 +149,39 @@ std::optional<std::tuple<Tensor, Tensor, Tensor, Tensor>> take_ahead(const Tenso
   return std::nullopt;
 }
 
+// Recurrence backwards run ahead of their node's call by the engine
+// (backward_recurrences_at_once, autograd.h): this thread's, each taken by
+// its node's call with the very gradient tensors it was computed from.
+struct Behind {
+  const AutogradContext* ctx;
+  variable_list grads;
+  variable_list result;
+};
+thread_local std::vector<Behind> behind;
+thread_local size_t behind_missed = 0;  // dropped for other gradients
+
+bool same_tensors(const variable_list& a, const variable_list& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].defined() != b[i].defined() || (a[i].defined() && !a[i].is_same(b[i]))) return false;
+  return true;
+}
+
+std::optional<variable_list> take_behind(const AutogradContext* ctx, const variable_list& grads) {
+  for (auto it = behind.begin(); it != behind.end(); ++it) {
+    if (it->ctx == ctx) {
+      std::optional<variable_list> result;
+      if (same_tensors(it->grads, grads))
+        result = std::move(it->result);
+      else
+        ++behind_missed;
+      behind.erase(it);
+      return result;
+    }
+  }
+  return std::nullopt;
+}
+
 struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
   static variable_list forward(AutogradContext* ctx, const Family* f, const std::string& cell,
                                const Tensor& xproj, const Tensor& h0, const OptTensor& c0,
@@ -180,7 +215,9 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     const std::string cell = ctx->saved_data["cell"].toStringRef();
     const bool reverse = ctx->saved_data["reverse"].toBool();
     const bool lstm = c10::string_view(cell).substr(0, 4) == "lstm";  // lstm, lstm_ln: a cell state
-    const variable_list s = ctx->get_saved_variables();
+    const variable_list s = ctx->get_saved_variables();  // (torch's checks: in-place edits, freed graph)
+    if (!at::GradMode::is_enabled())
+      if (auto ran = take_behind(ctx, grads)) return *std::move(ran);
     const Tensor &xproj = s[0], &h0 = s[1], &c0 = s[2], &w_hh = s[3], &b_ih = s[4],
                  &b_hh = s[5], &w_hr = s[6], &out = s[7], &ws = s[8], &lengths = s[9],
                  &resets = s[10], &zoneout = s[11], &ln = s[12], &reset_h = s[13],
@@ -370,6 +407,52 @@ void recurrence_ahead(const Tensor& xproj, const Tensor& w_hh, bool reverse,
 size_t clear_recurrences_ahead() {
   const size_t left = ahead.size();
   ahead.clear();
+  return left;
+}
+
+size_t backward_recurrences_at_once(const std::array<Tensor, 2>& outputs,
+                                    const std::array<std::vector<Tensor>, 2>& grads) {
+  std::array<AutogradContext*, 2> ctx{};
+  for (size_t i = 0; i < 2; ++i) {
+    auto* node =
+        dynamic_cast<torch::autograd::CppNode<RecurrenceFunction>*>(outputs[i].grad_fn().get());
+    if (node == nullptr) return 0;
+    ctx[i] = &node->ctx_;
+  }
+  if (ctx[0] == ctx[1]) return 0;
+  for (const AutogradContext* c : ctx)
+    behind.erase(std::remove_if(behind.begin(), behind.end(),
+                                [&](const Behind& b) { return b.ctx == c; }),
+                 behind.end());
+  // What an engine's call left (a backward that failed between): at most a
+  // few layers' worth is kept.
+  if (behind.size() > 8) behind.erase(behind.begin(), behind.end() - 8);
+  std::array<std::optional<variable_list>, 2> results;
+  const at::ThreadLocalState state;
+  cpu::for_each_worker(2, [&](int64_t t) {
+    at::ThreadLocalStateGuard guard(state);
+    at::NoGradGuard no_grad;
+    // An error (an in-place edit of a saved tensor, a graph already freed)
+    // is left to the engine's call of the node, which raises it as torch does.
+    try {
+      results[t] = RecurrenceFunction::backward(ctx[t], grads[t]);
+    } catch (...) {
+      results[t].reset();
+    }
+  });
+  size_t kept = 0;
+  for (size_t i = 0; i < 2; ++i) {
+    if (!results[i]) continue;
+    behind.push_back(Behind{ctx[i], grads[i], *std::move(results[i])});
+    ++kept;
+  }
+  return kept;
+}
+
+size_t clear_recurrence_backwards_ahead() {
+  const size_t left = behind.size() + behind_missed;
+  behind.clear();
+  behind_missed = 0;
   return left;
 }
 

@@ -3,8 +3,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace rnnkern {
 
@@ -28,5 +30,23 @@ void recurrence_ahead(const at::Tensor& xproj, const at::Tensor& w_hh, bool reve
                       const std::string& cell, const at::Tensor& out, const at::Tensor& h_n,
                       const at::Tensor& c_n, const at::Tensor& ws);
 size_t clear_recurrences_ahead();
+
+// A bidirectional layer's two recurrences' backward at once, one on each of
+// two threads (rnnkern/modules: the directions ran at once in the forward, and
+// the engine would run their nodes one after the other on one thread).
+// outputs[i]: an output of direction i's recurrence node, grads[i]: the
+// gradients that node is about to receive (out, h_n, c_n, ws; undefined where
+// none).  Each node's own backward runs below autograd and its result is kept
+// for this thread's next call of that node with the very same gradient
+// tensors, which returns it instead of running the kernel: the results, and
+// every sum's order, are those of the nodes run one after the other.  A call
+// with other gradients (a hook changed them) runs the kernel.  The number of
+// backwards kept (0 for outputs of another node; one that failed is left to
+// the engine's call, which raises its error).
+size_t backward_recurrences_at_once(const std::array<at::Tensor, 2>& outputs,
+                                    const std::array<std::vector<at::Tensor>, 2>& grads);
+// Drops what no call took; their count, with those a call found computed
+// for other gradients since the last clear.
+size_t clear_recurrence_backwards_ahead();
 
 }  // namespace rnnkern

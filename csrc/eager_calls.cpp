@@ -14,6 +14,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <array>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -161,6 +162,38 @@ PyObject* clear_recurrences_ahead_call(PyObject*, PyObject*) {
   return PyLong_FromSize_t(clear_recurrences_ahead());
 }
 
+// backward_recurrences_at_once(out0, grads0, out1, grads1): autograd.h's, for
+// rnnkern/modules' _BackwardsAtOnce; grads*: sequences of Tensors or None.
+PyObject* backward_recurrences_at_once_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr const char* op = "backward_recurrences_at_once";
+  TORCH_CHECK_TYPE(nargs == 4, op, ": expected 4 arguments (out0, grads0, out1, grads1), got ",
+                   nargs);
+  std::array<Tensor, 2> outputs;
+  std::array<std::vector<Tensor>, 2> grads;
+  for (int i = 0; i < 2; ++i) {
+    outputs[i] = tensor_argument(op, args[2 * i], "out");
+    PyObject* seq = args[2 * i + 1];
+    TORCH_CHECK_TYPE(PyList_Check(seq) || PyTuple_Check(seq), op,
+                     ": grads must be a list of Tensors or None, got ", Py_TYPE(seq)->tp_name);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; ++k)
+      grads[i].push_back(items[k] == Py_None ? Tensor() : tensor_argument(op, items[k], "grads"));
+  }
+  size_t kept;
+  {
+    pybind11::gil_scoped_release no_gil;
+    kept = backward_recurrences_at_once(outputs, grads);
+  }
+  return PyLong_FromSize_t(kept);
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* clear_recurrence_backwards_ahead_call(PyObject*, PyObject*) {
+  return PyLong_FromSize_t(clear_recurrence_backwards_ahead());
+}
+
 PyCFunction fastcall(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t)) {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
 }
@@ -176,6 +209,13 @@ const ModuleFunctions functions({
      "for this thread's next recording recurrence call with these xproj and w_hh (autograd.h)."},
     {"clear_recurrences_ahead", clear_recurrences_ahead_call, METH_NOARGS,
      "Drops this thread's recurrence outputs computed ahead that no call took; their count."},
+    {"backward_recurrences_at_once", fastcall(backward_recurrences_at_once_call), METH_FASTCALL,
+     "backward_recurrences_at_once(out0, grads0, out1, grads1): two recurrence nodes' backward "
+     "at once, kept for this thread's calls of the nodes with these gradients (autograd.h); "
+     "how many were kept."},
+    {"clear_recurrence_backwards_ahead", clear_recurrence_backwards_ahead_call, METH_NOARGS,
+     "Drops this thread's recurrence backwards computed ahead that no call took; their count "
+     "(with those a call found computed for other gradients)."},
 });
 
 }  // namespace

@@ -269,6 +269,19 @@ def recorded_ahead(ahead: list):
         _C.clear_recurrences_ahead()
 
 
+def backward_recurrences_at_once(out0: Tensor, grads0, out1: Tensor, grads1) -> int:
+    """Two recurrence nodes' backward at once, one on each of two threads,
+    ahead of the engine's calls of the nodes: ``out0`` and ``out1`` are outputs
+    of the nodes, ``grads0`` and ``grads1`` the gradients (Tensors or None)
+    each is about to receive for its out, h_n and c_n.  What each computes is
+    kept for this thread's call of its node with the very same gradient
+    tensors, which returns it instead of running the kernel (csrc/autograd.h):
+    a bidirectional layer whose directions ran at once in the forward
+    (rnnkern/modules: _BackwardsAtOnce).  How many were kept."""
+    pad = [None] * (4 - len(grads0))  # (through c_n; ws has no gradient)
+    return _C.backward_recurrences_at_once(out0, [*grads0, *pad], out1, [*grads1, *pad])
+
+
 #: The cells recurrence_from_input runs (its plain cells: no options).
 FROM_INPUT_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 

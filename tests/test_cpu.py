@@ -1086,13 +1086,25 @@ def _at_once_train(name, kwargs, fwd, B, H, threads, hx=True, residual=False, ca
 @pytest.fixture
 def at_once_spy(monkeypatch):
     """Counts ops.run_concurrently's calls, and the recurrences computed ahead
-    that no recording call took (each would have run its kernel twice)."""
-    seen = {"calls": 0, "untaken": 0}
+    that no recording call took (each would have run its kernel twice); and
+    the recurrence backwards run at once (``backwards``: those kept for their
+    nodes' calls) -- ``backward_untaken()``: those no node's call took since
+    the last (it would have run the kernel again)."""
+    seen = {"calls": 0, "untaken": 0, "backwards": 0,
+            "backward_untaken": ops._C.clear_recurrence_backwards_ahead}
     run_concurrently, clear = ops.run_concurrently, ops._C.clear_recurrences_ahead
+    backwards = ops.backward_recurrences_at_once
 
     def spy(a, b):
         seen["calls"] += 1
         return run_concurrently(a, b)
+
+    def counted_backwards(*args):
+        kept = backwards(*args)
+        seen["backwards"] += kept
+        return kept
+
+    monkeypatch.setattr(ops, "backward_recurrences_at_once", counted_backwards)
 
     def counted_clear():
         left = clear()
@@ -1119,17 +1131,21 @@ def test_directions_at_once_in_training_give_the_bits_of_one_after_the_other(
     by layer before the directions, from the seed each run sets.)"""
     want = _at_once_train(name, kwargs, fwd, B, H, 1)
     assert at_once_spy["calls"] == 0, "one thread: the directions run one after the other"
+    assert at_once_spy["backwards"] == 0
     for threads in (2, 3):
         got = _at_once_train(name, kwargs, fwd, B, H, threads)
         assert at_once_spy["calls"] == 2, f"{threads} threads: both layers at once"
         at_once_spy["calls"] = 0
         assert at_once_spy["untaken"] == 0, "a recurrence computed ahead was computed again"
+        assert at_once_spy["backwards"] == 4, f"{threads} threads: both layers' backward at once"
+        at_once_spy["backwards"] = 0
+        assert at_once_spy["backward_untaken"]() == 0, "a backward computed ahead ran again"
         assert len(got) == len(want)
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"{name} {kwargs} {fwd}: result {i} differs at {threads} threads"
     monkeypatch.setattr(_RecurrentMixin, "_directions_at_once", lambda *args: False)
     got = _at_once_train(name, kwargs, fwd, B, H, 2)
-    assert at_once_spy["calls"] == 0
+    assert at_once_spy["calls"] == 0 and at_once_spy["backwards"] == 0
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -1147,6 +1163,9 @@ def test_directions_at_once_keep_the_order_of_gradients_meeting_in_a_tensor(at_o
         got = _at_once_train(name, {}, {}, 1, 96, threads, residual=True, calls=3)
         assert at_once_spy["calls"] == 8
         at_once_spy["calls"] = 0
+        assert at_once_spy["backwards"] == 16
+        at_once_spy["backwards"] = 0
+        assert at_once_spy["backward_untaken"]() == 0
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"{name}: result {i} differs at {threads} threads"
 
@@ -1166,11 +1185,13 @@ def test_directions_at_once_under_checkpoint_and_saved_tensor_hooks(at_once_spy)
     torch.set_num_threads(2)
     try:
         want = torch.autograd.grad((m(x)[0] * cot).sum(), [x, *m.parameters()])
-        assert at_once_spy["calls"] == 2
+        assert at_once_spy["calls"] == 2 and at_once_spy["backwards"] == 4
+        at_once_spy["backwards"] = 0
         packed = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
             got = torch.autograd.grad((m(x)[0] * cot).sum(), [x, *m.parameters()])
         assert packed, "the hooks saw the layer's saved tensors"
+        assert at_once_spy["backwards"] == 0, "unpack hooks run on the engine's thread: no backward at once"
         for a, b in zip(got, want):
             assert torch.equal(a, b)
         at_once_spy["calls"] = 0
@@ -1178,8 +1199,132 @@ def test_directions_at_once_under_checkpoint_and_saved_tensor_hooks(at_once_spy)
         got = torch.autograd.grad((out * cot).sum(), [x, *m.parameters()])
         assert at_once_spy["calls"] == 4, "forward and recomputation, both layers"
         assert at_once_spy["untaken"] == 0
+        assert at_once_spy["backwards"] == 0
+        assert at_once_spy["backward_untaken"]() == 0
         for a, b in zip(got, want):
             assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _recurrence_nodes(tensor):
+    """The recurrence nodes of ``tensor``'s graph, in the order their
+    gradients are reached from it (the last layer's first)."""
+    found, seen, stack = [], set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "RecurrenceFunction" in node.name():
+            found.append(node)
+        stack += [f for f, _ in node.next_functions]
+    return found
+
+
+def _bidirectional_grads(threads, wrt, hook=None, create_graph=False, T=300):
+    """A bidirectional two-layer LSTM's output and the gradients of a loss
+    with respect to ``wrt(module, x)`` at ``threads``; ``hook(nodes)`` may
+    register hooks on the recurrence nodes first."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        m = rnnkern.LSTM(64, 64, num_layers=2, bidirectional=True, backend="cpu")
+        g, F32 = generator("backwards-at-once", T), torch.float32
+        x = randn(g, T, 2, 64, dtype=F32, requires_grad=True)
+        out, (h, c) = m(x)
+        if hook is not None:
+            hook(_recurrence_nodes(out))
+        loss = (out * randn(g, *out.shape, dtype=F32)).sum() + (h * h).sum() + c.sum()
+        grads = torch.autograd.grad(loss, wrt(m, x), create_graph=create_graph)
+        return [out.detach(), *grads]
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_backwards_at_once_leave_changed_gradients_to_the_node(at_once_spy):
+    """A hook on a recurrence node that changes the gradients it receives
+    after the layer's backwards ran at once: that node's call finds its
+    result computed for other gradients and runs the kernel on its own; the
+    results are those of one thread."""
+    def double_first_layer(nodes):
+        nodes[-1].register_prehook(lambda grads: tuple(None if v is None else 2 * v for v in grads))
+
+    def params(m, x):
+        return [x, *m.parameters()]
+
+    want = _bidirectional_grads(1, params, double_first_layer)
+    got = _bidirectional_grads(2, params, double_first_layer)
+    assert at_once_spy["backwards"] == 4
+    assert at_once_spy["backward_untaken"]() == 1, "the hooked node ran its kernel again"
+    plain = _bidirectional_grads(1, params)
+    assert not torch.equal(plain[1], want[1]), "the hook changed x's gradient"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"result {i}"
+
+
+def test_backwards_at_once_only_where_the_engine_runs_both_nodes(at_once_spy):
+    """torch.autograd.grad with inputs that one direction's node does not
+    reach (the second layer's reverse weights alone): no backward runs ahead,
+    the gradients are one thread's."""
+    def reverse_weights(m, x):
+        return [m.weight_hh_l1_reverse, m.weight_ih_l1_reverse]
+
+    want = _bidirectional_grads(1, reverse_weights)
+    got = _bidirectional_grads(2, reverse_weights)
+    assert at_once_spy["calls"] == 2, "the forward at once"
+    assert at_once_spy["backwards"] == 0
+    assert at_once_spy["backward_untaken"]() == 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_backwards_at_once_not_with_create_graph(at_once_spy):
+    """create_graph=True (the nodes record the graph of their gradients): the
+    nodes run one after the other; first and second derivatives are one
+    thread's."""
+    def x_and_weights(m, x):
+        return [x, m.weight_hh_l0, m.weight_hh_l1_reverse]
+
+    results = []
+    for threads in (1, 2):
+        first = _bidirectional_grads(threads, x_and_weights, create_graph=True, T=128)
+        second = torch.autograd.grad(sum((v * v).sum() for v in first[1:]), [first[1]])
+        results.append([v.detach() for v in first] + list(second))
+    assert at_once_spy["calls"] == 2 and at_once_spy["backwards"] == 0
+    for a, b in zip(*results):
+        assert_close(a, b, what="create_graph at one and two threads")
+
+
+@pytest.mark.parametrize("edit", ["twice", "in_place"])
+def test_backwards_at_once_raise_torch_errors(at_once_spy, edit):
+    """A second backward through a freed graph, or a saved weight edited in
+    place after the forward: torch's error, raised by the node's own call as
+    with one thread (the backwards at once ran into it and kept nothing)."""
+    torch.manual_seed(0)
+    m = rnnkern.LSTM(64, 64, num_layers=2, bidirectional=True, backend="cpu")
+    x = randn(generator("backwards-at-once-errors"), 300, 2, 64, dtype=torch.float32,
+              requires_grad=True)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            loss = m(x)[0].sum()
+            if edit == "twice":
+                loss.backward()
+                with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                    loss.backward()
+            else:
+                with torch.no_grad():
+                    m.weight_hh_l1.mul_(1.5)
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    loss.backward()
+        # twice: both layers' the first time, none the second; in place: the
+        # edited weight's direction keeps nothing, the other direction's result
+        # is taken by its node (the engine calls it first) before the error.
+        assert at_once_spy["backwards"] == (4 if edit == "twice" else 1)
+        assert at_once_spy["backward_untaken"]() == 0
     finally:
         torch.set_num_threads(saved)
 

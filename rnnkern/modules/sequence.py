@@ -64,7 +64,51 @@ def _run_directions_at_once(calls: list) -> list:
     if ahead[0] is None and ahead[1] is None:
         return list(first)
     with ops.recorded_ahead([e for lst in ahead if lst for e in lst]):
-        return [first[i] if ahead[i] is None else calls[i][0]() for i in range(2)]
+        results = [first[i] if ahead[i] is None else calls[i][0]() for i in range(2)]
+    if ahead[0] is None or ahead[1] is None or not torch.is_grad_enabled() \
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return results
+    return _BackwardsAtOnce.join(results)
+
+
+class _BackwardsAtOnce(torch.autograd.Function):
+    """The identity on a bidirectional layer's two recurrences' outputs (out,
+    h_n and c_n of each) whose backward runs the two recurrences' backward at
+    once, one on each of two threads (ops.backward_recurrences_at_once), just
+    before the engine calls their nodes -- one after the other, on one thread,
+    where the directions ran at once in the forward (_run_directions_at_once).
+    Every gradient the two nodes receive passes through here (nothing else
+    reads their outputs), so it knows them all; each node's call then returns
+    the result computed for its very gradient tensors (csrc/autograd.h): the
+    bits, and the graph's order, of the nodes run one after the other.  Not
+    with create_graph (the nodes then record their own graph), saved-tensor
+    hooks (whose unpacking, torch.utils.checkpoint's recomputation included,
+    belongs on the engine's thread), or where the engine will not run both
+    nodes (torch.autograd.grad with inputs before one of them)."""
+
+    @staticmethod
+    def join(results: list) -> list:
+        """``results``: the two directions' (out, h_n, c_n or None)."""
+        joined = iter(_BackwardsAtOnce.apply(*(t for r in results for t in r if t is not None)))
+        return [tuple(None if t is None else next(joined) for t in r) for r in results]
+
+    @staticmethod
+    def forward(ctx, *outputs: Tensor):
+        ctx.set_materialize_grads(False)
+        # Each direction's out: its node (saved, so that the graph's release
+        # frees it), and the order of its outputs' gradients.
+        ctx.n = len(outputs) // 2
+        ctx.save_for_backward(outputs[0], outputs[ctx.n])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.n
+        heads = ctx.saved_tensors
+        if not torch.is_grad_enabled() and all(torch._C._will_engine_execute_node(h.grad_fn)
+                                               for h in heads):
+            ops.backward_recurrences_at_once(heads[0], grads[:n], heads[1], grads[n:])
+        return grads
 
 
 def _on_host(mask: Tensor) -> bool:
@@ -518,8 +562,8 @@ class _RecurrentMixin(_RnnkernOptions):
         anyway (a small batch: ops.cpu_recurrence_threads) -- with work enough
         per direction; in inference, and in training (their kernels at once,
         their graph nodes made afterwards on this thread:
-        _run_directions_at_once; the backward still runs node by node on one
-        thread); eagerly (no compile, trace,
+        _run_directions_at_once; and their backward at once, _BackwardsAtOnce);
+        eagerly (no compile, trace,
         torch.func transform, forward-mode AD or Python mode: they keep state
         of their own per thread, or would see the two directions' ops
         interleaved).  The same bits either way."""
