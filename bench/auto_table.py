@@ -56,7 +56,7 @@ bfloat16 rows:
         bench/results/cpu-zen4-2026-12-02-bf16-t2-ec582f6/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json \
         bench/results/cpu-zen4-2026-12-02-speech-t1-2206010/bench.json \
-        bench/results/cpu-zen4-2026-12-02-speech-t2-2206010/bench.json \
+        bench/results/cpu-zen4-2026-12-02-speech-t2-72d46ae/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-t2-c7f7bfd/bench.json --dtypes float32
 """
 from __future__ import annotations
