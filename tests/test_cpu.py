@@ -1297,6 +1297,32 @@ def test_backwards_at_once_not_with_create_graph(at_once_spy):
         assert_close(a, b, what="create_graph at one and two threads")
 
 
+def test_backwards_at_once_with_retain_graph(at_once_spy):
+    """backward twice through a retained graph, the gradients accumulating:
+    each backward runs the layers' backwards at once again, and the sums are
+    one thread's."""
+    results = []
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(0)
+            m = rnnkern.GRU(64, 64, num_layers=2, bidirectional=True, backend="cpu")
+            g = generator("backwards-at-once-retain")
+            x = randn(g, 300, 2, 64, dtype=torch.float32, requires_grad=True)
+            out, h = m(x)
+            loss = (out * randn(g, *out.shape, dtype=torch.float32)).sum() + (h * h).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            results.append([x.grad, *(p.grad for p in m.parameters())])
+        finally:
+            torch.set_num_threads(saved)
+    assert at_once_spy["backwards"] == 8, "both layers, both backwards, at two threads"
+    assert at_once_spy["backward_untaken"]() == 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("edit", ["twice", "in_place"])
 def test_backwards_at_once_raise_torch_errors(at_once_spy, edit):
     """A second backward through a freed graph, or a saved weight edited in
