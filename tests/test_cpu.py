@@ -1323,6 +1323,31 @@ def test_backwards_at_once_with_retain_graph(at_once_spy):
         assert torch.equal(a, b)
 
 
+def test_backwards_at_once_under_reentrant_checkpoint(at_once_spy):
+    """torch.utils.checkpoint with use_reentrant=True: its forward runs
+    without a graph; its backward recomputes the layers with one and runs a
+    nested backward on the engine's thread, where the layers' backwards run at
+    once; the gradients are one thread's."""
+    results = []
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(0)
+            m = rnnkern.LSTM(64, 64, num_layers=2, bidirectional=True, backend="cpu")
+            g = generator("backwards-at-once-reentrant")
+            x = randn(g, 300, 2, 64, dtype=torch.float32, requires_grad=True)
+            out = torch.utils.checkpoint.checkpoint(lambda t: m(t)[0], x, use_reentrant=True)
+            (out * randn(g, *out.shape, dtype=torch.float32)).sum().backward()
+            results.append([x.grad, *(p.grad for p in m.parameters())])
+        finally:
+            torch.set_num_threads(saved)
+    assert at_once_spy["backwards"] == 4, "the recomputed layers, at two threads"
+    assert at_once_spy["backward_untaken"]() == 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("edit", ["twice", "in_place"])
 def test_backwards_at_once_raise_torch_errors(at_once_spy, edit):
     """A second backward through a freed graph, or a saved weight edited in
