@@ -40,8 +40,8 @@ threads:
         bench/results/cpu-zen4-2026-12-01-step-bf16-t1-1da3971/bench.json --dtypes bfloat16
 
 and its float32 rows (the full grid of the default families, its LSTM rows again after c5126ae,
-and the short family at 1 and 2 threads, and the bf16 family's float32 cases), leaving the
-bfloat16 rows:
+and the short family at 1 and 2 threads, its LSTM rows again after c5126ae too, and the bf16
+family's float32 cases), leaving the bfloat16 rows:
 
     python -m bench.auto_table \
         bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json \
@@ -50,6 +50,8 @@ bfloat16 rows:
         bench/results/cpu-zen4-2026-12-02-grid-lstm-t2-c5126ae/bench.json \
         bench/results/cpu-zen4-2026-12-01-short-t1-425b41b/bench.json \
         bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json \
+        bench/results/cpu-zen4-2026-12-02-short-lstm-t1-8e167f6/bench.json \
+        bench/results/cpu-zen4-2026-12-02-short-lstm-t2-8e167f6/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json \
         bench/results/cpu-zen4-2026-12-02-bf16-t1-ec582f6/bench.json \

@@ -56,6 +56,8 @@ F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
                "bench/results/cpu-zen4-2026-12-02-grid-lstm-t2-c5126ae/bench.json",
                "bench/results/cpu-zen4-2026-12-01-short-t1-425b41b/bench.json",
                "bench/results/cpu-zen4-2026-12-01-short-t2-425b41b/bench.json",
+               "bench/results/cpu-zen4-2026-12-02-short-lstm-t1-8e167f6/bench.json",
+               "bench/results/cpu-zen4-2026-12-02-short-lstm-t2-8e167f6/bench.json",
                "bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json",
                "bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json",
                *BF16_RERUN, STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
@@ -274,6 +276,11 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     # and the short family's (T 8 and 32): 24 sizes a cell, decided by their own rows.
     short = [e for e in shipped["entries"] if "-short-t" in e["source"]]
     assert len(short) == 3 * 24 * 2 * 2 and {e["T"] for e in short} == {8, 32}
+    # its LSTM rows from the later runs (8e167f6, after c5126ae's forward): B=64 T=32 H=256 at
+    # one thread 0.90x before, 1.00x after, rnnkern's now.
+    assert all("-short-lstm-t" in e["source"] for e in short if e["cell"] == "lstm")
+    assert next(e["speedups"]["cpu"] for e in short if e["cell"] == "lstm" and e["phase"] == "forward"
+                and (e["B"], e["T"], e["H"], e["threads"]) == (64, 32, 256, 1)) >= auto.LEVEL
     row = next(e for e in shipped["entries"] if e["device"] == "cpu:256bit" and e["cell"] == "lstm"
                and e["phase"] == "forward_backward" and (e["B"], e["T"], e["H"], e["threads"]) == (64, 64, 128, 1))
     assert row["source"].endswith("cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json")
