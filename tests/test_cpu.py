@@ -1297,29 +1297,36 @@ def test_backwards_at_once_not_with_create_graph(at_once_spy):
         assert_close(a, b, what="create_graph at one and two threads")
 
 
+def _grads_after_backward(threads, name, seed, backward):
+    """x.grad and every parameter's .grad after ``backward(m, x, g)`` on a
+    bidirectional two-layer module at ``threads`` (g: the case's generator)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        m = getattr(rnnkern, name)(64, 64, num_layers=2, bidirectional=True, backend="cpu")
+        g = generator(seed)
+        x = randn(g, 300, 2, 64, dtype=torch.float32, requires_grad=True)
+        backward(m, x, g)
+        return [x.grad, *(p.grad for p in m.parameters())]
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_backwards_at_once_with_retain_graph(at_once_spy):
     """backward twice through a retained graph, the gradients accumulating:
     each backward runs the layers' backwards at once again, and the sums are
     one thread's."""
-    results = []
-    for threads in (1, 2):
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            torch.manual_seed(0)
-            m = rnnkern.GRU(64, 64, num_layers=2, bidirectional=True, backend="cpu")
-            g = generator("backwards-at-once-retain")
-            x = randn(g, 300, 2, 64, dtype=torch.float32, requires_grad=True)
-            out, h = m(x)
-            loss = (out * randn(g, *out.shape, dtype=torch.float32)).sum() + (h * h).sum()
-            loss.backward(retain_graph=True)
-            loss.backward()
-            results.append([x.grad, *(p.grad for p in m.parameters())])
-        finally:
-            torch.set_num_threads(saved)
+    def twice(m, x, g):
+        out, h = m(x)
+        loss = (out * randn(g, *out.shape, dtype=torch.float32)).sum() + (h * h).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    want, got = (_grads_after_backward(t, "GRU", "backwards-at-once-retain", twice) for t in (1, 2))
     assert at_once_spy["backwards"] == 8, "both layers, both backwards, at two threads"
     assert at_once_spy["backward_untaken"]() == 0
-    for a, b in zip(*results):
+    for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
@@ -1328,23 +1335,15 @@ def test_backwards_at_once_under_reentrant_checkpoint(at_once_spy):
     without a graph; its backward recomputes the layers with one and runs a
     nested backward on the engine's thread, where the layers' backwards run at
     once; the gradients are one thread's."""
-    results = []
-    for threads in (1, 2):
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            torch.manual_seed(0)
-            m = rnnkern.LSTM(64, 64, num_layers=2, bidirectional=True, backend="cpu")
-            g = generator("backwards-at-once-reentrant")
-            x = randn(g, 300, 2, 64, dtype=torch.float32, requires_grad=True)
-            out = torch.utils.checkpoint.checkpoint(lambda t: m(t)[0], x, use_reentrant=True)
-            (out * randn(g, *out.shape, dtype=torch.float32)).sum().backward()
-            results.append([x.grad, *(p.grad for p in m.parameters())])
-        finally:
-            torch.set_num_threads(saved)
+    def checkpointed(m, x, g):
+        out = torch.utils.checkpoint.checkpoint(lambda t: m(t)[0], x, use_reentrant=True)
+        (out * randn(g, *out.shape, dtype=torch.float32)).sum().backward()
+
+    want, got = (_grads_after_backward(t, "LSTM", "backwards-at-once-reentrant", checkpointed)
+                 for t in (1, 2))
     assert at_once_spy["backwards"] == 4, "the recomputed layers, at two threads"
     assert at_once_spy["backward_untaken"]() == 0
-    for a, b in zip(*results):
+    for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
