@@ -1222,25 +1222,33 @@ def _recurrence_nodes(tensor):
     return found
 
 
-def _bidirectional_grads(threads, wrt, hook=None, create_graph=False, T=300):
-    """A bidirectional two-layer LSTM's output and the gradients of a loss
-    with respect to ``wrt(module, x)`` at ``threads``; ``hook(nodes)`` may
-    register hooks on the recurrence nodes first."""
+def _on_bidirectional(threads, name, key, run, T=300):
+    """``run(m, x, g)`` at ``threads`` on a fresh bidirectional two-layer
+    module (64 features) and x [T, 2, 64] drawn from ``generator(*key)``, g."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         torch.manual_seed(0)
-        m = rnnkern.LSTM(64, 64, num_layers=2, bidirectional=True, backend="cpu")
-        g, F32 = generator("backwards-at-once", T), torch.float32
-        x = randn(g, T, 2, 64, dtype=F32, requires_grad=True)
+        m = getattr(rnnkern, name)(64, 64, num_layers=2, bidirectional=True, backend="cpu")
+        g = generator(*key)
+        x = randn(g, T, 2, 64, dtype=torch.float32, requires_grad=True)
+        return run(m, x, g)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _bidirectional_grads(threads, wrt, hook=None, create_graph=False, T=300):
+    """A bidirectional two-layer LSTM's output and the gradients of a loss
+    with respect to ``wrt(module, x)`` at ``threads``; ``hook(nodes)`` may
+    register hooks on the recurrence nodes first."""
+    def run(m, x, g):
         out, (h, c) = m(x)
         if hook is not None:
             hook(_recurrence_nodes(out))
-        loss = (out * randn(g, *out.shape, dtype=F32)).sum() + (h * h).sum() + c.sum()
-        grads = torch.autograd.grad(loss, wrt(m, x), create_graph=create_graph)
-        return [out.detach(), *grads]
-    finally:
-        torch.set_num_threads(saved)
+        loss = (out * randn(g, *out.shape, dtype=torch.float32)).sum() + (h * h).sum() + c.sum()
+        return [out.detach(), *torch.autograd.grad(loss, wrt(m, x), create_graph=create_graph)]
+
+    return _on_bidirectional(threads, "LSTM", ("backwards-at-once", T), run, T)
 
 
 def test_backwards_at_once_leave_changed_gradients_to_the_node(at_once_spy):
@@ -1300,17 +1308,11 @@ def test_backwards_at_once_not_with_create_graph(at_once_spy):
 def _grads_after_backward(threads, name, seed, backward):
     """x.grad and every parameter's .grad after ``backward(m, x, g)`` on a
     bidirectional two-layer module at ``threads`` (g: the case's generator)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.manual_seed(0)
-        m = getattr(rnnkern, name)(64, 64, num_layers=2, bidirectional=True, backend="cpu")
-        g = generator(seed)
-        x = randn(g, 300, 2, 64, dtype=torch.float32, requires_grad=True)
+    def run(m, x, g):
         backward(m, x, g)
         return [x.grad, *(p.grad for p in m.parameters())]
-    finally:
-        torch.set_num_threads(saved)
+
+    return _on_bidirectional(threads, name, (seed,), run)
 
 
 def test_backwards_at_once_with_retain_graph(at_once_spy):
