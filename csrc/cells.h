@@ -90,11 +90,11 @@ struct Math;
 template <>
 struct Math<float> {
 #ifdef __CUDA_ARCH__
-  static RNNKERN_HD float exp(float x) { return ::expf(x); }
   static RNNKERN_HD float tanh(float x) { return ::tanhf(x); }
+  static RNNKERN_HD float sigmoid(float x) { return 1.f / (1.f + ::expf(-x)); }
 #else
-  static RNNKERN_HD float exp(float x) { return host_math::expf(x); }
   static RNNKERN_HD float tanh(float x) { return host_math::tanhf(x); }
+  static RNNKERN_HD float sigmoid(float x) { return host_math::sigmoidf(x); }
 #endif
   // x where x > 0 else 0; NaN propagates (as torch.relu).
   static RNNKERN_HD float relu(float x) { return x < 0.f ? 0.f : x; }
@@ -104,15 +104,15 @@ struct Math<float> {
 
 template <>
 struct Math<double> {
-  static RNNKERN_HD double exp(double x) { return ::exp(x); }
   static RNNKERN_HD double tanh(double x) { return ::tanh(x); }
+  static RNNKERN_HD double sigmoid(double x) { return 1.0 / (1.0 + ::exp(-x)); }
   static RNNKERN_HD double relu(double x) { return x < 0.0 ? 0.0 : x; }
   static RNNKERN_HD double relu_grad(double dy, double y) { return y <= 0.0 ? 0.0 : dy; }
 };
 
 template <typename A>
 RNNKERN_HD A sigmoid(A x) {
-  return A(1) / (A(1) + Math<A>::exp(-x));
+  return Math<A>::sigmoid(x);
 }
 
 // d sigmoid(a) / da expressed through y = sigmoid(a), times the incoming grad.

@@ -1,40 +1,13 @@
-// exp and tanh for float on the host, written so that GCC vectorises loops
-// that call them (branch-free, no libm calls): libm's scalar expf/tanhf made
-// the gate math of a step cost more than its GEMM.  expf is within 1 ulp of
-// the correctly rounded result over the whole float range (Cephes
-// polynomial); tanhf within 3.5e-7 (see there); inf and NaN behave as in
-// libm.  Device code never uses this.
+// tanh and the logistic function for float on the host, written so that GCC
+// vectorises loops that call them (branch-free, no libm calls): libm's scalar
+// expf/tanhf made the gate math of a step cost more than its GEMM.  tanhf is
+// within 3.5e-7 of tanh, sigmoidf within 2.2e-7 of the logistic function (see
+// each); NaN propagates, +-inf saturate.  Device code never uses this.
 #pragma once
 
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 
 namespace rnnkern::host_math {
-
-inline float pow2i(int32_t n) {  // 2^n for n in [-126, 127]
-  const int32_t bits = (n + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float expf(float x) {
-  // Clamp so that 2^n below stays representable in two factors; exp of the
-  // clamped ends is already inf (above) or rounds to 0 (below).  NaN passes
-  // the comparisons unchanged and propagates through the polynomial.
-  x = x > 88.8f ? 88.8f : x;
-  x = x < -104.f ? -104.f : x;
-  const float n = std::floor(1.44269504088896341f * x + 0.5f);  // round(x / ln 2)
-  float r = x - n * 0.693359375f;                                 // ln 2, split hi
-  r = r - n * -2.12194440e-4f;                                    // and lo
-  const float p = (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
-                     4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) +
-                  r + 1.0f;
-  const int32_t ni = static_cast<int32_t>(n);
-  const int32_t n1 = ni >> 1;  // n in [-150, 129]: split so each factor is a normal float
-  return p * pow2i(n1) * pow2i(ni - n1);
-}
 
 // tanh as a rational function: x P(x^2) / Q(x^2) on [-9, 9], clamped
 // outside (where tanh rounds to +-1 in float).  A minimax fit made for this
@@ -56,5 +29,16 @@ inline float tanhf(float x) {
   t = t > 1.f ? 1.f : t;  // float rounding crosses 1 near |x| = 9
   return std::copysign(t, x);
 }
+
+// The logistic function through tanhf: sigmoid(x) = (1 + tanh(x / 2)) / 2.
+// Until 2026-12-03 it was 1 / (1 + expf(-x)) with a Cephes expf of this file
+// (within 1 ulp), which cost a third more: 0.60 against 0.44 ns a value in
+// L1, and the LSTM gate math, three sigmoids a unit, 3.25 against 2.6 ns a
+// unit (B=64 H=128, Zen 3).  Within 2.2e-7 of the logistic function over the
+// whole float range (checked at every 7th float; the expf form: 8.9e-8): an
+// absolute bound, as for ONNX Runtime's rational logistic, so the smallest
+// values lose their relative accuracy -- 0 below x = -15.8, where the
+// logistic is 1.4e-7, as torch's float32 sigmoid is 1 from x = 16.7 on.
+inline float sigmoidf(float x) { return 0.5f + 0.5f * tanhf(0.5f * x); }
 
 }  // namespace rnnkern::host_math
