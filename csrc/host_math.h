@@ -37,8 +37,9 @@ inline float tanhf(float x) {
 // unit (B=64 H=128, Zen 3).  Within 2.2e-7 of the logistic function over the
 // whole float range (checked at every 7th float; the expf form: 8.9e-8): an
 // absolute bound, as for ONNX Runtime's rational logistic, so the smallest
-// values lose their relative accuracy -- 0 below x = -15.8, where the
-// logistic is 1.4e-7, as torch's float32 sigmoid is 1 from x = 16.7 on.
+// values lose their relative accuracy -- 0 below x = -15.8 to -16.0 (where
+// the logistic is 1.4e-7 to 1.1e-7; the clone's multiply-add contraction
+// decides), as torch's float32 sigmoid is 1 from x = 16.7 on.
 inline float sigmoidf(float x) { return 0.5f + 0.5f * tanhf(0.5f * x); }
 
 }  // namespace rnnkern::host_math

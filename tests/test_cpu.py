@@ -198,6 +198,32 @@ def test_matches_torch_nn_float32(cell, H, bias):
         assert_close(a, b, what=f"grad {name}")
 
 
+def test_float32_gate_functions_within_their_bounds():
+    """The CPU's float32 tanh and logistic functions (csrc/host_math.h) over a
+    sweep of pre-activations, read off one step with W_hh = 0: the tanh RNN's
+    h is tanh(x), and a GRU's with x_n = 0 and h0 = 1 is its update gate z =
+    sigmoid(x_z).  Within the bounds host_math.h states (tanh 3.5e-7, logistic
+    2.2e-7, absolute), saturating at +-inf, 0 and 1/2 exact at 0, NaN kept."""
+    x = torch.cat([torch.linspace(-40, 40, 200_001),
+                   torch.tensor([float("inf"), float("-inf"), 0.0, float("nan")])])
+    H = 5
+    B = x.numel() // H
+    pre = x.view(B, H)
+    finite = torch.isfinite(x)
+    zeros = torch.zeros(B, H)
+    h = ops.recurrence("rnn_tanh", pre.unsqueeze(0).clone(), zeros.clone(), None, torch.zeros(H, H),
+                       backend="cpu")[0][0].reshape(-1)
+    assert (h[finite].double() - torch.tanh(x[finite].double())).abs().max() <= 3.5e-7
+    assert h[-4:-1].tolist() == [1.0, -1.0, 0.0] and torch.isnan(h[-1])
+    xproj = torch.cat([torch.randn(B, H, generator=generator("gate-bounds")), pre, zeros], 1).unsqueeze(0)
+    z = ops.recurrence("gru", xproj, torch.ones(B, H), None, torch.zeros(3 * H, H),
+                       backend="cpu")[0][0].reshape(-1)
+    assert (z[finite].double() - torch.sigmoid(x[finite].double())).abs().max() <= 2.2e-7
+    assert z[-4:-1].tolist() == [1.0, 0.0, 0.5] and torch.isnan(z[-1])
+    # The bound is absolute: the smallest values come out 0 (host_math.h), but only there.
+    assert (z[finite] >= 0).all() and (z[finite] <= 1).all() and (z[x > -15.7] > 0).all()
+
+
 @pytest.mark.parametrize("cell", CELLS)
 def test_bfloat16_within_reference_error(cell):
     """bfloat16 results against the float32 reference on the same (bf16-valued)
