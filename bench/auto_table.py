@@ -19,7 +19,9 @@ adds its column to a CUDA grid:
         bench/results/cpu-zen4avx2-2026-11-28-peers-step-t1/bench.json \
         bench/results/cpu-zen3-2026-12-03-peers-step-t1-b977408/bench.json \
         bench/results/cpu-zen3-2026-12-03-speech-t1-b977408/bench.json \
-        bench/results/cpu-zen3-2026-12-03-speech-t2-b977408/bench.json
+        bench/results/cpu-zen3-2026-12-03-speech-t2-b977408/bench.json \
+        bench/results/cpu-zen3-2026-12-03-lstm-latency-t1-5b14c17/bench.json \
+        bench/results/cpu-zen3-2026-12-03-lstm-latency-t2-5b14c17/bench.json
 
 A run with the speech family (bench/speech.py) adds rows for bidirectional stacks
 ("directions": 2), which decide bidirectional calls (auto.py).
@@ -27,8 +29,8 @@ A run with the speech family (bench/speech.py) adds rows for bidirectional stack
 CPU rows keep the run's thread count: the fifth and sixth files are one-thread
 runs of the same CPU as the fourth, a two-thread run; the seventh and eighth, a
 Zen 4 whose AVX-512 the host hides (the same CPU class), at two threads and
-one; the last three, a Zen 3 again (2026-12-03), one thread, then the speech
-stacks at one and two threads.
+one; the last five, a Zen 3 again (2026-12-03): one thread, the speech stacks
+at one and two threads, the LSTM's latency sizes at one and two threads.
 
 ``--dtypes`` keeps only those dtypes' rows of the files given (the table's
 other rows for their devices stay): a bf16 run that measured float32 beside
