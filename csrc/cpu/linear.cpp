@@ -100,33 +100,39 @@ void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
 }
 
 // The float32 multiply-add rate of one core in the vectors the products use
-// (fma_rate): kFmaChains independent accumulators so that no FMA waits on the
-// latency of the one before (4 cycles, up to 2 issued a cycle: at least 8
-// needed), multiplied by 1 - 2^-10 and offset so that they converge instead
-// of overflowing.  Its result is the bench's FMA peak where the stated clock
-// is below the core's (bench/fma_peak.py): a virtual machine states its
-// nominal clock, and the GEMM the bench measured before (torch.mm) reached
-// 80% of the loop (Zen 4: 92 against 115 GFLOP/s), so %peak read above 100%.
-constexpr int kFmaChains = 16;
+// (fma_rate): fma_chains<Bytes> independent accumulators so that no FMA waits
+// on the latency of the one before (4 cycles, up to 2 issued a cycle: at least
+// 8 needed), multiplied by 1 - 2^-10 and offset so that they converge instead
+// of overflowing.  All of them, with the two constants, must fit the vector
+// registers: 16 chains on 256-bit vectors (16 registers) kept three on the
+// stack, each FMA then waiting on a store and a load, and the loop read 55
+// GFLOP/s on a Zen 3 whose products reach 95 (12 chains: 97-98).  Its result
+// is the bench's FMA peak where the stated clock is below the core's
+// (bench/fma_peak.py): a virtual machine states its nominal clock, and the GEMM
+// the bench measured before (torch.mm) reached 80% of the loop (Zen 4: 92
+// against 115 GFLOP/s), so %peak read above 100%.
+template <int Bytes>
+constexpr int fma_chains = Bytes == kWide ? 16 : 12;  // 32 or 16 vector registers
 
 template <int Bytes>
 RNNKERN_ALWAYS_INLINE double fma_loop_impl(int64_t iterations) {
   using V = typename Vec<float, Bytes>::type;
   constexpr int L = Vec<float, Bytes>::kLanes;
-  V acc[kFmaChains];
-  for (int j = 0; j < kFmaChains; ++j) acc[j] = V{} + float(j) * 1e-3f;
+  constexpr int kChains = fma_chains<Bytes>;
+  V acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = V{} + float(j) * 1e-3f;
   const V b = V{} + (1.f - 1.f / 1024.f), c = V{} + 1e-3f;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < iterations; ++i) {
 #pragma GCC unroll 16
-    for (int j = 0; j < kFmaChains; ++j) acc[j] = acc[j] * b + c;  // (no reassociation: each FMA runs)
+    for (int j = 0; j < kChains; ++j) acc[j] = acc[j] * b + c;  // (no reassociation: each FMA runs)
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   float sum = 0.f;
-  for (int j = 0; j < kFmaChains; ++j)
+  for (int j = 0; j < kChains; ++j)
     for (int l = 0; l < L; ++l) sum += acc[j][l];
   TORCH_CHECK(std::isfinite(sum), "rnnkern internal: the FMA loop diverged");
-  return double(iterations) * kFmaChains * L * 2 / seconds;
+  return double(iterations) * kChains * L * 2 / seconds;
 }
 
 #if defined(RNNKERN_CPU_WIDE_VECTORS)
