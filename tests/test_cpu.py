@@ -341,6 +341,21 @@ def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
             assert torch.equal(a, b), f"{name} differs at {threads} threads"
 
 
+@pytest.mark.parametrize("K", [61, 130])
+def test_linear_weight_gradient_of_a_large_dy_is_its_slices_bit_for_bit(K):
+    """grad_w = dY^T X takes another order through memory for a dY over 2 MiB
+    on 256-bit vectors (chunk of K by chunk, dY^T packed at any panel count)
+    than for a small one (block of rows by block over all of K, read where it
+    lies at 4 panels: K = 61): row n of grad_w is the same bits from the
+    whole dY (9.8 MB) as from its first 24 columns alone (0.8 MB)."""
+    g = generator("linear-large-dy", K)
+    x, w, gy = randn(g, 8192, K), randn(g, 300, K), randn(g, 8192, 300)
+    whole = torch.ops.rnnkern.linear_backward(gy, x, w, False, True)[1]
+    assert_close(whole, gy.double().t().mm(x.double()), what="grad_w")
+    part = torch.ops.rnnkern.linear_backward(gy[:, :24].contiguous(), x, w[:24], False, True)[1]
+    assert torch.equal(whole[:24], part)
+
+
 def test_linear_strided_input_and_skipped_gradients():
     g = generator("linear-strided")
     base = randn(g, 40, 30)

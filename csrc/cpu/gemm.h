@@ -837,6 +837,11 @@ RNNKERN_ALWAYS_INLINE void pack_a_block(const T* A, StridesA sa, int64_t m0, int
       for (int64_t i0 = 0; i0 < m; i0 += kMR) {
         T* panel = dst + (i0 / kMR) * kc * kMR;
         const int64_t rows = std::min<int64_t>({kMR, m - i0, M - m0 - i0});
+        if (rows == kMR) {  // (a fixed-size copy: vector moves, where the loop below copied a value at a time)
+          for (int64_t k = kb; k < ke; ++k)
+            std::memcpy(panel + k * kMR, A + m0 + i0 + (k0 + k) * sa.ks, kMR * sizeof(T));
+          continue;
+        }
         for (int64_t k = kb; k < ke; ++k) {
           const T* a = A + m0 + i0 + (k0 + k) * sa.ks;
           for (int r = 0; r < kMR; ++r) panel[k * kMR + r] = r < rows ? a[r] : T(0);
