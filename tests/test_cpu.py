@@ -1558,18 +1558,26 @@ for cell in ops.FROM_INPUT_CELLS:
             want = torch.ops.rnnkern.recurrence(cell, xp, h0, c0, w_hh, b_ih, b_hh, None, None, reverse, False)[:3]
             got = torch.ops.rnnkern.recurrence_from_input(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (cell, T, I, H, reverse)
-print(rnnkern._C.cpu_vector_bits())
+print(rnnkern._C.cpu_vector_bits(), rnnkern._C.cpu_fma_pipe_bits())
 '''
 
 
-def test_recurrence_from_input_on_256_bit_vectors_is_linear_then_recurrence_bit_for_bit():
+@pytest.mark.parametrize("setting", ["RNNKERN_CPU_VECTOR_BITS=256", "RNNKERN_CPU_FMA_BITS=256",
+                                     "RNNKERN_CPU_FMA_BITS=512"])
+def test_recurrence_from_input_at_each_width_is_linear_then_recurrence_bit_for_bit(setting):
     """With 256-bit vectors (an AVX2 CPU's; RNNKERN_CPU_VECTOR_BITS=256 on an
-    AVX-512 one), which carry no tiles, the op is the composition: its bits."""
-    env = dict(os.environ, RNNKERN_CPU_VECTOR_BITS="256")
-    run = subprocess.run([sys.executable, "-c", _FROM_INPUT_WIDTH_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)
+    AVX-512 one), which carry no tiles, the op is the composition: its bits.
+    On 512-bit vectors the FMA pipes' width decides which W_hh take the tiles
+    (csrc/cpu/bindings.cpp, max_tiled_weight_bytes): either way, the same bits."""
+    name, value = setting.split("=")
+    run = subprocess.run([sys.executable, "-c", _FROM_INPUT_WIDTH_SCRIPT], env=dict(os.environ, **{name: value}),
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[-1] == "256"
+    vector_bits, fma_bits = run.stdout.split()[-2:]
+    if name == "RNNKERN_CPU_VECTOR_BITS":
+        assert vector_bits == "256"
+    else:
+        assert fma_bits == value
 
 
 @pytest.mark.parametrize("case", ["float64", "batch3", "T4", "H296"])

@@ -250,8 +250,15 @@ recurrence_backward_cpu(c10::string_view cell, const Tensor& grad_output, const 
 // waits on it, and the tiles' multiply-adds fill the wait (T=256 B=1, one
 // thread, Zen 4: LSTM H=128 1.19x, H=192 1.20x; GRU H=256 1.27x).  From L3,
 // the tiles' own stream of W_ih competes with it (LSTM H=256 1.01x, H=512
-// 0.97x).
-constexpr int64_t kMaxTiledWeightBytes = int64_t(768) << 10;
+// 0.97x).  Where the FMA pipes are 512 bits wide (gemm::fma_pipe_bits: a Zen
+// 5), the projection before the loop costs half as many cycles and the tiles
+// slow the stream they were to hide in: there only a W_hh of 64 KB or less
+// takes them (one thread, T=256, against the composition: RNN H=128 1.19x,
+// LSTM H=64 level; LSTM H=128 0.89x, H=192 0.81x, GRU H=128 0.88x, H=256
+// 0.93x, RNN H=256 0.84x).
+int64_t max_tiled_weight_bytes() {
+  return gemm::fma_pipe_bits() == 512 ? int64_t(64) << 10 : int64_t(768) << 10;
+}
 
 // A batch of at least kMinInsideRows rows (per step) whose W_ih and W_hh
 // together take at most kMaxInsideWeightBytes: each step makes its
@@ -292,7 +299,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_x_inside(const RecurrenceSizes& z, co
 
 // recurrence_from_input (ops.cpp): a sequence of batch 1 in float32 with
 // kProjectionTileRows steps or more and a W_hh of at most
-// kMaxTiledWeightBytes runs forward_from_input on 512-bit vectors (the input
+// max_tiled_weight_bytes() runs forward_from_input on 512-bit vectors (the input
 // projection inside the steps' products); a batch of kMinInsideRows or more
 // with W_ih and W_hh within the bytes above, forward_x_inside; any other call
 // is the composition itself, rnnkern::linear then rnnkern::recurrence.  All
@@ -305,7 +312,7 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
   const bool plain = z.cell == Cell::Lstm || z.cell == Cell::Gru || z.cell == Cell::RnnTanh ||
                      z.cell == Cell::RnnRelu;
   const bool tiles = plain && z.B == 1 && z.T >= gemm::kProjectionTileRows && x.scalar_type() == at::kFloat &&
-                     z.G * z.H * z.H * 4 <= kMaxTiledWeightBytes && gemm::wide_vectors();
+                     z.G * z.H * z.H * 4 <= max_tiled_weight_bytes() && gemm::wide_vectors();
   const int64_t weight_values = z.G * z.H * (x.size(2) + z.H);
   const bool on_pairs = bf16_products(h0, w_hh, std::nullopt) && x.scalar_type() == at::kBFloat16 &&
                         w_ih.scalar_type() == at::kBFloat16;

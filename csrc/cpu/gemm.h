@@ -54,6 +54,14 @@ bool settle_empty_product(int64_t M, int64_t N, int64_t K, T* C, int64_t ldc, bo
 // has AVX-512 (F, VL, BW, DQ: x86-64-v4).  Decided once per process.
 bool wide_vectors();
 
+// The width of the cores' FMA pipes, as far as rnnkern tells them apart: 512
+// on AMD's server and desktop Zen 5 (CPUID family 0x1A, models 0x00-0x1F and
+// 0x40-0x4F), which run a 512-bit FMA whole; 256 elsewhere (a Zen 4 runs it as
+// two 256-bit halves, as do the mobile Zen 5).  RNNKERN_CPU_FMA_BITS=256 or 512
+// says otherwise (A/B timings, tests).  Paths whose worth depends on it read it;
+// rnnkern.auto's CPU classes follow the same rule (fma_pipes_512bit).
+int fma_pipe_bits();
+
 template <typename T, int Bytes>
 struct Vec {
   typedef T type __attribute__((vector_size(Bytes)));

@@ -14,6 +14,10 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "linear.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -51,6 +55,28 @@ bool wide_vectors() {
 #else
   return false;
 #endif
+}
+
+int fma_pipe_bits() {
+  static const int bits = [] {
+    const char* env = std::getenv("RNNKERN_CPU_FMA_BITS");
+    if (env != nullptr && (std::string(env) == "256" || std::string(env) == "512")) return std::atoi(env);
+#if defined(__x86_64__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return 256;
+    const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "AuthenticAMD"
+    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 256;
+    unsigned family = (eax >> 8) & 0xfu, model = (eax >> 4) & 0xfu;
+    if (family == 0xfu) {
+      family += (eax >> 20) & 0xffu;
+      model |= ((eax >> 16) & 0xfu) << 4;
+    }
+    return family == 0x1au && (model <= 0x1fu || (model >= 0x40u && model <= 0x4fu)) ? 512 : 256;
+#else
+    return 256;
+#endif
+  }();
+  return bits;
 }
 
 bool widens_half_natively() {

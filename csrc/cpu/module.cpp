@@ -44,6 +44,11 @@ PyObject* cpu_vector_bits(PyObject*, PyObject*) {
   return PyLong_FromLong(gemm::wide_vectors() ? 512 : 256);
 }
 
+// The width of the cores' FMA pipes as rnnkern tells them apart (gemm.h).
+PyObject* cpu_fma_pipe_bits(PyObject*, PyObject*) {
+  return PyLong_FromLong(gemm::fma_pipe_bits());
+}
+
 // FLOP/s of the calling thread's float32 multiply-adds (gemm::fma_rate).
 PyObject* cpu_fma_rate(PyObject*, PyObject* arg) {
   const long long iterations = PyLong_AsLongLong(arg);
@@ -199,6 +204,9 @@ const ModuleFunctions functions({
      "The x86 ISA level of the CPU kernels' vectorised loops in this process."},
     {"cpu_vector_bits", cpu_vector_bits, METH_NOARGS,
      "The vector width (bits) of the CPU kernels' products in this process."},
+    {"cpu_fma_pipe_bits", cpu_fma_pipe_bits, METH_NOARGS,
+     "The width (bits) of the cores' FMA pipes as rnnkern tells them apart: 512 on AMD's server "
+     "and desktop Zen 5, 256 elsewhere; RNNKERN_CPU_FMA_BITS overrides."},
     {"cpu_fma_rate", cpu_fma_rate, METH_O,
      "FLOP/s of `iterations` rounds of float32 multiply-adds on the calling thread, in the "
      "vectors the CPU products use: the core's FMA peak at its running clock."},
