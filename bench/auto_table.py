@@ -89,7 +89,13 @@ def device_key(meta: dict) -> str:
     if "rnnkern_vector_bits" not in isa:
         raise ValueError("a CPU result without meta.device.isa.rnnkern_vector_bits (older than the "
                          "ISA record): its CPU class is unknown")
-    return auto.cpu_class(isa["rnnkern_vector_bits"], "avx512_bf16" in isa.get("cpu_flags", []))
+    if "rnnkern_fma_pipe_bits" in isa:  # (what the kernels took, RNNKERN_CPU_FMA_BITS included)
+        fma512 = isa["rnnkern_fma_pipe_bits"] == 512
+    else:  # results before 2026-12-03 (and after the CPU id, which older ones lack: no Zen 5's)
+        cpu_id = dev.get("cpu_id") or {}
+        fma512 = auto.fma_pipes_512bit(cpu_id.get("vendor", ""), int(cpu_id.get("family", 0)),
+                                       int(cpu_id.get("model", 0)))
+    return auto.cpu_class(isa["rnnkern_vector_bits"], "avx512_bf16" in isa.get("cpu_flags", []), fma512)
 
 
 def entries_of(path: str, root: str, dtypes=None) -> tuple[str, list]:

@@ -33,6 +33,12 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    call's cell, dtype and phase keeps torch.nn; the Zen 4's bf16 rows
    (cpu:512bit+bf16) decide the rest.
 
+A CPU whose cores run AVX-512 on 512-bit FMA pipes (a Zen 5: ``+fma512`` in its
+class) has its own rows, oneDNN and rnnkern gaining differently from the width
+(the float32 LSTM forward at B=32-64 H=256-512: 1.04-1.17x on a Zen 4, 0.95-0.99x
+on a Zen 5).  Where that class has no row of the call's regime and directions and
+the class of the same ISA without the suffix has, that class's rows decide.
+
 Explicit backends (``"cpu"``, ``"cuda"``, ``"triton"``, ``"reference"``) always
 run rnnkern's own code.  :func:`rnnkern.explain` names the choice for a module
 and an input without running anything.
@@ -106,16 +112,37 @@ def cpu_has_avx512_bf16() -> bool:
     return False
 
 
-def cpu_class(vector_bits: int, bf16: bool) -> str:
-    """The table's key of a CPU: the width rnnkern's kernels run at, and whether
-    the CPU has the bf16 dot products (oneDNN's speed differs with both)."""
-    return f"cpu:{vector_bits}bit{'+bf16' if bf16 else ''}"
+def fma_pipes_512bit(vendor: str, family: int, model: int) -> bool:
+    """Whether a CPU's cores run a 512-bit FMA whole, as far as the table tells
+    CPUs apart: AMD's server and desktop Zen 5 (family 0x1A, models 0x00-0x1F and
+    0x40-0x4F); a Zen 4, like the mobile Zen 5, runs it as two 256-bit halves.
+    (Intel's cores with 512-bit FMA units are not told apart: they keep the class
+    of their ISA.)  The kernels' rule, for this process: ``_C.cpu_fma_pipe_bits()``
+    (csrc/cpu/gemm.h), the same."""
+    return vendor == "AuthenticAMD" and family == 0x1A and (model <= 0x1F or 0x40 <= model <= 0x4F)
+
+
+#: The suffix of a CPU class whose 512-bit kernels run on 512-bit FMA pipes.
+FMA512 = "+fma512"
+
+
+def cpu_class(vector_bits: int, bf16: bool, fma512: bool = False) -> str:
+    """The table's key of a CPU: the width rnnkern's kernels run at, whether the
+    CPU has the bf16 dot products, and for 512-bit kernels whether its FMA pipes
+    are 512 bits wide (oneDNN's speed and rnnkern's differ with all three)."""
+    return f"cpu:{vector_bits}bit{'+bf16' if bf16 else ''}{FMA512 if fma512 and vector_bits == 512 else ''}"
+
+
+def parent_class(key: str) -> Optional[str]:
+    """The class whose rows stand in where ``key``'s have none (module docstring):
+    a CPU class without its ``+fma512``; None for the others."""
+    return key[:-len(FMA512)] if key.endswith(FMA512) else None
 
 
 @functools.lru_cache(maxsize=None)
 def _this_cpu_class() -> str:
     from . import _C
-    return cpu_class(_C.cpu_vector_bits(), cpu_has_avx512_bf16())
+    return cpu_class(_C.cpu_vector_bits(), cpu_has_avx512_bf16(), _C.cpu_fma_pipe_bits() == 512)
 
 
 def device_class(device: torch.device) -> str:
@@ -270,12 +297,34 @@ def _same_regime(rows: list, T: int) -> list:
     return same or rows
 
 
+def _class_rows(key: str, cell: str, dtype_name: str, phase: str, T: int, directions: int) -> list:
+    """The rows of ``key`` for the call's cell, dtype and phase, or its parent
+    class's (:func:`parent_class`) where ``key`` has none of the call's regime
+    and directions and the parent has: a Zen 5 without one-step rows of its own
+    decides a one-step call by a Zen 4's one-step rows, not by its own sequence
+    rows."""
+    index = _index()
+    own = index.get((key, cell, dtype_name, phase), [])
+    parent = parent_class(key)
+    if parent is None:
+        return own
+
+    def exact(rows):
+        return any((e["T"] == 1) == (T == 1) and e.get("directions", 1) == directions for e in rows)
+
+    inherited = index.get((parent, cell, dtype_name, phase), [])
+    if exact(own) or not inherited:
+        return own
+    return inherited if exact(inherited) or not own else own
+
+
 def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int, T: int,
             training: bool, rnnkern_backend: str, key: str, proj_size: int, threads: int,
             directions: int = 1) -> Choice:
     dtype_name = str(dtype).replace("torch.", "")
     phase = "forward_backward" if training else "forward"
-    rows = _same_regime(_for_directions(_index().get((key, cell, dtype_name, phase), []), directions), T)
+    rows = _same_regime(_for_directions(_class_rows(key, cell, dtype_name, phase, T, directions),
+                                        directions), T)
     if device.type == "cpu":
         rows = _at_threads(rows, threads)
     found = []  # (ratio, backend, entry)
@@ -300,14 +349,14 @@ def _choose(cell: str, device: torch.device, dtype: torch.dtype, B: int, H: int,
         at_threads = f", {e['threads']} thread{'s' if e['threads'] > 1 else ''}" if e.get("threads") else ""
         stack = " bidirectional" if e.get("directions", 1) == 2 else ""
         where = (f"{cell}{stack} {dtype_name} {phase.replace('_', '+')} at B={e['B']} T={e['T']} H={e['H']}"
-                 f"{at_threads} on {key} ({e['source']})")
+                 f"{at_threads} on {e['device']} ({e['source']})")
         if ratio >= LEVEL:
             return Choice(backend, f"measured {ratio:.2f}x torch.nn's speed: {where}")
         return Choice(TORCH, f"rnnkern measured {ratio:.2f}x torch.nn's speed: {where}")
     if device.type == "cuda":
         return Choice(TORCH, f"no measurement of rnnkern for {cell} {dtype_name} on {key}: "
                              "torch.nn's cuDNN path")
-    if device.type == "cpu" and dtype == torch.bfloat16 and key.endswith("+bf16"):
+    if device.type == "cpu" and dtype == torch.bfloat16 and "+bf16" in key:
         return Choice(TORCH, f"no measurement of rnnkern for {cell} bfloat16 on {key}: oneDNN runs "
                              "this CPU's bf16 dot-product instructions, and no row measures rnnkern's "
                              "use of them for this call")

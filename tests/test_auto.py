@@ -220,6 +220,57 @@ def test_without_a_measurement(table):
     assert choose(dtype=torch.bfloat16, device_key="cpu:512bit+bf16").implementation == "cpu"
 
 
+def test_a_cpu_with_512bit_fma_pipes_has_its_own_class():
+    assert auto.fma_pipes_512bit("AuthenticAMD", 0x1A, 0x02)  # a server Zen 5 (this project's)
+    assert auto.fma_pipes_512bit("AuthenticAMD", 0x1A, 0x44)  # a desktop one
+    assert not auto.fma_pipes_512bit("AuthenticAMD", 0x1A, 0x24)  # a mobile one: 256-bit halves
+    assert not auto.fma_pipes_512bit("AuthenticAMD", 0x19, 0x11)  # a Zen 4
+    assert not auto.fma_pipes_512bit("GenuineIntel", 6, 0x8F)
+    # The kernels' rule on this CPU is the table's (when no RNNKERN_CPU_FMA_BITS says otherwise).
+    fields = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            name, _, value = (part.strip() for part in line.partition(":"))
+            fields.setdefault(name, value)
+    if "RNNKERN_CPU_FMA_BITS" not in os.environ and {"vendor_id", "cpu family", "model"} <= fields.keys():
+        expected = auto.fma_pipes_512bit(fields["vendor_id"], int(fields["cpu family"]), int(fields["model"]))
+        assert (rnnkern._C.cpu_fma_pipe_bits() == 512) == expected
+        assert auto._this_cpu_class().endswith(auto.FMA512) == (expected and rnnkern._C.cpu_vector_bits() == 512)
+    assert auto.cpu_class(512, True, True) == "cpu:512bit+bf16+fma512"
+    assert auto.cpu_class(512, True) == "cpu:512bit+bf16"
+    assert auto.cpu_class(256, True, True) == "cpu:256bit+bf16"  # 256-bit kernels: the width moot
+    assert auto.parent_class("cpu:512bit+bf16+fma512") == "cpu:512bit+bf16"
+    assert auto.parent_class("cpu:512bit+bf16") is None and auto.parent_class("cuda:sm_90") is None
+
+
+def test_a_512bit_fma_class_without_rows_of_the_call_takes_its_isa_classes(table):
+    zen5, zen4 = "cpu:512bit+bf16+fma512", "cpu:512bit+bf16"
+    table += [entry(zen4, "lstm", "float32", "forward", 16, 128, 256, 1.3),
+              entry(zen4, "lstm", "float32", "forward", 16, 1, 256, 0.8),
+              entry(zen4, "lstm", "bfloat16", "forward", 16, 128, 256, 1.2)]
+    inherited = choose(device_key=zen5)
+    assert inherited.implementation == "cpu" and f"1.30x torch.nn's speed: lstm float32 forward at B=16 " \
+        f"T=128 H=256 on {zen4} (test)" in inherited.reason
+    assert choose(device_key=zen5, dtype=torch.bfloat16).implementation == "cpu"
+    # Its own sequence rows decide its sequence calls; its one-step calls, without one-step
+    # rows of its own, go by the Zen 4's one-step rows.
+    table.append(entry(zen5, "lstm", "float32", "forward", 32, 128, 256, 0.9))
+    own = choose(device_key=zen5)
+    assert own.uses_torch and f"0.90x torch.nn's speed" in own.reason and zen5 in own.reason
+    step = choose(device_key=zen5, T=1)
+    assert step.uses_torch and "0.80x" in step.reason and f"on {zen4} " in step.reason
+    table.append(entry(zen5, "lstm", "float32", "forward", 16, 1, 256, 1.1))
+    assert choose(device_key=zen5, T=1).implementation == "cpu"
+    # A bidirectional call: its own one-direction rows where neither class has bidirectional ones.
+    assert choose(device_key=zen5, directions=2).uses_torch
+    # bfloat16 where neither class has a row for the cell: torch.nn, as for the Zen 4.
+    gru = choose(device_key=zen5, dtype=torch.bfloat16, cell="gru")
+    assert gru.uses_torch and "bf16 dot-product" in gru.reason
+    # The other classes never borrow.
+    assert choose(device_key="cpu:512bit").implementation == "cpu"
+    assert "no measurement" in choose(device_key="cpu:512bit").reason
+
+
 def test_the_shipped_table_is_the_committed_results(tmp_path):
     """The package's table is what bench.auto_table writes from the committed
     benchmarks (the H100's and a Zen 3's): one run updates its device's rows,

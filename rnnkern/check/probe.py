@@ -25,7 +25,7 @@ ROOT = PACKAGE.parent
 #: Environment variables that cap the vector ISA of a kernel (torch's ATen, oneDNN
 #: in torch.nn and OpenVINO, MKL, rnnkern): a run made under a cap says so.
 ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
-            "MKL_ENABLE_INSTRUCTIONS", "RNNKERN_CPU_VECTOR_BITS")
+            "MKL_ENABLE_INSTRUCTIONS", "RNNKERN_CPU_VECTOR_BITS", "RNNKERN_CPU_FMA_BITS")
 
 
 def package_version(name: str) -> Optional[str]:
@@ -126,7 +126,7 @@ def cpu_isa() -> dict:
     flags = cpuinfo()[1] or set()
     isa = {"cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16") if f in flags],
            "torch_capability": torch.backends.cpu.get_cpu_capability(),
-           "rnnkern_vector_bits": _C.cpu_vector_bits()}
+           "rnnkern_vector_bits": _C.cpu_vector_bits(), "rnnkern_fma_pipe_bits": _C.cpu_fma_pipe_bits()}
     caps = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
     if caps:
         isa["caps"] = caps
