@@ -68,6 +68,22 @@ family's float32 cases), leaving the bfloat16 rows:
         bench/results/cpu-zen4-2026-12-02-speech-t1-2206010/bench.json \
         bench/results/cpu-zen4-2026-12-02-speech-t2-72d46ae/bench.json \
         bench/results/cpu-zen4-2026-12-01-step-t2-c7f7bfd/bench.json --dtypes float32
+
+A Zen 5 (AVX-512 on 512-bit FMA pipes: the class cpu:512bit+bf16+fma512, whose calls without a
+row of their own take the Zen 4's), both dtypes in one go: the float32 grid at 1 and 2 threads,
+the bf16 family, the LSTM against the CPU engines, the latency sizes after b364985 (their rows
+replacing the grid's), the speech stacks:
+
+    python -m bench.auto_table \
+        bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json \
+        bench/results/cpu-zen5-2026-12-03-grid-t2-90fc337/bench.json \
+        bench/results/cpu-zen5-2026-12-03-bf16-t1-ac1877c/bench.json \
+        bench/results/cpu-zen5-2026-12-03-bf16-t2-ac1877c/bench.json \
+        bench/results/cpu-zen5-2026-12-03-peers-lstm-t1-90fc337/bench.json \
+        bench/results/cpu-zen5-2026-12-03-latency-t1-90fc337/bench.json \
+        bench/results/cpu-zen5-2026-12-03-latency-t2-90fc337/bench.json \
+        bench/results/cpu-zen5-2026-12-03-speech-t1-90fc337/bench.json \
+        bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json
 """
 from __future__ import annotations
 

@@ -69,6 +69,19 @@ F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
                "bench/results/cpu-zen4-2026-12-02-bf16-t1-930c680/bench.json",
                "bench/results/cpu-zen4-2026-12-02-bf16-t2-930c680/bench.json",
                *BF16_RERUN, STEP_RESULTS, *SPEECH_RESULTS, STEP_T2_RESULTS)
+# A Zen 5 (AVX-512 on 512-bit FMA pipes, AVX512_BF16: the cpu:512bit+bf16+fma512 class), its own
+# rows since 90fc337: the float32 grid at 1 (ac1877c) and 2 threads, the bf16 family at 1 and 2
+# threads (its float32 rows too), the LSTM against the CPU engines, the latency sizes again after
+# b364985 (batch 1 off the projection tiles: their rows replace the grid's), the speech stacks.
+ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-grid-t2-90fc337/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-bf16-t1-ac1877c/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-bf16-t2-ac1877c/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-peers-lstm-t1-90fc337/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-latency-t1-90fc337/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-latency-t2-90fc337/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-speech-t1-90fc337/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json")
 CPU = torch.device("cpu")
 
 
@@ -277,7 +290,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     nothing is typed in by hand."""
     out = tmp_path / "table.json"
     for args in ([*GPU_RESULTS, *CPU_RESULTS], [*BF16_RESULTS, "--dtypes", "bfloat16"],
-                 [*F32_RESULTS, "--dtypes", "float32"]):
+                 [*F32_RESULTS, "--dtypes", "float32"], list(ZEN5_RESULTS)):
         done = subprocess.run([sys.executable, "-m", "bench.auto_table", *args, "--out", str(out)],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
         assert done.returncode == 0, done.stderr
@@ -285,7 +298,8 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
         shipped = json.load(f)
     with open(out) as f:
         assert json.load(f)["entries"] == shipped["entries"]
-    assert {e["device"] for e in shipped["entries"]} == {"cuda:sm_90", "cpu:256bit", "cpu:512bit+bf16"}
+    assert {e["device"] for e in shipped["entries"]} == {"cuda:sm_90", "cpu:256bit", "cpu:512bit+bf16",
+                                                         "cpu:512bit+bf16+fma512"}
     # The AVX512_BF16 class: bfloat16 rows from the bf16 runs, float32 rows from the float32 ones
     # (a run's other dtype taken from neither: --dtypes).
     zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
@@ -325,7 +339,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     # where rnnkern measured 1.22x (inference) and 1.28x (training).
     bi = {(e["device"], e["cell"], e["phase"], e["B"], e["threads"]): e["speedups"]["cpu"]
           for e in shipped["entries"] if e.get("directions") == 2}
-    assert len(bi) == 32 and {k[0] for k in bi} == {"cpu:512bit+bf16", "cpu:256bit"}
+    assert len(bi) == 48 and {k[0] for k in bi} == {"cpu:512bit+bf16", "cpu:256bit", "cpu:512bit+bf16+fma512"}
     for device in ("cpu:512bit+bf16", "cpu:256bit"):
         assert bi[(device, "lstm", "forward", 1, 2)] > 1.2
         assert bi[(device, "lstm", "forward_backward", 1, 2)] > 1.2
@@ -334,14 +348,14 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     # on one thread, 0.96x before c5126ae made x_t W_ih^T in the steps there, now rnnkern's.
     # (A one-row LSTM at H=256 on two threads measured 0.78x, then 1.04x: oneDNN's split of
     # each step over both cores took 5.5-7.2 ms from run to run on this shared VM.)
+    zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
     grid = {(e["cell"], e["phase"], e["B"], e["T"], e["H"], e["threads"]): e["speedups"]["cpu"]
-            for e in shipped["entries"] if "-grid-t" in e["source"]}
+            for e in zen4 if "-grid-t" in e["source"]}
     assert len(grid) == 3 * 15 * 2 * 2
-    assert all("-grid-lstm-t" in e["source"] for e in shipped["entries"]
-               if "-grid-t" in e["source"] and e["cell"] == "lstm")
+    assert all("-grid-lstm-t" in e["source"] for e in zen4 if "-grid-t" in e["source"] and e["cell"] == "lstm")
     assert grid[("lstm", "forward", 16, 256, 256, 1)] >= auto.LEVEL
     # and the short family's (T 8 and 32): 24 sizes a cell, decided by their own rows.
-    short = [e for e in shipped["entries"] if "-short-t" in e["source"]]
+    short = [e for e in zen4 if "-short-t" in e["source"]]
     assert len(short) == 3 * 24 * 2 * 2 and {e["T"] for e in short} == {8, 32}
     # its LSTM rows from the later runs (8e167f6, after c5126ae's forward): B=64 T=32 H=256 at
     # one thread 0.90x before, 1.00x after, rnnkern's now.
@@ -352,6 +366,21 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
                and e["phase"] == "forward_backward" and (e["B"], e["T"], e["H"], e["threads"]) == (64, 64, 128, 1))
     assert row["source"].endswith("cpu-zen3-2026-12-03-peers-step-t1-b977408/bench.json")
     assert row["speedups"]["cpu"] >= auto.LEVEL
+    # The Zen 5's own class: every sequence row of the default families at 1 and 2 threads, and
+    # the bf16 family's. Its one-row LSTM at H=256 on two threads (oneDNN splits each step over
+    # both cores) is torch.nn's there, where the Zen 4's rows said rnnkern; a one-step call,
+    # which no Zen 5 row measures, goes by the Zen 4's one-step rows.
+    zen5 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16+fma512"]
+    assert {(e["dtype"], e["threads"]) for e in zen5 if e.get("directions", 1) == 1} == \
+        {("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)}
+    assert len({(e["cell"], e["phase"], e["B"], e["T"], e["H"], e["threads"])
+                for e in zen5 if "-grid-t" in e["source"]}) == 3 * 15 * 2 * 2
+    one_row = dict(cell="lstm", device=CPU, dtype=torch.float32, B=1, H=256, T=256, training=False,
+                   torch_lacks=None, rnnkern_backend="cpu", threads=2)
+    assert auto.choose(**one_row, device_key="cpu:512bit+bf16+fma512").uses_torch
+    assert not auto.choose(**one_row, device_key="cpu:512bit+bf16").uses_torch
+    step = auto.choose(**{**one_row, "T": 1, "threads": 1}, device_key="cpu:512bit+bf16+fma512")
+    assert "on cpu:512bit+bf16 " in step.reason and "-step-" in step.reason
 
 
 def gpu_entry(cell, dtype, phase, B, T, H, **ratios):
