@@ -72,7 +72,7 @@ family's float32 cases), leaving the bfloat16 rows:
 A Zen 5 (AVX-512 on 512-bit FMA pipes: the class cpu:512bit+bf16+fma512, whose calls without a
 row of their own take the Zen 4's), both dtypes in one go: the float32 grid at 1 and 2 threads,
 the bf16 family, the LSTM against the CPU engines, the latency sizes after b364985 (their rows
-replacing the grid's), the speech stacks:
+replacing the grid's), the speech stacks, one-step calls:
 
     python -m bench.auto_table \
         bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json \
@@ -83,7 +83,9 @@ replacing the grid's), the speech stacks:
         bench/results/cpu-zen5-2026-12-03-latency-t1-90fc337/bench.json \
         bench/results/cpu-zen5-2026-12-03-latency-t2-90fc337/bench.json \
         bench/results/cpu-zen5-2026-12-03-speech-t1-90fc337/bench.json \
-        bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json
+        bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json \
+        bench/results/cpu-zen5-2026-12-03-step-t1-49c61ef/bench.json \
+        bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json
 """
 from __future__ import annotations
 

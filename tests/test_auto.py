@@ -72,7 +72,8 @@ F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
 # A Zen 5 (AVX-512 on 512-bit FMA pipes, AVX512_BF16: the cpu:512bit+bf16+fma512 class), its own
 # rows since 90fc337: the float32 grid at 1 (ac1877c) and 2 threads, the bf16 family at 1 and 2
 # threads (its float32 rows too), the LSTM against the CPU engines, the latency sizes again after
-# b364985 (batch 1 off the projection tiles: their rows replace the grid's), the speech stacks.
+# b364985 (batch 1 off the projection tiles: their rows replace the grid's), the speech stacks,
+# one-step calls.
 ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-grid-t2-90fc337/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-bf16-t1-ac1877c/bench.json",
@@ -81,7 +82,10 @@ ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-latency-t1-90fc337/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-latency-t2-90fc337/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-speech-t1-90fc337/bench.json",
-                "bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json")
+                "bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json",
+                # and one-step calls (T=1) at 1 and 2 threads, from 49c61ef
+                "bench/results/cpu-zen5-2026-12-03-step-t1-49c61ef/bench.json",
+                "bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json")
 CPU = torch.device("cpu")
 
 
@@ -369,8 +373,8 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     assert row["speedups"]["cpu"] >= auto.LEVEL
     # The Zen 5's own class: every sequence row of the default families at 1 and 2 threads, and
     # the bf16 family's. Its one-row LSTM at H=256 on two threads (oneDNN splits each step over
-    # both cores) is torch.nn's there, where the Zen 4's rows said rnnkern; a one-step call,
-    # which no Zen 5 row measures, goes by the Zen 4's one-step rows.
+    # both cores) is torch.nn's there, where the Zen 4's rows said rnnkern; a one-step call goes
+    # by the Zen 5's own one-step rows (1.30-5.27x torch.nn at one thread).
     zen5 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16+fma512"]
     assert {(e["dtype"], e["threads"]) for e in zen5 if e.get("directions", 1) == 1} == \
         {("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)}
@@ -381,7 +385,8 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     assert auto.choose(**one_row, device_key="cpu:512bit+bf16+fma512").uses_torch
     assert not auto.choose(**one_row, device_key="cpu:512bit+bf16").uses_torch
     step = auto.choose(**{**one_row, "T": 1, "threads": 1}, device_key="cpu:512bit+bf16+fma512")
-    assert "on cpu:512bit+bf16 " in step.reason and "-step-" in step.reason
+    assert step.implementation == "cpu" and "on cpu:512bit+bf16+fma512 " in step.reason
+    assert "cpu-zen5-2026-12-03-step-t1-" in step.reason
 
 
 def gpu_entry(cell, dtype, phase, B, T, H, **ratios):
