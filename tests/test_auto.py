@@ -13,6 +13,7 @@ from torch import nn
 
 import rnnkern
 from rnnkern import auto
+from rnnkern.check import probe
 from conftest import generator, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -244,14 +245,10 @@ def test_a_cpu_with_512bit_fma_pipes_has_its_own_class():
     assert not auto.fma_pipes_512bit("AuthenticAMD", 0x19, 0x11)  # a Zen 4
     assert not auto.fma_pipes_512bit("GenuineIntel", 6, 0x8F)
     # The kernels' rule on this CPU is the table's (when no RNNKERN_CPU_FMA_BITS says otherwise).
-    fields = {}
-    if os.path.exists("/proc/cpuinfo"):  # (Linux's; elsewhere only the rule above is checked)
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                name, _, value = (part.strip() for part in line.partition(":"))
-                fields.setdefault(name, value)
-    if "RNNKERN_CPU_FMA_BITS" not in os.environ and {"vendor_id", "cpu family", "model"} <= fields.keys():
-        expected = auto.fma_pipes_512bit(fields["vendor_id"], int(fields["cpu family"]), int(fields["model"]))
+    cpu = probe.cpu_identity()  # (Linux's /proc/cpuinfo; elsewhere only the rule above is checked)
+    if "RNNKERN_CPU_FMA_BITS" not in os.environ and all(
+            isinstance(cpu[k], int) for k in ("family", "model")) and cpu["vendor"]:
+        expected = auto.fma_pipes_512bit(cpu["vendor"], cpu["family"], cpu["model"])
         assert (rnnkern._C.cpu_fma_pipe_bits() == 512) == expected
         assert auto._this_cpu_class().endswith(auto.FMA512) == (expected and rnnkern._C.cpu_vector_bits() == 512)
     assert auto.cpu_class(512, True, True) == "cpu:512bit+bf16+fma512"
