@@ -349,6 +349,14 @@ def init_distributed(device_type: str = "cpu") -> Tuple[int, int]:
     """(rank, world size).  Under ``torchrun`` (WORLD_SIZE > 1 in the environment)
     joins the process group first: gloo for CPU training, nccl for CUDA."""
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # DistributedDataParallel imports torch._dynamo.  Imported after
+        # init_process_group, torch._dynamo (or torch._inductor) leaves the
+        # default group referenced from C++: destroy_process_group then no
+        # longer joins gloo's threads (torch 2.11-2.14), they run on into the
+        # interpreter's exit, and a rank sometimes aborted there ("terminate
+        # called without an active exception").  Imported first, the group
+        # goes, threads and all, at destroy_process_group.
+        import torch._dynamo  # noqa: F401
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

@@ -466,10 +466,15 @@ def _ddp_worker(rank: int, world: int, port: int, text: str, out_dir: str) -> No
     torch.set_num_threads(1)
     checkpoint = os.path.join(out_dir, "ddp.pt")
     result = lm.train(lm.Config(checkpoint=checkpoint, **DDP_CONFIG), text)
-    torch.save({"params": result.model.state_dict(), "losses": result.step_losses,
-                "history": [dataclasses.asdict(e) for e in result.history]},
-               os.path.join(out_dir, f"rank{rank}.pt"))
     lm.shutdown_distributed()
+    torch.save({"params": result.model.state_dict(), "losses": result.step_losses,
+                "history": [dataclasses.asdict(e) for e in result.history],
+                "threads": native_thread_names()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def native_thread_names() -> list:
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
 
 
 def free_port() -> int:
@@ -497,6 +502,8 @@ def test_ddp_two_processes_keep_replicas_identical(tmp_path):
             if p.is_alive():
                 p.kill()
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    for r in ranks:  # the group went with its threads: none left to race the exit
+        assert not [n for n in r["threads"] if "gloo" in n or "tcpstore" in n], r["threads"]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(ranks[1]["params"][name], value), f"replicas differ in {name}"
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank trained on its own streams
