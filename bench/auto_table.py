@@ -72,7 +72,8 @@ family's float32 cases), leaving the bfloat16 rows:
 A Zen 5 (AVX-512 on 512-bit FMA pipes: the class cpu:512bit+bf16+fma512, whose calls without a
 row of their own take the Zen 4's), both dtypes in one go: the float32 grid at 1 and 2 threads,
 the bf16 family, the LSTM against the CPU engines, the latency sizes after b364985 (their rows
-replacing the grid's), the speech stacks, one-step calls:
+replacing the grid's), the speech stacks, bf16 one-step and cell calls (whose float32 cases the
+last two files measure again, and decide), one-step calls:
 
     python -m bench.auto_table \
         bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json \
@@ -84,6 +85,8 @@ replacing the grid's), the speech stacks, one-step calls:
         bench/results/cpu-zen5-2026-12-03-latency-t2-90fc337/bench.json \
         bench/results/cpu-zen5-2026-12-03-speech-t1-90fc337/bench.json \
         bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json \
+        bench/results/cpu-zen5-2026-12-04-step-bf16-t1-426f88c/bench.json \
+        bench/results/cpu-zen5-2026-12-04-step-bf16-t2-426f88c/bench.json \
         bench/results/cpu-zen5-2026-12-03-step-t1-49c61ef/bench.json \
         bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json
 """

@@ -74,7 +74,7 @@ F32_RESULTS = ("bench/results/cpu-zen4-2026-12-01-grid-t1-7b7cf32/bench.json",
 # rows since 90fc337: the float32 grid at 1 (ac1877c) and 2 threads, the bf16 family at 1 and 2
 # threads (its float32 rows too), the LSTM against the CPU engines, the latency sizes again after
 # b364985 (batch 1 off the projection tiles: their rows replace the grid's), the speech stacks,
-# one-step calls.
+# bf16 one-step and cell calls (2026-12-04; before, those took the Zen 4's rows), one-step calls.
 ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-grid-t2-90fc337/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-bf16-t1-ac1877c/bench.json",
@@ -84,6 +84,10 @@ ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-latency-t2-90fc337/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-speech-t1-90fc337/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-speech-t2-90fc337/bench.json",
+                # bf16 one-step and cell calls at 1 and 2 threads (2026-12-04, 426f88c;
+                # their float32 cases the next two files' again)
+                "bench/results/cpu-zen5-2026-12-04-step-bf16-t1-426f88c/bench.json",
+                "bench/results/cpu-zen5-2026-12-04-step-bf16-t2-426f88c/bench.json",
                 # and one-step calls (T=1) at 1 and 2 threads, from 49c61ef
                 "bench/results/cpu-zen5-2026-12-03-step-t1-49c61ef/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json")
@@ -384,6 +388,13 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     step = auto.choose(**{**one_row, "T": 1, "threads": 1}, device_key="cpu:512bit+bf16+fma512")
     assert step.implementation == "cpu" and "on cpu:512bit+bf16+fma512 " in step.reason
     assert "cpu-zen5-2026-12-03-step-t1-" in step.reason
+    # and a bf16 one (1.09-5.12x at one and two threads) by its own bf16 one-step rows too,
+    # no longer by the Zen 4's.
+    for threads in (1, 2):
+        bf16_step = auto.choose(**{**one_row, "T": 1, "threads": threads, "dtype": torch.bfloat16},
+                                device_key="cpu:512bit+bf16+fma512")
+        assert bf16_step.implementation == "cpu" and "on cpu:512bit+bf16+fma512 " in bf16_step.reason
+        assert f"cpu-zen5-2026-12-04-step-bf16-t{threads}-" in bf16_step.reason
 
 
 def gpu_entry(cell, dtype, phase, B, T, H, **ratios):
