@@ -18,6 +18,7 @@ AMD Zen, Zen+       2 x 128-bit            2 x 4 lanes x 2 = 16
 AMD Zen 2, Zen 3    2 x 256-bit (AVX2)     2 x 8 x 2 = 32
 AMD Zen 4           AVX-512 on 2 x 256-bit 2 x 8 x 2 = 32 (a 512-bit op takes two)
 AMD Zen 5           2 x 512-bit            2 x 16 x 2 = 64 (server and desktop parts)
+AMD Zen 5, mobile   AVX-512 on 2 x 256-bit 2 x 8 x 2 = 32 (as a Zen 4)
 other, AVX-512      2 x 512-bit (assumed)  64 (some Xeon parts have one unit: 32)
 other, AVX2 + FMA   2 x 256-bit (assumed)  32
 other               no FMA: 128-bit mul    8
@@ -43,6 +44,7 @@ import os
 import time
 from typing import Optional
 
+from rnnkern.auto import fma_pipes_512bit
 from rnnkern.check.probe import cpu_identity, cpuinfo, max_clock_mhz
 
 #: core -> (FMA units, float32 lanes per unit, note)
@@ -52,6 +54,7 @@ CORES = {
     "AMD Zen 3": (2, 8, "two 256-bit FMA pipes (AVX2)"),
     "AMD Zen 4": (2, 8, "AVX-512 executed on two 256-bit FMA pipes"),
     "AMD Zen 5": (2, 16, "two 512-bit FMA pipes"),
+    "AMD Zen 5, mobile": (2, 8, "AVX-512 executed on two 256-bit FMA pipes"),
     "AVX-512 core": (2, 16, "assumed: two 512-bit FMA units (some Xeon parts have one)"),
     "AVX2 core": (2, 8, "assumed: two 256-bit FMA units"),
     "core without FMA": (1, 4, "assumed: one 128-bit multiply and one add per cycle"),
@@ -67,8 +70,8 @@ def core_name(identity: dict, flags: set) -> str:
         if family == 0x19:
             zen4 = 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF
             return "AMD Zen 4" if zen4 else "AMD Zen 3"
-        if family == 0x1A:
-            return "AMD Zen 5"
+        if family == 0x1A:  # the models with 512-bit pipes: the kernels' and auto's rule
+            return "AMD Zen 5" if fma_pipes_512bit("AuthenticAMD", family, model) else "AMD Zen 5, mobile"
     if "avx512f" in flags:
         return "AVX-512 core"
     if "fma" in flags and "avx2" in flags:

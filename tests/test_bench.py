@@ -154,6 +154,8 @@ def test_quick_json_is_well_formed(quick_run):
     (0x19, 0x01, {"avx2", "fma"}, "AMD Zen 3", 32),                          # EPYC Milan: 2 x 8 lanes x 2
     (0x19, 0x11, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 4", 32),  # AVX-512 on 256-bit units
     (0x1A, 0x02, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 5", 64),  # 512-bit units
+    (0x1A, 0x44, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 5", 64),  # desktop (Granite Ridge)
+    (0x1A, 0x24, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 5, mobile", 32),  # 256-bit halves
     (0x06, 0x55, {"avx2", "fma", "avx512f"}, "AVX-512 core", 64),
     (0x06, 0x3C, {"avx2", "fma"}, "AVX2 core", 32),
 ])
