@@ -352,7 +352,7 @@ def init_distributed(device_type: str = "cpu") -> Tuple[int, int]:
         # DistributedDataParallel imports torch._dynamo.  Imported after
         # init_process_group, torch._dynamo (or torch._inductor) leaves the
         # default group referenced from C++: destroy_process_group then no
-        # longer joins gloo's threads (torch 2.11-2.14), they run on into the
+        # longer joins gloo's threads (seen on torch 2.14.1), they run on into the
         # interpreter's exit, and a rank sometimes aborted there ("terminate
         # called without an active exception").  Imported first, the group
         # goes, threads and all, at destroy_process_group.
