@@ -301,8 +301,8 @@ def _class_rows(key: str, cell: str, dtype_name: str, phase: str, T: int, direct
     """The rows of ``key`` for the call's cell, dtype and phase, or its parent
     class's (:func:`parent_class`) where ``key`` has none of the call's regime
     and directions and the parent has: a class without one-step rows of its own
-    (a Zen 5's bf16) decides a one-step call by the parent's one-step rows, not
-    by its own sequence rows."""
+    decides a one-step call by the parent's one-step rows, not by its own
+    sequence rows."""
     index = _index()
     own = index.get((key, cell, dtype_name, phase), [])
     parent = parent_class(key)

@@ -354,7 +354,6 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     # on one thread, 0.96x before c5126ae made x_t W_ih^T in the steps there, now rnnkern's.
     # (A one-row LSTM at H=256 on two threads measured 0.78x, then 1.04x: oneDNN's split of
     # each step over both cores took 5.5-7.2 ms from run to run on this shared VM.)
-    zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
     grid = {(e["cell"], e["phase"], e["B"], e["T"], e["H"], e["threads"]): e["speedups"]["cpu"]
             for e in zen4 if "-grid-t" in e["source"]}
     assert len(grid) == 3 * 15 * 2 * 2
