@@ -185,7 +185,7 @@ def test_backward_product_reads_the_gate_gradient_as_bf16(B, H):
 
 
 @pytest.mark.parametrize("cell", ["rnn_tanh", "lstm", "gru"])
-@pytest.mark.parametrize("lengths,reverse", [(None, False), ([7, 3, 7, 1, 5], False),
+@pytest.mark.parametrize("lengths,reverse", [(None, False), (None, True), ([7, 3, 7, 1, 5], False),
                                              ([7, 3, 7, 1, 5], True)])
 def test_weight_gradient_reads_the_gate_gradients_it_hands_back(pair_mode, cell, lengths, reverse):
     """The backward rounds each step's gate gradients to bf16 once, as the
@@ -195,7 +195,9 @@ def test_weight_gradient_reads_the_gate_gradients_it_hands_back(pair_mode, cell,
     positions of grad_xproj^T h_{t-1}, h_{t-1} the bf16 output one step
     earlier in the direction of the pass (h0 at a sequence's first step),
     within the float32 sums' error and dW's rounding to bf16; a padded
-    position's grad_xproj is zero."""
+    position's grad_xproj is zero.  Without lengths the product reads the
+    bf16 output's bits in place of its float32 copy (backward.cpp,
+    weight_grad_by_prev_state), in both directions."""
     T, B, H = 7, 5, 40
     args = recurrence_inputs(cell, T, B, H, dtype=torch.bfloat16, key=("pairs-dw",))
     g = generator("pairs-dw-cot", cell)

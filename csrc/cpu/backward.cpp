@@ -93,12 +93,14 @@ std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, in
 // row of the layout (Positions::row), out: the output (row stride P).
 // d16: d rounded to bf16 (its bits, the same layout) where the backward
 // rounded it (rounds_rows_in_steps), else null: the main product reads it
-// in place of d, the same values its pairs would round d to.
+// in place of d, the same values its pairs would round d to.  out16: the
+// output's bf16 bits (BackwardArgs::output_bf16) or undefined: the main
+// product's other operand with d16, the same values as out's.
 template <typename A>
 void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t* d16, int64_t ld,
-                               int64_t N, const Tensor& out, const Tensor& h0,
-                               const Positions& pos, int64_t T, int64_t B, const bool* resets,
-                               const Tensor& reset_h) {
+                               int64_t N, const Tensor& out, const Tensor& out16,
+                               const Tensor& h0, const Positions& pos, int64_t T, int64_t B,
+                               const bool* resets, const Tensor& reset_h) {
   const int64_t P = out.size(-1);
   A* c = ptr<A>(dw);
   if (T == 0 || B == 0) {
@@ -118,17 +120,25 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
                             out.options());
   } else {
     const int64_t later = pos.reverse ? 0 : B * ld;
-    const A* out_earlier = cptr<A>(out) + (pos.reverse ? B * P : 0);
+    const int64_t earlier = pos.reverse ? B * P : 0;
+    const int64_t K = (T - 1) * B;
     bool done = false;
     if constexpr (std::is_same_v<A, float>) {
-      if (d16 != nullptr) {
-        pairs::gemm<uint16_t, float>(N, P, (T - 1) * B, d16 + later, 1, ld, out_earlier, P, 1, c,
-                                     dw.stride(0), false);
-        done = true;
+      if (bf16) {
+        const uint16_t* out16_earlier = out16.defined() ? pairs::bf16_bits(out16) + earlier : nullptr;
+        if (d16 != nullptr && out16_earlier != nullptr)
+          pairs::gemm<uint16_t>(N, P, K, d16 + later, 1, ld, out16_earlier, P, 1, c, dw.stride(0), false);
+        else if (d16 != nullptr)
+          pairs::gemm<uint16_t, float>(N, P, K, d16 + later, 1, ld, cptr<A>(out) + earlier, P, 1, c,
+                                       dw.stride(0), false);
+        else if (out16_earlier != nullptr)
+          pairs::gemm<float, uint16_t>(N, P, K, d + later, 1, ld, out16_earlier, P, 1, c, dw.stride(0),
+                                       false);
+        done = d16 != nullptr || out16_earlier != nullptr;
       }
     }
     if (!done)
-      weight_product<A>(bf16, N, P, (T - 1) * B, d + later, 1, ld, out_earlier, P, 1, c,
+      weight_product<A>(bf16, N, P, K, d + later, 1, ld, cptr<A>(out) + earlier, P, 1, c,
                         dw.stride(0), false);
   }
   // Each sequence's gradient at its first step, against h0.
@@ -630,10 +640,12 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     // (reset after, gradient dhn) or r * h_{t-1} (reset before, gradient dn).
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
     const bool bf16 = a.bf16_products;
-    weight_grad_by_prev_state<A>(bf16, dw_rz, dx, dx16, GH, 2 * H, a.output, a.h0, a.pos, T, B,
+    weight_grad_by_prev_state<A>(bf16, dw_rz, dx, dx16, GH, 2 * H, a.output, a.output_bf16, a.h0,
+                                 a.pos, T, B,
                                  opts.resets, a.reset_h);
     if (gru) {
-      weight_grad_by_prev_state<A>(bf16, dw_n, cptr<A>(dhn_all), nullptr, H, H, a.output, a.h0,
+      weight_grad_by_prev_state<A>(bf16, dw_n, cptr<A>(dhn_all), nullptr, H, H, a.output,
+                                   a.output_bf16, a.h0,
                                    a.pos, T, B, opts.resets, a.reset_h);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
@@ -641,7 +653,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     }
   } else {
     weight_grad_by_prev_state<A>(a.bf16_products, d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx,
-                                 ln_cell ? nullptr : dx16, GH, GH, a.output, a.h0, a.pos, T, B,
+                                 ln_cell ? nullptr : dx16, GH, GH, a.output, a.output_bf16, a.h0,
+                                 a.pos, T, B,
                                  opts.resets, a.reset_h);
   }
   if (z.has_proj)

@@ -177,6 +177,8 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_reset_h = reset_h.has_value() ? at::empty({z.B, z.P}, opt) : empty_like_options(h0, acc);
   r.d_reset_c = reset_c.has_value() ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
   const bool on_pairs = bf16_products(output, w_hh, w_hr);
+  const Tensor output_bf16 =
+      on_pairs && output.scalar_type() == at::kBFloat16 && output.is_contiguous() ? output : Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     BackwardArgs<scalar_t> a{z,
@@ -195,7 +197,8 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              to_acc(ln, acc),
                              reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
                              reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
-                             on_pairs};
+                             on_pairs,
+                             output_bf16};
     backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
                             r.d_w_hr, r.d_ln, r.d_reset_h, r.d_reset_c, r.d_xproj_bf16);
   });

@@ -100,6 +100,10 @@ struct BackwardArgs {
   Tensor resets, zoneout, ln;  // undefined when not given
   Tensor reset_h, reset_c;     // as ForwardArgs'
   bool bf16_products = false;  // as ForwardArgs'
+  // The caller's bf16 output (contiguous; undefined unless the products run
+  // on pairs): output's values, which the weight gradients read as their
+  // bits (their pairs), not rounded again from output's float32 copy.
+  Tensor output_bf16 = Tensor();
 };
 
 // Whether a bfloat16 call on the pair products rounds its results to bf16
