@@ -171,6 +171,23 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
   weight_product<A>(bf16, N, P, R, cptr<A>(d_r), 1, N, cptr<A>(x_r), P, 1, c, dw.stride(0), true);
 }
 
+// column_sums' columns [j0, j1), compiled per ISA level: the loop inside a
+// worker's lambda was compiled for the baseline (two doubles an SSE2
+// instruction, a spill per four floats): 1.4% of a bf16 RNN's training call
+// at one thread (B=32 T=128 H=256, Zen 5), 5% at two.  Vectorised along j,
+// each column's sum keeps its order.
+template <typename A>
+RNNKERN_CPU_CLONES void column_sums_slice(const A* __restrict d, int64_t ld, int64_t T, int64_t B,
+                                          const Positions& pos, double* __restrict sum,
+                                          int64_t j0, int64_t j1) {
+  for (int64_t p = 0; p < T; ++p)
+    for (int64_t b = 0; b < B; ++b)
+      if (p < pos.length(b)) {
+        const A* __restrict row = d + pos.row(p, b) * ld;
+        for (int64_t j = j0; j < j1; ++j) sum[j] += static_cast<double>(row[j]);
+      }
+}
+
 // sum[j] = sum over the real positions (p, b), time-major, of d[(p B + b) ld + j],
 // j < N: the bias gradients.  In double, so that sums over long sequences stay
 // accurate; the columns split between threads, each summed whole by one, so
@@ -181,13 +198,8 @@ void column_sums(const A* d, int64_t ld, int64_t T, int64_t B, const Positions& 
                  int64_t N) {
   const int64_t workers = std::clamp<int64_t>(N / 64, 1, threads());
   for_each_worker(workers, [&](size_t t) {
-    const int64_t j0 = N * int64_t(t) / workers, j1 = N * (int64_t(t) + 1) / workers;
-    for (int64_t p = 0; p < T; ++p)
-      for (int64_t b = 0; b < B; ++b)
-        if (p < pos.length(b)) {
-          const A* row = d + pos.row(p, b) * ld;
-          for (int64_t j = j0; j < j1; ++j) sum[j] += static_cast<double>(row[j]);
-        }
+    column_sums_slice<A>(d, ld, T, B, pos, sum, N * int64_t(t) / workers,
+                         N * (int64_t(t) + 1) / workers);
   });
 }
 
