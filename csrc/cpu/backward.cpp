@@ -125,16 +125,16 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
     bool done = false;
     if constexpr (std::is_same_v<A, float>) {
       if (bf16) {
-        const uint16_t* out16_earlier = out16.defined() ? pairs::bf16_bits(out16) + earlier : nullptr;
-        if (d16 != nullptr && out16_earlier != nullptr)
-          pairs::gemm<uint16_t>(N, P, K, d16 + later, 1, ld, out16_earlier, P, 1, c, dw.stride(0), false);
+        const uint16_t* o16 = out16.defined() ? pairs::bf16_bits(out16) + earlier : nullptr;
+        const int64_t ldc = dw.stride(0);
+        if (d16 != nullptr && o16 != nullptr)
+          pairs::gemm<uint16_t>(N, P, K, d16 + later, 1, ld, o16, P, 1, c, ldc, false);
         else if (d16 != nullptr)
-          pairs::gemm<uint16_t, float>(N, P, K, d16 + later, 1, ld, cptr<A>(out) + earlier, P, 1, c,
-                                       dw.stride(0), false);
-        else if (out16_earlier != nullptr)
-          pairs::gemm<float, uint16_t>(N, P, K, d + later, 1, ld, out16_earlier, P, 1, c, dw.stride(0),
-                                       false);
-        done = d16 != nullptr || out16_earlier != nullptr;
+          pairs::gemm<uint16_t, float>(N, P, K, d16 + later, 1, ld, cptr<A>(out) + earlier, P, 1,
+                                       c, ldc, false);
+        else if (o16 != nullptr)
+          pairs::gemm<float, uint16_t>(N, P, K, d + later, 1, ld, o16, P, 1, c, ldc, false);
+        done = d16 != nullptr || o16 != nullptr;
       }
     }
     if (!done)
@@ -653,12 +653,10 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
     Tensor dw_rz = d_w_hh.narrow(0, 0, 2 * H), dw_n = d_w_hh.narrow(0, 2 * H, H);
     const bool bf16 = a.bf16_products;
     weight_grad_by_prev_state<A>(bf16, dw_rz, dx, dx16, GH, 2 * H, a.output, a.output_bf16, a.h0,
-                                 a.pos, T, B,
-                                 opts.resets, a.reset_h);
+                                 a.pos, T, B, opts.resets, a.reset_h);
     if (gru) {
       weight_grad_by_prev_state<A>(bf16, dw_n, cptr<A>(dhn_all), nullptr, H, H, a.output,
-                                   a.output_bf16, a.h0,
-                                   a.pos, T, B, opts.resets, a.reset_h);
+                                   a.output_bf16, a.h0, a.pos, T, B, opts.resets, a.reset_h);
     } else {
       // dW_hn = sum dn^T (r * h_{t-1}), collected in time order by the backward.
       real_rows_gemm(H, H, dx + 2 * H, GH, cptr<A>(rh_all), H, ptr<A>(dw_n));
@@ -666,8 +664,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   } else {
     weight_grad_by_prev_state<A>(a.bf16_products, d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx,
                                  ln_cell ? nullptr : dx16, GH, GH, a.output, a.output_bf16, a.h0,
-                                 a.pos, T, B,
-                                 opts.resets, a.reset_h);
+                                 a.pos, T, B, opts.resets, a.reset_h);
   }
   if (z.has_proj)
     real_rows_gemm(P, H, cptr<A>(dh_tot_all), P, cptr<A>(h_full_all), H, ptr<A>(d_w_hr));

@@ -177,8 +177,8 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   r.d_reset_h = reset_h.has_value() ? at::empty({z.B, z.P}, opt) : empty_like_options(h0, acc);
   r.d_reset_c = reset_c.has_value() ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
   const bool on_pairs = bf16_products(output, w_hh, w_hr);
-  const Tensor output_bf16 =
-      on_pairs && output.scalar_type() == at::kBFloat16 && output.is_contiguous() ? output : Tensor();
+  const bool bf16_output = output.scalar_type() == at::kBFloat16 && output.is_contiguous();
+  const Tensor output_bf16 = on_pairs && bf16_output ? output : Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     BackwardArgs<scalar_t> a{z,
@@ -386,7 +386,6 @@ std::tuple<Tensor, Tensor, Tensor> step_cpu(c10::string_view cell, const Tensor&
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // inner ATen calls record no graph
   const StepSizes s = check_step(cell, x, h, c, w_ih, w_hh, b_ih, b_hh, ln);
   const auto dtype = x.scalar_type();
-  const auto acc = acc_type(dtype);
   if (lean_step(s, {&x, &h, &w_ih, &w_hh}, {&c, &b_ih, &b_hh}))
     return step_lean(s, x, h, c, w_ih, w_hh, b_ih, b_hh);
   const Tensor xproj = linear_acc(x, w_ih);
