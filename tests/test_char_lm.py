@@ -474,7 +474,7 @@ def _ddp_worker(rank: int, world: int, port: int, text: str, out_dir: str) -> No
 
 
 def native_thread_names() -> list:
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return sorted(p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
 
 
 def free_port() -> int:
