@@ -1002,6 +1002,49 @@ def test_same_bits_at_1_2_and_3_threads(name, kwargs, T, B, H, dtype):
             assert torch.equal(a, b), f"{name} B={B} H={H}: result {i} differs at {threads} threads"
 
 
+# (module, kwargs, H): steps large enough that two and three threads split each
+# by units (W_hh past 2 MiB, at least 16M multiply-adds a worker at B = 48).
+UNITS_BITS_CASES = [("LSTM", {}, 512), ("GRU", {}, 640), ("GRU", {"reset_after": False}, 640),
+                    ("RNN", {}, 1024), ("LSTM", {"proj_size": 64}, 512)]
+
+
+@pytest.mark.parametrize("name,kwargs,H", UNITS_BITS_CASES,
+                         ids=["lstm", "gru", "gru-reset-before", "rnn", "lstm-proj"])
+@pytest.mark.parametrize("lengths", [False, True], ids=["dense", "lengths"])
+def test_split_by_units_same_bits_at_1_2_and_3_threads(name, kwargs, H, lengths):
+    """Split by units each worker owns a slice of the units of every row and
+    the threads meet at every phase of every step; outputs and every gradient
+    (the bias gradients' per-row sums among them, summed in the steps by
+    whichever worker owns the units) are bitwise those of one thread.  The
+    parallel regions counted show the split: some per step."""
+    T, B, I = 4, 48, 32
+
+    def make():
+        torch.manual_seed(H)
+        m = getattr(rnnkern, name)(I, H, backend="cpu", **kwargs)
+        g = generator("units-bits", name, H)
+        x = randn(g, T, B, I, dtype=torch.float32, requires_grad=True)
+        n = torch.tensor([T - (b % T) for b in range(B)]) if lengths else None
+        return m, x, n
+
+    def run(made):
+        m, x, n = made
+        out, hidden = m(x, lengths=n) if n is not None else m(x)
+        outs = [out, *torch.utils._pytree.tree_leaves(hidden)]
+        g = generator("units-bits-cotangent", name, H)
+        loss = sum((o * randn(g, *o.shape, dtype=o.dtype)).sum() for o in outs)
+        return outs + list(torch.autograd.grad(loss, [x, *m.parameters()]))
+
+    want = _results_at(1, make, run)
+    for threads in (2, 3):
+        before = rnnkern._C.cpu_parallel_regions()
+        got = _results_at(threads, make, run)
+        regions = rnnkern._C.cpu_parallel_regions() - before
+        assert regions >= 2 * T, f"{regions} parallel regions at {threads} threads: not split by units"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"{name} H={H}: result {i} differs at {threads} threads"
+
+
 # ------------------------------------- a bidirectional layer's directions at once ----
 
 # (module, kwargs, forward kwargs): bidirectional two-layer modules whose
