@@ -93,8 +93,9 @@ std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, in
 // d: the gradients of the N rows of W (unit stride, row stride ld) at every
 // row of the layout (Positions::row), out: the output (row stride P).
 // d16: d rounded to bf16 (its bits, the same layout) where the backward
-// rounded it (rounds_rows_in_steps), else null: the main product reads it
-// in place of d, the same values its pairs would round d to.  out16: the
+// rounded it (rounds_rows_in_steps), else null: the products read it in
+// place of d, the same values their pairs would round d to; d is then null
+// where the backward kept no float32 copy (the grid without lengths).  out16: the
 // output's bf16 bits (BackwardArgs::output_bf16) or undefined: the main
 // product's other operand with d16, the same values as out's.
 template <typename A>
@@ -108,6 +109,15 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
     dw.zero_();
     return;
   }
+  TORCH_CHECK(d != nullptr || (bf16 && d16 != nullptr && !gathers_real_positions(pos, T, B)),
+              "rnnkern internal: the weight gradient's rows in float32, or bf16 on the grid");
+  // Row `row` of d as float32: d16's values widened where d is null (the
+  // products round them to the same pairs).
+  auto copy_d_row = [&](A* dst, int64_t row) {
+    if constexpr (std::is_same_v<A, float>)
+      if (d == nullptr) return pairs::widen_bf16(N, d16 + row * ld, dst);
+    copy_row(dst, d + row * ld, N);
+  };
   if (gathers_real_positions(pos, T, B)) {
     // (d at p, output at the row's earlier position) for every real p but a row's first.
     std::vector<std::pair<int64_t, int64_t>> pairs;
@@ -147,7 +157,7 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
   A* df = ptr<A>(d_first);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = pos.reverse ? pos.length(b) - 1 : (pos.length(b) > 0 ? 0 : -1);
-    if (first >= 0) copy_row(df + b * N, d + pos.row(first, b) * ld, N);
+    if (first >= 0) copy_d_row(df + b * N, pos.row(first, b));
   }
   weight_product<A>(bf16, N, P, B, df, 1, N, cptr<A>(h0), P, 1, c, dw.stride(0), true);
   if (resets == nullptr) return;
@@ -165,7 +175,7 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
   for (int64_t i = 0; i < R; ++i) {
     const int64_t p = restarted[i] / B, b = restarted[i] % B;
     const A* earlier = o + pos.row(pos.reverse ? p + 1 : p - 1, b) * P;
-    copy_row(ptr<A>(d_r) + i * N, d + pos.row(p, b) * ld, N);
+    copy_d_row(ptr<A>(d_r) + i * N, pos.row(p, b));
     A* x = ptr<A>(x_r) + i * P;
     for (int64_t k = 0; k < P; ++k) x[k] = h[b * P + k] - earlier[k];
   }
@@ -322,25 +332,33 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const bool da_in_dx = !a.pos.lengths && !gru && !reset_before && !ln_cell;
   const bool da_in_dhp = !a.pos.lengths && ln_cell;
   Tensor dhp_all = ln_cell ? pooled_empty({rows, GH}, opt) : Tensor();
-  Tensor da[2];
-  if (!da_in_dx && !da_in_dhp)
-    da[0] = at::zeros({B, da_width}, opt), da[1] = at::zeros({B, da_width}, opt);
-  auto da_of = [&](int64_t s) {
-    return da_in_dx    ? ptr<A>(d_xproj) + a.pos.at(0, s) * B * GH
-           : da_in_dhp ? ptr<A>(dhp_all) + a.pos.at(0, s) * B * GH
-                       : ptr<A>(da[s & 1]);
-  };
   // d_xproj rounded to bf16 as each step's pointwise phase leaves it
   // (rounds_rows_in_steps); where da is d_xproj's rows, the next step's
   // product reads the rounded rows as its pairs.
   uint16_t* dx16 = nullptr;
   if constexpr (std::is_same_v<A, float>) {
     if (rounds_rows_in_steps(z, a.bf16_products)) {
-      d_xproj_bf16 = pooled_empty(d_xproj.sizes(), d_xproj.options().dtype(at::kBFloat16));
+      d_xproj_bf16 = pooled_empty(layout_sizes(z, GH), opt.dtype(at::kBFloat16));
       dx16 = reinterpret_cast<uint16_t*>(d_xproj_bf16.data_ptr());
     }
   }
   const bool da16 = dx16 != nullptr && da_in_dx;
+  // d_xproj, the gate gradients at every position (what dX, dW_ih and dW_hh
+  // take).  Where the next step's product reads them rounded (da16), the
+  // rounded rows are what every later reader takes (d_xproj_bf16: dW_hh and
+  // the caller), and the float32 rows live one step, in one [B, GH] buffer
+  // the step's worker reads back in cache (its bias sums, its rounding): a
+  // tensor of the whole call was written and never read again (16 MB at
+  // LSTM B=32 T=128 H=256).
+  d_xproj = da16 ? pooled_empty({B, GH}, opt) : pooled_empty(layout_sizes(z, GH), opt);
+  Tensor da[2];
+  if (!da_in_dx && !da_in_dhp)
+    da[0] = at::zeros({B, da_width}, opt), da[1] = at::zeros({B, da_width}, opt);
+  auto da_of = [&](int64_t s) {
+    return da_in_dx    ? ptr<A>(d_xproj) + (da16 ? 0 : a.pos.at(0, s) * B * GH)
+           : da_in_dhp ? ptr<A>(dhp_all) + a.pos.at(0, s) * B * GH
+                       : ptr<A>(da[s & 1]);
+  };
   // dh(t) += da(s) W[:, carry slice c] for rows [b0, b0 + nb) live at step s.
   auto add_da_product = [&](int64_t s, int64_t b0, int64_t nb, size_t ci, const Tensor& dh_t) {
     const int64_t live = a.pos.live_rows(b0, nb, s);
@@ -471,8 +489,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       A* d = dht + (b - r.b0) * n;
       const A* g = gout + row * P + j0;
       const A* w = wsp + row * W + j0;
-      A* dxr = dx + row * GH + j0;
       A* dar = da_s + b * da_width + j0;
+      A* dxr = da_in_dx ? dar : dx + row * GH + j0;  // (the same row unless da16)
       if (restarted_after(b, s)) {
         if (!z.has_proj) move_row(ptr<A>(dh0_acc) + b * P + j0, d, n);
         if (lstm) move_row(ptr<A>(dc0_acc) + b * H + j0, dc + b * H + j0, n);
@@ -678,7 +696,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       real_rows_gemm(H, H, dx + 2 * H, GH, cptr<A>(rh_all), H, ptr<A>(dw_n));
     }
   } else {
-    weight_grad_by_prev_state<A>(a.bf16_products, d_w_hh, ln_cell ? cptr<A>(dhp_all) : dx,
+    weight_grad_by_prev_state<A>(a.bf16_products, d_w_hh,
+                                 ln_cell ? cptr<A>(dhp_all) : da16 ? nullptr : dx,
                                  ln_cell ? nullptr : dx16, GH, GH, a.output, a.output_bf16, a.h0,
                                  a.pos, T, B, opts.resets, a.reset_h);
   }

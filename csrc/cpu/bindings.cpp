@@ -166,7 +166,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const auto opt = h0.options().dtype(acc);
   const bool lstm = has_cell_state(z.cell);
   BackwardResult r;
-  r.d_xproj = pooled_empty(layout_sizes(z, z.G * z.H), opt);
+  // (r.d_xproj: sized by backward_impl)
   r.d_h0 = at::empty({z.B, z.P}, opt);
   r.d_c0 = lstm ? at::empty({z.B, z.H}, opt) : empty_like_options(h0, acc);
   r.d_w_hh = pooled_empty({z.G * z.H, z.P}, opt);  // 1 MiB at LSTM H = 256: fresh pages cost

@@ -122,9 +122,13 @@ inline bool rounds_rows_in_steps(const RecurrenceSizes& z, bool bf16_products) {
 }
 
 // d_reset_h, d_reset_c: written where a.z.has_reset_state (else the restarts'
-// gradient is d_h0's, d_c0's).  d_xproj_bf16: d_xproj rounded to bf16 (its
-// bits, same layout), written where rounds_rows_in_steps (then defined, and
-// A float), else undefined.
+// gradient is d_h0's, d_c0's).  d_xproj and d_xproj_bf16 are allocated
+// here.  d_xproj_bf16: d_xproj rounded to bf16 (its bits, the layout's
+// [T, B, G*H] or [N, G*H]), written where rounds_rows_in_steps (then
+// defined, and A float), else undefined.  d_xproj: the gate gradients in
+// that layout, but where d_xproj_bf16 carries them and the steps' products
+// read its rows (the RNNs and the LSTM without lengths): then one step's
+// scratch [B, G*H], to be read by no one.
 template <typename A>
 void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tensor& d_c0,
                    Tensor& d_w_hh, Tensor& d_b_ih, Tensor& d_b_hh, Tensor& d_w_hr,
