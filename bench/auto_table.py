@@ -71,7 +71,7 @@ family's float32 cases), leaving the bfloat16 rows:
 
 A Zen 5 (AVX-512 on 512-bit FMA pipes: the class cpu:512bit+bf16+fma512, whose calls without a
 row of their own take the Zen 4's), both dtypes in one go: the float32 grid at 1 and 2 threads,
-the bf16 family, the LSTM against the CPU engines, the latency sizes after b364985 (their rows
+the bf16 family (again after 908afd6 and 1141504: its rows replace), the LSTM against the CPU engines, the latency sizes after b364985 (their rows
 replacing the grid's), the speech stacks, bf16 one-step and cell calls (whose float32 cases the
 last two files measure again, and decide), one-step calls:
 
@@ -80,6 +80,8 @@ last two files measure again, and decide), one-step calls:
         bench/results/cpu-zen5-2026-12-03-grid-t2-90fc337/bench.json \
         bench/results/cpu-zen5-2026-12-03-bf16-t1-ac1877c/bench.json \
         bench/results/cpu-zen5-2026-12-03-bf16-t2-ac1877c/bench.json \
+        bench/results/cpu-zen5-2026-12-04-bf16-t1-1141504/bench.json \
+        bench/results/cpu-zen5-2026-12-04-bf16-t2-1141504/bench.json \
         bench/results/cpu-zen5-2026-12-03-peers-lstm-t1-90fc337/bench.json \
         bench/results/cpu-zen5-2026-12-03-latency-t1-90fc337/bench.json \
         bench/results/cpu-zen5-2026-12-03-latency-t2-90fc337/bench.json \
