@@ -642,8 +642,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // pre-activation gradients, and the sums after them are d_ln.
   if (ln_cell) {
     std::vector<double> sum(static_cast<size_t>(14 * H), 0.0);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < 14 * H; ++i) sum[i] += ln_sum[b * 14 * H + i];
+    sum_rows(ln_sum, B, 14 * H, sum.data());
     A* dbi = ptr<A>(d_b_ih);
     A* dbh = ptr<A>(d_b_hh);
     A* dl = ptr<A>(d_ln);
