@@ -101,6 +101,28 @@ def test_cpu_weights_read_in_place_match_reference(threads, cell, proj, n_thread
             assert_close(got[name], want[name], what=f"{variant} {name}")
 
 
+@pytest.mark.parametrize("cell,proj", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n_threads,B", [(1, 1), (1, 2), (2, 2)])
+def test_streamed_matrix_vector_products_match_reference(threads, cell, proj, n_threads, B):
+    """Batches of one and two rows whose per-step weight is 2 MiB or more
+    (float64): gemm.h's matrix-vector products prefetch its panels there
+    (kStreamedPanelBytes), streaming from L3 each step; forward and backward,
+    plain and reversed with lengths, against the reference."""
+    threads(n_threads)
+    # (the reset-before GRU's largest per-step product: its r and z rows)
+    G = 2 if cell == "gru_reset_before" else reference.gate_count(cell)
+    H = next(h for h in range(16, 2048) if G * h * ((h // 2 + 1) if proj else h) * 8 >= 2 << 20)
+    T = 3
+    args = recurrence_inputs(cell, T, B, H, proj=proj and H // 2 + 1, requires_grad=True,
+                             key=("streamed", B))
+    for lengths, reverse in ((None, False), (torch.tensor([2, 3][:B]), True)):
+        key = (cell, B, n_threads, reverse)
+        want = outputs_and_grads("reference", cell, args, lengths, reverse, key=key)
+        got = outputs_and_grads("cpu", cell, args, lengths, reverse, key=key)
+        for name in want:
+            assert_close(got[name], want[name], what=f"reverse={reverse} {name}")
+
+
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_step_matches_reference(cell, bias):

@@ -242,12 +242,25 @@ struct StridesA {
 // micro_kernel).
 constexpr int64_t kPrefetchK = 16;
 
+// A matrix-vector product (one or two rows) whose panels outgrow L2 streams
+// them from L3 each step: the hardware prefetchers alone kept that stream at
+// 84 GB/s (LSTM B=1 H=512, W_hh's 4 MB a step; Zen 5), 8 k ahead it runs at
+// about 100 (the recurrence 18.0 -> 15.5 ms at T=400; the speech encoder's
+// bidirectional two-layer LSTM at B=1, one thread, 100 -> 90 ms).  Where the
+// panels stay in L2 the prefetches only take load slots: the B=1 H=128 LSTM's
+// forward ran 1.2x slower with them, and at 1-1.6 MB (GRU H=320, RNN H=640)
+// they made no difference or cost, so only slices of kStreamedPanelBytes or
+// more prefetch (LSTM H=384: 2.4 MB; H=512 on two threads: 2 MB a thread).
+// The 256-bit kernels (Zen 3) are left as they are: not measured.
+constexpr int64_t kPrefetchB = 8;
+constexpr int64_t kStreamedPanelBytes = int64_t(2) << 20;
+
 // C[MR rows, NP panels] (+)= A[MR, K] * the panels (each 2 vectors wide, row
 // k of panel q at panel[q] + k * ldb[q]).  NP = 2 for one or two rows of A
 // (a matrix-vector product at batch 1): four independent accumulators per row
 // instead of two, so the FMAs' latency no longer bounds it (1.09 us instead
 // of 2.46 for the 512 x 128 product of an LSTM step at H = 128, Zen 5).
-template <typename T, int MR, int Bytes, int NP>
+template <typename T, int MR, int Bytes, int NP, bool kStreamB = false>
 RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, const T* const* panel,
                                         const int64_t* ldb, T* C, int64_t ldc, int64_t ncols,
                                         bool accumulate) {
@@ -269,6 +282,12 @@ RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, cons
     if (prefetch_a)  // (an address, not a pointer into A: past its end near the last k)
       __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(A) +
                                                        (k + kPrefetchK) * sa.ks * sizeof(T)));
+    if constexpr (kStreamB)  // k's two lines of each panel, kPrefetchB ahead (addresses, as above)
+      for (int q = 0; q < NP; ++q) {
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel[q]) + (k + kPrefetchB) * ldb[q] * sizeof(T);
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead));
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead + 64));
+      }
     for (int q = 0; q < NP; ++q) {
       std::memcpy(&b[2 * q], panel[q] + k * ldb[q], sizeof(V));
       std::memcpy(&b[2 * q + 1], panel[q] + k * ldb[q] + L, sizeof(V));
@@ -334,12 +353,17 @@ RNNKERN_ALWAYS_INLINE void multiply_impl(int64_t M, const T* A, StridesA sa, con
     const T* a = A + i * sa.rows;
     int64_t p = p0;
     if (mr <= 2) {  // two panels per call while both are whole
+      const bool stream = Bytes == kWide && (p1 - p0) * NR * K * int64_t(sizeof(T)) >= kStreamedPanelBytes;
       for (; p + 2 <= p1 && (p + 2) * NR <= N; p += 2) {
         const T* panels[2] = {B.panel(p), B.panel(p + 1)};
         const int64_t lds[2] = {B.panel_ld(p), B.panel_ld(p + 1)};
         T* c = C + i * ldc + p * NR;
-        if (mr == 2)
+        if (mr == 2 && stream)
+          micro_kernel<T, 2, Bytes, 2, true>(K, a, sa, panels, lds, c, ldc, 2 * NR, accumulate);
+        else if (mr == 2)
           micro_kernel<T, 2, Bytes, 2>(K, a, sa, panels, lds, c, ldc, 2 * NR, accumulate);
+        else if (stream)
+          micro_kernel<T, 1, Bytes, 2, true>(K, a, sa, panels, lds, c, ldc, 2 * NR, accumulate);
         else
           micro_kernel<T, 1, Bytes, 2>(K, a, sa, panels, lds, c, ldc, 2 * NR, accumulate);
       }
