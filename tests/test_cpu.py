@@ -324,7 +324,7 @@ def test_float16_step_is_the_float32_step_on_its_values(threads, cell, B):
 # ------------------------------------------ input projection (linear op) ----
 
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (70, 33, 129), (600, 300, 40), (3001, 203, 7),
-                                   (9001, 61, 37)])
+                                   (9001, 61, 37), (200, 640, 1100)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_linear_matches_matmul(M, K, N, dtype):
     """The CPU backend's own GEMM: tails in every dimension, K split into chunks;
@@ -341,7 +341,7 @@ def test_linear_matches_matmul(M, K, N, dtype):
 
 
 @pytest.mark.parametrize("M,K,N", [(600, 300, 40), (9001, 61, 37), (4096, 128, 512), (5, 512, 1024),
-                                   (8, 256, 1024), (40, 300, 517), (96, 128, 530)])
+                                   (8, 256, 1024), (40, 300, 517), (96, 128, 530), (200, 640, 1100)])
 def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
     """rnnkern::linear and its gradients split rows of C between threads (up
     to 96 rows, B's panels: the last four sizes, K in two chunks and tail
@@ -361,6 +361,21 @@ def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
         got = _results_at(threads, lambda: None, lambda _: run())
         for name, a, b in zip(("y", "grad_x", "grad_w"), got, want):
             assert torch.equal(a, b), f"{name} differs at {threads} threads"
+
+
+@pytest.mark.parametrize("threads_", [1, 2])
+def test_linear_whole_or_chunked_b_same_bits(threads, threads_):
+    """A row-major A's product packs B whole up to 16 MiB (y = x W^T, dX = dY
+    W; linear.cpp, kWholeBBytesRowMajorA) and chunk by chunk past it: W of
+    2100 x 2048 (17 MB) takes the chunks, its first 512 rows (4 MB) the whole
+    B, and each column of y is the same bits either way."""
+    threads(threads_)
+    g = generator("linear-whole-b")
+    x, w = randn(g, 40, 2048, dtype=torch.float32), randn(g, 2100, 2048, dtype=torch.float32)
+    full = torch.ops.rnnkern.linear(x, w)
+    part = torch.ops.rnnkern.linear(x, w[:512])
+    assert_close(full, x.double().mm(w.double().t()).float(), what="y")
+    assert torch.equal(full[:, :512], part)
 
 
 @pytest.mark.parametrize("K", [61, 130])
