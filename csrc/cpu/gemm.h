@@ -243,10 +243,12 @@ struct StridesA {
 constexpr int64_t kPrefetchK = 16;
 
 // A matrix-vector product (one or two rows) whose panels outgrow L2 streams
-// them from L3 each step: the hardware prefetchers alone kept that stream at
-// 84 GB/s (LSTM B=1 H=512, W_hh's 4 MB a step; Zen 5), 8 k ahead it runs at
-// about 100 (the recurrence 18.0 -> 15.5 ms at T=400; the speech encoder's
-// bidirectional two-layer LSTM at B=1, one thread, 100 -> 90 ms).  Where the
+// them from L3 each step, two panels at a time and four FMAs per k (the
+// forward's packed W_hh^T), or a row of W per k (the backward's W_hh read in
+// place): the hardware prefetchers alone kept that stream at 93 GB/s (LSTM
+// B=1 H=512, W_hh's 4 MB a step; Zen 5), 8 k ahead it runs at 108 (the
+// recurrence 18.0 -> 15.5 ms at T=400; the speech encoder's bidirectional
+// two-layer LSTM at B=1, one thread, 99 -> 88 ms).  Where the
 // panels stay in L2 the prefetches only take load slots: the B=1 H=128 LSTM's
 // forward ran 1.2x slower with them, and at 1-1.6 MB (GRU H=320, RNN H=640)
 // they made no difference or cost, so only slices of kStreamedPanelBytes or
