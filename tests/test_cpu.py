@@ -363,13 +363,13 @@ def test_linear_same_bits_at_1_2_and_3_threads(M, K, N):
             assert torch.equal(a, b), f"{name} differs at {threads} threads"
 
 
-@pytest.mark.parametrize("threads_", [1, 2])
-def test_linear_whole_or_chunked_b_same_bits(threads, threads_):
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_linear_whole_or_chunked_b_same_bits(threads, n_threads):
     """A row-major A's product packs B whole up to 16 MiB (y = x W^T, dX = dY
     W; linear.cpp, kWholeBBytesRowMajorA) and chunk by chunk past it: W of
     2100 x 2048 (17 MB) takes the chunks, its first 512 rows (4 MB) the whole
     B, and each column of y is the same bits either way."""
-    threads(threads_)
+    threads(n_threads)
     g = generator("linear-whole-b")
     x, w = randn(g, 40, 2048, dtype=torch.float32), randn(g, 2100, 2048, dtype=torch.float32)
     full = torch.ops.rnnkern.linear(x, w)
