@@ -10,6 +10,11 @@ Each submodule imports its library on import, so import the one you use:
   ``LSTMModule`` / ``GRUModule``: recurrent mode runs one call over the whole
   [B, T] batch with ``is_init`` as resets instead of splitting and padding it
   into trajectories.
+* :mod:`rnnkern.integrations.pytest_plugin` -- ``python -m pytest -p
+  rnnkern.integrations.pytest_plugin [--rnnkern=accelerate]``: a library's own
+  test suite with torch.nn's recurrent modules built as rnnkern's (and, with
+  ``accelerate``, the two above applied to what it builds), counted in the
+  summary.
 
 This package itself imports nothing heavy.
 """

@@ -1,0 +1,142 @@
+"""rnnkern.integrations.pytest_plugin: a suite run with ``-p
+rnnkern.integrations.pytest_plugin`` builds torch.nn's recurrent modules as
+rnnkern's (from its conftest's import on), ``--rnnkern=accelerate`` also
+accelerates the sb3-contrib policies and torchrl modules it builds, the summary
+counts them, and the session's end restores everything.  Run in this process
+(pytester), so that the restoring is checked here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnkern
+
+pytest_plugins = ("pytester",)
+
+PLUGIN = "rnnkern.integrations.pytest_plugin"
+
+CONFTEST = """
+import torch
+BUILT_AT_IMPORT = torch.nn.GRU(3, 5)
+"""
+
+PATCHED = """
+import torch
+import rnnkern
+from conftest import BUILT_AT_IMPORT
+
+def test_modules_are_rnnkerns():
+    assert type(BUILT_AT_IMPORT) is rnnkern.GRU
+    lstm = torch.nn.LSTM(4, 6, num_layers=2)
+    assert type(lstm) is rnnkern.LSTM and isinstance(lstm, torch.nn.LSTM)
+    assert type(torch.nn.RNNCell(2, 3)) is rnnkern.RNNCell
+    out, (h, c) = lstm(torch.randn(5, 2, 4))
+    assert out.shape == (5, 2, 6) and torch.isfinite(out).all()
+"""
+
+
+def _summary(result) -> str:
+    lines = [l for l in result.outlines if l.startswith("rnnkern (")]
+    assert len(lines) == 1, result.outlines
+    return lines[0]
+
+
+def _assert_restored():
+    assert type(torch.nn.LSTM(2, 3)) is torch.nn.LSTM
+    assert type(torch.nn.GRUCell(2, 3)) is torch.nn.GRUCell
+    for cls in (rnnkern.RNN, rnnkern.GRU, rnnkern.LSTM, rnnkern.RNNCell, rnnkern.GRUCell,
+                rnnkern.LSTMCell):
+        assert not hasattr(cls.__init__, "__wrapped__"), cls
+
+
+@pytest.mark.parametrize("mode", ["patch", "accelerate"])
+def test_plugin_builds_rnnkerns_modules_and_undoes_it(pytester, mode):
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_patched=PATCHED)
+    result = pytester.runpytest_inprocess("-p", PLUGIN, f"--rnnkern={mode}", "-p", "no:cacheprovider",
+                                          "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    # the GRU built at the conftest's import, the LSTM and the cell
+    assert f"rnnkern ({mode}): rnnkern modules built: 3" in _summary(result)
+    assert any(f"rnnkern: --rnnkern={mode}" in l for l in result.outlines)
+    _assert_restored()
+
+
+def test_plugin_is_off_unless_asked_for(pytester):
+    pytester.makepyfile(test_plain="""
+import torch
+def test_plain():
+    assert type(torch.nn.LSTM(4, 6)) is torch.nn.LSTM
+""")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    assert not any(l.startswith("rnnkern (") for l in result.outlines)
+
+
+def test_plugin_rejects_an_unknown_mode(pytester):
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", PLUGIN, "--rnnkern=fast", "-p", "no:xdist")
+    assert result.ret != 0
+    assert any("--rnnkern" in l and "invalid choice" in l for l in result.errlines), result.errlines
+    _assert_restored()
+
+
+SB3 = """
+import torch
+import rnnkern
+from rnnkern.integrations import sb3
+from sb3_contrib import RecurrentPPO
+
+def test_policies_accelerated():
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=16, batch_size=16, n_epochs=1,
+                         policy_kwargs=dict(lstm_hidden_size=8, enable_critic_lstm=True))
+    policy = model.policy
+    assert type(policy.lstm_actor) is rnnkern.LSTM and type(policy.lstm_critic) is rnnkern.LSTM
+    assert policy._process_sequence is sb3.fused_process_sequence
+    model.learn(32)
+"""
+
+TORCHRL = """
+import torch
+import rnnkern
+from rnnkern.integrations.torchrl import AcceleratedGRUModule, AcceleratedLSTMModule
+from torchrl.modules import GRUModule, LSTMModule
+
+def test_modules_accelerated():
+    lstm = LSTMModule(input_size=3, hidden_size=4, in_key="x", out_key="h")
+    gru = GRUModule(input_size=3, hidden_size=4, in_key="x", out_key="h")
+    python_based = LSTMModule(input_size=3, hidden_size=4, in_key="x", out_key="h", python_based=True)
+    assert type(lstm) is AcceleratedLSTMModule and type(lstm.lstm) is rnnkern.LSTM
+    assert type(gru) is AcceleratedGRUModule and type(gru.gru) is rnnkern.GRU
+    assert type(python_based) is LSTMModule
+"""
+
+
+def test_accelerate_reaches_sb3_contrib(pytester):
+    pytest.importorskip("sb3_contrib", reason="sb3-contrib is not installed (requirements-dev.txt)")
+    from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
+    original = RecurrentActorCriticPolicy.__init__
+    pytester.makepyfile(test_sb3=SB3)
+    result = pytester.runpytest_inprocess("-p", PLUGIN, "--rnnkern=accelerate", "-p", "no:cacheprovider",
+                                          "-p", "no:xdist", "-W", "ignore")
+    result.assert_outcomes(passed=1)
+    summary = _summary(result)
+    assert "sb3-contrib policies accelerated: 1" in summary, summary
+    assert "rnnkern modules built: 2" in summary, summary  # actor and critic LSTMs
+    assert RecurrentActorCriticPolicy.__init__ is original
+    _assert_restored()
+
+
+def test_accelerate_reaches_torchrl(pytester):
+    pytest.importorskip("torchrl", reason="torchrl is not installed (requirements-dev.txt)")
+    from torchrl.modules import LSTMModule
+    original = LSTMModule.__init__
+    pytester.makepyfile(test_torchrl=TORCHRL)
+    result = pytester.runpytest_inprocess("-p", PLUGIN, "--rnnkern=accelerate", "-p", "no:cacheprovider",
+                                          "-p", "no:xdist", "-W", "ignore")
+    result.assert_outcomes(passed=1)
+    summary = _summary(result)
+    assert "torchrl modules accelerated: 2" in summary, summary
+    assert "torchrl modules left alone (python_based): 1" in summary, summary
+    assert LSTMModule.__init__ is original
+    _assert_restored()
