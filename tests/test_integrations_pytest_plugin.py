@@ -62,6 +62,26 @@ def test_plugin_builds_rnnkerns_modules_and_undoes_it(pytester, mode):
     _assert_restored()
 
 
+def test_plugin_counts_over_xdist_workers(pytester):
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed (requirements-dev.txt)")
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_patched=PATCHED, test_more="""
+import torch
+import rnnkern
+
+def test_cell():
+    assert type(torch.nn.LSTMCell(2, 3)) is rnnkern.LSTMCell
+""")
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "-n", "2", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    # each worker imports the conftest (its GRU; the module import of it in the test file may
+    # build another), then runs its share of the tests (3 modules in all)
+    summary = _summary(result)
+    assert summary.startswith("rnnkern (patch): rnnkern modules built: "), summary
+    assert summary.endswith(", over 2 xdist workers"), summary
+    assert int(summary.split(": ")[2].split(",")[0]) >= 5, summary
+
+
 def test_plugin_is_off_unless_asked_for(pytester):
     pytester.makepyfile(test_plain="""
 import torch

@@ -18,7 +18,9 @@ too (:func:`rnnkern.integrations.torchrl.accelerate`; the ones built
 The patch starts before the suite's conftest files are imported, so modules
 they build at import are covered; everything is undone when the session ends.
 The terminal summary says how many rnnkern modules the session built and what
-was accelerated, so a green run that never reached rnnkern shows as such.
+was accelerated, so a green run that never reached rnnkern shows as such (with
+pytest-xdist, each worker patches its own process and the controller adds up
+their counts).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class _Session:
         self._built = weakref.WeakSet()
         self._restore = []  # (owner, attribute name, original value)
         self._handle = None
+        self.workers = 0  # pytest-xdist workers whose counts were added
 
     def _wrap_init(self, cls: type, after) -> None:
         original = cls.__init__  # (its own or inherited)
@@ -158,10 +161,27 @@ def pytest_report_header(config):
         return f"rnnkern: --rnnkern={_session.mode} (torch.nn's recurrent modules built as rnnkern's)"
 
 
+def pytest_sessionfinish(session):
+    # A pytest-xdist worker: its counts go to the controller (pytest_testnodedown).
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None and _session is not None:
+        output["rnnkern_counts"] = dict(_session.counts)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    worker = getattr(node, "workeroutput", {}).get("rnnkern_counts")
+    if worker is not None and _session is not None:
+        _session.workers += 1
+        for key, value in worker.items():
+            _session.counts[key] = _session.counts.get(key, 0) + value
+
+
 def pytest_terminal_summary(terminalreporter):
     if _session is not None:
         counts = ", ".join(f"{k}: {v}" for k, v in _session.counts.items())
-        terminalreporter.write_line(f"rnnkern ({_session.mode}): {counts}")
+        workers = f", over {_session.workers} xdist workers" if _session.workers else ""
+        terminalreporter.write_line(f"rnnkern ({_session.mode}): {counts}{workers}")
 
 
 def pytest_unconfigure(config):
