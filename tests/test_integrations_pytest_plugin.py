@@ -132,31 +132,32 @@ def test_modules_accelerated():
 """
 
 
+def _accelerated_summary(pytester, **test_files) -> str:
+    """Runs the files in this process with --rnnkern=accelerate: their one test passes; the
+    summary line."""
+    pytester.makepyfile(**test_files)
+    result = pytester.runpytest_inprocess("-p", PLUGIN, "--rnnkern=accelerate", "-p", "no:cacheprovider",
+                                          "-p", "no:xdist", "-W", "ignore")
+    result.assert_outcomes(passed=1)
+    _assert_restored()
+    return _summary(result)
+
+
 def test_accelerate_reaches_sb3_contrib(pytester):
     pytest.importorskip("sb3_contrib", reason="sb3-contrib is not installed (requirements-dev.txt)")
     from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
     original = RecurrentActorCriticPolicy.__init__
-    pytester.makepyfile(test_sb3=SB3)
-    result = pytester.runpytest_inprocess("-p", PLUGIN, "--rnnkern=accelerate", "-p", "no:cacheprovider",
-                                          "-p", "no:xdist", "-W", "ignore")
-    result.assert_outcomes(passed=1)
-    summary = _summary(result)
+    summary = _accelerated_summary(pytester, test_sb3=SB3)
     assert "sb3-contrib policies accelerated: 1" in summary, summary
     assert "rnnkern modules built: 2" in summary, summary  # actor and critic LSTMs
     assert RecurrentActorCriticPolicy.__init__ is original
-    _assert_restored()
 
 
 def test_accelerate_reaches_torchrl(pytester):
     pytest.importorskip("torchrl", reason="torchrl is not installed (requirements-dev.txt)")
     from torchrl.modules import LSTMModule
     original = LSTMModule.__init__
-    pytester.makepyfile(test_torchrl=TORCHRL)
-    result = pytester.runpytest_inprocess("-p", PLUGIN, "--rnnkern=accelerate", "-p", "no:cacheprovider",
-                                          "-p", "no:xdist", "-W", "ignore")
-    result.assert_outcomes(passed=1)
-    summary = _summary(result)
+    summary = _accelerated_summary(pytester, test_torchrl=TORCHRL)
     assert "torchrl modules accelerated: 2" in summary, summary
     assert "torchrl modules left alone (python_based): 1" in summary, summary
     assert LSTMModule.__init__ is original
-    _assert_restored()

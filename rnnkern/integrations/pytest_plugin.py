@@ -94,7 +94,7 @@ class _Session:
 
         self.counts["torchrl modules accelerated"] = 0
         self.counts["torchrl modules left alone (python_based)"] = 0
-        accepted = {LSTMModule: ("lstm", torch_and_twin("LSTM")), GRUModule: ("gru", torch_and_twin("GRU"))}
+        accepted = {LSTMModule: ("lstm", _torch_and_twin("LSTM")), GRUModule: ("gru", _torch_and_twin("GRU"))}
 
         def after(cls, module):
             if type(module) is not cls:  # a subclass's own (the accelerated classes included)
@@ -121,7 +121,7 @@ class _Session:
         self._restore.clear()
 
 
-def torch_and_twin(name: str) -> tuple:
+def _torch_and_twin(name: str) -> tuple:
     """torch.nn's class of that name and rnnkern's twin."""
     import torch
     import rnnkern
