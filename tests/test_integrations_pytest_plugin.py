@@ -6,12 +6,26 @@ counts them, and the session's end restores everything.  Run in this process
 (pytester), so that the restoring is checked here."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import pytest
 import torch
 
 import rnnkern
 
 pytest_plugins = ("pytester",)
+
+# The RL libraries and their integrations, imported before any run in process
+# (at collection, in each xdist worker): pytester drops from sys.modules what a
+# run imported first, and the tests after it (test_integrations_rl.py) would
+# import the library again, new classes beside the ones that the package
+# rnnkern.integrations still names, and accelerate() would find none of them.
+for _library, _modules in (("sb3_contrib", ("sb3_contrib.common.recurrent.policies", "rnnkern.integrations.sb3")),
+                           ("torchrl", ("torchrl.modules", "rnnkern.integrations.torchrl"))):
+    if importlib.util.find_spec(_library) is not None:
+        for _module in _modules:
+            importlib.import_module(_module)
 
 PLUGIN = "rnnkern.integrations.pytest_plugin"
 
@@ -161,3 +175,47 @@ def test_accelerate_reaches_torchrl(pytester):
     assert "torchrl modules accelerated: 2" in summary, summary
     assert "torchrl modules left alone (python_based): 1" in summary, summary
     assert LSTMModule.__init__ is original
+
+
+# pytest's pytester drops the modules a run in process imported from sys.modules
+# when the run ends; the package rnnkern.integrations, imported before, keeps its
+# attribute naming the dropped integration module, bound to the library's earlier
+# classes.  The second run imports the library afresh: the plugin must find the
+# integration module sys.modules holds (this failed in CI's xdist worker, where
+# another test had imported rnnkern.integrations first).
+TWO_RUNS = """
+import sys
+import pytest
+import rnnkern.integrations
+
+args = ["-q", "-p", "rnnkern.integrations.pytest_plugin", "--rnnkern=accelerate",
+        "-p", "no:cacheprovider", "-p", "no:xdist", "-W", "ignore", *sys.argv[1:]]
+# The libraries, the integrations and the test files, as a run in process that
+# imported them first drops them (not torch's own lazily imported modules: torch
+# registers libraries of operators once per process; in CI's worker they were
+# imported before, and stayed).
+DROPPED = ("torchrl", "sb3_contrib", "rnnkern.integrations.", "test_")
+for run in range(2):
+    before = set(sys.modules)
+    code = pytest.main(args)
+    assert code == 0, f"run {run}: pytest exited {code}"
+    for name in set(sys.modules) - before:
+        if name.startswith(DROPPED):
+            del sys.modules[name]
+print("two runs passed")
+"""
+
+
+def test_accelerate_after_a_run_dropped_its_modules(tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("sb3_contrib", reason="sb3-contrib is not installed (requirements-dev.txt)")
+    pytest.importorskip("torchrl", reason="torchrl is not installed (requirements-dev.txt)")
+    (tmp_path / "test_sb3.py").write_text(SB3)
+    (tmp_path / "test_torchrl.py").write_text(TORCHRL)
+    (tmp_path / "two_runs.py").write_text(TWO_RUNS)
+    done = subprocess.run([sys.executable, str(tmp_path / "two_runs.py"), str(tmp_path / "test_sb3.py"),
+                           str(tmp_path / "test_torchrl.py")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "two runs passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

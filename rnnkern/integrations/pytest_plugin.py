@@ -25,6 +25,7 @@ their counts).
 from __future__ import annotations
 
 import functools
+import importlib
 import weakref
 
 import pytest
@@ -75,7 +76,7 @@ class _Session:
             from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
         except ImportError:
             return
-        from rnnkern.integrations import sb3
+        sb3 = _integration("sb3")
 
         self.counts["sb3-contrib policies accelerated"] = 0
 
@@ -90,7 +91,7 @@ class _Session:
             from torchrl.modules import GRUModule, LSTMModule
         except ImportError:
             return
-        from rnnkern.integrations import torchrl
+        torchrl = _integration("torchrl")
 
         self.counts["torchrl modules accelerated"] = 0
         self.counts["torchrl modules left alone (python_based)"] = 0
@@ -119,6 +120,16 @@ class _Session:
             else:
                 setattr(owner, name, value)
         self._restore.clear()
+
+
+def _integration(name: str):
+    """rnnkern.integrations.<name> as sys.modules holds it now.  Not ``from
+    rnnkern.integrations import <name>``, which takes the package's attribute: a
+    harness that drops modules imported during a run from sys.modules (pytest's
+    own pytester, running a suite in process) leaves that attribute naming the
+    module of an earlier import of the library, whose classes are no longer the
+    ones the library builds (accelerate then finds none of its modules)."""
+    return importlib.import_module(f"rnnkern.integrations.{name}")
 
 
 def _torch_and_twin(name: str) -> tuple:
