@@ -106,8 +106,9 @@ def test_cpu_weights_read_in_place_match_reference(threads, cell, proj, n_thread
 def test_streamed_matrix_vector_products_match_reference(threads, cell, proj, n_threads, B):
     """Batches of one and two rows whose per-step weight is 2 MiB or more
     (float64): gemm.h's matrix-vector products prefetch its panels there
-    (kStreamedPanelBytes), streaming from L3 each step; forward and backward,
-    plain and reversed with lengths, against the reference."""
+    (kStreamedPanelBytes), streaming from L3 each step, on CPUs with 512-bit FMA
+    pipes (RNNKERN_CPU_FMA_BITS=512 takes the path elsewhere); forward and
+    backward, plain and reversed with lengths, against the reference."""
     threads(n_threads)
     # (the reset-before GRU's largest per-step product: its r and z rows)
     G = 2 if cell == "gru_reset_before" else reference.gate_count(cell)

@@ -253,7 +253,11 @@ constexpr int64_t kPrefetchK = 16;
 // forward ran 1.2x slower with them, and at 1-1.6 MB (GRU H=320, RNN H=640)
 // they made no difference or cost, so only slices of kStreamedPanelBytes or
 // more prefetch (LSTM H=384: 2.4 MB; H=512 on two threads: 2 MB a thread).
-// The 256-bit kernels (Zen 3) are left as they are: not measured.
+// The 256-bit kernels (Zen 3) are left as they are: not measured.  Only on
+// 512-bit FMA pipes (fma_pipe_bits(): the Zen 5 it was measured on): a Zen 4,
+// the same 512-bit kernels on 256-bit pipes, ran slower with the prefetches
+// (speech encoder's LSTM, alternating builds: B=1 one thread 172 -> 153 ms
+// without them, two threads 88 -> 79, B=2 one thread 238 -> 224).
 constexpr int64_t kPrefetchB = 8;
 constexpr int64_t kStreamedPanelBytes = int64_t(2) << 20;
 
@@ -355,7 +359,8 @@ RNNKERN_ALWAYS_INLINE void multiply_impl(int64_t M, const T* A, StridesA sa, con
     const T* a = A + i * sa.rows;
     int64_t p = p0;
     if (mr <= 2) {  // two panels per call while both are whole
-      const bool stream = Bytes == kWide && (p1 - p0) * NR * K * int64_t(sizeof(T)) >= kStreamedPanelBytes;
+      const bool stream = Bytes == kWide && (p1 - p0) * NR * K * int64_t(sizeof(T)) >= kStreamedPanelBytes &&
+                          fma_pipe_bits() == 512;
       for (; p + 2 <= p1 && (p + 2) * NR <= N; p += 2) {
         const T* panels[2] = {B.panel(p), B.panel(p + 1)};
         const int64_t lds[2] = {B.panel_ld(p), B.panel_ld(p + 1)};
