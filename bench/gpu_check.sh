@@ -46,11 +46,13 @@
 #     STAGES=bench GPU_CHECK_BUDGET=580 BENCH_CAP=560 BENCH_ARGS="--families latency throughput long \
 #       headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT3
 #
-# The persistent kernels (csrc/cuda/persistent.cuh; by default, mode "auto", only at small
-# batches: csrc/cuda/params.h's persistent_chosen; their GPU tests run in tests_cuda): the
+# The persistent kernels (csrc/cuda/persistent.cuh; by default, mode "auto", up to the
+# staged sizes in csrc/cuda/params.h's persistent_chosen; their GPU tests run in tests_cuda): the
 # grid with them taking every layer they fit, then with the host loop only, both phases
 # (compare case by case, each with cuDNN in its own file; the fifth session's pair:
-# bench/results/gpu-h100-2026-11-27-session5, 80 s and 70 s for latency + headline):
+# bench/results/gpu-h100-2026-11-27-session5, 80 s and 70 s for latency + headline;
+# the sixth's on an H200, bench/results/gpu-h200-2026-12-04, 63 s and 65 s, and 61 s and
+# 60 s for throughput + long):
 #
 #     RNNKERN_CUDA_PERSISTENT=always STAGES=bench GPU_CHECK_BUDGET=200 BENCH_CAP=190 BENCH_ARGS="--families \
 #       latency headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT4

@@ -77,24 +77,52 @@ def test_modes_and_switch():
         cuda_emulated.set_persistent(2)
 
 
-# Auto's bounds (csrc/cuda/params.h): B x K <= 4096 values of h (forward, K = H) or
-# da (backward, K = 4H for the LSTM) staged per step, and at least 32 steps.
-@pytest.mark.parametrize("T,B,launches", [(32, 128, 2), (32, 129, 1), (32, 512, 1), (32, 513, 0),
-                                          (31, 4, 0)],
-                         ids=["both-at-the-bound", "forward-only", "forward-at-the-bound", "neither",
-                              "too-few-steps"])
-def test_auto_takes_small_batches_of_long_sequences(T, B, launches):
-    """"auto" runs the persistent kernel for a phase exactly when B x K <= 4096 and
-    T >= 32: LSTM H=8, forward K=8 (B <= 512), backward K=32 (B <= 128); the phase
-    it declines runs the host loop, and either way the values are the reference's."""
+# Auto's bounds (csrc/cuda/params.h: persistent_auto_staged): B x K values of h
+# (forward, K = H) or da (backward, K = 4H for the LSTM) staged per step, at most
+# 4096 in float64, 12288 in float32, 65536 in the half types; at least 32 steps.
+# (dtype, H, B at which both phases are within the bound, B at which the forward is.)
+AUTO_BOUNDS = {"fp64": (torch.float64, 8, 128, 512), "fp32": (torch.float32, 8, 384, 1536),
+               "bf16": (torch.bfloat16, 16, 1024, 4096)}
+AUTO_CASES = [("both-at-the-bound", 0, 2), ("forward-only", 1, 1), ("forward-at-the-bound", 0, 1),
+              ("neither", 1, 0)]
+
+
+@pytest.mark.parametrize("dtype_name", list(AUTO_BOUNDS))
+@pytest.mark.parametrize("case", [c[0] for c in AUTO_CASES] + ["too-few-steps"])
+def test_auto_takes_small_batches_of_long_sequences(case, dtype_name):
+    """"auto" runs the persistent kernel for a phase exactly when B x K is within
+    the bound of the element size and T >= 32: the LSTM's forward stages K = H
+    values a row, its backward K = 4H; the phase it declines runs the host loop,
+    and either way the values are the reference's (half types: no worse than the
+    reference's own error in that dtype)."""
+    dtype, H, both, forward = AUTO_BOUNDS[dtype_name]
+    if case == "too-few-steps":
+        T, B, launches = 31, 4, 0
+    else:
+        past, launches = {c: (p, n) for c, p, n in AUTO_CASES}[case]
+        T, B = 32, (both if case in ("both-at-the-bound", "forward-only") else forward) + past
     cuda_emulated.set_persistent("auto")
     assert cuda_emulated.persistent() == "auto"
-    args = recurrence_inputs("lstm", T, B, 8, requires_grad=True, key=("persistent-auto", B))
-    want = outputs_and_grads("reference", "lstm", args, key=("auto", B))
-    got, n = counted(lambda: outputs_and_grads(EMU, "lstm", args, key=("auto", B)))
+    args = recurrence_inputs("lstm", T, B, H, dtype=dtype, requires_grad=True, key=("persistent-auto", B))
+    key = ("auto", B)
+    got, n = counted(lambda: outputs_and_grads(EMU, "lstm", args, key=key))
     assert n == launches
+    if dtype == torch.float64:
+        want = outputs_and_grads("reference", "lstm", args, key=key)
+        for name in want:
+            assert_close(got[name], want[name], what=name)
+        return
+    a64 = {k: None if v is None else v.detach().double().requires_grad_() for k, v in args.items()}
+    want = outputs_and_grads("reference", "lstm", a64, key=key)
+    if dtype == torch.float32:
+        for name in want:
+            assert got[name].dtype == dtype, name
+            assert_close(got[name], want[name].float(), what=name)
+        return
+    ref_low = outputs_and_grads("reference", "lstm", args, key=key)
     for name in want:
-        assert_close(got[name], want[name], what=name)
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name], ref_low[name], want[name].float(), what=name)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -35,8 +35,8 @@ namespace rnnkern::cuda {
 
 // When the persistent kernels (persistent.cuh) take the layers they fit.
 //   Never:  the host loop always.
-//   Auto:   (the default) within the sizes where their measured time per step
-//           stays under the host loop's fastest: see persistent_chosen.
+//   Auto:   (the default) within the sizes where they were timed at least level
+//           with the host loop: see persistent_chosen.
 //   Always: every layer they fit (for timing them: RNNKERN_CUDA_PERSISTENT=always).
 enum class PersistentMode : int { Never = 0, Auto = 1, Always = 2 };
 
@@ -55,17 +55,25 @@ struct Context {
 };
 
 // Auto's bounds.  Per step: the values of h_{t-1} (forward: B x P) or da_{t+1}
-// (backward: B x da_width) that the persistent kernel stages, 16 per thread of a
-// CTA.  The H100 timed the kernel at 3.4 us a step plus 0.26 us per value a
-// thread staged, one at a time (bench/results/gpu-h100-2026-11-27-session5):
-// faster than the host loop at every B=1 size (2.7-7.0x, at most 4 values a
-// thread; T=1024 H=256, every cell and dtype), slower from 48 on (B=16 H=768),
-// while the host loop never took less than 10.2 us a step in any size timed
-// (sessions 4 and 5).  Within the bound that model gives at most 3.4 + 16 x 0.26
-// = 7.6 us, so a step saves at least 2.6 us.  Staging has become cheaper since
-// (16-byte loads, 8 in flight), so the bound errs on the host loop's side until
-// a GPU times the kernel past it.
-constexpr int64_t kPersistentAutoStaged = 16 * 256;
+// (backward: B x da_width) that the persistent kernel stages, by element size:
+// the largest staged count at which it was at least level with the host loop
+// (auto.py's 0.97) in every cell timed, each direction apart (the backward as
+// forward + backward less forward), on the H200 of 2026-12-04 (T=1024 and 4096 at B=1 H=256
+// and B=16 H=768, T=1024 at B=64 H=1024, T=256 at B=256 H=1024;
+// bench/results/gpu-h200-2026-12-04, staging in 16-byte chunks, 8 in flight).
+// A step there cost about 3.5 us + 0.045 us per half-type value a thread of the
+// CTA's 256 staged (the fifth H100 session, one element at a time: 0.26 us).
+//   half types: 65536 (B=64 H=1024 forward: LSTM 0.99-1.04x the host loop,
+//               GRU 1.35x, RNN 1.37-1.82x; backward, the tanh RNN: 2.0x).  Past it
+//               the GRU's backward at 196608 was 0.87-1.03x, the B=256 forward
+//               0.32-0.62x.
+//   float32:    12288 (B=16 H=768 forward 1.55-2.46x, the RNN's backward ~1.9x);
+//               its register-tile products fall behind from there: the LSTM's
+//               backward at 49152 ~0.7x, every B=64 forward 0.14-0.27x.
+//   float64:    4096, the bound of the H100's first timing (never timed itself).
+constexpr int64_t kPersistentAutoStagedHalf = 65536;
+constexpr int64_t kPersistentAutoStagedFloat = 12288;
+constexpr int64_t kPersistentAutoStagedDouble = 4096;
 // Per call: at least 32 steps.  Only T >= 256 was timed; what the persistent
 // launch costs once (the host's attribute and occupancy queries, the
 // cooperative launch, W's slice loaded into shared memory: at most 227 KiB per
@@ -74,14 +82,22 @@ constexpr int64_t kPersistentAutoStaged = 16 * 256;
 // step at a time -- keep the host loop until a GPU times them.
 constexpr int64_t kPersistentAutoMinSteps = 32;
 
+// Auto's bound on the values staged per step for elements of `element_bytes`.
+constexpr int64_t persistent_auto_staged(int64_t element_bytes) {
+  return element_bytes <= 2   ? kPersistentAutoStagedHalf
+         : element_bytes == 4 ? kPersistentAutoStagedFloat
+                              : kPersistentAutoStagedDouble;
+}
+
 // Whether the persistent kernel is to be tried for a layer of T steps and B rows
-// staging K values a row per step (it still declines what does not fit).
-inline bool persistent_chosen(const Context& ctx, int64_t T, int64_t B, int64_t K) {
+// staging K values a row per step, in elements of `element_bytes` (it still
+// declines what does not fit).
+inline bool persistent_chosen(const Context& ctx, int64_t T, int64_t B, int64_t K, int64_t element_bytes) {
   switch (ctx.persistent) {
     case PersistentMode::Never: return false;
     case PersistentMode::Always: return true;
     case PersistentMode::Auto:
-      return !ctx.capturing && T >= kPersistentAutoMinSteps && B * K <= kPersistentAutoStaged;
+      return !ctx.capturing && T >= kPersistentAutoMinSteps && B * K <= persistent_auto_staged(element_bytes);
   }
   return false;
 }

@@ -44,7 +44,8 @@
 // any size whose slice of W does not fit one SM's shared memory or whose grid
 // cannot be co-resident (the host asks the occupancy API; it never launches a
 // grid that cannot be).  Tried where the context's mode chooses it (params.h:
-// persistent_chosen; by default small batches, where the H100 timed it faster).
+// persistent_chosen; by default up to the batch sizes where the GPU timed it
+// at least level with the host loop).
 #pragma once
 
 #include <cooperative_groups.h>
