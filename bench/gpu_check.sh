@@ -59,6 +59,15 @@
 #     RNNKERN_CUDA_PERSISTENT=never STAGES=bench GPU_CHECK_BUDGET=150 BENCH_CAP=140 BENCH_ARGS="--families \
 #       latency headline --dtypes bfloat16 float16 float32 --backends cuda" bash bench/gpu_check.sh OUT5
 #
+# Their prefetch of the next step's cold rows (input projection; output gradient and
+# workspace backward) into L2 before each grid barrier (persistent.cuh: persistent_prefetch,
+# on by default, untimed when it landed): the OUT4 grid again with it off, case by case
+# against OUT4:
+#
+#     RNNKERN_CUDA_PERSISTENT=always RNNKERN_CUDA_PREFETCH=0 STAGES=bench GPU_CHECK_BUDGET=200 \
+#       BENCH_CAP=190 BENCH_ARGS="--families latency headline --dtypes bfloat16 float16 float32 \
+#       --backends cuda" bash bench/gpu_check.sh OUT8
+#
 # Triton's spread kernels (rnnkern/triton/spread.py: beyond the on-chip limit, the whole
 # sequence in one launch with a grid barrier per step; not yet timed on a GPU), against the
 # per-step path they replaced (each with cuDNN in its own file):

@@ -44,6 +44,8 @@ gemm_multiply_adds = _C_cuda_emu.gemm_multiply_adds
 # Rows the persistent kernels' CTAs staged so far (each CTA counts its own): what
 # their steps cost.
 staged_rows = _C_cuda_emu.staged_rows
+# Bytes they asked to prefetch so far (the next step's rows, during the grid barrier).
+prefetched_bytes = _C_cuda_emu.prefetched_bytes
 # Cooperative grids (every block at once, grid.sync()): the device model behind the
 # occupancy query and the cooperative launch's co-residency check, and the test kernel.
 set_device_model = _C_cuda_emu.set_device_model

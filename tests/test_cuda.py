@@ -865,3 +865,26 @@ def test_persistent_half_types_at_flashrnn_size(persistent, cell, dtype):
     for name in want:
         assert got[name].dtype == dtype, name
         assert_low_precision(got[name].cpu(), ref16[name], want[name], what=name)
+
+
+@gpu
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+def test_persistent_prefetch_changes_no_bit(persistent, cell, monkeypatch):
+    """The L2 prefetch of the next step's rows before each grid barrier is a hint:
+    with it off (RNNKERN_CUDA_PREFETCH=0) every output and gradient has the same
+    bits, bfloat16 at B=16 H=768 with lengths (what the emulated device counts,
+    test_next_step_prefetched_during_the_barrier, compiled for the real GPU)."""
+    T, B, H = 32, 16, 768
+    args = recurrence_inputs(cell, T, B, H, dtype=torch.bfloat16, key=("persistent-gpu-prefetch",))
+    lengths = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(3))
+    key = ("persistent-gpu-prefetch-cot", cell)
+
+    def run():
+        dev = {k: None if v is None else v.to(DEV).requires_grad_() for k, v in args.items()}
+        return outputs_and_grads("cuda", cell, dev, lengths, False, key=key)
+
+    on = run()
+    monkeypatch.setenv("RNNKERN_CUDA_PREFETCH", "0")
+    off = run()
+    for name in on:
+        assert torch.equal(on[name], off[name]), name

@@ -395,3 +395,62 @@ def test_half_types_on_several_tensor_core_tiles(cell, dtype):
     for name in want:
         assert got[name].dtype == dtype, name
         assert_low_precision(got[name], ref_low[name], want[name], what=name)
+
+
+# What each row's units read at a step from the arrays laid out by time, in values
+# per hidden unit (persistent.cuh: persistent_prefetch_forward / _backward): the
+# forward's G gates of xproj; the backward's output gradient, workspace row and
+# (the RNN) its output, and from the row's previous position the LSTM's c (the
+# workspace's fifth value) or the GRU's h.
+PREFETCHED_FORWARD = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
+PREFETCHED_BACKWARD = {"rnn_tanh": (2, 0), "rnn_relu": (2, 0), "lstm": (6, 1), "gru": (5, 1)}
+
+
+@pytest.mark.parametrize("cell", PERSISTENT_CELLS)
+@pytest.mark.parametrize("lengths", [None, [7, 5, 5, 2, 1, 0], [2, 7, 1, 3, 1, 0]],
+                         ids=["dense", "sorted", "unsorted"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_next_step_prefetched_during_the_barrier(cell, lengths, reverse, monkeypatch):
+    """Before each grid barrier every CTA asks for the next step's cold values of
+    its units (the input projection forward; the output gradient, workspace and
+    outputs backward) to be fetched into L2, of the rows that run that step and
+    no others: the bytes asked for, counted by the emulated device (which reads
+    every address, so the sanitizer runs check them), are exactly those values,
+    every unit of every CTA once.  RNNKERN_CUDA_PREFETCH=0 asks for nothing and
+    gives the same bits; another value is refused."""
+    T, B, H = 7, 6, 10  # 3 units a CTA on the 4-SM model, the last CTA 1
+    args = recurrence_inputs(cell, T, B, H, key=("persistent-prefetch", cell))
+    a = {k: None if v is None else v.detach() for k, v in args.items()}
+    n = None if lengths is None else torch.tensor(lengths)
+    family = torch.ops.rnnkern_cuda_emu
+
+    def run():
+        start = cuda_emulated.prefetched_bytes()
+        out, h_n, c_n, ws = family.recurrence(cell, *a.values(), n, reverse, True)
+        middle = cuda_emulated.prefetched_bytes()
+        grads = family.recurrence_backward(
+            cell, randn(generator("prefetch-gout", cell), *out.shape),
+            torch.ones_like(h_n), torch.ones_like(c_n) if cell == "lstm" else None, a["h0"],
+            a["c0"], a["w_hh"], a["w_hr"], out, ws, n, reverse)
+        return (out, h_n, c_n, *grads), (middle - start, cuda_emulated.prefetched_bytes() - middle)
+
+    def running(s):  # rows that run step s (steps count from each row's own start)
+        return B if lengths is None else sum(s < length for length in lengths)
+
+    element = torch.finfo(torch.float64).bits // 8
+    forward = sum(running(s) for s in range(1, T)) * PREFETCHED_FORWARD[cell] * H * element
+    per_row, from_previous = PREFETCHED_BACKWARD[cell]
+    backward = sum(running(s) * (per_row + (from_previous if s > 0 else 0))
+                   for s in range(T - 1)) * H * element
+    (got, counts), launches = counted(run)
+    assert launches == 2
+    assert counts == (forward, backward)
+    monkeypatch.setenv("RNNKERN_CUDA_PREFETCH", "0")
+    (want, counts), launches = counted(run)
+    assert launches == 2 and counts == (0, 0)
+    for i, (x, y) in enumerate(zip(got, want)):
+        if x is not None:
+            assert torch.equal(x, y), f"result {i}"
+    monkeypatch.setenv("RNNKERN_CUDA_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="RNNKERN_CUDA_PREFETCH must be 0 or 1, got 'yes'"):
+        run()

@@ -155,21 +155,21 @@ def resource_table(so: str | None = None) -> list[dict]:
     """One row per (kernel, arch): REG, STACK, SHARED, LOCAL, CONSTANT, STL, LDL; and from
     the SASS the non-coherent loads (LDG_CONSTANT), GPU-scope atomic adds (GRID_ATOM) and
     memory barriers (MEMBAR): a grid barrier is an atomic arrival between two MEMBARs;
-    and the tensor-core MMAs (HMMA)."""
+    the tensor-core MMAs (HMMA) and the L2 prefetches (PREFETCH_L2: CCTL.E.PF2)."""
     out = subprocess.run([cuobjdump(), "--dump-resource-usage", "-sass", so or rnnkern._C.__file__],
                          capture_output=True, text=True, check=True).stdout
     rows, arch, current = {}, None, None
     # Most of the dump's ~1.3M lines are instructions none of the patterns below
     # can match: one search of this alternation passes on the others (the
     # chain of patterns over every line took half a minute).
-    interesting = re.compile(r"arch = |Function|REG:|STL|LDL|LDG\.|ATOM\.|RED\.|MEMBAR|HMMA\.")
+    interesting = re.compile(r"arch = |Function|REG:|STL|LDL|LDG\.|ATOM\.|RED\.|MEMBAR|HMMA\.|CCTL\.")
     for line in filter(interesting.search, out.splitlines()):
         if m := re.match(r"\s*arch = (sm_\d+)", line):
             arch = m.group(1)
         elif m := re.match(r"\s*Function (\w+):$", line):          # resource-usage section
             current = rows.setdefault((m.group(1), arch), {"mangled": m.group(1), "arch": arch, "STL": 0, "LDL": 0,
                                                            "LDG_CONSTANT": 0, "GRID_ATOM": 0, "MEMBAR": 0,
-                                                           "HMMA": 0})
+                                                           "HMMA": 0, "PREFETCH_L2": 0})
         elif "REG:" in line:
             current.update({k: int(v) for k, v in re.findall(r"(\w+)(?:\[0\])?:(\d+)", line)})
         elif m := re.match(r"\s*Function : (\w+)$", line):        # SASS section
@@ -184,6 +184,8 @@ def resource_table(so: str | None = None) -> list[dict]:
             current["MEMBAR"] += 1
         elif re.search(r"\bHMMA\.", line):                         # tensor-core MMA
             current["HMMA"] += 1
+        elif re.search(r"\bCCTL\.\S*PF2\b", line):                  # prefetch.global.L2
+            current["PREFETCH_L2"] += 1
     assert shutil.which("c++filt"), "c++filt (binutils) is needed to demangle the kernel names"
     pretty = subprocess.run(["c++filt"], input="\n".join(r["mangled"] for r in rows.values()),
                             capture_output=True, text=True, check=True).stdout.splitlines()
@@ -290,6 +292,18 @@ def test_persistent_kernels_use_the_tensor_cores_for_half_types(table):
     half = [r for r in rows if r["kernel"].split("<")[1].split(",")[0] in ("__half", "__nv_bfloat16")]
     assert len(half) == 64 and all(r["HMMA"] > 0 for r in half), [r["kernel"] for r in half if not r["HMMA"]]
     assert all(r["HMMA"] == 0 for r in rows if r not in half)
+
+
+def test_persistent_kernels_prefetch_the_next_step(table):
+    """The persistent kernels' hint before each grid barrier (persistent.cuh:
+    persistent_prefetch_forward / _backward) survives compilation: L2 prefetches
+    (CCTL.E.PF2) in the sm_90 SASS of every one of them, and in no other kernel."""
+    sm90 = [r for r in table if r["arch"] == "sm_90"]
+    persistent = [r for r in sm90 if r["family"].startswith("persistent_")]
+    assert len(persistent) == 128, len(persistent)
+    assert all(r["PREFETCH_L2"] > 0 for r in persistent), [r["kernel"] for r in persistent
+                                                          if not r["PREFETCH_L2"]]
+    assert all(r["PREFETCH_L2"] == 0 for r in sm90 if r not in persistent)
 
 
 def test_checker_catches_each_violation():

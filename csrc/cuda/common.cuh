@@ -171,6 +171,31 @@ CooperativeLaunch<P...> cooperative_launcher(void (*kernel)(P...), dim3 grid, di
 #define RNNKERN_EMU_COUNT_STAGED_ROWS(n) ((void)0)
 #endif
 
+// The emulated device's side of prefetch_l2 (csrc/cuda_emu/prelude.h): it reads each
+// address a GPU would prefetch (RNNKERN_EMU_PREFETCH_AT, in the kernel's own code, so
+// that its sanitizers check them) and counts the bytes asked for (tests: what the
+// persistent kernels prefetch).
+#ifndef RNNKERN_EMU_COUNT_PREFETCHED
+#define RNNKERN_EMU_COUNT_PREFETCHED(bytes) ((void)0)
+#endif
+
+// A hint that [p, p + bytes) will be read soon: the GPU fetches each of its
+// 32-byte sectors into L2 (prefetch.global.L2, which changes no value).  Every
+// address asked for lies in the span, which the caller may read: the emulated
+// device reads each one, so that its sanitizers hold the callers to that.
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+  if (bytes <= 0) return;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p); a < end; a = (a & ~uintptr_t(31)) + 32) {
+#if defined(RNNKERN_EMU_PREFETCH_AT)  // the emulated device (whose __CUDA_ARCH__ is set too)
+    RNNKERN_EMU_PREFETCH_AT(a);
+#elif defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+#endif
+  }
+  RNNKERN_EMU_COUNT_PREFETCHED(bytes);
+}
+
 // A kernel's dynamic shared memory as an array of T: RNNKERN_DYNAMIC_SHARED(float, w);
 // its size is the launch's smem argument (beyond 48 KiB only after cudaFuncSetAttribute's
 // cudaFuncAttributeMaxDynamicSharedMemorySize).  A cooperatively launched kernel keeps all

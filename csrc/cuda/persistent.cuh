@@ -24,6 +24,8 @@
 //     write its columns of da_s.  da alternates between two buffers (a CTA
 //     writes da_s while the others may still read da_{s+1}); step 0 writes
 //     the caller's `da`, as the host loop leaves it.
+//   * both: before each grid barrier a CTA asks L2 for the next step's cold
+//     rows of its units (persistent_prefetch_forward / _backward).
 // The dot products are a block-wide split-K over the staged rows, each chunk
 // of k summed by one worker in a fixed order, then the chunks summed in order
 // by one thread per output -- the same bits for every launch and schedule:
@@ -49,7 +51,10 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <mma.h>
 
 #include "pointwise_backward.cuh"
@@ -79,6 +84,7 @@ struct PersistentPlan {
   int w_rows = 0, x_rows = 0;
   int64_t part = 0;
   size_t smem = 0;     // dynamic shared memory of a CTA, bytes
+  bool prefetch = true;  // the next step's rows into L2 during the barrier (persistent_prefetch)
 };
 
 // The half types multiply on the tensor cores (WMMA 16 x 16 x 16, fp32 accumulators)
@@ -365,6 +371,79 @@ struct PersistentShared {
   }
 };
 
+// ------------------------------------------------------------ prefetch ----
+
+// What a step's pointwise units read from the arrays laid out by time position
+// -- the input projection in the forward; the output gradient, the workspace and
+// the outputs in the backward -- is cold: written long before (T x B x G x H
+// values: past L2 at long sequences), so each such load waits a round trip to
+// HBM after the products, on every step's critical path.  Each CTA asks for the
+// next step's values of its units into L2 just before the grid barrier, whose
+// wait then covers that round trip.  A hint only (a missed or extra line costs
+// time, never a value); these functions mirror the reads of the unit functions
+// (pointwise_forward.cuh, pointwise_backward.cuh), units [j0, j0 + n) of row b
+// at step `step`.  RNNKERN_CUDA_PREFETCH=0 turns it off (timing it).
+inline bool persistent_prefetch() {
+  const char* env = std::getenv("RNNKERN_CUDA_PREFETCH");
+  if (env == nullptr || std::strcmp(env, "1") == 0) return true;
+  if (std::strcmp(env, "0") == 0) return false;
+  throw std::invalid_argument(std::string("RNNKERN_CUDA_PREFETCH must be 0 or 1, got '") + env + "'");
+}
+
+template <typename S, PersistentCell kCell, bool kZoneout>
+__device__ void persistent_prefetch_forward(const ForwardStep<S>& st, int64_t step, int64_t b,
+                                            int64_t j0, int n) {
+  constexpr int G = kCell == PersistentCell::Lstm ? 4 : kCell == PersistentCell::Gru ? 3 : 1;
+  const int64_t p = position(st.lengths, st.T, st.reverse, b, step);
+  if (p < 0) return;
+  const int64_t bytes = int64_t(n) * int64_t(sizeof(S));
+#pragma unroll
+  for (int k = 0; k < G; ++k) prefetch_l2(st.x_row(p, b) + k * st.H + j0, bytes);
+  if constexpr (kZoneout) {
+    const S* mask = st.zo + p * st.zo_st + b * st.zo_sb;
+    prefetch_l2(mask + j0, bytes);
+    if constexpr (kCell == PersistentCell::Lstm) prefetch_l2(mask + st.P + j0, bytes);
+  }
+}
+
+template <typename S, PersistentCell kCell, bool kZoneout>
+__device__ void persistent_prefetch_backward(const BackwardStep<S>& st, int64_t step, int64_t b,
+                                             int64_t j0, int n) {
+  using A = acc_t<S>;
+  const int64_t B = st.B, H = st.H, P = st.P;
+  const int64_t p = position(st.lengths, st.T, st.reverse, b, step);
+  if (p < 0) return;
+  // The row's previous position (its h_{t-1}, c_{t-1}), -1 at its first step.
+  const int64_t q = step == 0 ? -1 : position(st.lengths, st.T, st.reverse, b, step - 1);
+  const int64_t s_bytes = int64_t(n) * int64_t(sizeof(S)), a_bytes = int64_t(n) * int64_t(sizeof(A));
+  if (st.gout != nullptr) prefetch_l2(st.gout + p * st.g_st + b * st.g_sb + j0, s_bytes);
+  const S* mask = kZoneout ? st.zo + p * st.zo_st + b * st.zo_sb : nullptr;
+  if constexpr (kCell == PersistentCell::RnnTanh || kCell == PersistentCell::RnnRelu) {
+    if constexpr (kZoneout) {
+      prefetch_l2(mask + j0, s_bytes);
+      prefetch_l2(st.ws + (p * B + b) * H + j0, a_bytes);
+    } else {
+      prefetch_l2(st.out + (p * B + b) * P + j0, s_bytes);
+    }
+  } else if constexpr (kCell == PersistentCell::Lstm) {
+    const A* w = st.ws + (p * B + b) * 5 * H;
+#pragma unroll
+    for (int k = 0; k < 5; ++k) prefetch_l2(w + k * H + j0, a_bytes);
+    if (q >= 0) prefetch_l2(st.ws + (q * B + b) * 5 * H + 4 * H + j0, a_bytes);
+    if (st.gc_steps != nullptr) prefetch_l2(st.gc_steps + (p * B + b) * H + j0, s_bytes);
+    if constexpr (kZoneout) {
+      prefetch_l2(mask + j0, s_bytes);
+      prefetch_l2(mask + P + j0, s_bytes);
+    }
+  } else {
+    const A* w = st.ws + (p * B + b) * 4 * H;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) prefetch_l2(w + k * H + j0, a_bytes);
+    if (q >= 0) prefetch_l2(st.out + (q * B + b) * P + j0, s_bytes);
+    if constexpr (kZoneout) prefetch_l2(mask + j0, s_bytes);
+  }
+}
+
 // ------------------------------------------------------------- forward ----
 
 // live_rows: device [T] or null (every step all B rows), as the host loop's
@@ -439,7 +518,12 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       }
     }
     // Every CTA's h_t is written before any CTA stages it.
-    if (s + 1 < T) cooperative_groups::this_grid().sync();
+    if (s + 1 < T) {
+      if (plan.prefetch)
+        for (int64_t b = threadIdx.x; b < live; b += blockDim.x)
+          persistent_prefetch_forward<S, kCell, kZoneout>(st, s + 1, b, j0, units);
+      cooperative_groups::this_grid().sync();
+    }
   }
 }
 
@@ -505,6 +589,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
         gru_backward_unit<kResets, kZoneout>(st, b, j);
       }
     }
+    if (plan.prefetch && s > 0)
+      for (int64_t b = threadIdx.x; b < live(s - 1); b += blockDim.x)
+        persistent_prefetch_backward<S, kCell, kZoneout>(st, s - 1, b, j0, units);
     // Every CTA's columns of da_s are written before any CTA reads its rows.
     cooperative_groups::this_grid().sync();
   }
@@ -553,6 +640,7 @@ bool persistent_plan(int64_t H, int64_t B, int64_t K, int outputs_per_unit, Pers
   while (split < 32 && split * 2 <= ksteps && items * split * 2 <= workers && fits(tile, split * 2))
     split *= 2;
   fits(tile, split);
+  plan.prefetch = persistent_prefetch();
   return true;
 }
 

@@ -131,6 +131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "Multiply-adds of the emulated cuBLAS GEMMs so far");
   module.def("staged_rows", &rnnkern::emu::staged_rows,
              "Rows the persistent kernels' CTAs staged so far (each CTA counts its own)");
+  module.def("prefetched_bytes", &rnnkern::emu::prefetched_bytes,
+             "Bytes the persistent kernels asked to prefetch so far (common.cuh: prefetch_l2)");
   module.def("set_device_model", &rnnkern::emu::set_device_model,
              "Multiprocessors and registers per thread of the occupancy model (132, 64 by default)",
              pybind11::arg("multiprocessors"), pybind11::arg("registers_per_thread") = 64);

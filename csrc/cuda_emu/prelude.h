@@ -121,6 +121,16 @@ void* dynamic_shared();
 // RNNKERN_EMU_COUNT_STAGED_ROWS (common.cuh): the running block's thread 0 adds n.
 void count_staged_rows(int n);
 
+// RNNKERN_EMU_PREFETCH_AT / RNNKERN_EMU_COUNT_PREFETCHED (common.cuh's prefetch_l2):
+// the address is read as a byte in the kernel's code (instrumented: ASan checks it
+// lies in an allocation, TSan that no other thread writes it unordered); the
+// running thread adds the bytes asked for.
+inline void prefetch_at(uintptr_t address) {
+  const volatile unsigned char* p = reinterpret_cast<const volatile unsigned char*>(address);
+  (void)*p;
+}
+void count_prefetched(int64_t bytes);
+
 // cooperative_groups::this_grid().sync(): every thread of the grid meets here.
 void grid_sync(const char* file, int line);
 bool in_cooperative_launch();
@@ -158,6 +168,8 @@ void run_grid(const LaunchSite& site, F&& body) {
   ::rnnkern::emu::cooperative_launcher(&__VA_ARGS__, grid, block, smem, stream, __FILE__, __LINE__)
 #define RNNKERN_DYNAMIC_SHARED(T, name) T* const name = static_cast<T*>(::rnnkern::emu::dynamic_shared())
 #define RNNKERN_EMU_COUNT_STAGED_ROWS(n) ::rnnkern::emu::count_staged_rows(n)
+#define RNNKERN_EMU_PREFETCH_AT(address) ::rnnkern::emu::prefetch_at(address)
+#define RNNKERN_EMU_COUNT_PREFETCHED(bytes) ::rnnkern::emu::count_prefetched(bytes)
 
 // ---- the runtime and cuBLAS calls of the sources, renamed to the emulator's
 

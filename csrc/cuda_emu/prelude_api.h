@@ -20,6 +20,8 @@ int64_t gemm_multiply_adds();
 // Rows the persistent kernels' CTAs staged so far (per CTA: grid x rows per step),
 // likewise counted against the real steps.
 int64_t staged_rows();
+// Bytes the persistent kernels asked to prefetch so far (every thread's spans).
+int64_t prefetched_bytes();
 
 // The device model of the occupancy query and the cooperative launch's check:
 // multiprocessors (132, an H100's) and the registers each thread of a kernel

@@ -124,6 +124,7 @@ struct Scheduler {
   int64_t cooperative_launches = 0;
   int64_t gemm_multiply_adds = 0;
   int64_t staged_rows = 0;
+  int64_t prefetched_bytes = 0;
   // TSan sync addresses: the launch's start (host writes before it happen
   // before every thread) and end (every thread's writes before what the host
   // does next, as a stream synchronisation gives), and the current block's
@@ -504,6 +505,8 @@ RNNKERN_EMU_OWN int64_t staged_rows() { return sched().staged_rows; }
 RNNKERN_EMU_OWN void count_staged_rows(int n) {
   if (current().linear_tid == 0) sched().staged_rows += n;
 }
+RNNKERN_EMU_OWN int64_t prefetched_bytes() { return sched().prefetched_bytes; }
+RNNKERN_EMU_OWN void count_prefetched(int64_t bytes) { sched().prefetched_bytes += bytes; }
 
 [[noreturn]] RNNKERN_EMU_OWN void wmma_precondition_failed(const std::string& what) {
   const ThreadCoords& c = current();
