@@ -18,7 +18,7 @@
 #         same launches at other sizes) -- in
 #         every thread-resume order, ThreadSanitizer with one TSan fiber per
 #         CUDA thread and the barriers as release/acquire (csrc/cuda_emu/runtime.cpp);
-# The mutation check (python .ci/cuda_emu_mutations.py, 10 minutes: fifteen planted
+# The mutation check (python .ci/cuda_emu_mutations.py, ~20 minutes: nineteen planted
 # bugs, each caught) runs on demand, not in CI, to keep CI short.
 # Zero sanitizer reports is the bar.  Each sanitized build is the emulated
 # extension alone, beside a copy of the package in build/emu-<mode>.
