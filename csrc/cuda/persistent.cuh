@@ -70,6 +70,11 @@ constexpr int kPersistentThreads = 256;
 // The cells the persistent kernels take (a template parameter of both).
 enum class PersistentCell { RnnTanh, RnnRelu, Lstm, Gru };
 
+// Gates per hidden unit (cells.h's gate_count for these cells).
+__host__ __device__ constexpr int persistent_gates(PersistentCell c) {
+  return c == PersistentCell::Lstm ? 4 : c == PersistentCell::Gru ? 3 : 1;
+}
+
 // The shape of one persistent launch, chosen on the host (persistent_plan).
 struct PersistentPlan {
   int grid = 0;        // CTAs, each with `units` hidden units (the last: the rest)
@@ -393,7 +398,7 @@ inline bool persistent_prefetch() {
 template <typename S, PersistentCell kCell, bool kZoneout>
 __device__ void persistent_prefetch_forward(const ForwardStep<S>& st, int64_t step, int64_t b,
                                             int64_t j0, int n) {
-  constexpr int G = kCell == PersistentCell::Lstm ? 4 : kCell == PersistentCell::Gru ? 3 : 1;
+  constexpr int G = persistent_gates(kCell);
   const int64_t p = position(st.lengths, st.T, st.reverse, b, step);
   if (p < 0) return;
   const int64_t bytes = int64_t(n) * int64_t(sizeof(S));
@@ -456,7 +461,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     persistent_forward_kernel(ForwardStep<S> st, const S* w_hh, S* h_state, acc_t<S>* c_state,
                               const int64_t* live_rows, const PersistentPlan plan) {
   using A = acc_t<S>;
-  constexpr int G = kCell == PersistentCell::Lstm ? 4 : kCell == PersistentCell::Gru ? 3 : 1;
+  constexpr int G = persistent_gates(kCell);
   RNNKERN_DYNAMIC_SHARED(unsigned char, smem);
   const PersistentShared<S> sh(smem, plan);
   const int64_t T = st.T, B = st.B, H = st.H, P = st.P;
@@ -589,9 +594,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
         gru_backward_unit<kResets, kZoneout>(st, b, j);
       }
     }
-    if (plan.prefetch && s > 0)
-      for (int64_t b = threadIdx.x; b < live(s - 1); b += blockDim.x)
+    if (plan.prefetch && s > 0) {
+      const int64_t rows = live(s - 1);
+      for (int64_t b = threadIdx.x; b < rows; b += blockDim.x)
         persistent_prefetch_backward<S, kCell, kZoneout>(st, s - 1, b, j0, units);
+    }
     // Every CTA's columns of da_s are written before any CTA reads its rows.
     cooperative_groups::this_grid().sync();
   }
