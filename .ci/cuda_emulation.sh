@@ -11,14 +11,14 @@
 #         the LSTM-LN row kernels (block reductions), the cooperative grid's
 #         test kernel (blocks exchanging values across grid.sync(); its planted
 #         faults, which race by design, are left out) and the persistent
-#         recurrence kernels (88 of tests/test_cuda_emulated_persistent.py: every
+#         recurrence kernels (103 of tests/test_cuda_emulated_persistent.py: every
 #         cell and variant over uneven CTAs, every option, every order, the
 #         tensor-core tiles, the steps that skip finished rows, the next step's
-#         rows prefetched before the barrier (read by the emulator); the rest are the
-#         same launches at other sizes) -- in
+#         rows prefetched before the barrier (read by the emulator), rows staged in
+#         pieces of k; the rest are the same launches at other sizes) -- in
 #         every thread-resume order, ThreadSanitizer with one TSan fiber per
 #         CUDA thread and the barriers as release/acquire (csrc/cuda_emu/runtime.cpp);
-# The mutation check (python .ci/cuda_emu_mutations.py, ~20 minutes: nineteen planted
+# The mutation check (python .ci/cuda_emu_mutations.py, ~20 minutes: twenty-two planted
 # bugs, each caught) runs on demand, not in CI, to keep CI short.
 # Zero sanitizer reports is the bar.  Each sanitized build is the emulated
 # extension alone, beside a copy of the package in build/emu-<mode>.
@@ -56,4 +56,4 @@ run_mode() {
 }
 
 run_mode asan libasan.so "not gradcheck" auto
-run_mode tsan libtsan.so "step or row_kernels or (cooperative and not mutation) or (persistent and (H10 or thread_order or tensor_core or options_match or live_rows or prefetched))" 0
+run_mode tsan libtsan.so "step or row_kernels or (cooperative and not mutation) or (persistent and (H10 or thread_order or tensor_core or options_match or live_rows or prefetched or pieces))" 0

@@ -74,32 +74,47 @@ def plan(H: int, B: int, K: int, outputs_per_unit: int, dtype: str) -> dict:
     up = lambda n: (n + 15) // 16 * 16  # noqa: E731
     half = s == 2
 
-    def smem(tile, split):  # persistent_layout
+    def ld_of(k):
+        return up(k) + 8 if half else (k if s >= 8 else next(x for x in range(k, k + 8) if (x * s) % 8 == 4))
+
+    def smem(tile, split, piece=K):  # persistent_layout
         if half:
-            ld, w_rows, x_rows = up(K) + 8, up(outputs), up(tile)
+            w_rows, x_rows = up(outputs), up(tile)
             part = (w_rows // 16) * (x_rows // 16) * split * 256
         else:
-            ld = K if s >= 8 else next(x for x in range(K, K + 8) if (x * s) % 8 == 4)
             w_rows, x_rows, part = outputs, tile, tile * outputs * split
-        return 128 + up(s * w_rows * ld) + up(s * x_rows * ld) + a * part
+        return 128 + up(s * w_rows * ld_of(K)) + up(s * x_rows * ld_of(piece)) + a * part
 
-    tile = B
+    def tiles(tile):  # the products' work items
+        if half:
+            return math.ceil(outputs / 16) * math.ceil(tile / 16)
+        return math.ceil(tile / TILE) * math.ceil(outputs / TILE)
+
+    workers = THREADS // 32 if half else THREADS
+    tile, piece = B, K
     while tile >= 1 and smem(tile, 1) > SMEM_OPT_IN:
         tile = tile // 2 if tile > 64 else tile - 1
-    if tile < 1:
-        return {}
-    half = s == 2
-    if half:
-        tiles = math.ceil(outputs / 16) * math.ceil(tile / 16)
-        steps, workers = math.ceil(K / 16), THREADS // 32
-    else:
-        tiles = math.ceil(tile / TILE) * math.ceil(outputs / TILE)
-        steps, workers = K, THREADS
+    if tile < 1:  # rows in pieces of k beside the partial sums of a split busying every worker
+        tile = min(B, 16)
+        want = 1
+        while want < 32 and tiles(tile) * want * 2 <= workers:
+            want *= 2
+        longest = 0
+        while want >= 1 and not longest:
+            longest = next((p for p in range((K - 1) // 16 * 16, 15, -16)
+                            if smem(tile, want, p) <= SMEM_OPT_IN), 0)
+            want //= 2
+        if not longest:
+            return {}
+        pieces = math.ceil(K / longest)
+        piece = up(math.ceil(K / pieces))
+    steps = math.ceil(piece / 16) if half else piece
     split = 1
-    while split < 32 and split * 2 <= steps and tiles * split * 2 <= workers and smem(tile, split * 2) <= SMEM_OPT_IN:
+    while (split < 32 and split * 2 <= steps and tiles(tile) * split * 2 <= workers
+           and smem(tile, split * 2, piece) <= SMEM_OPT_IN):
         split *= 2
     return dict(grid=grid, units=units, outputs=outputs, K=K, batch_tile=tile, split=split,
-                smem=smem(tile, split), tensor_cores=half)
+                k_piece=piece, smem=smem(tile, split, piece), tensor_cores=half)
 
 
 def step_seconds(p: dict, B: int, dtype: str) -> dict:

@@ -50,6 +50,9 @@ prefetched_bytes = _C_cuda_emu.prefetched_bytes
 # occupancy query and the cooperative launch's co-residency check, and the test kernel.
 set_device_model = _C_cuda_emu.set_device_model
 multiprocessors = _C_cuda_emu.multiprocessors
+shared_per_block = _C_cuda_emu.shared_per_block
+# The persistent kernels' plan (csrc/cuda/persistent.cuh: persistent_plan) on that model.
+persistent_plan = _C_cuda_emu.persistent_plan
 grid_exchange = _C_cuda_emu.grid_exchange
 grid_exchange_blocks = _C_cuda_emu.grid_exchange_blocks
 

@@ -868,6 +868,28 @@ def test_persistent_half_types_at_flashrnn_size(persistent, cell, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_persistent_lstm_backward_in_pieces_at_h1024(persistent, dtype):
+    """The LSTM's backward at H=1024 in a half type stages its rows of da (K = 4096)
+    in two pieces of k (W's slice and a 16-row tile of whole rows exceed 227 KiB:
+    test_plan_stages_rows_in_pieces_where_they_do_not_fit); compiled for the GPU, no
+    worse than the reference's own error in that dtype, lengths in reverse."""
+    T, B, H = 8, 4, 1024
+    args = recurrence_inputs("lstm", T, B, H, dtype=dtype, key=("persistent-gpu-pieces",))
+    lengths = torch.tensor([8, 3, 8, 1])
+    dev = {k: None if v is None else v.to(DEV).requires_grad_() for k, v in args.items()}
+    a16 = {k: None if v is None else v.detach().requires_grad_() for k, v in args.items()}
+    a32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    key = ("persistent-gpu-pieces-cot",)
+    want = outputs_and_grads("reference", "lstm", a32, lengths, True, key=key)
+    ref16 = outputs_and_grads("reference", "lstm", a16, lengths, True, key=key)
+    got = outputs_and_grads("cuda", "lstm", dev, lengths, True, key=key)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name].cpu(), ref16[name], want[name], what=name)
+
+
+@gpu
 @pytest.mark.parametrize("cell", PERSISTENT_CELLS)
 def test_persistent_prefetch_changes_no_bit(persistent, cell, monkeypatch):
     """The L2 prefetch of the next step's rows before each grid barrier is a hint:

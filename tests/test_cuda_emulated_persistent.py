@@ -16,6 +16,9 @@ barrier's ordering between CTAs is checked too.
 """
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -392,6 +395,132 @@ def test_half_types_on_several_tensor_core_tiles(cell, dtype):
     ref_low = outputs_and_grads("reference", cell, a, lengths, True, key=key)
     got, n = counted(lambda: outputs_and_grads(EMU, cell, a, lengths, True, key=key))
     assert n == 2
+    for name in want:
+        assert got[name].dtype == dtype, name
+        assert_low_precision(got[name], ref_low[name], want[name], what=name)
+
+
+# ---- rows staged in pieces of k (persistent.cuh: persistent_plan, persistent_stage_and_multiply)
+
+GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
+DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
+               torch.bfloat16: "bfloat16"}
+
+
+def plans(dtype, cell, H, B):
+    """persistent_plan's choice for the forward (K = H, G outputs a unit) and the
+    backward (K = G H, one output) of a layer, on the current device model."""
+    name, g = DTYPE_NAMES[dtype], GATES[cell]
+    return (cuda_emulated.persistent_plan(name, H, B, H, g),
+            cuda_emulated.persistent_plan(name, H, B, g * H, 1))
+
+
+def test_plan_stages_rows_in_pieces_where_they_do_not_fit():
+    """On sm_90's 227 KiB of shared memory and 132 SMs: the half types' LSTM backward
+    at H=1024 (K = 4096; W's slice of 8 columns padded to 16 rows, 131 KiB, and a
+    16-row staging tile of 131 KiB more) stages its rows in two pieces of 2048 --
+    before, the kernel declined it and the host loop ran -- with every warp busy
+    (split 8); whole rows wherever they fit, as before: the forward at H=1024, the
+    GRU's backward at H=1024, the LSTM's at H=768, float32; and nothing where W's
+    slice alone does not fit."""
+    cuda_emulated.set_device_model(132)
+    assert cuda_emulated.shared_per_block() == 227 * 1024
+    for dtype in (torch.bfloat16, torch.float16):
+        forward, backward = plans(dtype, "lstm", 1024, 16)
+        assert forward["k_piece"] == forward["K"] == 1024
+        assert backward["K"] == 4096 and backward["k_piece"] == 2048
+        assert backward["split"] == 8 and backward["batch_tile"] == 16
+        assert backward["smem"] <= 227 * 1024
+        assert plans(dtype, "lstm", 1024, 2)[1]["k_piece"] == 2048  # fewer rows than a tile
+        assert plans(dtype, "gru", 1024, 16)[1]["k_piece"] == 3072
+        assert plans(dtype, "lstm", 768, 16)[1]["k_piece"] == 3072
+        # H=1600: 13 columns of 6400, 12 pieces of 544 (multiples of 16, as equal as they come)
+        wide = plans(dtype, "lstm", 1600, 16)[1]
+        assert wide["k_piece"] == 544 and wide["smem"] <= 227 * 1024
+        assert plans(dtype, "lstm", 2048, 16)[0] is None  # W's slice alone: 263 KiB
+    fp32 = plans(torch.float32, "lstm", 1024, 16)[1]
+    assert fp32["k_piece"] == 4096 and fp32["batch_tile"] == 6
+
+
+def test_time_model_plans_as_the_kernels():
+    """bench.persistent_model's copy of persistent_plan (units, tile, split, pieces
+    of k, shared memory) gives the kernels' plan, fit or not, on sm_90's 132 SMs.
+    (Loaded from its file: the sanitizer runs of .ci/cuda_emulation.sh start elsewhere.)"""
+    path = Path(__file__).resolve().parents[1] / "bench" / "persistent_model.py"
+    spec = importlib.util.spec_from_file_location("persistent_model", path)
+    pm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pm)
+    cuda_emulated.set_device_model(132)
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for H in (5, 33, 768, 907, 1024, 1600, 2048):
+            for B in (1, 16, 256):
+                for K, outputs in ((H, 4), (H, 3), (H, 1), (4 * H, 1), (3 * H, 1)):
+                    kernel = cuda_emulated.persistent_plan(dtype, H, B, K, outputs)
+                    model = pm.plan(H, B, K, outputs, dtype)
+                    where = (dtype, H, B, K, outputs)
+                    assert (kernel is None) == (not model), where
+                    if kernel is not None:
+                        assert {k: model[k] for k in kernel} == kernel, where
+
+
+def smallest_budget(dtype, cell, H, B):
+    """The least shared memory per block at which both directions' kernels fit
+    (with SMS multiprocessors): where a tile of whole rows does not fit beside W's
+    slice, the rows go in pieces."""
+    def fit(budget):
+        cuda_emulated.set_device_model(SMS, 64, budget)
+        return all(p is not None for p in plans(dtype, cell, H, B))
+    lo, hi = 1, 227 * 1024
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fit(mid) else (mid + 1, hi)
+    cuda_emulated.set_device_model(SMS, 64, lo)
+    return lo
+
+
+# (dtype, cell): the half types take pieces in both directions at the least budget
+# (their tiles pad to 16 rows); float64 in the backward of the LSTM and the GRU (K = G H).
+PIECE_CASES = [(torch.bfloat16, c) for c in PERSISTENT_CELLS] + [(torch.float16, "lstm")] + \
+              [(torch.float64, c) for c in ("lstm", "gru")]
+
+
+@pytest.mark.parametrize("variant", ["plain", "lengths-reverse"])
+@pytest.mark.parametrize("dtype,cell", PIECE_CASES,
+                         ids=[f"{DTYPE_NAMES[d]}-{c}" for d, c in PIECE_CASES])
+def test_rows_in_pieces_match_reference(dtype, cell, variant):
+    """A device model with just enough shared memory for W's slice and a tile of rows
+    in pieces of k (H=40: the pieces 32 + 8 long, the short last one padded with
+    zeros for the tensor cores): one cooperative launch each way, every output and
+    gradient against the reference (float64: to its tolerance, and to 1e-13 of the
+    same kernels staging whole rows; half types no worse than the reference's own
+    error in that dtype)."""
+    lengths, reverse = {"plain": (None, False),
+                        "lengths-reverse": (torch.tensor([1, 5, 3, 5]), True)}[variant]
+    T, B, H = 5, 4, 40
+    smallest_budget(dtype, cell, H, B)
+    forward, backward = plans(dtype, cell, H, B)
+    assert backward["k_piece"] < backward["K"]
+    if dtype != torch.float64:
+        assert forward["k_piece"] < forward["K"]
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, requires_grad=True,
+                             key=("persistent-pieces",))
+    key = ("pieces", cell, variant)
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, reverse, key=key))
+    assert n == 2
+    if dtype == torch.float64:
+        want = outputs_and_grads("reference", cell, args, lengths, reverse, key=key)
+        cuda_emulated.set_device_model(SMS)
+        assert all(p["k_piece"] == p["K"] for p in plans(dtype, cell, H, B))
+        whole, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, reverse, key=key))
+        assert n == 2
+        for name in want:
+            assert_close(got[name], want[name], what=name)
+            torch.testing.assert_close(got[name], whole[name], rtol=1e-13, atol=1e-13,
+                                       msg=lambda m: f"{name}: {m}")
+        return
+    a32 = {k: None if v is None else v.detach().float().requires_grad_() for k, v in args.items()}
+    want = outputs_and_grads("reference", cell, a32, lengths, reverse, key=key)
+    ref_low = outputs_and_grads("reference", cell, args, lengths, reverse, key=key)
     for name in want:
         assert got[name].dtype == dtype, name
         assert_low_precision(got[name], ref_low[name], want[name], what=name)

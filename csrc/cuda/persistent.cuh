@@ -43,7 +43,8 @@
 // staged.  The reset-before
 // GRU and the LSTM projection need a second exchange per step, LSTM-LN a
 // reduction over all of a row's units: they stay on the host loop, as does
-// any size whose slice of W does not fit one SM's shared memory or whose grid
+// any size whose slice of W does not fit one SM's shared memory (beside it the
+// staged rows go in pieces of k where whole ones do not fit) or whose grid
 // cannot be co-resident (the host asks the occupancy API; it never launches a
 // grid that cannot be).  Tried where the context's mode chooses it (params.h:
 // persistent_chosen; by default up to the batch sizes where the GPU timed it
@@ -83,9 +84,13 @@ struct PersistentPlan {
   int64_t K = 0;       // their length: P (forward), da_width (backward)
   int batch_tile = 0;  // rows staged at once
   int split = 1;       // chunks of k per dot product (a power of two)
-  // The shared arrays (persistent_layout): W's slice [w_rows][ld] S, the staged rows
-  // [x_rows][ld] S (zero past K and past the rows), the partial sums [part] A.
-  int64_t ld = 0;
+  // Of each staged row, the k staged at once: K, or (where W's slice and a tile of
+  // K-long rows do not both fit) a multiple of 16, the products summing the pieces
+  // in order (persistent_stage_and_multiply).
+  int64_t k_piece = 0;
+  // The shared arrays (persistent_layout): W's slice [w_rows][ld] S (zero past K), the
+  // staged rows [x_rows][ld_x] S (zero past the piece), the partial sums [part] A.
+  int64_t ld = 0, ld_x = 0;
   int w_rows = 0, x_rows = 0;
   int64_t part = 0;
   size_t smem = 0;     // dynamic shared memory of a CTA, bytes
@@ -139,32 +144,36 @@ __host__ __device__ inline int persistent_tiles(int nb, int outputs) {
   return ((nb + kTileRows - 1) / kTileRows) * ((outputs + kTileOutputs - 1) / kTileOutputs);
 }
 
-// Fills plan's shared layout for its outputs, K, batch_tile and split.
+// Fills plan's shared layout for its outputs, K, k_piece, batch_tile and split.
 template <typename S>
 inline void persistent_layout(PersistentPlan& plan) {
   if (kHalfType<S>) {
-    plan.ld = round16(plan.K) + 8;  // a multiple of 8 (WMMA's ldm), rows 16 apart stay 32-byte aligned
+    // A multiple of 8 (WMMA's ldm), rows 16 apart stay 32-byte aligned.
+    plan.ld = round16(plan.K) + 8;
+    plan.ld_x = round16(plan.k_piece) + 8;
     plan.w_rows = int(round16(plan.outputs));
     plan.x_rows = int(round16(plan.batch_tile));
     plan.part = int64_t(plan.w_rows / kWmma) * (plan.x_rows / kWmma) * plan.split * kWmma * kWmma;
   } else {
     plan.ld = persistent_ld(plan.K, sizeof(S));
+    plan.ld_x = persistent_ld(plan.k_piece, sizeof(S));
     plan.w_rows = plan.outputs;
     plan.x_rows = plan.batch_tile;
     plan.part = int64_t(plan.batch_tile) * plan.outputs * plan.split;
   }
   plan.smem = kSmemAlign + round16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)) +
-              round16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)) +
+              round16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld_x)) +
               sizeof(acc_t<S>) * size_t(plan.part);
 }
 
-// out[r][o] = sum_k x[r][k] w[o][k] for the nb staged rows, as `split`
-// partial sums per output in part[(r * outputs + o) * split + chunk], chunk c
-// summing k = c, c + split, ... in order (the same bits however the threads
-// run); the caller reads them after a barrier.
+// out[r][o] = sum_k x[r][k] w[o][k] for the nb staged rows (w's rows ldw apart,
+// x's ldx), as `split` partial sums per output in part[(r * outputs + o) * split +
+// chunk], chunk c summing k = c, c + split, ... in order (the same bits however
+// the threads run), added to what part holds when `accumulate` (the next piece of
+// k: persistent_stage_and_multiply); the caller reads them after a barrier.
 template <typename S>
-__device__ void persistent_dots(const S* w, const S* x, acc_t<S>* part, int nb, int outputs,
-                                int K, int ld, int split) {
+__device__ void persistent_dots(const S* w, int ldw, const S* x, int ldx, acc_t<S>* part, int nb,
+                                int outputs, int K, int split, bool accumulate) {
   using A = acc_t<S>;
   const int col_tiles = (outputs + kTileOutputs - 1) / kTileOutputs;
   const int n = persistent_tiles(nb, outputs) * split;
@@ -176,10 +185,16 @@ __device__ void persistent_dots(const S* w, const S* x, acc_t<S>* part, int nb, 
     const S* xr[kTileRows];
     const S* wo[kTileOutputs];
 #pragma unroll
-    for (int a = 0; a < kTileRows; ++a) xr[a] = x + (r0 + a < nb ? r0 + a : nb - 1) * ld;
+    for (int a = 0; a < kTileRows; ++a) xr[a] = x + (r0 + a < nb ? r0 + a : nb - 1) * ldx;
 #pragma unroll
-    for (int c = 0; c < kTileOutputs; ++c) wo[c] = w + (o0 + c < outputs ? o0 + c : outputs - 1) * ld;
+    for (int c = 0; c < kTileOutputs; ++c) wo[c] = w + (o0 + c < outputs ? o0 + c : outputs - 1) * ldw;
     A acc[kTileRows][kTileOutputs] = {};
+    if (accumulate)
+#pragma unroll
+      for (int a = 0; a < kTileRows; ++a)
+#pragma unroll
+        for (int c = 0; c < kTileOutputs; ++c)
+          if (r0 + a < nb && o0 + c < outputs) acc[a][c] = part[((r0 + a) * outputs + o0 + c) * split + chunk];
     for (int k = chunk; k < K; k += split) {
       A xv[kTileRows], wv[kTileOutputs];
 #pragma unroll
@@ -201,11 +216,11 @@ __device__ void persistent_dots(const S* w, const S* x, acc_t<S>* part, int nb, 
 }
 
 // The same products on the tensor cores: warp item = (16 x 16 tile of outputs x
-// rows, chunk c of the k steps), k steps c, c + split, ... accumulated in fp32,
-// stored to part[item][output % 16][row % 16].
+// rows, chunk c of the k steps), k steps c, c + split, ... accumulated in fp32
+// (from what part holds when `accumulate`), stored to part[item][output % 16][row % 16].
 template <typename S>
-__device__ void persistent_mma(const S* w, const S* x, float* part, int nb, int outputs, int K,
-                               int ld, int split) {
+__device__ void persistent_mma(const S* w, int ldw, const S* x, int ldx, float* part, int nb,
+                               int outputs, int K, int split, bool accumulate) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (kHalfType<S>) {
     using namespace nvcuda;
@@ -216,13 +231,16 @@ __device__ void persistent_mma(const S* w, const S* x, float* part, int nb, int 
       const int tile = item / split, chunk = item - tile * split;
       const int to = tile % col_tiles, tr = tile / col_tiles;
       wmma::fragment<wmma::accumulator, kWmma, kWmma, kWmma, float> acc;
-      wmma::fill_fragment(acc, 0.f);
+      if (accumulate)
+        wmma::load_matrix_sync(acc, part + item * kWmma * kWmma, kWmma, wmma::mem_row_major);
+      else
+        wmma::fill_fragment(acc, 0.f);
       for (int ks = chunk; ks < ksteps; ks += split) {
         // A: W's rows (outputs x k); B: the staged rows read column-major (k x rows).
         wmma::fragment<wmma::matrix_a, kWmma, kWmma, kWmma, S, wmma::row_major> fa;
         wmma::fragment<wmma::matrix_b, kWmma, kWmma, kWmma, S, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, w + to * kWmma * ld + ks * kWmma, ld);
-        wmma::load_matrix_sync(fb, x + tr * kWmma * ld + ks * kWmma, ld);
+        wmma::load_matrix_sync(fa, w + to * kWmma * ldw + ks * kWmma, ldw);
+        wmma::load_matrix_sync(fb, x + tr * kWmma * ldx + ks * kWmma, ldx);
         wmma::mma_sync(acc, fa, fb, acc);
       }
       wmma::store_matrix_sync(part + item * kWmma * kWmma, acc, kWmma, wmma::mem_row_major);
@@ -233,13 +251,13 @@ __device__ void persistent_mma(const S* w, const S* x, float* part, int nb, int 
 
 // The products of a staged block, by whichever path this device code takes.
 template <typename S>
-__device__ __forceinline__ void persistent_products(const S* w, const S* x, acc_t<S>* part,
-                                                    int nb, int outputs, int K, int ld,
-                                                    int split) {
+__device__ __forceinline__ void persistent_products(const S* w, int ldw, const S* x, int ldx,
+                                                    acc_t<S>* part, int nb, int outputs, int K,
+                                                    int split, bool accumulate) {
   if constexpr (persistent_wmma<S>()) {
-    persistent_mma(w, x, part, nb, outputs, K, ld, split);
+    persistent_mma(w, ldw, x, ldx, part, nb, outputs, K, split, accumulate);
   } else {
-    persistent_dots(w, x, part, nb, outputs, K, ld, split);
+    persistent_dots(w, ldw, x, ldx, part, nb, outputs, K, split, accumulate);
   }
 }
 
@@ -324,22 +342,29 @@ __device__ __forceinline__ void stage_in_flight(int n, int per_row, const Load& 
   }
 }
 
-// Stages rows [b0, b0 + nb) of a [B, K] array (S) into x (row stride ld): in
-// 16-byte chunks where the rows allow it (K * sizeof(S) a multiple of 16 and the
-// first row 16-byte aligned), elements otherwise; stored as chunks where x's rows
-// are 16-byte aligned too (the half types' layout), element by element otherwise
-// (float32's odd word stride).  Plain coherent loads: other CTAs wrote `rows`
-// before the grid barrier.
+// Stages columns [k0, k0 + kn) of rows [b0, b0 + nb) of a [B, K] array (S) into x
+// (row stride ldx): in 16-byte chunks where the rows allow it (K, k0 and kn
+// multiples of a chunk's values, the array 16-byte aligned), elements otherwise;
+// stored as chunks where x's rows are 16-byte aligned too (the half types' layout),
+// element by element otherwise (float32's odd word stride).  Plain coherent
+// loads: other CTAs wrote `rows` before the grid barrier.
 template <typename S>
-__device__ void persistent_stage(S* x, const S* rows, int64_t b0, int nb, int K, int ld) {
+__device__ void persistent_stage(S* x, int ldx, const S* rows, int K, int64_t b0, int nb, int k0,
+                                 int kn) {
   constexpr int V = int(sizeof(Chunk16) / sizeof(S));
-  const S* src = rows + b0 * K;
-  if (K % V == 0 && reinterpret_cast<uintptr_t>(src) % sizeof(Chunk16) == 0) {
-    const bool aligned_rows = (int64_t(ld) * int64_t(sizeof(S))) % int64_t(sizeof(Chunk16)) == 0;
+  const S* src = rows + b0 * K + k0;
+  if (K % V == 0 && k0 % V == 0 && kn % V == 0 &&
+      reinterpret_cast<uintptr_t>(src) % sizeof(Chunk16) == 0) {
+    const bool aligned_rows = (int64_t(ldx) * int64_t(sizeof(S))) % int64_t(sizeof(Chunk16)) == 0;
+    const int per_row = kn / V;
     stage_in_flight<Chunk16>(
-        nb * (K / V), K / V, [&](int i) { return load_chunk(src + int64_t(i) * V); },
+        nb * per_row, per_row,
+        [&](int i) {
+          const int r = i / per_row;
+          return load_chunk(src + int64_t(r) * K + (i - r * per_row) * V);
+        },
         [&](int r, int c, const Chunk16& v) {
-          S* dst = x + r * ld + c * V;
+          S* dst = x + r * ldx + c * V;
           if (aligned_rows) {
             store_chunk(dst, v);
           } else {
@@ -349,7 +374,12 @@ __device__ void persistent_stage(S* x, const S* rows, int64_t b0, int nb, int K,
         });
   } else {
     stage_in_flight<S>(
-        nb * K, K, [&](int i) { return src[i]; }, [&](int r, int c, S v) { x[r * ld + c] = v; });
+        nb * kn, kn,
+        [&](int i) {
+          const int r = i / kn;
+          return src[int64_t(r) * K + (i - r * kn)];
+        },
+        [&](int r, int c, S v) { x[r * ldx + c] = v; });
   }
 }
 
@@ -365,16 +395,43 @@ struct PersistentShared {
     x = reinterpret_cast<S*>(base + round16(sizeof(S) * size_t(plan.w_rows) * size_t(plan.ld)));
     part = reinterpret_cast<acc_t<S>*>(
         reinterpret_cast<unsigned char*>(x) +
-        round16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld)));
+        round16(sizeof(S) * size_t(plan.x_rows) * size_t(plan.ld_x)));
   }
   // Zero W's slice and the staging rows, padding included (the tensor cores
   // multiply k up to a multiple of 16: what lies past K must be 0, not NaN).
   __device__ void zero(const PersistentPlan& plan) const {
     const S z = Storage<S>::store(acc_t<S>(0));
     for (int i = threadIdx.x; i < int(plan.w_rows * plan.ld); i += blockDim.x) w[i] = z;
-    for (int i = threadIdx.x; i < int(plan.x_rows * plan.ld); i += blockDim.x) x[i] = z;
+    for (int i = threadIdx.x; i < int(plan.x_rows * plan.ld_x); i += blockDim.x) x[i] = z;
   }
 };
+
+// part = rows [b0, b0 + nb) of the [B, K] array `rows` times W's slice (`outputs`
+// rows), staged into x first; where plan.k_piece < K, a piece of k at a time, each
+// staged over the last and its products added on in order (the same bits however
+// the threads run).  The caller's barrier follows before part is read.
+template <typename S>
+__device__ void persistent_stage_and_multiply(const PersistentShared<S>& sh,
+                                              const PersistentPlan& plan, const S* rows,
+                                              int64_t b0, int nb, int outputs) {
+  const int K = int(plan.K), piece = int(plan.k_piece), ldx = int(plan.ld_x);
+  for (int k0 = 0; k0 < K; k0 += piece) {
+    const int kn = K - k0 < piece ? K - k0 : piece;
+    if (k0 > 0) __syncthreads();  // the last piece's products are done with x
+    persistent_stage(sh.x, ldx, rows, K, b0, nb, k0, kn);
+    if (kHalfType<S> && kn < piece) {
+      // The tensor cores multiply k up to a multiple of 16: past a short last piece x
+      // holds the row's piece before, and W's columns there are 0 -- zeros too, as
+      // whole rows have, so that an inf there gives no NaN (inf * 0).
+      const int pad = int(round16(kn)) - kn;
+      for (int i = threadIdx.x; i < nb * pad; i += blockDim.x)
+        sh.x[(i / pad) * ldx + kn + i % pad] = Storage<S>::store(acc_t<S>(0));
+    }
+    __syncthreads();
+    persistent_products(sh.w + k0, int(plan.ld), sh.x, ldx, sh.part, nb, outputs, kn, plan.split,
+                        k0 > 0);
+  }
+}
 
 // ------------------------------------------------------------ prefetch ----
 
@@ -500,9 +557,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       __syncthreads();  // the last tile's readers of x and part are done
       if (np > 0) {
         RNNKERN_EMU_COUNT_STAGED_ROWS(np);
-        persistent_stage(sh.x, st.h_prev, b0, np, Pi, ld);
-        __syncthreads();
-        persistent_products(sh.w, sh.x, sh.part, np, outputs, Pi, ld, plan.split);
+        persistent_stage_and_multiply(sh, plan, st.h_prev, b0, np, outputs);
       }
       __syncthreads();
       for (int i = threadIdx.x; i < nb * units; i += blockDim.x) {
@@ -565,9 +620,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       const int nb = int(rows - b0 < plan.batch_tile ? rows - b0 : plan.batch_tile);
       __syncthreads();
       RNNKERN_EMU_COUNT_STAGED_ROWS(nb);
-      persistent_stage(sh.x, da, b0, nb, Ki, ld);
-      __syncthreads();
-      persistent_products(sh.w, sh.x, sh.part, nb, units, Ki, ld, plan.split);
+      persistent_stage_and_multiply(sh, plan, da, b0, nb, units);
       __syncthreads();
       for (int i = threadIdx.x; i < nb * units; i += blockDim.x) {
         const int r = i / units, u = i - r * units;
@@ -629,6 +682,7 @@ bool persistent_plan(int64_t H, int64_t B, int64_t K, int outputs_per_unit, Pers
   plan.grid = int((H + plan.units - 1) / plan.units);
   plan.outputs = outputs_per_unit * plan.units;
   plan.K = K;
+  plan.k_piece = K;
   // As many rows per stage as fit (fewer barriers per step), then the split of k
   // that gives every thread (register tiles) or every warp (tensor cores) work.
   auto fits = [&](int64_t tile, int split) {
@@ -636,15 +690,39 @@ bool persistent_plan(int64_t H, int64_t B, int64_t K, int outputs_per_unit, Pers
     persistent_layout<S>(plan);
     return plan.smem <= size_t(smem_optin);
   };
+  const int workers = kHalfType<S> ? kPersistentWarps : kPersistentThreads;
+  auto items = [&](int64_t tile) {  // the products' work items of a tile (warps' or threads')
+    return kHalfType<S> ? round16(plan.outputs) / kWmma * (round16(tile) / kWmma)
+                        : persistent_tiles(int(tile), plan.outputs);
+  };
   int64_t tile = B;
   while (tile >= 1 && !fits(tile, 1)) tile = tile > 64 ? tile / 2 : tile - 1;
-  if (tile < 1) return false;
-  const int64_t ksteps = kHalfType<S> ? round16(K) / kWmma : K;
-  const int workers = kHalfType<S> ? kPersistentWarps : kPersistentThreads;
-  const int64_t items = kHalfType<S> ? round16(plan.outputs) / kWmma * (round16(tile) / kWmma)
-                                     : persistent_tiles(int(tile), plan.outputs);
+  if (tile < 1) {
+    // W's slice and one K-long staged row do not fit together (the half types pad a
+    // tile to 16 rows: the LSTM's backward, K = 4H, from H ~ 900 on 132 SMs): the
+    // rows in pieces of k, as few as fit beside the partial sums of a split that
+    // busies every worker, of equal length (multiples of 16).  A step stages the
+    // same values either way, in more rounds.
+    tile = B < kWmma ? B : kWmma;
+    int want = 1;
+    while (want < 32 && items(tile) * want * 2 <= workers) want *= 2;
+    int64_t longest = 0;
+    for (; want >= 1 && longest == 0; want /= 2)
+      for (int64_t piece = (K - 1) / kWmma * kWmma; piece >= kWmma; piece -= kWmma) {
+        plan.k_piece = piece;
+        if (fits(tile, want)) {
+          longest = piece;
+          break;
+        }
+      }
+    if (longest == 0) return false;
+    const int64_t pieces = (K + longest - 1) / longest;
+    plan.k_piece = round16((K + pieces - 1) / pieces);
+  }
+  const int64_t ksteps = kHalfType<S> ? round16(plan.k_piece) / kWmma : plan.k_piece;
   int split = 1;
-  while (split < 32 && split * 2 <= ksteps && items * split * 2 <= workers && fits(tile, split * 2))
+  while (split < 32 && split * 2 <= ksteps && items(tile) * split * 2 <= workers &&
+         fits(tile, split * 2))
     split *= 2;
   fits(tile, split);
   plan.prefetch = persistent_prefetch();

@@ -97,6 +97,24 @@ std::tuple<int64_t, at::Tensor> grid_exchange(const at::Tensor& w, const at::Ten
 }
 
 }  // namespace
+// persistent_plan's choice on the emulated device model, for the tests of its rule:
+// None where the kernel does not fit.
+pybind11::object persistent_plan(const std::string& dtype, int64_t H, int64_t B, int64_t K,
+                                 int outputs_per_unit) {
+  static const char* const kDtypes[] = {"float64", "float32", "float16", "bfloat16"};
+  int code = 0;
+  while (code < 4 && dtype != kDtypes[code]) ++code;
+  TORCH_CHECK_VALUE(code < 4, "persistent_plan: dtype must be float64, float32, float16 or "
+                    "bfloat16, got ", dtype);
+  emu::PersistentPlanView plan;
+  if (!emu::persistent_plan(code, H, B, K, outputs_per_unit, plan)) return pybind11::none();
+  pybind11::dict d;
+  d["grid"] = plan.grid, d["units"] = plan.units, d["outputs"] = plan.outputs, d["K"] = plan.K;
+  d["batch_tile"] = plan.batch_tile, d["split"] = plan.split, d["k_piece"] = plan.k_piece;
+  d["smem"] = plan.smem;
+  return d;
+}
+
 }  // namespace rnnkern::cuda_emu
 
 TORCH_LIBRARY_IMPL(rnnkern_cuda_emu, CPU, m) {
@@ -134,8 +152,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("prefetched_bytes", &rnnkern::emu::prefetched_bytes,
              "Bytes the persistent kernels asked to prefetch so far (common.cuh: prefetch_l2)");
   module.def("set_device_model", &rnnkern::emu::set_device_model,
-             "Multiprocessors and registers per thread of the occupancy model (132, 64 by default)",
-             pybind11::arg("multiprocessors"), pybind11::arg("registers_per_thread") = 64);
+             "Multiprocessors, registers per thread and the dynamic shared memory a block may opt "
+             "in to, of the occupancy model (132, 64 and 232448 bytes by default)",
+             pybind11::arg("multiprocessors"), pybind11::arg("registers_per_thread") = 64,
+             pybind11::arg("shared_per_block") = 227 * 1024);
+  module.def("shared_per_block", &rnnkern::emu::shared_per_block_optin);
+  module.def("persistent_plan", &rnnkern::cuda_emu::persistent_plan,
+             "persistent_plan's choice for H, B, K and outputs per unit on the device model "
+             "(a dict), or None where the kernel does not fit",
+             pybind11::arg("dtype"), pybind11::arg("H"), pybind11::arg("B"), pybind11::arg("K"),
+             pybind11::arg("outputs_per_unit"));
   module.def("multiprocessors", &rnnkern::emu::multiprocessors);
   module.def("grid_exchange", &rnnkern::cuda_emu::grid_exchange,
              "The cooperative-grid test kernel: (CUDA error code, final values)",

@@ -24,9 +24,25 @@ int64_t staged_rows();
 int64_t prefetched_bytes();
 
 // The device model of the occupancy query and the cooperative launch's check:
-// multiprocessors (132, an H100's) and the registers each thread of a kernel
-// takes (64; the sm_90 build's real figures are in tests/test_cuda_resources.py).
-void set_device_model(int multiprocessors, int registers_per_thread);
+// multiprocessors (132, an H100's), the registers each thread of a kernel
+// takes (64; the sm_90 build's real figures are in tests/test_cuda_resources.py)
+// and the dynamic shared memory a block may opt in to (227 KiB, sm_90's; less
+// makes the kernels that plan by it plan as for larger sizes, at small ones).
+void set_device_model(int multiprocessors, int registers_per_thread, int shared_per_block);
 int multiprocessors();
+int shared_per_block_optin();
+
+// persistent_plan's choice (csrc/cuda/persistent.cuh) on the device model, for the
+// tests of its rule; false where the kernel does not fit.  dtype: 0 float64,
+// 1 float32, 2 float16, 3 bfloat16.
+struct PersistentPlanView {
+  int grid, units, outputs;
+  int64_t K;
+  int batch_tile, split;
+  int64_t k_piece;
+  size_t smem;
+};
+bool persistent_plan(int dtype, int64_t H, int64_t B, int64_t K, int outputs_per_unit,
+                     PersistentPlanView& view);
 
 }  // namespace rnnkern::emu

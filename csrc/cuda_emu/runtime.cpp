@@ -136,6 +136,7 @@ struct Scheduler {
   // The device model (sm_90) and the kernels' opted-in dynamic shared memory.
   int multiprocessors = 132;
   int registers_per_thread = 64;
+  size_t shared_per_block_optin = 227 * 1024;
   std::vector<std::pair<const void*, int>> max_dynamic_smem;
 };
 
@@ -455,12 +456,17 @@ RNNKERN_EMU_OWN void* dynamic_shared() {
 
 RNNKERN_EMU_OWN int multiprocessors() { return sched().multiprocessors; }
 
-RNNKERN_EMU_OWN void set_device_model(int sms, int registers_per_thread) {
-  if (sms < 1 || registers_per_thread < 1 || registers_per_thread > 255)
-    throw std::invalid_argument("emulated CUDA: 1 or more multiprocessors, 1 to 255 registers");
+RNNKERN_EMU_OWN void set_device_model(int sms, int registers_per_thread, int shared_per_block) {
+  if (sms < 1 || registers_per_thread < 1 || registers_per_thread > 255 || shared_per_block < 1 ||
+      size_t(shared_per_block) > kMaxDynamicSmem)
+    throw std::invalid_argument("emulated CUDA: 1 or more multiprocessors, 1 to 255 registers, "
+                                "1 to 232448 bytes of shared memory per block");
   sched().multiprocessors = sms;
   sched().registers_per_thread = registers_per_thread;
+  sched().shared_per_block_optin = size_t(shared_per_block);
 }
+
+RNNKERN_EMU_OWN int shared_per_block_optin() { return int(sched().shared_per_block_optin); }
 
 RNNKERN_EMU_OWN size_t dynamic_smem_limit(const void* kernel) {
   for (const auto& [k, bytes] : sched().max_dynamic_smem)
@@ -471,7 +477,7 @@ RNNKERN_EMU_OWN size_t dynamic_smem_limit(const void* kernel) {
 RNNKERN_EMU_OWN cudaError_t func_set_attribute(const void* kernel, cudaFuncAttribute attr, int value) {
   Scheduler& s = sched();
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
-      size_t(value) > kMaxDynamicSmem)
+      size_t(value) > s.shared_per_block_optin)
     return s.last_error = cudaErrorInvalidValue;
   for (auto& [k, bytes] : s.max_dynamic_smem)
     if (k == kernel) return bytes = value, cudaSuccess;
@@ -601,7 +607,7 @@ extern "C" RNNKERN_EMU_OWN cudaError_t rnnkern_emu_cudaDeviceGetAttribute(int* v
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = rnnkern::emu::multiprocessors(); return cudaSuccess;
     case cudaDevAttrCooperativeLaunch: *value = 1; return cudaSuccess;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = rnnkern::emu::shared_per_block_optin(); return cudaSuccess;
     case cudaDevAttrComputeCapabilityMajor: *value = RNNKERN_EMU_ARCH / 100; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = RNNKERN_EMU_ARCH / 10 % 10; return cudaSuccess;
     default: return rnnkern::emu::sched().last_error = cudaErrorInvalidValue;

@@ -92,6 +92,15 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned
       f.x[r * F::cols + c] = std::is_same_v<Layout, col_major> ? p[c * ldm + r] : p[r * ldm + c];
 }
 
+// An accumulator from memory, laid out as `layout` says.
+template <int M, int N, int K, typename T>
+void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* p, unsigned ldm,
+                      layout_t layout) {
+  detail::check_pointer(p, ldm, "wmma::load_matrix_sync");
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) f.x[r * N + c] = layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c];
+}
+
 template <int M, int N, int K, typename T>
 void store_matrix_sync(T* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm,
                        layout_t layout) {
