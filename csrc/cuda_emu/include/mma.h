@@ -92,13 +92,20 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned
       f.x[r * F::cols + c] = std::is_same_v<Layout, col_major> ? p[c * ldm + r] : p[r * ldm + c];
 }
 
-// An accumulator from memory, laid out as `layout` says.
+// An accumulator from memory, laid out as `layout` says: each lane reads only its own
+// elements, those store_matrix_sync writes (a real lane holds no others; mma_sync's
+// result at an element depends on the accumulator's there only, so the zeros the
+// others get here never reach memory).  Reading the whole tile would race with the
+// other lanes' stores of the same tile, which the hardware's warp-wide layout has not.
 template <int M, int N, int K, typename T>
 void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* p, unsigned ldm,
                       layout_t layout) {
   detail::check_pointer(p, ldm, "wmma::load_matrix_sync");
-  for (int r = 0; r < M; ++r)
-    for (int c = 0; c < N; ++c) f.x[r * N + c] = layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c];
+  const int lane = detail::lane();
+  for (int i = 0; i < M * N; ++i) {
+    const int r = i / N, c = i % N;
+    f.x[i] = i % 32 != lane ? T(0) : layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c];
+  }
 }
 
 template <int M, int N, int K, typename T>
