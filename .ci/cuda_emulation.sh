@@ -11,7 +11,7 @@
 #         the LSTM-LN row kernels (block reductions), the cooperative grid's
 #         test kernel (blocks exchanging values across grid.sync(); its planted
 #         faults, which race by design, are left out) and the persistent
-#         recurrence kernels (103 of tests/test_cuda_emulated_persistent.py: every
+#         recurrence kernels (115 of tests/test_cuda_emulated_persistent.py: every
 #         cell and variant over uneven CTAs, every option, every order, the
 #         tensor-core tiles, the steps that skip finished rows, the next step's
 #         rows prefetched before the barrier (read by the emulator), rows staged in

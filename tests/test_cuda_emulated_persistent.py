@@ -526,6 +526,87 @@ def test_rows_in_pieces_match_reference(dtype, cell, variant):
         assert_low_precision(got[name], ref_low[name], want[name], what=name)
 
 
+def least_budget(dtype, cell, H, B, direction, whole=False):
+    """The least shared memory per block at which a direction's kernel fits (with
+    whole rows, if asked) on SMS multiprocessors."""
+    def fit(budget):
+        cuda_emulated.set_device_model(SMS, 64, budget)
+        p = plans(dtype, cell, H, B)[direction]
+        return p is not None and (not whole or p["k_piece"] == p["K"])
+    lo, hi = 1, 227 * 1024
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fit(mid) else (mid + 1, hi)
+    return lo
+
+
+def piece_budget(dtype, cell, H, B, where):
+    """A budget at which both directions fit and one at least stages in pieces (`where`
+    in [0, 1) places it in that window), or None where the size has no such window."""
+    fits = max(least_budget(dtype, cell, H, B, d) for d in (0, 1))
+    whole = max(least_budget(dtype, cell, H, B, d, whole=True) for d in (0, 1))
+    return None if fits >= whole else fits + int(where * (whole - fits))
+
+
+def _piece_shapes(n=12):
+    """(cell, dtype, H, B, T, budget, lengths or None) drawn, seeded, among the sizes
+    whose rows go in pieces at some budget; computed once (the device model restored)."""
+    g = torch.Generator().manual_seed(81)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    shapes = []
+    try:
+        while len(shapes) < n:
+            i = len(shapes)
+            cell = PERSISTENT_CELLS[i % 4]
+            dtype = (torch.float64, torch.bfloat16, torch.float16)[i % 3]
+            H, B, T = draw(2, 60), draw(1, 20), draw(2, 6)
+            lengths = torch.randint(0, T + 1, (B,), generator=g) if i % 2 else None
+            budget = piece_budget(dtype, cell, H, B, draw(0, 99) / 100)
+            if budget is not None:
+                shapes.append((cell, dtype, H, B, T, budget, lengths))
+    finally:
+        cuda_emulated.set_device_model(132)
+    return shapes
+
+
+PIECE_SHAPES = _piece_shapes()
+
+
+@pytest.mark.parametrize("cell,dtype,H,B,T,budget,lengths", PIECE_SHAPES,
+                         ids=[f"{c}-{DTYPE_NAMES[d]}-H{h}-B{b}" for c, d, h, b, *_ in PIECE_SHAPES])
+def test_rows_in_pieces_at_drawn_sizes(cell, dtype, H, B, T, budget, lengths):
+    """Sizes drawn at random (H 2-60 over 4 CTAs, B 1-20, lengths or not) on a device
+    model whose shared memory lets both directions fit with one of them in pieces of k
+    (pieces of the lengths the plan makes, tiles of fewer than 16 rows, K not a
+    multiple of 16): one cooperative launch each way; float64 against the reference,
+    the half types against the same kernels staging whole rows, within torch's
+    default tolerance for the dtype (their products differ only in the order of
+    float32 sums; against the reference a drawn ReLU pre-activation near 0 can flip
+    its mask in either rounding, which test_rows_in_pieces_match_reference's fixed
+    data does not meet)."""
+    cuda_emulated.set_device_model(SMS, 64, budget)
+    forward, backward = plans(dtype, cell, H, B)
+    assert forward["k_piece"] < forward["K"] or backward["k_piece"] < backward["K"]
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, requires_grad=True,
+                             key=("persistent-pieces-drawn", H, B))
+    key = ("pieces-drawn", cell, H, B)
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, True, key=key))
+    assert n == 2
+    if dtype == torch.float64:
+        want = outputs_and_grads("reference", cell, args, lengths, True, key=key)
+    else:
+        cuda_emulated.set_device_model(SMS)
+        assert all(p["k_piece"] == p["K"] for p in plans(dtype, cell, H, B))
+        want, n = counted(lambda: outputs_and_grads(EMU, cell, args, lengths, True, key=key))
+        assert n == 2
+    for name in want:
+        assert got[name].dtype == dtype, name
+        if dtype == torch.float64:
+            assert_close(got[name], want[name], what=name)
+        else:
+            torch.testing.assert_close(got[name], want[name], msg=lambda m: f"{name}: {m}")
+
+
 # What each row's units read at a step from the arrays laid out by time, in values
 # per hidden unit (persistent.cuh: persistent_prefetch_forward / _backward): the
 # forward's G gates of xproj; the backward's output gradient, workspace row and
