@@ -70,13 +70,14 @@
 #
 # Their rows staged in pieces of k (persistent.cuh: where W's slice and whole rows do not fit
 # together, the LSTM's half-type backward from H ~ 900; untimed when it landed, the sixth run's
-# "always" having run the host loop's backward there): the same pair on the throughput grid
-# (B=64 and B=256 at H=1024), the LSTM's forward + backward less forward in each:
+# "always" having run the host loop's backward there): the same pair on the LSTM's latency and
+# throughput grids (B=64 H=1024 and B=256 H=1024 in pieces; B=1 H=256, B=16 H=768 and B=256
+# H=512 in whole rows), the forward + backward less the forward in each:
 #
 #     RNNKERN_CUDA_PERSISTENT=always STAGES=bench GPU_CHECK_BUDGET=150 BENCH_CAP=140 BENCH_ARGS="--families \
-#       throughput --cells lstm --dtypes bfloat16 float16 --backends cuda" bash bench/gpu_check.sh OUT9
+#       latency throughput --cells lstm --dtypes bfloat16 float16 --backends cuda" bash bench/gpu_check.sh OUT9
 #     RNNKERN_CUDA_PERSISTENT=never STAGES=bench GPU_CHECK_BUDGET=150 BENCH_CAP=140 BENCH_ARGS="--families \
-#       throughput --cells lstm --dtypes bfloat16 float16 --backends cuda" bash bench/gpu_check.sh OUT10
+#       latency throughput --cells lstm --dtypes bfloat16 float16 --backends cuda" bash bench/gpu_check.sh OUT10
 #
 # Triton's spread kernels (rnnkern/triton/spread.py: beyond the on-chip limit, the whole
 # sequence in one launch with a grid barrier per step; not yet timed on a GPU), against the
