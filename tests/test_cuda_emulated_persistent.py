@@ -463,19 +463,25 @@ def test_time_model_plans_as_the_kernels():
                         assert {k: model[k] for k in kernel} == kernel, where
 
 
-def smallest_budget(dtype, cell, H, B):
-    """The least shared memory per block at which both directions' kernels fit
-    (with SMS multiprocessors): where a tile of whole rows does not fit beside W's
-    slice, the rows go in pieces."""
+def least_budget(dtype, cell, H, B, direction, whole=False):
+    """The least shared memory per block at which a direction's kernel fits (with
+    whole rows, if asked) on SMS multiprocessors."""
     def fit(budget):
         cuda_emulated.set_device_model(SMS, 64, budget)
-        return all(p is not None for p in plans(dtype, cell, H, B))
+        p = plans(dtype, cell, H, B)[direction]
+        return p is not None and (not whole or p["k_piece"] == p["K"])
     lo, hi = 1, 227 * 1024
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fit(mid) else (mid + 1, hi)
-    cuda_emulated.set_device_model(SMS, 64, lo)
     return lo
+
+
+def smallest_budget(dtype, cell, H, B, whole=False):
+    """The least shared memory per block at which both directions' kernels fit (with
+    whole rows, if asked): where a tile of whole rows does not fit beside W's slice,
+    the rows go in pieces."""
+    return max(least_budget(dtype, cell, H, B, d, whole) for d in (0, 1))
 
 
 # (dtype, cell): the half types take pieces in both directions at the least budget
@@ -497,7 +503,7 @@ def test_rows_in_pieces_match_reference(dtype, cell, variant):
     lengths, reverse = {"plain": (None, False),
                         "lengths-reverse": (torch.tensor([1, 5, 3, 5]), True)}[variant]
     T, B, H = 5, 4, 40
-    smallest_budget(dtype, cell, H, B)
+    cuda_emulated.set_device_model(SMS, 64, smallest_budget(dtype, cell, H, B))
     forward, backward = plans(dtype, cell, H, B)
     assert backward["k_piece"] < backward["K"]
     if dtype != torch.float64:
@@ -526,25 +532,11 @@ def test_rows_in_pieces_match_reference(dtype, cell, variant):
         assert_low_precision(got[name], ref_low[name], want[name], what=name)
 
 
-def least_budget(dtype, cell, H, B, direction, whole=False):
-    """The least shared memory per block at which a direction's kernel fits (with
-    whole rows, if asked) on SMS multiprocessors."""
-    def fit(budget):
-        cuda_emulated.set_device_model(SMS, 64, budget)
-        p = plans(dtype, cell, H, B)[direction]
-        return p is not None and (not whole or p["k_piece"] == p["K"])
-    lo, hi = 1, 227 * 1024
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fit(mid) else (mid + 1, hi)
-    return lo
-
-
 def piece_budget(dtype, cell, H, B, where):
     """A budget at which both directions fit and one at least stages in pieces (`where`
     in [0, 1) places it in that window), or None where the size has no such window."""
-    fits = max(least_budget(dtype, cell, H, B, d) for d in (0, 1))
-    whole = max(least_budget(dtype, cell, H, B, d, whole=True) for d in (0, 1))
+    fits = smallest_budget(dtype, cell, H, B)
+    whole = smallest_budget(dtype, cell, H, B, whole=True)
     return None if fits >= whole else fits + int(where * (whole - fits))
 
 
