@@ -118,7 +118,8 @@ def device_key(meta: dict) -> str:
         cpu_id = dev.get("cpu_id") or {}
         fma512 = auto.fma_pipes_512bit(cpu_id.get("vendor", ""), int(cpu_id.get("family", 0)),
                                        int(cpu_id.get("model", 0)))
-    return auto.cpu_class(isa["rnnkern_vector_bits"], "avx512_bf16" in isa.get("cpu_flags", []), fma512)
+    flags = isa.get("cpu_flags", [])  # (amx_bf16 recorded from 2026-12-05 on: no earlier run had it)
+    return auto.cpu_class(isa["rnnkern_vector_bits"], "avx512_bf16" in flags, fma512, "amx_bf16" in flags)
 
 
 def entries_of(path: str, root: str, dtypes=None) -> tuple[str, list]:

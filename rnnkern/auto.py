@@ -31,7 +31,11 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    depending on the cell (the LSTM forward is oneDNN's best case: its products at
    the instruction's peak), so a CPU class with the instruction and no row for the
    call's cell, dtype and phase keeps torch.nn; the Zen 4's bf16 rows
-   (cpu:512bit+bf16) decide the rest.
+   (cpu:512bit+bf16) decide the rest.  A CPU with AMX's bf16 tiles (an Intel
+   Xeon: ``+amx`` in its class) borrows no bf16 rows: oneDNN's bf16 runs there
+   (measured on one, T=128 B=32 H=256 forward, one thread: LSTM 0.13x, GRU 0.45x,
+   RNN 0.74x for rnnkern), so its bf16 calls keep torch.nn until rows of its own
+   say otherwise; its other dtypes take the rows of its class without ``+amx``.
 
 A CPU whose cores run AVX-512 on 512-bit FMA pipes (a Zen 5: ``+fma512`` in its
 class) has its own rows, oneDNN and rnnkern gaining differently from the width
@@ -100,16 +104,27 @@ def _table_path() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_has_avx512_bf16() -> bool:
-    """Whether this CPU has the bf16 dot-product instructions (Linux's flags)."""
+def _cpu_flags() -> frozenset:
+    """This CPU's ISA flags as Linux reports them (empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has the bf16 dot-product instructions (Linux's flags)."""
+    return "avx512_bf16" in _cpu_flags()
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX's bf16 tile multiply (Linux's flags: Intel's Xeons
+    from Sapphire Rapids on), which oneDNN runs torch.nn's bfloat16 products on."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def fma_pipes_512bit(vendor: str, family: int, model: int) -> bool:
@@ -124,13 +139,20 @@ def fma_pipes_512bit(vendor: str, family: int, model: int) -> bool:
 
 #: The suffix of a CPU class whose 512-bit kernels run on 512-bit FMA pipes.
 FMA512 = "+fma512"
+#: The suffix of a CPU class with AMX's bf16 tiles: its own rows, no parent's (a
+#: Zen 4's bf16 rows, measured against oneDNN on the dot products, say nothing here).
+AMX = "+amx"
 
 
-def cpu_class(vector_bits: int, bf16: bool, fma512: bool = False) -> str:
+def cpu_class(vector_bits: int, bf16: bool, fma512: bool = False, amx: bool = False) -> str:
     """The table's key of a CPU: the width rnnkern's kernels run at, whether the
-    CPU has the bf16 dot products, and for 512-bit kernels whether its FMA pipes
-    are 512 bits wide (oneDNN's speed and rnnkern's differ with all three)."""
-    return f"cpu:{vector_bits}bit{'+bf16' if bf16 else ''}{FMA512 if fma512 and vector_bits == 512 else ''}"
+    CPU has the bf16 dot products, whether it has AMX's bf16 tiles (``+amx``:
+    oneDNN's bfloat16 products run there, the LSTM's forward at T=128 B=32
+    H=256 6-8x faster than on the dot products), and for 512-bit kernels whether
+    its FMA pipes are 512 bits wide (oneDNN's speed and rnnkern's differ with
+    each)."""
+    return (f"cpu:{vector_bits}bit{'+bf16' if bf16 else ''}{AMX if amx else ''}"
+            f"{FMA512 if fma512 and vector_bits == 512 else ''}")
 
 
 def parent_class(key: str) -> Optional[str]:
@@ -142,7 +164,8 @@ def parent_class(key: str) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _this_cpu_class() -> str:
     from . import _C
-    return cpu_class(_C.cpu_vector_bits(), cpu_has_avx512_bf16(), _C.cpu_fma_pipe_bits() == 512)
+    return cpu_class(_C.cpu_vector_bits(), cpu_has_avx512_bf16(), _C.cpu_fma_pipe_bits() == 512,
+                     cpu_has_amx_bf16())
 
 
 def device_class(device: torch.device) -> str:
@@ -306,6 +329,8 @@ def _class_rows(key: str, cell: str, dtype_name: str, phase: str, T: int, direct
     index = _index()
     own = index.get((key, cell, dtype_name, phase), [])
     parent = parent_class(key)
+    if parent is None and AMX in key and dtype_name != "bfloat16":
+        parent = key.replace(AMX, "")  # oneDNN's other dtypes run no tiles: the ISA's rows speak
     if parent is None:
         return own
 

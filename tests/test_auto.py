@@ -14,6 +14,7 @@ from torch import nn
 import rnnkern
 from rnnkern import auto
 from rnnkern.check import probe
+from bench import auto_table as bench_auto_table
 from conftest import generator, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,6 +292,39 @@ def test_a_512bit_fma_class_without_rows_of_the_call_takes_its_isa_classes(table
     # The other classes never borrow.
     assert choose(device_key="cpu:512bit").implementation == "cpu"
     assert "no measurement" in choose(device_key="cpu:512bit").reason
+
+
+def test_a_cpu_with_amx_has_its_own_class_and_borrows_no_rows(table):
+    """oneDNN runs torch.nn's bfloat16 products on AMX's tiles where the CPU has
+    them (an Intel Xeon from Sapphire Rapids on: the LSTM's forward at T=128 B=32
+    H=256 7x faster than rnnkern's): a Zen 4's bf16 rows, measured against oneDNN
+    on the dot products, must not send such a CPU's calls to rnnkern."""
+    amx = "cpu:512bit+bf16+amx"
+    assert auto.cpu_class(512, True, amx=True) == amx
+    assert auto.cpu_class(512, True, True, True) == amx + auto.FMA512
+    assert auto.parent_class(amx) is None and auto.parent_class(amx + auto.FMA512) == amx
+    # This CPU's class says whether it has the tiles, as Linux's flags do.
+    assert (auto.AMX in auto._this_cpu_class()) == ("amx_bf16" in (probe.cpuinfo()[1] or set()))
+    table += [entry("cpu:512bit+bf16", "gru", "bfloat16", "forward", 16, 128, 256, 1.9),
+              entry("cpu:512bit+bf16", "gru", "float32", "forward", 16, 128, 256, 1.5)]
+    assert choose(device_key="cpu:512bit+bf16", dtype=torch.bfloat16, cell="gru").implementation == "cpu"
+    for key in (amx, amx + auto.FMA512):
+        bf16 = choose(device_key=key, dtype=torch.bfloat16, cell="gru")
+        assert bf16.uses_torch and "bf16 dot-product" in bf16.reason and key in bf16.reason
+    # float32, which oneDNN runs on no tiles, takes the rows of the class without AMX.
+    assert choose(device_key=amx, cell="gru").implementation == "cpu"
+    # Its own rows decide.
+    table += [entry(amx, "gru", "bfloat16", "forward", 16, 128, 256, 0.45),
+              entry(amx, "gru", "float32", "forward", 16, 128, 256, 0.9)]
+    bf16 = choose(device_key=amx, dtype=torch.bfloat16, cell="gru")
+    assert bf16.uses_torch and "0.45x" in bf16.reason
+    assert choose(device_key=amx, cell="gru").uses_torch
+    # A result's class comes from the flags the benchmark recorded.
+    meta = {"device": {"type": "cpu", "isa": {"cpu_flags": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"],
+                                              "rnnkern_vector_bits": 512, "rnnkern_fma_pipe_bits": 256}}}
+    assert bench_auto_table.device_key(meta) == amx
+    meta["device"]["isa"]["cpu_flags"].remove("amx_bf16")
+    assert bench_auto_table.device_key(meta) == "cpu:512bit+bf16"
 
 
 def test_the_shipped_table_is_the_committed_results(tmp_path):

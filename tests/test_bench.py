@@ -82,7 +82,7 @@ def test_quick_json_is_well_formed(quick_run):
     assert isa["torch_capability"] == torch.backends.cpu.get_cpu_capability()
     assert isa["rnnkern_vector_bits"] == rnnkern._C.cpu_vector_bits()
     assert isa["rnnkern_fma_pipe_bits"] == rnnkern._C.cpu_fma_pipe_bits() in (256, 512)
-    assert set(isa["cpu_flags"]) <= {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}
+    assert set(isa["cpu_flags"]) <= {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16"}
     assert isa.get("caps", {}) == {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
     assert meta["versions"]["torch"] == torch.__version__
     assert sorted(meta["grid"]) == sorted(FAMILIES)
