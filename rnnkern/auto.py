@@ -105,15 +105,9 @@ def _table_path() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _cpu_flags() -> frozenset:
-    """This CPU's ISA flags as Linux reports them (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """This CPU's ISA flags as Linux reports them (empty elsewhere), read once."""
+    from .check.probe import cpuinfo  # the self-check's reader (it imports _C and ops: not at import time)
+    return frozenset(cpuinfo()[1] or ())
 
 
 def cpu_has_avx512_bf16() -> bool:

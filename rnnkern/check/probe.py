@@ -124,7 +124,8 @@ def cpu_isa() -> dict:
     """What the CPU offers, what torch and rnnkern dispatch to, and any caps set:
     the benchmarks' record."""
     flags = cpuinfo()[1] or set()
-    isa = {"cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16") if f in flags],
+    recorded = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+    isa = {"cpu_flags": [f for f in recorded if f in flags],
            "torch_capability": torch.backends.cpu.get_cpu_capability(),
            "rnnkern_vector_bits": _C.cpu_vector_bits(), "rnnkern_fma_pipe_bits": _C.cpu_fma_pipe_bits()}
     caps = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
