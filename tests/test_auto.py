@@ -95,6 +95,11 @@ ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
                 # and one-step calls (T=1) at 1 and 2 threads, from 49c61ef
                 "bench/results/cpu-zen5-2026-12-03-step-t1-49c61ef/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json")
+# An Intel Xeon with AMX's bf16 tiles (the cpu:512bit+bf16+amx class, 2026-12-05 at 2c125e7): the
+# float32 grid at 1 and 2 threads, the bf16 family (its float32 rows too), the LSTM against the CPU
+# engines, the speech stacks, and one-step calls in bfloat16 and float32 at 1 and 2 threads.
+XEON_AMX_RESULTS = tuple(f"bench/results/cpu-xeonamx-2026-12-05-{run}-2c125e7/bench.json" for run in (
+    "grid-t1", "grid-t2", "bf16-t1", "bf16-t2", "peers-lstm-t1", "speech-t1", "speech-t2", "step-t1", "step-t2"))
 CPU = torch.device("cpu")
 
 
@@ -333,7 +338,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     nothing is typed in by hand."""
     out = tmp_path / "table.json"
     for args in ([*GPU_RESULTS, *CPU_RESULTS], [*BF16_RESULTS, "--dtypes", "bfloat16"],
-                 [*F32_RESULTS, "--dtypes", "float32"], list(ZEN5_RESULTS)):
+                 [*F32_RESULTS, "--dtypes", "float32"], list(ZEN5_RESULTS), list(XEON_AMX_RESULTS)):
         done = subprocess.run([sys.executable, "-m", "bench.auto_table", *args, "--out", str(out)],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
         assert done.returncode == 0, done.stderr
@@ -342,7 +347,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     with open(out) as f:
         assert json.load(f)["entries"] == shipped["entries"]
     assert {e["device"] for e in shipped["entries"]} == {"cuda:sm_90", "cpu:256bit", "cpu:512bit+bf16",
-                                                         "cpu:512bit+bf16+fma512"}
+                                                         "cpu:512bit+bf16+fma512", "cpu:512bit+bf16+amx"}
     # The AVX512_BF16 class: bfloat16 rows from the bf16 runs, float32 rows from the float32 ones
     # (a run's other dtype taken from neither: --dtypes).
     zen4 = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16"]
@@ -382,7 +387,8 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     # where rnnkern measured 1.22x (inference) and 1.28x (training).
     bi = {(e["device"], e["cell"], e["phase"], e["B"], e["threads"]): e["speedups"]["cpu"]
           for e in shipped["entries"] if e.get("directions") == 2}
-    assert len(bi) == 48 and {k[0] for k in bi} == {"cpu:512bit+bf16", "cpu:256bit", "cpu:512bit+bf16+fma512"}
+    assert len(bi) == 64 and {k[0] for k in bi} == {"cpu:512bit+bf16", "cpu:256bit", "cpu:512bit+bf16+fma512",
+                                                    "cpu:512bit+bf16+amx"}
     for device in ("cpu:512bit+bf16", "cpu:256bit"):
         assert bi[(device, "lstm", "forward", 1, 2)] > 1.2
         assert bi[(device, "lstm", "forward_backward", 1, 2)] > 1.2
@@ -431,6 +437,25 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
                                 device_key="cpu:512bit+bf16+fma512")
         assert bf16_step.implementation == "cpu" and "on cpu:512bit+bf16+fma512 " in bf16_step.reason
         assert f"cpu-zen5-2026-12-04-step-bf16-t{threads}-" in bf16_step.reason
+    # The Intel Xeon's own class (AMX's bf16 tiles, 512-bit FMA pipes that rnnkern's kernels do not
+    # tell apart: 2026-12-05): every sequence row of the default families at 1 and 2 threads, both
+    # dtypes. Its bf16 LSTM sequences are torch.nn's by its own rows (oneDNN on the tiles: 0.16x),
+    # its bf16 one-step calls rnnkern's (1.22-1.61x at B=1 H=256), and its float32 LSTM forward at
+    # B=64 T=64 H=512 torch.nn's (0.60x), where without rows it took the Zen 4's.
+    xeon = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16+amx"]
+    assert {(e["dtype"], e["threads"]) for e in xeon if e.get("directions", 1) == 1} == \
+        {("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)}
+    assert len({(e["cell"], e["phase"], e["B"], e["T"], e["H"], e["threads"])
+                for e in xeon if "-grid-t" in e["source"]}) == 3 * 15 * 2 * 2
+    amx = dict(one_row, device_key="cpu:512bit+bf16+amx", threads=1)
+    seq_bf16 = auto.choose(**{**amx, "B": 32, "T": 128, "dtype": torch.bfloat16})
+    assert seq_bf16.uses_torch and "cpu-xeonamx-2026-12-05-bf16-t1-" in seq_bf16.reason
+    for threads in (1, 2):
+        step_bf16 = auto.choose(**{**amx, "T": 1, "threads": threads, "dtype": torch.bfloat16})
+        assert step_bf16.implementation == "cpu" and f"cpu-xeonamx-2026-12-05-step-t{threads}-" in step_bf16.reason
+    wide = auto.choose(**{**amx, "B": 64, "T": 64, "H": 512})
+    assert wide.uses_torch and "on cpu:512bit+bf16+amx " in wide.reason
+    assert not auto.choose(**{**amx, "B": 64, "T": 64, "H": 512, "device_key": "cpu:512bit+bf16"}).uses_torch
 
 
 def gpu_entry(cell, dtype, phase, B, T, H, **ratios):
