@@ -2,10 +2,13 @@
 per-step products forward and backward, its weight gradients, rnnkern::linear
 and its backward): the layout, packing,
 rounding and drivers of the path that CPUs with AVX512_BF16 run on the
-vdpbf16ps instruction.  Every test runs the portable emulation of the
-instruction ("emulated": exact for normal numbers), so CPUs without it test
-every line but the instruction itself; where the CPU has it, the same tests
-run it too ("native"), and it must agree with the emulation."""
+vdpbf16ps instruction, and CPUs with AMX-BF16 on AMX's tiles.  Every test
+runs the portable emulation of the instruction ("emulated": exact for normal
+numbers) and the tile driver on emulated tiles ("amx_emulated"), so CPUs
+without them test every line but the instructions themselves; where the CPU
+has them, the same tests run them too ("native", "amx"): the instruction must
+agree with its emulation bit for bit, the tiles (whose order of sums within a
+block is the hardware's own) within the float32 sums' error."""
 from __future__ import annotations
 
 import contextlib
@@ -37,21 +40,37 @@ def native_or_skip():
         pytest.skip("needs a CPU with AVX512_BF16 (vdpbf16ps) and a build with the 512-bit kernels")
 
 
-def _cpu_has_instruction():
+def amx_or_skip():
+    if not _cpu_has_tiles():
+        pytest.skip("needs a CPU with AMX-BF16 whose OS grants the tile state, and a build with the "
+                    "512-bit kernels")
+
+
+def _cpu_has(mode):
     try:
-        with bf16_products("native"):
+        with bf16_products(mode):
             return True
     except RuntimeError:
         return False
 
 
-PAIR_MODES = ["emulated", "native"]
+def _cpu_has_instruction():
+    return _cpu_has("native")
+
+
+def _cpu_has_tiles():
+    return _cpu_has("amx")
+
+
+PAIR_MODES = ["emulated", "native", "amx_emulated", "amx"]
 
 
 @pytest.fixture(params=PAIR_MODES)
 def pair_mode(request):
     if request.param == "native":
         native_or_skip()
+    if request.param == "amx":
+        amx_or_skip()
     with bf16_products(request.param):
         assert _C.cpu_bf16_products() == request.param
         yield request.param
@@ -63,19 +82,26 @@ def bf16_values(g, *shape, scale=1.0):
 
 def test_modes_are_set_and_refused_by_name():
     default = _C.cpu_bf16_products()
-    # The default is the instruction where the CPU has it, float32 elsewhere,
-    # unless RNNKERN_CPU_BF16_PRODUCTS chose float32 or emulated at load time.
+    # The default is AMX's tiles where the CPU has them, else the instruction
+    # where it has it, float32 elsewhere, unless RNNKERN_CPU_BF16_PRODUCTS chose
+    # float32, emulated, amx_emulated or (where the CPU has it) native at load
+    # time.
     chosen = os.environ.get("RNNKERN_CPU_BF16_PRODUCTS")
-    assert default == (chosen if chosen in ("float32", "emulated")
+    assert default == (chosen if chosen in ("float32", "emulated", "amx_emulated")
+                       else "native" if chosen == "native" and _cpu_has_instruction()
+                       else "amx" if _cpu_has_tiles()
                        else "native" if _cpu_has_instruction() else "float32")
     with bf16_products("emulated"):
         assert _C.cpu_bf16_products() == "emulated"
     assert _C.cpu_bf16_products() == default
-    with pytest.raises(ValueError, match="'float32', 'native' or 'emulated'"):
+    with pytest.raises(ValueError, match="'float32', 'native', 'emulated', 'amx' or 'amx_emulated'"):
         _C.set_cpu_bf16_products("bf16")
     if not _cpu_has_instruction():
         with pytest.raises(RuntimeError, match="AVX512_BF16"):
             _C.set_cpu_bf16_products("native")
+    if not _cpu_has_tiles():
+        with pytest.raises(RuntimeError, match="AMX-BF16"):
+            _C.set_cpu_bf16_products("amx")
     assert _C.cpu_bf16_products() == default
 
 
@@ -149,9 +175,12 @@ def test_recurrence_product_reads_the_state_as_bf16(B, H):
         bound = 2.0 ** -8 * want.abs() + 1e-6 * (1 + (prev.abs() @ w.abs().t()))
         return ((out.double() - want).abs() - bound).max().item()
 
-    assert worst_excess("emulated") <= 0
+    for mode in ("emulated", "amx_emulated"):
+        assert worst_excess(mode) <= 0, mode
     if _cpu_has_instruction():
         assert worst_excess("native") <= 0
+    if _cpu_has_tiles():
+        assert worst_excess("amx") <= 0
     assert worst_excess("float32") > 0
 
 
@@ -178,9 +207,12 @@ def test_backward_product_reads_the_gate_gradient_as_bf16(B, H):
         bound = 2.0 ** -8 * want.abs() + 1e-6 * (1 + gx.double().abs() @ w.abs())
         return ((gx.double() - want).abs() - bound).max().item()
 
-    assert worst_excess("emulated") <= 0
+    for mode in ("emulated", "amx_emulated"):
+        assert worst_excess(mode) <= 0, mode
     if _cpu_has_instruction():
         assert worst_excess("native") <= 0
+    if _cpu_has_tiles():
+        assert worst_excess("amx") <= 0
     assert worst_excess("float32") > 0
 
 
@@ -418,6 +450,38 @@ def test_native_agrees_with_the_emulation():
         assert torch.equal(a, b), (a.float() - b.float()).abs().max()
 
 
+def test_tiles_agree_with_their_emulation():
+    """Where the CPU has AMX: within the float32 sums' error of the emulated
+    tiles (the hardware adds a block's 32 products in its own order), and the
+    same bits at every row count, whatever tile a row falls in (rows 0 and
+    40 of 41 alone, in a block of 32 and in one of 9).  Odd K and N past a
+    panel, K past a chunk (C accumulated in tiles, a panel cut by N through
+    the edge buffer), and a GRU's sequence."""
+    amx_or_skip()
+    g = generator("pairs-amx")
+    for M, K, N in ((257, 131, 67), (41, 600, 40)):
+        x, w = bf16_values(g, M, K), bf16_values(g, N, K)
+        with bf16_products("amx"):
+            got = torch.ops.rnnkern.linear(x, w).float()
+            rows = torch.cat([torch.ops.rnnkern.linear(x[i:i + n], w).float()
+                              for i, n in ((0, 1), (1, 32), (33, 9))] +
+                             [torch.ops.rnnkern.linear(x[42:], w).float()] * (M > 42))
+        assert torch.equal(got[:42], rows[:42]) and torch.equal(got[42:], rows[42:])
+        with bf16_products("amx_emulated"):
+            want = torch.ops.rnnkern.linear(x, w).float()
+        bound = 2.0 ** -7 * want.abs() + 2 * K * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t()).float()
+        assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    m = rnnkern.GRU(131, 67, backend="cpu")
+    xs = bf16_values(g, 9, 5, 131)
+    want = m(xs.float())[0]
+    m.bfloat16()
+    results = {}
+    for mode in ("amx", "amx_emulated"):
+        with bf16_products(mode):
+            results[mode] = m(xs)[0]
+    assert_low_precision(results["amx"], results["amx_emulated"], want, what="GRU output")
+
+
 def test_build_holds_the_instruction():
     """The native driver is compiled for the instruction (read off the
     binary: CPUs without it cannot run it); builds pinned below x86-64-v4
@@ -427,3 +491,4 @@ def test_build_holds_the_instruction():
                           capture_output=True, text=True, check=True).stdout
     pinned = os.environ.get("RNNKERN_EXPECT_CPU_ISA")
     assert ("vdpbf16ps" in dump) == (pinned in (None, "x86-64-v4"))
+    assert ("tdpbf16ps" in dump) == (pinned in (None, "x86-64-v4"))

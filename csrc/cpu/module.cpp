@@ -66,28 +66,36 @@ PyObject* cpu_fma_rate(PyObject*, PyObject* arg) {
 
 // How bfloat16 products run in this process (pairs.h): "native" (the
 // AVX512_BF16 dot-product instruction), "emulated" (its portable emulation,
-// for tests) or "float32".
-const char* const kBf16Modes[] = {"float32", "native", "emulated"};
+// for tests), "amx" (AMX's tiles), "amx_emulated" (the tile driver on
+// emulated tiles, for tests) or "float32".
+const char* const kBf16Modes[] = {"float32", "native", "emulated", "amx", "amx_emulated"};
+constexpr int kBf16ModeCount = sizeof(kBf16Modes) / sizeof(kBf16Modes[0]);
 
 PyObject* cpu_bf16_products(PyObject*, PyObject*) {
   return PyUnicode_FromString(kBf16Modes[static_cast<int>(pairs::mode())]);
 }
 
-// Sets it; "native" raises where the CPU or the build lacks the instruction.
+// Sets it; "native" and "amx" raise where the CPU, the build or the OS
+// lacks them.
 PyObject* set_cpu_bf16_products(PyObject*, PyObject* arg) {
   const char* want = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : nullptr;
-  for (int m = 0; want != nullptr && m < 3; ++m) {
+  for (int m = 0; want != nullptr && m < kBf16ModeCount; ++m) {
     if (std::string(want) != kBf16Modes[m]) continue;
     if (!pairs::set_mode(static_cast<pairs::Mode>(m))) {
       PyErr_SetString(PyExc_RuntimeError,
-                      "set_cpu_bf16_products: 'native' needs a CPU with AVX512_BF16 and a build "
-                      "with the 512-bit kernels");
+                      static_cast<pairs::Mode>(m) == pairs::Mode::Tiles
+                          ? "set_cpu_bf16_products: 'amx' needs a CPU with AMX-BF16, a Linux that "
+                            "grants the process AMX's tile state, and a build with the 512-bit "
+                            "kernels"
+                          : "set_cpu_bf16_products: 'native' needs a CPU with AVX512_BF16 and a "
+                            "build with the 512-bit kernels");
       return nullptr;
     }
     Py_RETURN_NONE;
   }
   PyErr_SetString(PyExc_ValueError,
-                  "set_cpu_bf16_products: expected 'float32', 'native' or 'emulated'");
+                  "set_cpu_bf16_products: expected 'float32', 'native', 'emulated', 'amx' or "
+                  "'amx_emulated'");
   return nullptr;
 }
 

@@ -11,6 +11,11 @@
 #include <string>
 #include <type_traits>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "gemm.h"  // RNNKERN_ALWAYS_INLINE
 #include "isa.h"
 #include "parallel.h"
@@ -53,12 +58,12 @@ struct Emulated {
 // registers (as gemm.h's 512-bit per-step products).
 constexpr int kMR = 8;
 
-// C[MR, NP panels] (+)= A[MR rows of KP pairs, row stride KP] * NP panels
+// C[MR, NP panels] (+)= A[MR rows of KP pairs, row stride lda] * NP panels
 // (ncols: C's columns there).  NP = 2 for one or two rows (a batch of one):
 // four or eight independent sums, so that the instruction's latency does not
 // bound the product, as gemm.h's micro-kernel.
 template <class Dot, int MR, int NP>
-RNNKERN_ALWAYS_INLINE void kernel(int64_t KP, const uint32_t* a, const uint32_t* const* panel,
+RNNKERN_ALWAYS_INLINE void kernel(int64_t KP, const uint32_t* a, int64_t lda, const uint32_t* const* panel,
                                   float* c, int64_t ldc, int64_t ncols, bool accumulate) {
   constexpr int NV = 2 * NP;  // vectors of C per row
   // Unrolled by pragma: without it GCC keeps acc in memory (a load and a
@@ -77,7 +82,7 @@ RNNKERN_ALWAYS_INLINE void kernel(int64_t KP, const uint32_t* a, const uint32_t*
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const uint32_t ar = a[r * KP + kp];
+      const uint32_t ar = a[r * lda + kp];
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) Dot::dot(acc[r][v], ar, b[v]);
     }
@@ -104,24 +109,25 @@ RNNKERN_ALWAYS_INLINE void kernel(int64_t KP, const uint32_t* a, const uint32_t*
   }
 }
 
-// C[M, N] (+)= A[M rows of KP pairs] B, rows in near-equal blocks of up to kMR.
+// C[M, N] (+)= A[M rows of KP pairs, lda apart] B, rows in near-equal
+// blocks of up to kMR.
 template <class Dot>
-RNNKERN_ALWAYS_INLINE void run(int64_t M, const uint32_t* a, const PackedPairs& b, float* c,
-                               int64_t ldc, bool accumulate) {
+RNNKERN_ALWAYS_INLINE void run(int64_t M, const uint32_t* a, int64_t lda, const PackedPairs& b,
+                               float* c, int64_t ldc, bool accumulate) {
   const int64_t KP = b.pairs(), P = b.panels();
   const int64_t blocks = (M + kMR - 1) / kMR;
   for (int64_t bi = 0, i = 0, mr = 0; bi < blocks; ++bi, i += mr) {
     mr = (M - i + (blocks - bi) - 1) / (blocks - bi);
-    const uint32_t* ai = a + i * KP;
+    const uint32_t* ai = a + i * lda;
     float* ci = c + i * ldc;
     int64_t p = 0;
     if (mr <= 2) {  // two panels per call while both are whole
       for (; p + 2 <= P && (p + 2) * kNR <= b.N; p += 2) {
         const uint32_t* two[2] = {b.panel(p), b.panel(p + 1)};
         if (mr == 2)
-          kernel<Dot, 2, 2>(KP, ai, two, ci + p * kNR, ldc, 2 * kNR, accumulate);
+          kernel<Dot, 2, 2>(KP, ai, lda, two, ci + p * kNR, ldc, 2 * kNR, accumulate);
         else
-          kernel<Dot, 1, 2>(KP, ai, two, ci + p * kNR, ldc, 2 * kNR, accumulate);
+          kernel<Dot, 1, 2>(KP, ai, lda, two, ci + p * kNR, ldc, 2 * kNR, accumulate);
       }
     }
     for (; p < P; ++p) {
@@ -129,14 +135,14 @@ RNNKERN_ALWAYS_INLINE void run(int64_t M, const uint32_t* a, const PackedPairs& 
       float* cp = ci + p * kNR;
       const int64_t nc = std::min<int64_t>(kNR, b.N - p * kNR);
       switch (mr) {
-        case 8: kernel<Dot, 8, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
-        case 7: kernel<Dot, 7, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
-        case 6: kernel<Dot, 6, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
-        case 5: kernel<Dot, 5, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
-        case 4: kernel<Dot, 4, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
-        case 3: kernel<Dot, 3, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
-        case 2: kernel<Dot, 2, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
-        default: kernel<Dot, 1, 1>(KP, ai, one, cp, ldc, nc, accumulate); break;
+        case 8: kernel<Dot, 8, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
+        case 7: kernel<Dot, 7, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
+        case 6: kernel<Dot, 6, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
+        case 5: kernel<Dot, 5, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
+        case 4: kernel<Dot, 4, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
+        case 3: kernel<Dot, 3, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
+        case 2: kernel<Dot, 2, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
+        default: kernel<Dot, 1, 1>(KP, ai, lda, one, cp, ldc, nc, accumulate); break;
       }
     }
   }
@@ -145,22 +151,259 @@ static_assert(kMR == 8, "run dispatches up to 8 rows");
 
 #if defined(RNNKERN_PAIRS_NATIVE)
 __attribute__((target("arch=x86-64-v4,avx512bf16"), noinline)) void run_native(
-    int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int64_t ldc, bool accumulate) {
-  run<Native>(M, a, b, c, ldc, accumulate);
+    int64_t M, const uint32_t* a, int64_t lda, const PackedPairs& b, float* c, int64_t ldc,
+    bool accumulate) {
+  run<Native>(M, a, lda, b, c, ldc, accumulate);
 }
 #endif
 
-__attribute__((noinline)) void run_emulated(int64_t M, const uint32_t* a, const PackedPairs& b,
-                                            float* c, int64_t ldc, bool accumulate) {
-  run<Emulated>(M, a, b, c, ldc, accumulate);
+__attribute__((noinline)) void run_emulated(int64_t M, const uint32_t* a, int64_t lda,
+                                            const PackedPairs& b, float* c, int64_t ldc,
+                                            bool accumulate) {
+  run<Emulated>(M, a, lda, b, c, ldc, accumulate);
 }
 
-void run_mode(int64_t M, const uint32_t* a, const PackedPairs& b, float* c, int64_t ldc,
-              bool accumulate) {
+// ---- AMX tiles --------------------------------------------------------------
+// Tiles 0-3 hold C (a block of up to 32 rows x one panel: rows [0, 16) x
+// the panel's two halves in 0 and 1, rows [16, 32) in 2 and 3), 4 and 5 A's
+// two groups of rows, 6 and 7 B's two halves: each loaded tile of A or B
+// serves two products, the most that eight tiles allow.
+struct TileConfig {  // ldtilecfg's 64 bytes, palette 1
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+// Up to 32 rows of C: r0 in the first group of 16, r1 in the second.
+inline TileConfig tile_config(int r0, int r1) {
+  TileConfig t;
+  for (int i : {0, 1, 4}) t.rows[i] = static_cast<uint8_t>(r0), t.colsb[i] = 64;
+  if (r1 > 0)
+    for (int i : {2, 3, 5}) t.rows[i] = static_cast<uint8_t>(r1), t.colsb[i] = 64;
+  for (int i : {6, 7}) t.rows[i] = kTilePairs, t.colsb[i] = 64;
+  return t;
+}
+
 #if defined(RNNKERN_PAIRS_NATIVE)
-  if (mode() == Mode::Native) return run_native(M, a, b, c, ldc, accumulate);
+// The instructions as inline assembly (tile numbers are part of the
+// instruction): the assembler takes them whatever the function's target.
+struct AmxTiles {
+  static void configure(const TileConfig& t) { asm volatile("ldtilecfg %0" ::"m"(t)); }
+  static void release() { asm volatile("tilerelease" ::); }
+#define RNNKERN_TILE_OPS(T)                                                                         \
+  static RNNKERN_ALWAYS_INLINE void load##T(const void* p, int64_t stride) {                       \
+    asm volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(p), "r"(stride) : "memory");                \
+  }                                                                                                 \
+  static RNNKERN_ALWAYS_INLINE void store##T(void* p, int64_t stride) {                            \
+    asm volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(p), "r"(stride) : "memory");            \
+  }                                                                                                 \
+  static RNNKERN_ALWAYS_INLINE void zero##T() { asm volatile("tilezero %%tmm" #T ::); }
+  RNNKERN_TILE_OPS(0)
+  RNNKERN_TILE_OPS(1)
+  RNNKERN_TILE_OPS(2)
+  RNNKERN_TILE_OPS(3)
+  RNNKERN_TILE_OPS(4)
+  RNNKERN_TILE_OPS(5)
+  RNNKERN_TILE_OPS(6)
+  RNNKERN_TILE_OPS(7)
+#undef RNNKERN_TILE_OPS
+  template <int C, int A, int B>
+  static RNNKERN_ALWAYS_INLINE void dot() {
+    // AT&T order: B's tile, A's, then C's
+    asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+  }
+};
 #endif
-  run_emulated(M, a, b, c, ldc, accumulate);
+
+// The tiles in memory, per thread, with the instruction's pseudocode
+// (Intel SDM, TDPBF16PS: per pair, in order, the even product then the odd
+// one, each addition rounded; no flushing of denormals): every line of the
+// tile driver runs on any CPU.  The hardware's sums differ in their last bits
+// (its own order within a block of 16 pairs).
+struct EmulatedTiles {
+  struct State {
+    TileConfig config;
+    alignas(64) uint8_t tile[8][16][64];
+  };
+  static State& state() {
+    thread_local State s;
+    return s;
+  }
+  static void configure(const TileConfig& t) {
+    State& s = state();
+    s.config = t;
+    std::memset(s.tile, 0, sizeof(s.tile));  // as ldtilecfg
+  }
+  static void release() { configure(TileConfig{}); }
+  static void load(int t, const void* p, int64_t stride) {
+    State& s = state();
+    for (int r = 0; r < s.config.rows[t]; ++r)
+      std::memcpy(s.tile[t][r], static_cast<const char*>(p) + r * stride, s.config.colsb[t]);
+  }
+  static void store(int t, void* p, int64_t stride) {
+    State& s = state();
+    for (int r = 0; r < s.config.rows[t]; ++r)
+      std::memcpy(static_cast<char*>(p) + r * stride, s.tile[t][r], s.config.colsb[t]);
+  }
+#define RNNKERN_TILE_OPS(T)                                                                       \
+  static void load##T(const void* p, int64_t stride) { load(T, p, stride); }                     \
+  static void store##T(void* p, int64_t stride) { store(T, p, stride); }                         \
+  static void zero##T() { std::memset(state().tile[T], 0, sizeof(state().tile[T])); }
+  RNNKERN_TILE_OPS(0)
+  RNNKERN_TILE_OPS(1)
+  RNNKERN_TILE_OPS(2)
+  RNNKERN_TILE_OPS(3)
+  RNNKERN_TILE_OPS(4)
+  RNNKERN_TILE_OPS(5)
+  RNNKERN_TILE_OPS(6)
+  RNNKERN_TILE_OPS(7)
+#undef RNNKERN_TILE_OPS
+  template <int C, int A, int B>
+  static void dot() {
+    State& s = state();
+    const int rows = s.config.rows[C], cols = s.config.colsb[C] / 4, pairs = s.config.colsb[A] / 4;
+    for (int m = 0; m < rows; ++m)
+      for (int k = 0; k < pairs; ++k) {
+        uint32_t a;
+        std::memcpy(&a, s.tile[A][m] + 4 * k, 4);
+        const float a_lo = from_bf16(uint16_t(a)), a_hi = from_bf16(uint16_t(a >> 16));
+        for (int n = 0; n < cols; ++n) {
+          uint32_t b;
+          float c;
+          std::memcpy(&b, s.tile[B][k] + 4 * n, 4);
+          std::memcpy(&c, s.tile[C][m] + 4 * n, 4);
+          c += a_lo * from_bf16(uint16_t(b));
+          c += a_hi * from_bf16(uint16_t(b >> 16));
+          std::memcpy(s.tile[C][m] + 4 * n, &c, 4);
+        }
+      }
+  }
+};
+
+// C[M, N] (+)= A[M rows of pair_rows() pairs, lda apart, zeros past pairs()]
+// B on tiles: blocks of 32 rows (two tiles of A) by panels (two tiles of
+// B), K by blocks of 16 pairs.  The whole blocks of 32 rows take a panel at
+// a time, all of them, so that B passes once through the cache (an LSTM's
+// W_hh at H=512 is 2 MiB: a pass per block of rows doubled a B=64 step's
+// traffic); the rows past them follow, under their own tile configuration.
+// A panel's C goes through `edge` where N cuts the panel (a tile's store
+// writes all its 16 columns).
+template <class Tiles>
+RNNKERN_ALWAYS_INLINE void run_tiles(int64_t M, const uint32_t* a, int64_t lda, const PackedPairs& b,
+                                     float* c, int64_t ldc, bool accumulate) {
+  const int64_t KB = b.pair_rows() / kTilePairs, P = b.panels();
+  const int64_t sa = lda * 4, sb = kNR * 4;
+  alignas(64) float edge[32 * kNR];
+  // Rows [i, i + r0 + r1) of C, panel p.
+  auto block = [&](int64_t i, int r0, int r1, int64_t p) {
+    const int r = r0 + r1;
+    const uint32_t* a0 = a + i * lda;
+    const uint32_t* a1 = a0 + 16 * lda;
+    const int64_t nc = std::min<int64_t>(kNR, b.N - p * kNR);
+    float* cp = c + i * ldc + p * kNR;
+    float* ct = cp;
+    int64_t ldt = ldc;
+    if (nc < kNR) {  // the panel's C through `edge`, 32 columns a row
+      ct = edge, ldt = kNR;
+      if (accumulate)
+        for (int rr = 0; rr < r; ++rr) {
+          std::memcpy(edge + rr * kNR, cp + rr * ldc, nc * 4);
+          std::memset(edge + rr * kNR + nc, 0, (kNR - nc) * 4);
+        }
+    }
+    const int64_t sc = ldt * 4;
+    if (accumulate) {
+      Tiles::load0(ct, sc);
+      Tiles::load1(ct + kLanes, sc);
+      if (r1 > 0) {
+        Tiles::load2(ct + 16 * ldt, sc);
+        Tiles::load3(ct + 16 * ldt + kLanes, sc);
+      }
+    } else {
+      Tiles::zero0();
+      Tiles::zero1();
+      if (r1 > 0) Tiles::zero2(), Tiles::zero3();
+    }
+    const uint32_t* bp = b.panel(p);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint32_t* bk = bp + kb * kTilePairs * kNR;
+      Tiles::load4(a0 + kb * kTilePairs, sa);
+      Tiles::load6(bk, sb);
+      Tiles::load7(bk + kLanes, sb);
+      Tiles::template dot<0, 4, 6>();
+      Tiles::template dot<1, 4, 7>();
+      if (r1 > 0) {
+        Tiles::load5(a1 + kb * kTilePairs, sa);
+        Tiles::template dot<2, 5, 6>();
+        Tiles::template dot<3, 5, 7>();
+      }
+    }
+    Tiles::store0(ct, sc);
+    Tiles::store1(ct + kLanes, sc);
+    if (r1 > 0) {
+      Tiles::store2(ct + 16 * ldt, sc);
+      Tiles::store3(ct + 16 * ldt + kLanes, sc);
+    }
+    if (nc < kNR)
+      for (int rr = 0; rr < r; ++rr) std::memcpy(cp + rr * ldc, edge + rr * kNR, nc * 4);
+  };
+  const int64_t whole = M / 32 * 32;
+  if (whole > 0) {
+    Tiles::configure(tile_config(16, 16));
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t i = 0; i < whole; i += 32) block(i, 16, 16, p);
+  }
+  if (whole < M) {
+    const int r = static_cast<int>(M - whole), r0 = std::min(r, 16);
+    Tiles::configure(tile_config(r0, r - r0));
+    for (int64_t p = 0; p < P; ++p) block(whole, r0, r - r0, p);
+  }
+  Tiles::release();
+}
+
+// A's rows as the tiles read them: pair_rows() pairs a row, zeros past
+// pairs() (a copy where A's rows are not so already).
+template <class Tiles>
+void run_tiles_padded(int64_t M, const uint32_t* a, int64_t lda, const PackedPairs& b, float* c,
+                      int64_t ldc, bool accumulate) {
+  const int64_t KP = b.pairs(), KPs = b.pair_rows();
+  if (KP == KPs) return run_tiles<Tiles>(M, a, lda, b, c, ldc, accumulate);
+  thread_local std::vector<uint32_t> padded;
+  if (static_cast<int64_t>(padded.size()) < M * KPs) padded.resize(static_cast<size_t>(M * KPs));
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(padded.data() + m * KPs, a + m * lda, static_cast<size_t>(KP) * 4);
+    std::memset(padded.data() + m * KPs + KP, 0, static_cast<size_t>(KPs - KP) * 4);
+  }
+  run_tiles<Tiles>(M, padded.data(), KPs, b, c, ldc, accumulate);
+}
+
+#if defined(RNNKERN_PAIRS_NATIVE)
+__attribute__((noinline)) void run_amx(int64_t M, const uint32_t* a, int64_t lda,
+                                       const PackedPairs& b, float* c, int64_t ldc, bool accumulate) {
+  run_tiles_padded<AmxTiles>(M, a, lda, b, c, ldc, accumulate);
+}
+#endif
+
+__attribute__((noinline)) void run_tiles_emulated(int64_t M, const uint32_t* a, int64_t lda,
+                                                  const PackedPairs& b, float* c, int64_t ldc,
+                                                  bool accumulate) {
+  run_tiles_padded<EmulatedTiles>(M, a, lda, b, c, ldc, accumulate);
+}
+
+// C[M, N] (+)= A[M rows of pairs, lda apart] B by the process's mode.
+void run_mode(int64_t M, const uint32_t* a, int64_t lda, const PackedPairs& b, float* c,
+              int64_t ldc, bool accumulate) {
+  if (M <= 0) return;
+  switch (mode()) {
+#if defined(RNNKERN_PAIRS_NATIVE)
+    case Mode::Native: return run_native(M, a, lda, b, c, ldc, accumulate);
+    case Mode::Tiles: return run_amx(M, a, lda, b, c, ldc, accumulate);
+#endif
+    case Mode::TilesEmulated: return run_tiles_emulated(M, a, lda, b, c, ldc, accumulate);
+    default: return run_emulated(M, a, lda, b, c, ldc, accumulate);
+  }
 }
 
 // A row of K contiguous floats as (K + 1) / 2 pairs, compiled per ISA level:
@@ -233,10 +476,12 @@ template <typename Src>
 RNNKERN_CPU_CLONES void pack_pairs(const Src* b, int64_t sk, int64_t sn, int64_t K, int64_t N,
                                    uint32_t* data) {
   const int64_t KP = (K + 1) / 2, panels = (N + kNR - 1) / kNR;
+  const int64_t KPs = (KP + kTilePairs - 1) / kTilePairs * kTilePairs;
   constexpr int64_t kTile = gemm::kTileLanes<uint32_t>;
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * kNR, nc = std::min<int64_t>(kNR, N - n0);
-    uint32_t* dst = data + p * KP * kNR;
+    uint32_t* dst = data + p * KPs * kNR;
+    std::memset(dst + KP * kNR, 0, static_cast<size_t>((KPs - KP) * kNR) * 4);
     int64_t kp = 0;
     if (sn == 1) {
       for (; kp < KP; ++kp) {
@@ -305,7 +550,9 @@ Mode initial_mode() {
   const std::string want = env != nullptr ? env : "";
   if (want == "float32") return Mode::Float32;
   if (want == "emulated") return Mode::Emulated;
-  return native_available() ? Mode::Native : Mode::Float32;
+  if (want == "native" && native_available()) return Mode::Native;
+  if (want == "amx_emulated") return Mode::TilesEmulated;
+  return tiles_available() ? Mode::Tiles : native_available() ? Mode::Native : Mode::Float32;
 }
 
 std::atomic<int>& mode_slot() {
@@ -341,10 +588,29 @@ bool native_available() {
 #endif
 }
 
+// AMX-BF16 in CPUID, and the tile data state granted to this process by the
+// kernel (Linux 5.16 and later; asked once, for all threads).
+bool tiles_available() {
+#if defined(RNNKERN_PAIRS_NATIVE) && defined(__linux__)
+  static const bool granted = [] {
+    __builtin_cpu_init();
+    if (!native_available() || !__builtin_cpu_supports("amx-tile") ||
+        !__builtin_cpu_supports("amx-bf16"))
+      return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
 Mode mode() { return static_cast<Mode>(mode_slot().load(std::memory_order_relaxed)); }
 
 bool set_mode(Mode m) {
   if (m == Mode::Native && !native_available()) return false;
+  if (m == Mode::Tiles && !tiles_available()) return false;
   mode_slot().store(static_cast<int>(m), std::memory_order_relaxed);
   return true;
 }
@@ -359,12 +625,12 @@ void multiply_rows(int64_t M, const Src* a, int64_t lda, const PackedPairs& b, f
     // Rows of bf16 values whose pairs are in place: a row of K (even) values
     // is its K / 2 pairs (little-endian, element 2kp in the low half).
     if (b.K % 2 == 0 && lda == b.K && reinterpret_cast<uintptr_t>(a) % alignof(uint32_t) == 0)
-      return run_mode(M, reinterpret_cast<const uint32_t*>(a), b, c, ldc, accumulate);
+      return run_mode(M, reinterpret_cast<const uint32_t*>(a), lda / 2, b, c, ldc, accumulate);
   }
   thread_local std::vector<uint32_t> rows;  // grown as needed and kept: no allocation per step
   rows.resize(std::max<size_t>(rows.size(), static_cast<size_t>(M * b.pairs())));
   rows_to_pairs(M, b.K, a, lda, 1, rows.data());
-  run_mode(M, rows.data(), b, c, ldc, accumulate);
+  run_mode(M, rows.data(), b.pairs(), b, c, ldc, accumulate);
 }
 
 }  // namespace
@@ -427,7 +693,7 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, i
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const PackedPairs& bc = packed[ch];
         rows_to_pairs(m, bc.K, a + i * a_rows + ch * kKC * a_ks, a_rows, a_ks, rows.data());
-        run_mode(m, rows.data(), bc, ci, ldci, accumulate || ch > 0);
+        run_mode(m, rows.data(), bc.pairs(), bc, ci, ldci, accumulate || ch > 0);
       }
       if (c16 != nullptr)
         for (int64_t r = 0; r < m; ++r) narrow_bf16(N, ci + r * N, c16 + (i + r) * ldc);
@@ -441,7 +707,7 @@ template <typename Src>
 void PackedPairs::pack(const Src* b, int64_t sk, int64_t sn, int64_t K_, int64_t N_) {
   K = K_;
   N = N_;
-  data.resize(static_cast<size_t>(panels() * pairs() * kNR));
+  data.resize(static_cast<size_t>(panels() * pair_rows() * kNR));
   pack_pairs(b, sk, sn, K, N, data.data());
 }
 

@@ -25,10 +25,25 @@
 //
 // Layout: B[K, N] in column panels of kNR = 32 columns (two 16-lane
 // vectors); panel p holds, for each pair kp, the 32 columns' pairs as uint32
-// (low half b[2kp][n], high half b[2kp+1][n]), zero past N and past an odd K.
-// A's rows become rows of pairs the same way.  Each element of C sums its
-// pairs in order kp = 0, 1, ...: the split of rows between threads never
-// changes its bits.
+// (low half b[2kp][n], high half b[2kp+1][n]), zero past N and past an odd K,
+// and rows of zero pairs up to a multiple of kTilePairs.  A's rows become rows
+// of pairs the same way.  Each element of C sums its pairs in order kp = 0,
+// 1, ...: the split of rows between threads never changes its bits.
+//
+// That layout is also AMX's (Intel Sapphire Rapids and later): a tile of B
+// is 16 pairs of 16 columns, a row per pair, 64 bytes each, read from half a
+// panel with a stride of 128 bytes; a tile of A is up to 16 rows of 16 pairs,
+// of C up to 16 rows of 16 floats.  One tdpbf16ps adds a 16 x 16 x 32
+// product to a tile of C: 16 times the multiply-adds of a vdpbf16ps, which
+// is what oneDNN runs torch.nn's bf16 RNNs on there (torch.nn 6x faster than
+// rnnkern's vdpbf16ps for an LSTM at B=32 H=256).  The tile's order of the
+// 32 products within a block of 16 pairs is the hardware's own (not the
+// instruction's pseudocode order; within the float32 sums' error of it), the
+// same for every row: blocks of K in order, so the split of rows between
+// threads never changes a bit either.  Mode::Tiles runs it where the CPU has
+// AMX-BF16 and Linux grants the process the tile state (arch_prctl); every
+// product of a call on tiles, whatever its rows, since a choice by rows would
+// make a row's bits depend on the thread split.
 //
 // Two versions of the same kernel: the instruction itself (compiled for
 // x86-64-v4 + avx512bf16, run only on CPUs that report it), and an emulation
@@ -54,16 +69,24 @@ namespace rnnkern::cpu::pairs {
 //  * Float32: converted to float32, float32 products (CPUs without the
 //    instruction, or chosen);
 //  * Native: vdpbf16ps (the default where the CPU has it);
-//  * Emulated: the emulation (tests).
-enum class Mode { Float32, Native, Emulated };
+//  * Emulated: the emulation (tests);
+//  * Tiles: AMX's tile multiply (tdpbf16ps; the default where the CPU has
+//    AMX-BF16 and the kernel grants the process its tile state);
+//  * TilesEmulated: the tile driver on a portable emulation of the tiles
+//    (tests: its layout, padding and edges on every CPU).
+enum class Mode { Float32, Native, Emulated, Tiles, TilesEmulated };
 Mode mode();
 // Sets the mode (rnnkern._C.set_cpu_bf16_products); false, and nothing
 // changed, for Native on a CPU or build without the instruction.
 bool set_mode(Mode m);
 bool native_available();
+bool tiles_available();
 
 constexpr int kLanes = 16;
 constexpr int kNR = 2 * kLanes;
+// Pairs per tile row (64 bytes): a panel's pairs are padded with zeros to a
+// multiple of it, so that AMX's tiles of B read whole blocks of K.
+constexpr int kTilePairs = 16;
 
 // float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN):
 // c10::BFloat16's rounding, branch-free so that loops of it vectorise.
@@ -103,8 +126,10 @@ struct PackedPairs {
   int64_t K = 0, N = 0;
   std::vector<uint32_t, gemm::UninitAllocator<uint32_t>> data;
   int64_t pairs() const { return (K + 1) / 2; }
+  // A panel's rows of pairs: pairs() and zeros up to a multiple of kTilePairs.
+  int64_t pair_rows() const { return (pairs() + kTilePairs - 1) / kTilePairs * kTilePairs; }
   int64_t panels() const { return (N + kNR - 1) / kNR; }
-  const uint32_t* panel(int64_t p) const { return data.data() + p * pairs() * kNR; }
+  const uint32_t* panel(int64_t p) const { return data.data() + p * pair_rows() * kNR; }
 
   // B[k][n] = b[k*sk + n*sn]; Src: float or uint16_t (bf16 bits).  Every
   // element written, padding included (pairs.cpp).
