@@ -157,12 +157,14 @@ def test_quick_json_is_well_formed(quick_run):
     (0x1A, 0x44, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 5", 64),  # desktop (Granite Ridge)
     (0x1A, 0x24, {"avx2", "fma", "avx512f", "avx512_bf16"}, "AMD Zen 5, mobile", 32),  # 256-bit halves
     (0x06, 0x55, {"avx2", "fma", "avx512f"}, "AVX-512 core", 64),
+    (0x06, 0x8F, {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, "AVX-512 core", 64),  # SPR
     (0x06, 0x3C, {"avx2", "fma"}, "AVX2 core", 32),
 ])
 def test_fma_peak_per_core(family, model, flags, core, fp32_per_cycle):
     """The FMA peak: threads x units x lanes x 2 x clock, per core generation
     (bench/fma_peak.py's table); float64 at half the float32 rate, bfloat16 at
-    twice it where the core has a bfloat16 dot product."""
+    twice it where the core has a bfloat16 dot product, AMX's tile rate (1024
+    flops a cycle) where it has AMX-BF16."""
     vendor = "AuthenticAMD" if family >= 0x17 else "GenuineIntel"
     identity = {"vendor": vendor, "family": family, "model": model, "stepping": 0, "name": "test"}
     peak = fma_peak.fma_peak(2, ("float64", "float32", "bfloat16"), clock_mhz=3000.0, clock_source="test",
@@ -170,7 +172,8 @@ def test_fma_peak_per_core(family, model, flags, core, fp32_per_cycle):
     assert peak["core"] == core
     assert peak["flops_per_cycle_per_core"]["float32"] == fp32_per_cycle
     assert peak["flops_per_cycle_per_core"]["float64"] == fp32_per_cycle // 2
-    assert peak["flops_per_cycle_per_core"]["bfloat16"] == fp32_per_cycle * (2 if "avx512_bf16" in flags else 1)
+    assert peak["flops_per_cycle_per_core"]["bfloat16"] == (
+        1024 if "amx_bf16" in flags else fp32_per_cycle * (2 if "avx512_bf16" in flags else 1))
     assert math.isclose(peak["tflops"]["float32"], 2 * fp32_per_cycle * 3e9 / 1e12)
     assert peak["clock_mhz"] == 3000.0 and peak["clock_source"] == "test"
     # A GEMM measured above that peak means the cores ran faster than the stated clock.
