@@ -32,10 +32,12 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    the instruction's peak), so a CPU class with the instruction and no row for the
    call's cell, dtype and phase keeps torch.nn; the Zen 4's bf16 rows
    (cpu:512bit+bf16) decide the rest.  A CPU with AMX's bf16 tiles (an Intel
-   Xeon: ``+amx`` in its class) borrows no bf16 rows: oneDNN's bf16 runs there
-   (measured on one, T=128 B=32 H=256 forward, one thread: LSTM 0.13x, GRU 0.45x,
-   RNN 0.74x for rnnkern), so its bf16 calls keep torch.nn until rows of its own
-   say otherwise; its other dtypes take the rows of its class without ``+amx``.
+   Xeon: ``+amx`` in its class) borrows no bf16 rows: oneDNN's bf16 runs on the
+   tiles there, and rnnkern's too (csrc/cpu/pairs.h), at speeds of their own
+   (measured on one, T=128 B=32 H=256 forward, one thread: LSTM 1.03x, GRU 3.55x,
+   RNN 4.53x for rnnkern; 0.13-0.74x when rnnkern's ran on vdpbf16ps), so its bf16
+   calls without a row of its own keep torch.nn; its other dtypes take the rows of
+   its class without ``+amx``.
 
 A CPU whose cores run AVX-512 on 512-bit FMA pipes (a Zen 5: ``+fma512`` in its
 class) has its own rows, oneDNN and rnnkern gaining differently from the width
