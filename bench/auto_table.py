@@ -93,15 +93,15 @@ last two files measure again, and decide), one-step calls:
         bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json
 
 An Intel Xeon with AMX's bf16 tiles (class cpu:512bit+bf16+amx, 2026-12-05): the float32 grid at
-1 and 2 threads, the LSTM against the CPU engines and the speech stacks at 2c125e7; the bf16 family
-and one-step calls in bfloat16 and float32 at 1 and 2 threads at 8951729 (bf16 products on AMX's
-tiles):
+1 and 2 threads, the LSTM against the CPU engines and the speech stacks at 2c125e7; one-step calls
+in bfloat16 and float32 at 1 and 2 threads at 8951729 (bf16 products on AMX's tiles), the bf16
+family at f558dfa (the forward's split counting W_ih on the tiles):
 
     python -m bench.auto_table \
         bench/results/cpu-xeonamx-2026-12-05-grid-t1-2c125e7/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-grid-t2-2c125e7/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-bf16-t1-8951729/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-bf16-t2-8951729/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-bf16-t1-f558dfa/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-bf16-t2-f558dfa/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-peers-lstm-t1-2c125e7/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-speech-t1-2c125e7/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-speech-t2-2c125e7/bench.json \

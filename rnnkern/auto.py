@@ -34,8 +34,8 @@ oneDNN on a CPU) or rnnkern's kernels for the tensors' device, with the reason:
    (cpu:512bit+bf16) decide the rest.  A CPU with AMX's bf16 tiles (an Intel
    Xeon: ``+amx`` in its class) borrows no bf16 rows: oneDNN's bf16 runs on the
    tiles there, and rnnkern's too (csrc/cpu/pairs.h), at speeds of their own
-   (measured on one, T=128 B=32 H=256 forward, one thread: LSTM 1.03x, GRU 3.55x,
-   RNN 4.53x for rnnkern; 0.13-0.74x when rnnkern's ran on vdpbf16ps), so its bf16
+   (measured on one, T=128 B=32 H=256 forward, one thread: LSTM 1.07x, GRU 3.61x,
+   RNN 4.76x for rnnkern; 0.13-0.74x when rnnkern's ran on vdpbf16ps), so its bf16
    calls without a row of its own keep torch.nn; its other dtypes take the rows of
    its class without ``+amx``.
 

@@ -96,11 +96,11 @@ ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-step-t1-49c61ef/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json")
 # An Intel Xeon with AMX's bf16 tiles (the cpu:512bit+bf16+amx class, 2026-12-05): the float32 grid
-# at 1 and 2 threads, the LSTM against the CPU engines and the speech stacks at 2c125e7; the bf16
-# family (its float32 rows too) and one-step calls in bfloat16 and float32 at 1 and 2 threads at
-# 8951729, rnnkern's bf16 products on the tiles.
+# at 1 and 2 threads, the LSTM against the CPU engines and the speech stacks at 2c125e7; one-step
+# calls in bfloat16 and float32 at 1 and 2 threads at 8951729, rnnkern's bf16 products on the tiles;
+# the bf16 family (its float32 rows too) at f558dfa.
 XEON_AMX_RESULTS = tuple(f"bench/results/cpu-xeonamx-2026-12-05-{run}/bench.json" for run in (
-    "grid-t1-2c125e7", "grid-t2-2c125e7", "bf16-t1-8951729", "bf16-t2-8951729", "peers-lstm-t1-2c125e7",
+    "grid-t1-2c125e7", "grid-t2-2c125e7", "bf16-t1-f558dfa", "bf16-t2-f558dfa", "peers-lstm-t1-2c125e7",
     "speech-t1-2c125e7", "speech-t2-2c125e7", "step-t1-8951729", "step-t2-8951729"))
 CPU = torch.device("cpu")
 
@@ -441,9 +441,9 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
         assert f"cpu-zen5-2026-12-04-step-bf16-t{threads}-" in bf16_step.reason
     # The Intel Xeon's own class (AMX's bf16 tiles, 512-bit FMA pipes that rnnkern's kernels do not
     # tell apart: 2026-12-05): every sequence row of the default families at 1 and 2 threads, both
-    # dtypes. With rnnkern's bf16 products on the tiles too (8951729), its bf16 LSTM sequences are
-    # rnnkern's (1.03x forward at B=32 T=128 H=256 one thread, 1.29x at two; 0.16-0.22x on
-    # vdpbf16ps) but the forward at B=64 T=64 H=512 on two threads (0.81x; its training 1.49x), its
+    # dtypes. With rnnkern's bf16 products on the tiles too (f558dfa), its bf16 LSTM sequences are
+    # rnnkern's (1.07x forward at B=32 T=128 H=256 one thread, 1.31x at two; 0.16-0.22x on
+    # vdpbf16ps) but the forward at B=64 T=64 H=512 on two threads (0.97x; its training 1.52x), its
     # bf16 one-step calls rnnkern's (2.06x at B=1 H=256 one thread), and its float32 LSTM forward at
     # B=64 T=64 H=512 torch.nn's (0.60x), where without rows it took the Zen 4's.
     xeon = [e for e in shipped["entries"] if e["device"] == "cpu:512bit+bf16+amx"]
@@ -454,7 +454,7 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     amx = dict(one_row, device_key="cpu:512bit+bf16+amx", threads=1)
     for threads in (1, 2):
         seq_bf16 = auto.choose(**{**amx, "B": 32, "T": 128, "dtype": torch.bfloat16, "threads": threads})
-        assert seq_bf16.implementation == "cpu" and f"cpu-xeonamx-2026-12-05-bf16-t{threads}-8951729" in seq_bf16.reason
+        assert seq_bf16.implementation == "cpu" and f"cpu-xeonamx-2026-12-05-bf16-t{threads}-f558dfa" in seq_bf16.reason
     wide_bf16 = dict(amx, B=64, T=64, H=512, dtype=torch.bfloat16, threads=2)
     assert auto.choose(**wide_bf16).uses_torch
     assert auto.choose(**{**wide_bf16, "training": True}).implementation == "cpu"
