@@ -192,23 +192,18 @@ inline TileConfig tile_config(int r0, int r1) {
 struct AmxTiles {
   static void configure(const TileConfig& t) { asm volatile("ldtilecfg %0" ::"m"(t)); }
   static void release() { asm volatile("tilerelease" ::); }
-#define RNNKERN_TILE_OPS(T)                                                                         \
-  static RNNKERN_ALWAYS_INLINE void load##T(const void* p, int64_t stride) {                       \
-    asm volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(p), "r"(stride) : "memory");                \
-  }                                                                                                 \
-  static RNNKERN_ALWAYS_INLINE void store##T(void* p, int64_t stride) {                            \
-    asm volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(p), "r"(stride) : "memory");            \
-  }                                                                                                 \
-  static RNNKERN_ALWAYS_INLINE void zero##T() { asm volatile("tilezero %%tmm" #T ::); }
-  RNNKERN_TILE_OPS(0)
-  RNNKERN_TILE_OPS(1)
-  RNNKERN_TILE_OPS(2)
-  RNNKERN_TILE_OPS(3)
-  RNNKERN_TILE_OPS(4)
-  RNNKERN_TILE_OPS(5)
-  RNNKERN_TILE_OPS(6)
-  RNNKERN_TILE_OPS(7)
-#undef RNNKERN_TILE_OPS
+  template <int T>
+  static RNNKERN_ALWAYS_INLINE void load(const void* p, int64_t stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
+  }
+  template <int T>
+  static RNNKERN_ALWAYS_INLINE void store(void* p, int64_t stride) {
+    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
+  }
+  template <int T>
+  static RNNKERN_ALWAYS_INLINE void zero() {
+    asm volatile("tilezero %%tmm%c0" ::"i"(T));
+  }
   template <int C, int A, int B>
   static RNNKERN_ALWAYS_INLINE void dot() {
     // AT&T order: B's tile, A's, then C's
@@ -237,29 +232,22 @@ struct EmulatedTiles {
     std::memset(s.tile, 0, sizeof(s.tile));  // as ldtilecfg
   }
   static void release() { configure(TileConfig{}); }
-  static void load(int t, const void* p, int64_t stride) {
+  template <int T>
+  static void load(const void* p, int64_t stride) {
     State& s = state();
-    for (int r = 0; r < s.config.rows[t]; ++r)
-      std::memcpy(s.tile[t][r], static_cast<const char*>(p) + r * stride, s.config.colsb[t]);
+    for (int r = 0; r < s.config.rows[T]; ++r)
+      std::memcpy(s.tile[T][r], static_cast<const char*>(p) + r * stride, s.config.colsb[T]);
   }
-  static void store(int t, void* p, int64_t stride) {
+  template <int T>
+  static void store(void* p, int64_t stride) {
     State& s = state();
-    for (int r = 0; r < s.config.rows[t]; ++r)
-      std::memcpy(static_cast<char*>(p) + r * stride, s.tile[t][r], s.config.colsb[t]);
+    for (int r = 0; r < s.config.rows[T]; ++r)
+      std::memcpy(static_cast<char*>(p) + r * stride, s.tile[T][r], s.config.colsb[T]);
   }
-#define RNNKERN_TILE_OPS(T)                                                                       \
-  static void load##T(const void* p, int64_t stride) { load(T, p, stride); }                     \
-  static void store##T(void* p, int64_t stride) { store(T, p, stride); }                         \
-  static void zero##T() { std::memset(state().tile[T], 0, sizeof(state().tile[T])); }
-  RNNKERN_TILE_OPS(0)
-  RNNKERN_TILE_OPS(1)
-  RNNKERN_TILE_OPS(2)
-  RNNKERN_TILE_OPS(3)
-  RNNKERN_TILE_OPS(4)
-  RNNKERN_TILE_OPS(5)
-  RNNKERN_TILE_OPS(6)
-  RNNKERN_TILE_OPS(7)
-#undef RNNKERN_TILE_OPS
+  template <int T>
+  static void zero() {
+    std::memset(state().tile[T], 0, sizeof(state().tile[T]));
+  }
   template <int C, int A, int B>
   static void dot() {
     State& s = state();
@@ -315,36 +303,36 @@ RNNKERN_ALWAYS_INLINE void run_tiles(int64_t M, const uint32_t* a, int64_t lda, 
     }
     const int64_t sc = ldt * 4;
     if (accumulate) {
-      Tiles::load0(ct, sc);
-      Tiles::load1(ct + kLanes, sc);
+      Tiles::template load<0>(ct, sc);
+      Tiles::template load<1>(ct + kLanes, sc);
       if (r1 > 0) {
-        Tiles::load2(ct + 16 * ldt, sc);
-        Tiles::load3(ct + 16 * ldt + kLanes, sc);
+        Tiles::template load<2>(ct + 16 * ldt, sc);
+        Tiles::template load<3>(ct + 16 * ldt + kLanes, sc);
       }
     } else {
-      Tiles::zero0();
-      Tiles::zero1();
-      if (r1 > 0) Tiles::zero2(), Tiles::zero3();
+      Tiles::template zero<0>();
+      Tiles::template zero<1>();
+      if (r1 > 0) Tiles::template zero<2>(), Tiles::template zero<3>();
     }
     const uint32_t* bp = b.panel(p);
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint32_t* bk = bp + kb * kTilePairs * kNR;
-      Tiles::load4(a0 + kb * kTilePairs, sa);
-      Tiles::load6(bk, sb);
-      Tiles::load7(bk + kLanes, sb);
+      Tiles::template load<4>(a0 + kb * kTilePairs, sa);
+      Tiles::template load<6>(bk, sb);
+      Tiles::template load<7>(bk + kLanes, sb);
       Tiles::template dot<0, 4, 6>();
       Tiles::template dot<1, 4, 7>();
       if (r1 > 0) {
-        Tiles::load5(a1 + kb * kTilePairs, sa);
+        Tiles::template load<5>(a1 + kb * kTilePairs, sa);
         Tiles::template dot<2, 5, 6>();
         Tiles::template dot<3, 5, 7>();
       }
     }
-    Tiles::store0(ct, sc);
-    Tiles::store1(ct + kLanes, sc);
+    Tiles::template store<0>(ct, sc);
+    Tiles::template store<1>(ct + kLanes, sc);
     if (r1 > 0) {
-      Tiles::store2(ct + 16 * ldt, sc);
-      Tiles::store3(ct + 16 * ldt + kLanes, sc);
+      Tiles::template store<2>(ct + 16 * ldt, sc);
+      Tiles::template store<3>(ct + 16 * ldt + kLanes, sc);
     }
     if (nc < kNR)
       for (int rr = 0; rr < r; ++rr) std::memcpy(cp + rr * ldc, edge + rr * kNR, nc * 4);
