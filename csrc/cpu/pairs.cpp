@@ -456,8 +456,8 @@ RNNKERN_CPU_CLONES void transposed_to_pairs(int64_t M, int64_t K, const Src* a, 
 }
 
 // The pairs of B[k][n] = b[k*sk + n*sn] into PackedPairs' panels (data:
-// panels() x pairs() x kNR), every element written, zeros past N and past
-// an odd K; compiled per ISA level.  Rows of B contiguous (sn = 1): a pair's
+// panels() x KPs (its pair_rows()) x kNR), every element written, zeros past
+// N, past an odd K and past the pairs; compiled per ISA level.  Rows of B contiguous (sn = 1): a pair's
 // halves two rows apart, panel by panel with contiguous inner loops.  B = W^T
 // of a row-major W (sk = 1): a pair's halves neighbours in a row of W, so a
 // row's pairs are read as they lie (bf16 bits) or made from its floats, and
@@ -466,9 +466,8 @@ RNNKERN_CPU_CLONES void transposed_to_pairs(int64_t M, int64_t K, const Src* a, 
 // bf16 cell's two products) cost more than the products.
 template <typename Src>
 RNNKERN_CPU_CLONES void pack_pairs(const Src* b, int64_t sk, int64_t sn, int64_t K, int64_t N,
-                                   uint32_t* data) {
+                                   int64_t KPs, uint32_t* data) {
   const int64_t KP = (K + 1) / 2, panels = (N + kNR - 1) / kNR;
-  const int64_t KPs = (KP + kTilePairs - 1) / kTilePairs * kTilePairs;
   constexpr int64_t kTile = gemm::kTileLanes<uint32_t>;
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * kNR, nc = std::min<int64_t>(kNR, N - n0);
@@ -701,7 +700,7 @@ void PackedPairs::pack(const Src* b, int64_t sk, int64_t sn, int64_t K_, int64_t
   K = K_;
   N = N_;
   data.resize(static_cast<size_t>(panels() * pair_rows() * kNR));
-  pack_pairs(b, sk, sn, K, N, data.data());
+  pack_pairs(b, sk, sn, K, N, pair_rows(), data.data());
 }
 
 template void PackedPairs::pack<float>(const float*, int64_t, int64_t, int64_t, int64_t);
