@@ -267,7 +267,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
 
   // The carried dh lives in per-worker buffers: over hidden units, or over
   // the projected outputs with a projection.
-  const Split split(z, a.bf16_products ? sizeof(uint16_t) : sizeof(A), a.pos.lengths);
+  const Split split(z, a.bf16_products ? sizeof(uint16_t) : sizeof(A), a.pos.lengths, 0,
+                    min_rows_per_worker(z, a.bf16_products));
   const std::vector<Slice>& units = split.units;
   const std::vector<Slice>& carry = z.has_proj ? split.outs : split.units;
   const size_t unit_workers = split.unit_workers();

@@ -58,7 +58,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       a.x_rows.defined() && a.bf16_products && pairs::mode() == pairs::Mode::Tiles
           ? a.w_ih.numel() * int64_t(sizeof(uint16_t))
           : 0;
-  const Split split(z, a.bf16_products ? sizeof(uint16_t) : sizeof(A), a.pos.lengths, streamed_w_ih);
+  const Split split(z, a.bf16_products ? sizeof(uint16_t) : sizeof(A), a.pos.lengths, streamed_w_ih,
+                    min_rows_per_worker(z, a.bf16_products));
   // (bf16 pairs are packed for one step too: converting W to float32 for the
   // float32 product in place costs more than packing its pairs)
   const bool in_place = T == 1 && !a.bf16_products;  // see kMaxInPlaceRows

@@ -657,7 +657,12 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, i
     return;
   }
   const int64_t chunks = (K + kKC - 1) / kKC;
-  const int64_t threads = std::min(product_threads(M * N * K), std::max(chunks, (M + kMR - 1) / kMR));
+  // On the tiles a worker takes whole blocks of kTileRows rows: split finer,
+  // each worker streams all of B for half the products per tile load (a
+  // bf16 LSTMCell's x W_ih^T at B=16 on two threads, RowSplit's 8 rows each).
+  const int64_t worker_rows = mode() == Mode::Tiles ? kTileRows : kMR;
+  const int64_t threads =
+      std::min(product_threads(M * N * K), std::max(chunks, (M + worker_rows - 1) / worker_rows));
   std::vector<PackedPairs> packed(static_cast<size_t>(chunks));
   for_each_worker(std::min(threads, chunks), [&](int64_t t) {
     for (int64_t ch = t; ch < chunks; ch += std::min(threads, chunks)) {

@@ -87,6 +87,10 @@ constexpr int kNR = 2 * kLanes;
 // Pairs per tile row (64 bytes): a panel's pairs are padded with zeros to a
 // multiple of it, so that AMX's tiles of B read whole blocks of K.
 constexpr int kTilePairs = 16;
+// Rows of C a block of tiles covers (two tiles of A, each of whose loads of B
+// then serves two products): a worker of fewer rows loads each tile of B for
+// one product.
+constexpr int64_t kTileRows = 32;
 
 // float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN):
 // c10::BFloat16's rounding, branch-free so that loops of it vectorise.

@@ -33,6 +33,16 @@ const A* cptr(const Tensor& t) {
   return t.defined() ? t.template const_data_ptr<A>() : nullptr;
 }
 
+// The fewest batch rows a worker split by rows takes (Split's min_rows).  A
+// call of one step on AMX's tiles is mostly the packing of its weights (one
+// thread) and each worker's stream of all of W for its rows: split below a
+// block of tiles' rows it ran slower than on one thread (bf16 LSTMCell B=16
+// H=256, this Xeon, two threads: 182-191 us; one worker 106-132 us).
+inline int64_t min_rows_per_worker(const RecurrenceSizes& z, bool bf16_products) {
+  return z.T == 1 && bf16_products && pairs::mode() == pairs::Mode::Tiles ? pairs::kTileRows
+                                                                          : kMinRowsPerThread;
+}
+
 // The forward's per-step product  C[M, cols] (+)= A[M, K] W_s^T, where W_s is
 // rows [j0, j0 + n) of each of `blocks` gate blocks of a row-major
 // [blocks*H, K] weight (one unit slice's gates, in gate order).  A bfloat16

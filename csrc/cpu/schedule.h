@@ -131,13 +131,14 @@ struct Split {
   // 2 MB there, and split by rows two threads ran 3-5% faster than by units).
   // also_streamed: bytes of other weights each step reads beside W_hh (the
   // forward's W_ih where the input projection runs inside the steps on AMX's
-  // tiles, forward.cpp).
+  // tiles, forward.cpp).  min_rows: the fewest rows a worker split by rows
+  // takes (products.h, min_rows_per_worker).
   Split(const RecurrenceSizes& z, size_t elem_bytes, const int64_t* lengths = nullptr,
-        int64_t also_streamed = 0) {
+        int64_t also_streamed = 0, int64_t min_rows = kMinRowsPerThread) {
     const int64_t threads = cpu::threads();
     const int64_t step_macs = z.B * (z.G * z.H * z.P + (z.has_proj ? z.P * z.H : 0));
     const int64_t step_workers = std::min<int64_t>(threads, step_macs / kMinStepMacsPerWorker);
-    const int64_t parts = std::min<int64_t>(threads, z.B / kMinRowsPerThread);
+    const int64_t parts = std::min<int64_t>(threads, z.B / std::max<int64_t>(min_rows, 1));
     const int64_t weight_bytes =
         (z.G * z.H * z.P + (z.has_proj ? z.P * z.H : 0)) * elem_bytes + also_streamed;
     // By rows when W_hh stays in cache, or when a step has too little work
