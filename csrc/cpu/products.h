@@ -36,11 +36,17 @@ const A* cptr(const Tensor& t) {
 // The fewest batch rows a worker split by rows takes (Split's min_rows).  A
 // call of one step on AMX's tiles is mostly the packing of its weights (one
 // thread) and each worker's stream of all of W for its rows: split below a
-// block of tiles' rows it ran slower than on one thread (bf16 LSTMCell B=16
-// H=256, this Xeon, two threads: 182-191 us; one worker 106-132 us).
+// block of tiles' rows it ran slower than on one thread where W_hh as pairs
+// has 64 KB or more (bf16, B=16, this Xeon, two threads, the two alternated
+// five times: LSTMCell H=256 186 -> 143 us, H=128 62 -> 40 us, RNNCell H=256
+// 50 -> 36 us); with less, the two workers gain (LSTMCell H=64 24.1 us, 25.7
+// on one; RNNCell H=128 23.1, 24.2).
 inline int64_t min_rows_per_worker(const RecurrenceSizes& z, bool bf16_products) {
-  return z.T == 1 && bf16_products && pairs::mode() == pairs::Mode::Tiles ? pairs::kTileRows
-                                                                          : kMinRowsPerThread;
+  const int64_t w_hh_bytes = z.G * z.H * z.P * int64_t(sizeof(uint16_t));
+  return z.T == 1 && bf16_products && pairs::mode() == pairs::Mode::Tiles &&
+                 w_hh_bytes >= (int64_t(64) << 10)
+             ? pairs::kTileRows
+             : kMinRowsPerThread;
 }
 
 // The forward's per-step product  C[M, cols] (+)= A[M, K] W_s^T, where W_s is
