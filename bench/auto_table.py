@@ -94,8 +94,9 @@ last two files measure again, and decide), one-step calls:
 
 An Intel Xeon with AMX's bf16 tiles (class cpu:512bit+bf16+amx, 2026-12-05): the float32 grid at
 1 and 2 threads, the LSTM against the CPU engines and the speech stacks at 2c125e7; one-step calls
-in bfloat16 and float32 at 1 and 2 threads at 8951729 (bf16 products on AMX's tiles), the bf16
-family at f558dfa (the forward's split counting W_ih on the tiles):
+in bfloat16 and float32 at 1 and 2 threads at 7671b66 (bf16 products on AMX's tiles, one-step
+calls split in blocks of 32 rows), the bf16 family at f558dfa (the forward's split counting W_ih
+on the tiles):
 
     python -m bench.auto_table \
         bench/results/cpu-xeonamx-2026-12-05-grid-t1-2c125e7/bench.json \
@@ -105,8 +106,8 @@ family at f558dfa (the forward's split counting W_ih on the tiles):
         bench/results/cpu-xeonamx-2026-12-05-peers-lstm-t1-2c125e7/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-speech-t1-2c125e7/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-speech-t2-2c125e7/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-step-t1-8951729/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-step-t2-8951729/bench.json
+        bench/results/cpu-xeonamx-2026-12-05-step-t1-7671b66/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-step-t2-7671b66/bench.json
 """
 from __future__ import annotations
 

@@ -97,11 +97,11 @@ ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
                 "bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json")
 # An Intel Xeon with AMX's bf16 tiles (the cpu:512bit+bf16+amx class, 2026-12-05): the float32 grid
 # at 1 and 2 threads, the LSTM against the CPU engines and the speech stacks at 2c125e7; one-step
-# calls in bfloat16 and float32 at 1 and 2 threads at 8951729, rnnkern's bf16 products on the tiles;
+# calls in bfloat16 and float32 at 1 and 2 threads at 7671b66, rnnkern's bf16 products on the tiles;
 # the bf16 family (its float32 rows too) at f558dfa.
 XEON_AMX_RESULTS = tuple(f"bench/results/cpu-xeonamx-2026-12-05-{run}/bench.json" for run in (
     "grid-t1-2c125e7", "grid-t2-2c125e7", "bf16-t1-f558dfa", "bf16-t2-f558dfa", "peers-lstm-t1-2c125e7",
-    "speech-t1-2c125e7", "speech-t2-2c125e7", "step-t1-8951729", "step-t2-8951729"))
+    "speech-t1-2c125e7", "speech-t2-2c125e7", "step-t1-7671b66", "step-t2-7671b66"))
 CPU = torch.device("cpu")
 
 
