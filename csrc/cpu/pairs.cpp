@@ -657,9 +657,9 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, i
     return;
   }
   const int64_t chunks = (K + kKC - 1) / kKC;
-  // On the tiles a worker takes whole blocks of kTileRows rows: split finer,
-  // each worker streams all of B for half the products per tile load (a
-  // bf16 LSTMCell's x W_ih^T at B=16 on two threads, RowSplit's 8 rows each).
+  // On the tiles at most one worker per kTileRows rows: split finer, each
+  // worker streams all of B for half the products per tile load (a bf16
+  // LSTMCell's x W_ih^T at B=16 on two threads went to two workers of 8).
   const int64_t worker_rows = mode() == Mode::Tiles ? kTileRows : kMR;
   const int64_t threads =
       std::min(product_threads(M * N * K), std::max(chunks, (M + worker_rows - 1) / worker_rows));
