@@ -332,7 +332,9 @@ def test_linear_matches_matmul(M, K, N, dtype):
     B packed whole, and (grad_w of the last two sizes: K = 3001 rows of a
     203-wide x, 9001 of a 61-wide one, over 2 MiB) chunk by chunk; A read where
     it lies (row-major: y, grad_x) and, for grad_w's transposed A, packed (203
-    columns: 13 panels of B) or read where it lies (61: 4 panels)."""
+    columns: 13 panels of B of 256-bit vectors) or read where it lies (61: 4
+    panels; with 512-bit vectors 2 panels, packed in micro-panels of 8 rows,
+    and 37 rows of grad_w leave a tail of 5)."""
     g = generator("linear", M, K, N, str(dtype))
     x, w, gy = randn(g, M, K, dtype=dtype), randn(g, N, K, dtype=dtype), randn(g, M, N, dtype=dtype)
     assert_close(torch.ops.rnnkern.linear(x, w), x.double().mm(w.double().t()).to(dtype), what="y")
@@ -384,7 +386,7 @@ def test_linear_weight_gradient_of_a_large_dy_is_its_slices_bit_for_bit(K):
     """grad_w = dY^T X takes another order through memory for a dY over 2 MiB
     on 256-bit vectors (chunk of K by chunk, dY^T packed at any panel count)
     than for a small one (block of rows by block over all of K, read where it
-    lies at 4 panels: K = 61): row n of grad_w is the same bits from the
+    lies at 4 panels of 256-bit vectors, packed at 512 bits: K = 61): row n of grad_w is the same bits from the
     whole dY (9.8 MB) as from its first 24 columns alone (0.8 MB)."""
     g = generator("linear-large-dy", K)
     x, w, gy = randn(g, 8192, K), randn(g, 300, K), randn(g, 8192, 300)

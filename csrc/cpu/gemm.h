@@ -282,6 +282,9 @@ RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, cons
   // on memory (dW of 8192 x 64 x 1024 at 60 GFLOP/s, 85 with this; 4096 x
   // 128 x 512: 76 -> 95; Zen 4).  With 256-bit vectors the same prefetch made
   // the first shape slower (71 -> 50), so only the 512-bit kernel has it.
+  // (Since then the 512-bit products pack such an A where B has two panels
+  // or more, faster on an Intel Xeon: linear.cpp's multiply_rows.  A B of
+  // one panel still reads it here.)
   const bool prefetch_a = Bytes == kWide && sa.ks * static_cast<int64_t>(sizeof(T)) > 64;
   for (int64_t k = 0; k < K; ++k) {
     V b[NV];
@@ -386,22 +389,36 @@ RNNKERN_ALWAYS_INLINE void multiply_impl(int64_t M, const T* A, StridesA sa, con
   }
 }
 
+// Rows per micro-panel of a packed A (pack_a_block): the micro-kernel's rows
+// at that width.  With 512-bit vectors 8 rows (16 accumulators) where 6 left
+// 12: a weight gradient's product ran 7-10% faster (M=1152 K=8192 N=256: 141
+// -> 152 GFLOP/s; N=64: 109-117 -> 125-130; one thread, Intel Xeon with
+// AVX-512 on two 512-bit FMA pipes).  Each element of C sums in the same order.
+template <int Bytes>
+constexpr int64_t kPackedRows = Bytes == kWide ? kMRWide : kMR;
+
+template <typename T>
+int64_t packed_rows(const PackedB<T>& B) {
+  return B.wide() ? kPackedRows<kWide> : kPackedRows<kNarrow>;
+}
+
 // C[m rows, panels p0..p1) (+)= packed A block (from pack_a_block) * packed B.
 template <typename T, int Bytes>
 RNNKERN_ALWAYS_INLINE void multiply_packed_impl(int64_t m, const T* a_packed, const PackedB<T>& B,
                                                 T* C, int64_t ldc, bool accumulate, int64_t p0,
                                                 int64_t p1) {
   constexpr int64_t NR = kNR<T, Bytes>;
+  constexpr int64_t MR = kPackedRows<Bytes>;
   const int64_t K = B.K, N = B.N;
-  const StridesA sa{1, kMR};
+  const StridesA sa{1, MR};
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * NR;
     const int64_t nc = std::min<int64_t>(NR, N - n0);
     const T* panel = B.panel(p);
     const int64_t ldb = B.panel_ld(p);
-    for (int64_t i = 0; i < m; i += kMR) {
-      const int64_t mr = std::min<int64_t>(kMR, m - i);
-      const T* a = a_packed + (i / kMR) * K * kMR;
+    for (int64_t i = 0; i < m; i += MR) {
+      const int64_t mr = std::min<int64_t>(MR, m - i);
+      const T* a = a_packed + (i / MR) * K * MR;
       micro_kernel_rows<T, Bytes, 1>(mr, K, a, sa, &panel, &ldb, C + i * ldc + n0, ldc, nc,
                                      accumulate);
     }
@@ -857,7 +874,8 @@ void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
 
 // ---- blocked large products ----------------------------------------------
 // A block of rows [m0, m0 + m) and of K [k0, k0 + kc), packed as micro-panels
-// of kMR rows: dst[(i / kMR) * kc * kMR + k * kMR + i % kMR], zero past M.
+// of MR rows (kPackedRows of B's width: packed_rows): dst[(i / MR) * kc * MR
+// + k * MR + i % MR], zero past M.
 // A transposed A (A[r][k] at A[r + k * ks]: the weight gradients' dY^T) is
 // read kRowsAtOnce source rows at a time, whose lines then serve every
 // micro-panel from L1: panel by panel over all of K, each k jumped a row of
@@ -866,38 +884,47 @@ void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
 // 0.65-0.70x of torch's mm -> 0.72-0.80x; at M=1024 K=8192 N=256 1.01-1.14x ->
 // 1.05-1.37x, same-session A/B runs.)  A source row at a time, dealt out to
 // all panels, was slower: 16 write streams 6 KB apart.
-template <typename T>
-RNNKERN_ALWAYS_INLINE void pack_a_block(const T* A, StridesA sa, int64_t m0, int64_t m, int64_t M,
-                                        int64_t k0, int64_t kc, T* dst) {
+template <int64_t MR, typename T>
+RNNKERN_ALWAYS_INLINE void pack_a_block_of(const T* A, StridesA sa, int64_t m0, int64_t m, int64_t M,
+                                           int64_t k0, int64_t kc, T* dst) {
   if (sa.rows == 1) {
     constexpr int64_t kRowsAtOnce = 16;  // source rows (k) per pass: their lines stay in L1
     for (int64_t kb = 0; kb < kc; kb += kRowsAtOnce) {
       const int64_t ke = std::min(kc, kb + kRowsAtOnce);
-      for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-        T* panel = dst + (i0 / kMR) * kc * kMR;
-        const int64_t rows = std::min<int64_t>({kMR, m - i0, M - m0 - i0});
-        if (rows == kMR) {  // (a fixed-size copy: vector moves, where the loop below copied a value at a time)
+      for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        T* panel = dst + (i0 / MR) * kc * MR;
+        const int64_t rows = std::min<int64_t>({MR, m - i0, M - m0 - i0});
+        if (rows == MR) {  // (a fixed-size copy: vector moves, where the loop below copied a value at a time)
           for (int64_t k = kb; k < ke; ++k)
-            std::memcpy(panel + k * kMR, A + m0 + i0 + (k0 + k) * sa.ks, kMR * sizeof(T));
+            std::memcpy(panel + k * MR, A + m0 + i0 + (k0 + k) * sa.ks, MR * sizeof(T));
           continue;
         }
         for (int64_t k = kb; k < ke; ++k) {
           const T* a = A + m0 + i0 + (k0 + k) * sa.ks;
-          for (int r = 0; r < kMR; ++r) panel[k * kMR + r] = r < rows ? a[r] : T(0);
+          for (int r = 0; r < MR; ++r) panel[k * MR + r] = r < rows ? a[r] : T(0);
         }
       }
     }
     return;
   }
-  for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-    T* panel = dst + (i0 / kMR) * kc * kMR;
-    const int64_t rows = std::min<int64_t>({kMR, m - i0, M - m0 - i0});
+  for (int64_t i0 = 0; i0 < m; i0 += MR) {
+    T* panel = dst + (i0 / MR) * kc * MR;
+    const int64_t rows = std::min<int64_t>({MR, m - i0, M - m0 - i0});
     const T* a = A + (m0 + i0) * sa.rows + k0 * sa.ks;
-    // (Any other strides: kMR values per k, panel by panel.)
+    // (Any other strides: MR values per k, panel by panel.)
     for (int64_t k = 0; k < kc; ++k) {
-      for (int r = 0; r < kMR; ++r) panel[k * kMR + r] = r < rows ? a[r * sa.rows + k * sa.ks] : T(0);
+      for (int r = 0; r < MR; ++r) panel[k * MR + r] = r < rows ? a[r * sa.rows + k * sa.ks] : T(0);
     }
   }
+}
+
+// The block packed for the micro-kernel of B's width (packed_rows(B) rows a micro-panel).
+template <typename T>
+RNNKERN_ALWAYS_INLINE void pack_a_block(const T* A, StridesA sa, int64_t m0, int64_t m, int64_t M,
+                                        int64_t k0, int64_t kc, T* dst, const PackedB<T>& B) {
+  if (packed_rows(B) == kPackedRows<kWide>)
+    return pack_a_block_of<kPackedRows<kWide>>(A, sa, m0, m, M, k0, kc, dst);
+  pack_a_block_of<kPackedRows<kNarrow>>(A, sa, m0, m, M, k0, kc, dst);
 }
 
 }  // namespace rnnkern::cpu::gemm

@@ -192,8 +192,8 @@ constexpr int64_t kWholeBBytes = int64_t(2) << 20;
 constexpr int64_t kWholeBBytesRowMajorA = int64_t(16) << 20;
 
 // Up to this many panels of B, a transposed A is read where it lies too (see
-// multiply_rows).
-constexpr int64_t kMaxPanelsUnpackedA = 4;
+// multiply_rows): with 256-bit vectors 4, with 512-bit ones 1.
+int64_t max_panels_unpacked_a(bool wide) { return wide ? 1 : 4; }
 
 // One block of rows of C, for one chunk of K.  A is packed only where that
 // pays: a row-major A (the input projection, dX) is read where it lies, its
@@ -202,11 +202,19 @@ constexpr int64_t kMaxPanelsUnpackedA = 4;
 // 73 GFLOP/s; M=4096 K=128 N=512, the input projection at H=128: 75 -> 79,
 // Zen 4 at AVX2).  A transposed A (the weight gradients dW = dY^T X: A[m][k]
 // at A[m + k * ld]) is packed, as its reads jump ld per k, unless B has so few
-// panels that each packed element would serve too few of them (M=256
-// K=8192 N=64: 58 -> 70 GFLOP/s; at 16 panels, M=1024 K=8192 N=256,
-// packing wins: 77 against 64; at 8 the two are level).  pack_transposed:
-// packed at any panel count (a large dW on 256-bit vectors, see
-// blocked_gemm).  Each element of C sums in the same order either way.
+// panels that each packed element would serve too few of them (256-bit
+// vectors, Zen 3: M=256 K=8192 N=64: 58 -> 70 GFLOP/s; at 16 panels, M=1024
+// K=8192 N=256, packing wins: 77 against 64; at 8 the two are level).  With
+// 512-bit vectors (panels of 32 columns, micro-panels of 8 rows) packing wins
+// from two panels: one thread, Intel Xeon with two 512-bit FMA pipes,
+// separate processes alternated five times, medians, dW_ih of an LSTM at
+// H=256 with 64 inputs (M=1024 K=8192 N=64) 15.4 -> 11.2 ms (1.37x; two
+// threads 1.41x), N=128 1.16x, M=2048 K=2048 N=128 1.27x, M=512 K=4096
+// N=64 1.03x, M=768 K=3200 N=40 1.06x; one panel (M=256 K=8192 N=32) 1.00x
+// either way, so a single panel stays read in place.  (Not yet measured on a
+// Zen 4 or 5, where the in-place reads' prefetch was tuned: micro_kernel.)
+// pack_transposed: packed at any panel count (a large dW on 256-bit vectors,
+// see blocked_gemm).  Each element of C sums in the same order either way.
 template <typename T>
 RNNKERN_CPU_CLONES void multiply_rows(int64_t m0, int64_t m, int64_t M, const T* A,
                                       gemm::StridesA sa, int64_t k0, const gemm::PackedB<T>& b,
@@ -214,11 +222,11 @@ RNNKERN_CPU_CLONES void multiply_rows(int64_t m0, int64_t m, int64_t M, const T*
                                       bool pack_transposed = false, int64_t p0 = 0,
                                       int64_t p1 = -1) {
   if (p1 < 0) p1 = b.panels();
-  if (sa.ks == 1 || (b.panels() <= kMaxPanelsUnpackedA && !pack_transposed)) {
+  if (sa.ks == 1 || (b.panels() <= max_panels_unpacked_a(b.wide()) && !pack_transposed)) {
     gemm::multiply(m, A + m0 * sa.rows + k0 * sa.ks, sa, b, C + m0 * ldc, ldc, accumulate, p0, p1);
     return;
   }
-  gemm::pack_a_block(A, sa, m0, m, M, k0, b.K, a_packed);
+  gemm::pack_a_block(A, sa, m0, m, M, k0, b.K, a_packed, b);
   gemm::multiply_packed(m, a_packed, b, C + m0 * ldc, ldc, accumulate, p0, p1);
 }
 
