@@ -611,6 +611,38 @@ def test_both_vector_widths_match_reference(bits):
     assert float(worst) < 1e-10
 
 
+_PREFETCH_SCRIPT = r'''
+import hashlib, torch, rnnkern
+torch.manual_seed(0)
+digest = hashlib.sha256()
+for name, B in (("LSTM", 32), ("GRU", 19), ("RNN", 64)):
+    m = getattr(rnnkern, name)(40, 96, backend="cpu")
+    x = torch.randn(9, B, 40, requires_grad=True)
+    out, _ = m(x)
+    grads = torch.autograd.grad((out * torch.randn_like(out)).sum(), [x, *m.parameters()])
+    for t in (out, *grads):
+        digest.update(t.detach().contiguous().numpy().tobytes())
+print(digest.hexdigest())
+'''
+
+
+def test_panel_prefetch_changes_no_bits():
+    """The 512-bit products prefetch their panels' rows on Intel CPUs
+    (gemm::prefetches_panels; RNNKERN_CPU_PREFETCH_PANELS=0/1 overrides): a
+    prefetch moves no value, so outputs and every gradient of float32 training
+    calls (blocks of 3-8 rows, the weight gradients' packed products) are the
+    same bits with and without it, at 1 and 2 threads."""
+    digests = set()
+    for prefetch in ("0", "1"):
+        for threads in ("1", "2"):
+            env = dict(os.environ, RNNKERN_CPU_PREFETCH_PANELS=prefetch, OMP_NUM_THREADS=threads)
+            run = subprocess.run([sys.executable, "-c", _PREFETCH_SCRIPT], env=env, capture_output=True,
+                                 text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-3000:]
+            digests.add(run.stdout.strip())
+    assert len(digests) == 1, digests
+
+
 # ----------------------- the step options and the LayerNorm cell ----
 # tests/test_options.py holds the matrix every backend passes (small sizes,
 # default threads); these reach the CPU kernels' own paths: both work splits

@@ -261,15 +261,40 @@ constexpr int64_t kPrefetchK = 16;
 constexpr int64_t kPrefetchB = 8;
 constexpr int64_t kStreamedPanelBytes = int64_t(2) << 20;
 
+// The 512-bit micro-kernels of 3 to 8 rows prefetch their panel's rows this
+// many k ahead where prefetches_panels(): a panel of K = 256 is 32 KB, which a
+// step's product reads from L2 once per block of rows (the forward's W_ih^T
+// and W_hh^T, 2 MB at H = 256), and the hardware prefetchers left the loads of
+// each k waiting on it.  Intel Xeon with two 512-bit FMA pipes, one thread,
+// micro-benchmark (128 steps of a product, W packed): M=32 K=256 N=1024 and
+// the same with x and h, 145-149 -> 168-172 GFLOP/s; single products of 6-128
+// rows 1.03-1.08x; 8, 16 or 32 k ahead alike.  Whole calls, torch.nn in the
+// same process, separate processes alternated three times (the ratio to
+// torch.nn): LSTM forward T=256 B=32 H=256 0.975 -> 1.086x, B=16 0.94 ->
+// 1.11x, B=64 0.96 -> 1.04x, T=64 B=32 H=512 0.69 -> 0.78x (two threads 0.75
+// -> 0.90x), GRU forward B=32 H=256 1.33 -> 1.48x; forward + backward 1.00-1.07x
+// (the weight gradients' packed products take them too); B=1 (the one- and
+// two-row kernels) unchanged.
+constexpr int64_t kPrefetchPanelK = 16;
+
+// Whether the products prefetch their panels so (micro_kernel): with 512-bit
+// vectors on an Intel CPU, where it was measured (above).  Not on AMD's until
+// measured there: a Zen 4 ran the streamed matrix-vector kernels slower with
+// prefetches (kPrefetchB).  RNNKERN_CPU_PREFETCH_PANELS=0 or 1 says otherwise
+// (A/B timings; the bits are the same either way).  Decided once per process.
+bool prefetches_panels();
+
 // C[MR rows, NP panels] (+)= A[MR, K] * the panels (each 2 vectors wide, row
 // k of panel q at panel[q] + k * ldb[q]).  NP = 2 for one or two rows of A
 // (a matrix-vector product at batch 1): four independent accumulators per row
 // instead of two, so the FMAs' latency no longer bounds it (1.09 us instead
 // of 2.46 for the 512 x 128 product of an LSTM step at H = 128, Zen 5).
+// prefetch_panel: prefetch the panel's rows kPrefetchPanelK ahead (512-bit,
+// 3 rows or more: prefetches_panels()).
 template <typename T, int MR, int Bytes, int NP, bool kStreamB = false>
 RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, const T* const* panel,
                                         const int64_t* ldb, T* C, int64_t ldc, int64_t ncols,
-                                        bool accumulate) {
+                                        bool accumulate, bool prefetch_panel = false) {
   using V = typename Vec<T, Bytes>::type;
   constexpr int L = Vec<T, Bytes>::kLanes;
   constexpr int NV = 2 * NP;  // vectors of C per row
@@ -291,6 +316,14 @@ RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, cons
     if (prefetch_a)  // (an address, not a pointer into A: past its end near the last k)
       __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(A) +
                                                        (k + kPrefetchK) * sa.ks * sizeof(T)));
+    if constexpr (Bytes == kWide && MR > 2 && NP == 1 && !kStreamB) {
+      if (prefetch_panel) {  // k's two lines (addresses, as above)
+        const uintptr_t ahead =
+            reinterpret_cast<uintptr_t>(panel[0]) + (k + kPrefetchPanelK) * ldb[0] * sizeof(T);
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead));
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead + 64));
+      }
+    }
     if constexpr (kStreamB)  // k's two lines of each panel, kPrefetchB ahead (addresses, as above)
       for (int q = 0; q < NP; ++q) {
         const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel[q]) + (k + kPrefetchB) * ldb[q] * sizeof(T);
@@ -330,16 +363,18 @@ RNNKERN_ALWAYS_INLINE void micro_kernel(int64_t K, const T* A, StridesA sa, cons
 template <typename T, int Bytes, int NP>
 RNNKERN_ALWAYS_INLINE void micro_kernel_rows(int64_t mr, int64_t K, const T* A, StridesA sa,
                                              const T* const* panel, const int64_t* ldb, T* C,
-                                             int64_t ldc, int64_t ncols, bool accumulate) {
+                                             int64_t ldc, int64_t ncols, bool accumulate,
+                                             bool prefetch_panel = false) {
+  const bool pf = prefetch_panel;
   if constexpr (Bytes == kWide) {  // 32 vector registers: up to kMRWide rows
-    if (mr == 8) return micro_kernel<T, 8, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate);
-    if (mr == 7) return micro_kernel<T, 7, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate);
+    if (mr == 8) return micro_kernel<T, 8, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate, pf);
+    if (mr == 7) return micro_kernel<T, 7, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate, pf);
   }
   switch (mr) {
-    case 6: micro_kernel<T, 6, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    case 5: micro_kernel<T, 5, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    case 4: micro_kernel<T, 4, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
-    case 3: micro_kernel<T, 3, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
+    case 6: micro_kernel<T, 6, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate, pf); break;
+    case 5: micro_kernel<T, 5, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate, pf); break;
+    case 4: micro_kernel<T, 4, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate, pf); break;
+    case 3: micro_kernel<T, 3, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate, pf); break;
     case 2: micro_kernel<T, 2, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
     default: micro_kernel<T, 1, Bytes, NP>(K, A, sa, panel, ldb, C, ldc, ncols, accumulate); break;
   }
@@ -354,6 +389,7 @@ RNNKERN_ALWAYS_INLINE void multiply_impl(int64_t M, const T* A, StridesA sa, con
                                          int64_t p1) {
   constexpr int64_t NR = kNR<T, Bytes>;
   constexpr int64_t MR = Bytes == kWide ? kMRWide : kMR;
+  const bool prefetch_panel = Bytes == kWide && prefetches_panels();
   const int64_t K = B.K, N = B.N;
   // Rows in blocks of near-equal size (M = 32, 6 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2).
   const int64_t blocks = (M + MR - 1) / MR;
@@ -384,7 +420,7 @@ RNNKERN_ALWAYS_INLINE void multiply_impl(int64_t M, const T* A, StridesA sa, con
       const T* panel = B.panel(p);
       const int64_t ld = B.panel_ld(p);
       micro_kernel_rows<T, Bytes, 1>(mr, K, a, sa, &panel, &ld, C + i * ldc + n0, ldc, nc,
-                                     accumulate);
+                                     accumulate, prefetch_panel);
     }
   }
 }
@@ -409,6 +445,7 @@ RNNKERN_ALWAYS_INLINE void multiply_packed_impl(int64_t m, const T* a_packed, co
                                                 int64_t p1) {
   constexpr int64_t NR = kNR<T, Bytes>;
   constexpr int64_t MR = kPackedRows<Bytes>;
+  const bool prefetch_panel = Bytes == kWide && prefetches_panels();
   const int64_t K = B.K, N = B.N;
   const StridesA sa{1, MR};
   for (int64_t p = p0; p < p1; ++p) {
@@ -420,7 +457,7 @@ RNNKERN_ALWAYS_INLINE void multiply_packed_impl(int64_t m, const T* a_packed, co
       const int64_t mr = std::min<int64_t>(MR, m - i);
       const T* a = a_packed + (i / MR) * K * MR;
       micro_kernel_rows<T, Bytes, 1>(mr, K, a, sa, &panel, &ldb, C + i * ldc + n0, ldc, nc,
-                                     accumulate);
+                                     accumulate, prefetch_panel);
     }
   }
 }

@@ -80,6 +80,22 @@ int fma_pipe_bits() {
   return bits;
 }
 
+bool prefetches_panels() {
+  static const bool prefetch = [] {
+    const char* env = std::getenv("RNNKERN_CPU_PREFETCH_PANELS");
+    if (env != nullptr && (std::string(env) == "0" || std::string(env) == "1")) return env[0] == '1';
+    if (!wide_vectors()) return false;
+#if defined(__x86_64__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    return ebx == 0x756e6547u && edx == 0x49656e69u && ecx == 0x6c65746eu;  // "GenuineIntel"
+#else
+    return false;
+#endif
+  }();
+  return prefetch;
+}
+
 bool widens_half_natively() {
 #if defined(RNNKERN_CPU_F16C)
   static const bool f16c = [] {
