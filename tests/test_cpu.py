@@ -643,6 +643,31 @@ def test_panel_prefetch_changes_no_bits():
     assert len(digests) == 1, digests
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_step_products_panel_by_panel_match_reference(threads, cell, n_threads):
+    """A step's product whose panels of W take 2 MB or more (gemm.h's
+    kPanelOuterBytes: float64 W_hh^T of the LSTM at H = 256, 2 MB; the GRU's
+    at H = 320, 2.5 MB; the tanh RNN's at H = 512, 2 MB) runs panel by panel
+    through every block of rows (20 rows: 7, 7 and 6 at 512 bits), forward and
+    backward (the backward's dH = dA W_hh too): outputs and
+    every gradient against the reference, with lengths, the same bits at 1, 2
+    and 3 threads."""
+    threads(n_threads)
+    H = {"lstm": 256, "gru": 320, "rnn_tanh": 512}[cell]
+    T, B = 3, 20
+    args = recurrence_inputs(cell, T, B, H, requires_grad=True, key=("panel-outer",))
+    lengths = torch.tensor([T - b % T for b in range(B)])
+    want = outputs_and_grads("reference", cell, args, lengths, key=("panel-outer", cell))
+    got = outputs_and_grads("cpu", cell, args, lengths, key=("panel-outer", cell))
+    for name in want:
+        assert_close(got[name], want[name], what=name)
+    one = _results_at(1, lambda: None,
+                      lambda _: outputs_and_grads("cpu", cell, args, lengths, key=("panel-outer", cell)))
+    for name in got:
+        assert torch.equal(got[name], one[name]), f"{name} differs at {n_threads} threads"
+
+
 # ----------------------- the step options and the LayerNorm cell ----
 # tests/test_options.py holds the matrix every backend passes (small sizes,
 # default threads); these reach the CPU kernels' own paths: both work splits

@@ -79,7 +79,8 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
   if constexpr (std::is_same_v<A, float>)
     if (w.bf16_pairs) return pairs::multiply(M, a, lda, w.pair_panels, c, w.cols(), accumulate);
   if (!w.in_place) {
-    gemm::multiply(M, a, gemm::StridesA{lda, 1}, w.packed, c, w.packed.N, accumulate);
+    gemm::multiply(M, a, gemm::StridesA{lda, 1}, w.packed, c, w.packed.N, accumulate, 0, -1,
+                   /*step_product=*/true);
   } else {
     // The whole weight (its gate blocks contiguous) as one block, or the slice's
     // rows of each gate block.
@@ -125,7 +126,8 @@ RNNKERN_CPU_CLONES void step_gemm(int64_t M, const A* a, int64_t lda, const Step
                                   A* c, bool accumulate) {
   if constexpr (std::is_same_v<A, float>)
     if (b.bf16_pairs) return pairs::multiply(M, a, lda, b.pair_panels, c, b.pair_panels.N, accumulate);
-  gemm::multiply(M, a, gemm::StridesA{lda, 1}, b.packed, c, b.packed.N, accumulate);
+  gemm::multiply(M, a, gemm::StridesA{lda, 1}, b.packed, c, b.packed.N, accumulate, 0, -1,
+                 /*step_product=*/true);
 }
 
 // The same product for rows of A already bf16 (their bits), B on pairs.
