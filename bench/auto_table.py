@@ -93,19 +93,19 @@ last two files measure again, and decide), one-step calls:
         bench/results/cpu-zen5-2026-12-03-step-t2-49c61ef/bench.json
 
 An Intel Xeon with AMX's bf16 tiles (class cpu:512bit+bf16+amx, 2026-12-05): the float32 grid at
-1 and 2 threads, the LSTM against the CPU engines and the speech stacks at 2c125e7; one-step calls
-in bfloat16 and float32 at 1 and 2 threads at 7671b66 (bf16 products on AMX's tiles, one-step
-calls split in blocks of 32 rows), the bf16 family at f558dfa (the forward's split counting W_ih
-on the tiles):
+1 and 2 threads, the bf16 family and the LSTM against the CPU engines at 35ac72f (the float32
+products' panels prefetched, a step's products past 2 MB panel by panel), the speech stacks at
+a5db55a; one-step calls in bfloat16 and float32 at 1 and 2 threads at 7671b66 (bf16 products on
+AMX's tiles, one-step calls split in blocks of 32 rows):
 
     python -m bench.auto_table \
-        bench/results/cpu-xeonamx-2026-12-05-grid-t1-2c125e7/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-grid-t2-2c125e7/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-bf16-t1-f558dfa/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-bf16-t2-f558dfa/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-peers-lstm-t1-2c125e7/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-speech-t1-2c125e7/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-speech-t2-2c125e7/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-grid-t1-35ac72f/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-grid-t2-35ac72f/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-bf16-t1-35ac72f/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-bf16-t2-35ac72f/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-peers-lstm-t1-35ac72f/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-speech-t1-a5db55a/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-speech-t2-a5db55a/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-step-t1-7671b66/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-step-t2-7671b66/bench.json
 """
