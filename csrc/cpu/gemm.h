@@ -284,11 +284,6 @@ constexpr int64_t kPrefetchPanelK = 16;
 // (A/B timings; the bits are the same either way).  Decided once per process.
 bool prefetches_panels();
 
-// C[MR rows, NP panels] (+)= A[MR, K] * the panels (each 2 vectors wide, row
-// k of panel q at panel[q] + k * ldb[q]).  NP = 2 for one or two rows of A
-// (a matrix-vector product at batch 1): four independent accumulators per row
-// instead of two, so the FMAs' latency no longer bounds it (1.09 us instead
-// of 2.46 for the 512 x 128 product of an LSTM step at H = 128, Zen 5).
 // From this size of the panels a step's product multiplies (W^T: 4 MB for an
 // LSTM's W_hh at H = 512, and as much again for its W_ih inside the step),
 // multiply() runs them panel by panel, each through every block of rows:
@@ -303,6 +298,11 @@ bool prefetches_panels();
 // is level either way.  Each element of C sums in the same order.
 constexpr int64_t kPanelOuterBytes = int64_t(2) << 20;
 
+// C[MR rows, NP panels] (+)= A[MR, K] * the panels (each 2 vectors wide, row
+// k of panel q at panel[q] + k * ldb[q]).  NP = 2 for one or two rows of A
+// (a matrix-vector product at batch 1): four independent accumulators per row
+// instead of two, so the FMAs' latency no longer bounds it (1.09 us instead
+// of 2.46 for the 512 x 128 product of an LSTM step at H = 128, Zen 5).
 // prefetch_panel: prefetch the panel's rows kPrefetchPanelK ahead (512-bit,
 // 3 rows or more: prefetches_panels()).
 template <typename T, int MR, int Bytes, int NP, bool kStreamB = false>
