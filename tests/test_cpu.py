@@ -386,8 +386,9 @@ def test_linear_weight_gradient_of_a_large_dy_is_its_slices_bit_for_bit(K):
     """grad_w = dY^T X takes another order through memory for a dY over 2 MiB
     on 256-bit vectors (chunk of K by chunk, dY^T packed at any panel count)
     than for a small one (block of rows by block over all of K, read where it
-    lies at 4 panels of 256-bit vectors, packed at 512 bits: K = 61): row n of grad_w is the same bits from the
-    whole dY (9.8 MB) as from its first 24 columns alone (0.8 MB)."""
+    lies at 4 panels of 256-bit vectors, packed at 512 bits: K = 61): row n of
+    grad_w is the same bits from the whole dY (9.8 MB) as from its first 24
+    columns alone (0.8 MB)."""
     g = generator("linear-large-dy", K)
     x, w, gy = randn(g, 8192, K), randn(g, 300, K), randn(g, 8192, 300)
     whole = torch.ops.rnnkern.linear_backward(gy, x, w, False, True)[1]

@@ -462,11 +462,6 @@ RNNKERN_ALWAYS_INLINE void multiply_impl(int64_t M, const T* A, StridesA sa, con
 template <int Bytes>
 constexpr int64_t kPackedRows = Bytes == kWide ? kMRWide : kMR;
 
-template <typename T>
-int64_t packed_rows(const PackedB<T>& B) {
-  return B.wide() ? kPackedRows<kWide> : kPackedRows<kNarrow>;
-}
-
 // C[m rows, panels p0..p1) (+)= packed A block (from pack_a_block) * packed B.
 template <typename T, int Bytes>
 RNNKERN_ALWAYS_INLINE void multiply_packed_impl(int64_t m, const T* a_packed, const PackedB<T>& B,
@@ -942,7 +937,7 @@ void multiply_nt_half(int64_t M, const float* A, int64_t lda, const uint16_t* W,
 
 // ---- blocked large products ----------------------------------------------
 // A block of rows [m0, m0 + m) and of K [k0, k0 + kc), packed as micro-panels
-// of MR rows (kPackedRows of B's width: packed_rows): dst[(i / MR) * kc * MR
+// of MR rows (kPackedRows of B's width): dst[(i / MR) * kc * MR
 // + k * MR + i % MR], zero past M.
 // A transposed A (A[r][k] at A[r + k * ks]: the weight gradients' dY^T) is
 // read kRowsAtOnce source rows at a time, whose lines then serve every
@@ -986,12 +981,11 @@ RNNKERN_ALWAYS_INLINE void pack_a_block_of(const T* A, StridesA sa, int64_t m0, 
   }
 }
 
-// The block packed for the micro-kernel of B's width (packed_rows(B) rows a micro-panel).
+// The block packed for the micro-kernel of B's width (kPackedRows rows a micro-panel).
 template <typename T>
 RNNKERN_ALWAYS_INLINE void pack_a_block(const T* A, StridesA sa, int64_t m0, int64_t m, int64_t M,
                                         int64_t k0, int64_t kc, T* dst, const PackedB<T>& B) {
-  if (packed_rows(B) == kPackedRows<kWide>)
-    return pack_a_block_of<kPackedRows<kWide>>(A, sa, m0, m, M, k0, kc, dst);
+  if (B.wide()) return pack_a_block_of<kPackedRows<kWide>>(A, sa, m0, m, M, k0, kc, dst);
   pack_a_block_of<kPackedRows<kNarrow>>(A, sa, m0, m, M, k0, kc, dst);
 }
 
