@@ -259,6 +259,45 @@ def test_weight_gradient_reads_the_gate_gradients_it_hands_back(pair_mode, cell,
     assert excess.max() <= 0, excess.max()
 
 
+@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "lstm", "gru"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_backward_widens_bf16_rows_as_their_float32_copies(pair_mode, cell, reverse):
+    """A bfloat16 call's backward reads grad_output and the output (the RNN's
+    h_t, the GRU's h_{t-1}) row by row from their bf16 bits, widened as the
+    row kernels take them (csrc/cpu/recurrence.h, widened_output), where a
+    call with resets or lengths widens the whole output to float32 first: the
+    widening is exact, so no resets (all False) and lengths of T must give
+    the gradients of the plain call bit for bit, at 1 and 2 threads (each
+    worker widens into its own buffer).  (grad_output is widened row by row
+    in all three; its rows are pinned by the tests within the reference's
+    error, test_bfloat16_on_pairs_within_reference_error.)"""
+    T, B, H = 6, 5, 40
+    args = recurrence_inputs(cell, T, B, H, dtype=torch.bfloat16, key=("pairs-widen",))
+    cot = bf16_values(generator("pairs-widen-cot", cell), T, B, H)
+    names = [n for n, t in args.items() if t is not None]
+    options = {"plain": {}, "resets": dict(resets=torch.zeros(T, B, dtype=torch.bool)),
+               "lengths": dict(lengths=torch.full((B,), T, dtype=torch.int64))}
+
+    def grads(opts):
+        leaves = {n: t.clone().requires_grad_() if t is not None else None for n, t in args.items()}
+        out, h_n, c_n = ops.recurrence(cell, **leaves, reverse=reverse, backend="cpu", **opts)
+        loss = (out * cot).sum() + h_n.float().sum() + (0 if c_n is None else c_n.float().sum())
+        return [out, *torch.autograd.grad(loss, [leaves[n] for n in names])]
+
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            want = grads(options["plain"])
+            assert all(torch.isfinite(w.float()).all() for w in want)
+            assert want[names.index("w_hh") + 1].abs().sum() > 0
+            for name in ("resets", "lengths"):
+                for n, a, b in zip(["output", *names], grads(options[name]), want):
+                    assert torch.equal(a, b), f"{name}: {n} differs at {threads} threads"
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("cell,proj,T,B", [(cell, 0, 16, 4) for cell in CELLS] +
                          [("lstm", 5, 16, 4), ("gru", 0, 40, 16)])
 def test_bfloat16_on_pairs_within_reference_error(pair_mode, cell, proj, T, B):

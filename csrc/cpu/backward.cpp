@@ -91,7 +91,9 @@ std::vector<std::pair<int64_t, int64_t>> real_positions(const Positions& pos, in
 }
 
 // d: the gradients of the N rows of W (unit stride, row stride ld) at every
-// row of the layout (Positions::row), out: the output (row stride P).
+// row of the layout (Positions::row), out: the output (row stride P) in
+// float32, or undefined where out16 carries it (widened_output: the grid
+// without resets, on pairs).
 // d16: d rounded to bf16 (its bits, the same layout) where the backward
 // rounded it (rounds_rows_in_steps), else null: the products read it in
 // place of d, the same values their pairs would round d to; d is then null
@@ -103,7 +105,7 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
                                int64_t N, const Tensor& out, const Tensor& out16,
                                const Tensor& h0, const Positions& pos, int64_t T, int64_t B,
                                const bool* resets, const Tensor& reset_h) {
-  const int64_t P = out.size(-1);
+  const int64_t P = (out.defined() ? out : out16).size(-1);
   A* c = ptr<A>(dw);
   if (T == 0 || B == 0) {
     dw.zero_();
@@ -111,6 +113,9 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
   }
   TORCH_CHECK(d != nullptr || (bf16 && d16 != nullptr && !gathers_real_positions(pos, T, B)),
               "rnnkern internal: the weight gradient's rows in float32, or bf16 on the grid");
+  TORCH_CHECK(out.defined() || (bf16 && out16.defined() && !gathers_real_positions(pos, T, B) &&
+                                resets == nullptr),
+              "rnnkern internal: the output in float32 but on pairs, on the grid, without resets");
   // Row `row` of d as float32: d16's values widened where d is null (the
   // products round them to the same pairs).
   auto copy_d_row = [&](A* dst, int64_t row) {
@@ -153,7 +158,7 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
                         dw.stride(0), false);
   }
   // Each sequence's gradient at its first step, against h0.
-  Tensor d_first = at::zeros({B, N}, out.options());
+  Tensor d_first = at::zeros({B, N}, h0.options());
   A* df = ptr<A>(d_first);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = pos.reverse ? pos.length(b) - 1 : (pos.length(b) > 0 ? 0 : -1);
@@ -169,7 +174,7 @@ void weight_grad_by_prev_state(bool bf16, Tensor& dw, const A* d, const uint16_t
   }
   if (restarted.empty()) return;
   const int64_t R = static_cast<int64_t>(restarted.size());
-  Tensor d_r = at::empty({R, N}, out.options()), x_r = at::empty({R, P}, out.options());
+  Tensor d_r = at::empty({R, N}, h0.options()), x_r = at::empty({R, P}, h0.options());
   const A* o = cptr<A>(out);
   const A* h = cptr<A>(reset_h);
   for (int64_t i = 0; i < R; ++i) {
@@ -257,7 +262,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   const int64_t GH = G * H;
   const int64_t W = workspace_size(z.cell, H, z.has_zoneout);  // per row and step
   const int64_t rows = z.packed_rows ? z.N : T * B;  // of the layout (Positions::row)
-  const auto opt = a.output.options();
+  const auto opt = a.h0.options();  // (the accumulate dtype's; output may be undefined)
   const bool lstm = has_cell_state(z.cell);
   const bool gru = z.cell == Cell::Gru;
   const bool reset_before = z.cell == Cell::GruResetBefore;
@@ -386,6 +391,28 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   A* dx = ptr<A>(d_xproj);
   const A* gout = cptr<A>(a.grad_output);
   const A* out = cptr<A>(a.output);
+  // grad_output's and output's rows where the call passed them as bf16 only
+  // (BackwardArgs): widened into the worker's buffer as a row kernel reads
+  // them.
+  const uint16_t* gout16 = a.grad_output_bf16.defined() ? pairs::bf16_bits(a.grad_output_bf16) : nullptr;
+  const uint16_t* out16 = a.output.defined() ? nullptr : pairs::bf16_bits(a.output_bf16);
+  TORCH_CHECK((gout != nullptr) != (gout16 != nullptr) && (out != nullptr || a.output_bf16.defined()),
+              "rnnkern internal: grad_output and output in float32 or as bf16");
+  // Columns [j0, j0 + n) of row `row` of a [rows, P] tensor, float32 (f) or
+  // bf16 (f16), as A; slot 0 or 1 of the thread's buffer (a row kernel reads
+  // two such rows at once).
+  auto row_of = [&](const A* f, const uint16_t* f16, int64_t row, int64_t j0, int64_t n,
+                    int slot) -> const A* {
+    if (f != nullptr) return f + row * P + j0;
+    thread_local std::vector<A> wide;
+    if (static_cast<int64_t>(wide.size()) < 2 * P) wide.resize(static_cast<size_t>(2 * P));
+    A* dst = wide.data() + slot * P;
+    if constexpr (std::is_same_v<A, float>)
+      pairs::widen_bf16(n, f16 + row * P + j0, dst);
+    else
+      TORCH_CHECK(false, "rnnkern internal: bf16 rows widen to float32 only");
+    return dst;
+  };
   const A* wsp = W > 0 ? cptr<A>(a.ws) : nullptr;
   const A* h0 = cptr<A>(a.h0);
   const A* c0 = lstm ? cptr<A>(a.c0) : nullptr;
@@ -401,9 +428,12 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
            : opts.restart(a.pos.at(b, s), b) ? int64_t(-2)
                                              : a.pos.at(b, s - 1);
   };
-  auto h_prev_of = [&](int64_t b, int64_t s) {
+  // Columns [j0, j0 + n) of it.
+  auto h_prev_of = [&](int64_t b, int64_t s, int64_t j0, int64_t n) {
     const int64_t q = prev_pos(b, s);
-    return q == -1 ? h0 + b * P : q == -2 ? reset_hp + b * P : out + a.pos.row(q, b) * P;
+    return q == -1   ? h0 + b * P + j0
+           : q == -2 ? reset_hp + b * P + j0
+                     : row_of(out, out16, a.pos.row(q, b), j0, n, 1);
   };
   auto c_prev_of = [&](int64_t b, int64_t s) {
     const int64_t q = prev_pos(b, s);
@@ -486,9 +516,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         continue;
       }
       const int64_t row = a.pos.row(p, b);
-      const A* hprev = h_prev_of(b, s) + j0;
       A* d = dht + (b - r.b0) * n;
-      const A* g = gout + row * P + j0;
+      const A* g = z.has_proj ? nullptr : row_of(gout, gout16, row, j0, n, 0);
       const A* w = wsp + row * W + j0;
       A* dar = da_s + b * da_width + j0;
       A* dxr = da_in_dx ? dar : dx + row * GH + j0;  // (the same row unless da16)
@@ -504,7 +533,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         case Cell::RnnTanh:
         case Cell::RnnRelu: {
           // With zoneout the output is blended: the candidate is in the workspace.
-          const A* h = zone ? w : out + row * H + j0;
+          const A* h = zone ? w : row_of(out, out16, row, j0, n, 1);
           bool_switch(zone, [&](auto kZone) {
             constexpr bool Z = decltype(kZone)::value;
             if (z.cell == Cell::RnnRelu)
@@ -529,14 +558,14 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
         }
         case Cell::Gru:
           bool_switch(zone, [&](auto kZone) {
-            gru_backward_row<A, decltype(kZone)::value>(n, H, d, g, w, hprev, dxr, dar,
+            gru_backward_row<A, decltype(kZone)::value>(n, H, d, g, w, h_prev_of(b, s, j0, n), dxr, dar,
                                                         ptr<A>(dhn_all) + row * H + j0, mh);
           });
           break;
         case Cell::GruResetBefore:
           bool_switch(zone, [&](auto kZone) {
             gru_rb_backward_candidate_row<A, decltype(kZone)::value>(
-                n, H, d, g, w, hprev, dxr, dar, ptr<A>(dn) + b * H + j0, mh);
+                n, H, d, g, w, h_prev_of(b, s, j0, n), dxr, dar, ptr<A>(dn) + b * H + j0, mh);
           });
           break;
         case Cell::LstmLn:
@@ -567,7 +596,7 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
       if (p < 0) continue;
       const int64_t row = a.pos.row(p, b), i = b - r.b0;
       gru_rb_backward_reset_row<A>(n, ptr<A>(dh[t]) + i * n, ptr<A>(drh[t]) + i * n,
-                                   wsp + row * W + j0, h_prev_of(b, s) + j0, dx + row * GH + j0,
+                                   wsp + row * W + j0, h_prev_of(b, s, j0, n), dx + row * GH + j0,
                                    da_s + b * da_width + j0, ptr<A>(rh_all) + row * H + j0);
       for (int64_t k = 0; k < G; ++k)
         add_to_sums(n, dx + row * GH + k * H + j0, gate_sum.data() + b * GH + k * H + j0);

@@ -179,17 +179,21 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   const bool on_pairs = bf16_products(output, w_hh, w_hr);
   const bool bf16_output = output.scalar_type() == at::kBFloat16 && output.is_contiguous();
   const Tensor output_bf16 = on_pairs && bf16_output ? output : Tensor();
+  const bool gout_rows = widened_grad_output(z, acc == at::kFloat,
+                                             grad_output.scalar_type() == at::kBFloat16);
+  const bool out_rows = widened_output(z, output_bf16.defined(), pos.lengths != nullptr,
+                                       resets.has_value());
   AT_DISPATCH_FLOATING_TYPES(acc, "rnnkern_recurrence_backward_cpu", [&] {
     const Tensor h0a = to_acc(h0, acc), c0a = to_acc(c0, acc);
     BackwardArgs<scalar_t> a{z,
-                             to_acc(grad_output, acc),
+                             gout_rows ? Tensor() : to_acc(grad_output, acc),
                              to_acc(grad_h_n, acc),
                              to_acc(grad_c_n, acc),
                              h0a,
                              c0a,
                              product_weight(w_hh, acc, on_pairs),
                              product_weight(w_hr, acc, on_pairs),
-                             to_acc(output, acc),
+                             out_rows ? Tensor() : to_acc(output, acc),
                              workspace.contiguous(),
                              pos,
                              bools(resets),
@@ -198,7 +202,8 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
                              reset_h.has_value() ? to_acc(reset_h, acc) : h0a,
                              reset_h.has_value() ? to_acc(reset_c, acc) : c0a,
                              on_pairs,
-                             output_bf16};
+                             output_bf16,
+                             gout_rows ? grad_output.contiguous() : Tensor()};
     backward_impl<scalar_t>(a, r.d_xproj, r.d_h0, r.d_c0, r.d_w_hh, r.d_b_ih, r.d_b_hh,
                             r.d_w_hr, r.d_ln, r.d_reset_h, r.d_reset_c, r.d_xproj_bf16);
   });

@@ -103,8 +103,34 @@ struct BackwardArgs {
   // The caller's bf16 output (contiguous; undefined unless the products run
   // on pairs): output's values, which the weight gradients read as their
   // bits (their pairs), not rounded again from output's float32 copy.
+  // output itself is then undefined where no reader needs the whole of it in
+  // float32 (widened_output): the row kernels widen the rows they read.
   Tensor output_bf16 = Tensor();
+  // A bfloat16 grad_output (contiguous) of a float32-computed call where its
+  // rows are read only by the row kernels (widened_grad_output): grad_output
+  // is then undefined, and each row widened as it is read, in cache.  The
+  // whole widened up front cost a write and a read of twice its bytes (LSTM
+  // B=32 T=128 H=256: 0.5 ms a tensor, with the output's, 3-4% of a bf16
+  // training call).
+  Tensor grad_output_bf16 = Tensor();
 };
+
+// Whether the backward reads a bfloat16 grad_output row by row
+// (BackwardArgs::grad_output_bf16): a float32-computed call without a
+// projection (whose total gradient phase reads it whole) or layer norms.
+inline bool widened_grad_output(const RecurrenceSizes& z, bool acc_float, bool grad_output_bf16) {
+  return acc_float && grad_output_bf16 && !z.has_proj && z.cell != Cell::LstmLn;
+}
+
+// Whether the backward needs no float32 copy of the output besides its bf16
+// bits (BackwardArgs::output_bf16): where the only readers are the row
+// kernels (the RNN's h_t, the GRU's h_{t-1}) and the weight gradient's product
+// on pairs -- not with lengths (gathered rows), resets (the restarts' states),
+// a projection, layer norms or the reset-before GRU's phases.
+inline bool widened_output(const RecurrenceSizes& z, bool output_bf16, bool lengths, bool resets) {
+  return output_bf16 && !lengths && !resets && !z.has_proj && z.cell != Cell::LstmLn &&
+         z.cell != Cell::GruResetBefore;
+}
 
 // Whether a bfloat16 call on the pair products rounds its results to bf16
 // step by step, as each step leaves them: the forward its output
