@@ -153,6 +153,27 @@ def test_linear_backward_on_pairs_sums_the_exact_products(pair_mode, M, K, N):
         assert torch.equal(got, want)
 
 
+def test_weight_gradient_blocks_past_2mb_sum_as_smaller_ones(pair_mode):
+    """grad_w = gy^T x reads gy^T as columns of gy, block of rows (of grad_w)
+    by block: 96 rows a block, 256 where gy takes more than 2 MB (pairs.cpp,
+    kSweepBytes).  Each row of grad_w sums its pairs chunk by chunk whatever
+    the block it falls in: grad_w of a gy of 2.3 MB (rows in blocks of 256)
+    holds, bit for bit, that of its first 300 columns (1.3 MB: blocks of 96),
+    and is within the float32 sums' error of the exact product (three
+    chunks of K, an odd last one)."""
+    M, K, N = 2100, 520, 36
+    g = generator("pairs-sweep", M, K, N)
+    x, w, gy = bf16_values(g, M, N), bf16_values(g, K, N), bf16_values(g, M, K)
+    assert gy.numel() * 2 > 2 << 20 > gy[:, :300].numel() * 2
+    gw = torch.ops.rnnkern.linear_backward(gy, x, w, False, True)[1]
+    exact = gy.double().t() @ x.double()
+    bound = 2.0 ** -8 * exact.abs() + M * 2.0 ** -24 * (gy.double().abs().t() @ x.double().abs())
+    assert gw.dtype == torch.bfloat16 and gw.shape == (K, N)
+    assert ((gw.double() - exact).abs() <= bound).all(), (gw.double() - exact).abs().max()
+    part = torch.ops.rnnkern.linear_backward(gy[:, :300].contiguous(), x, w[:300], False, True)[1]
+    assert torch.equal(gw[:300], part)
+
+
 @pytest.mark.parametrize("B,H", [(1, 37), (2, 70), (9, 70), (20, 16)])
 def test_recurrence_product_reads_the_state_as_bf16(B, H):
     """The tanh RNN's step, teacher-forced: h_t = tanh(xproj_t + b +

@@ -555,6 +555,17 @@ std::atomic<int>& mode_slot() {
 // rows of A converted kRowBlock at a time (96 rows x 256 pairs: 96 KiB, in L2).
 constexpr int64_t kKC = kChunk;
 constexpr int64_t kRowBlock = 12 * kMR;
+// A transposed (the weight gradients' dY^T, a column of a row-major [K, M]
+// matrix a row: transposed_to_pairs) past kSweepBytes: each block of rows is
+// a strided sweep over all of K, reading its few lines of each of K rows
+// from memory, so kSweepRowBlock rows a block -- a third of the sweeps.
+// dW = dY^T X on this Xeon (AMX, one thread, separate processes alternated,
+// medians): M=1024 K=4096 N=256 (an LSTM's dW_ih at B=32 T=128 H=256, 8 MB)
+// 3.9 -> 3.4 ms, M=2048 K=4096 N=512 13.2 -> 11.4 ms, M=768 K=8192 5.6 ->
+// 5.2 ms, M=512 K=4096 N=128 (4 MB) 1.28 -> 1.20 ms; at 2 MB (M=1024
+// K=1024) 5% slower: there the sweeps stay in L2.
+constexpr int64_t kSweepBytes = int64_t(2) << 20;
+constexpr int64_t kSweepRowBlock = 32 * kMR;
 
 }  // namespace
 
@@ -674,17 +685,20 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, i
   // its pairs chunk by chunk in order, each chunk's in order: the split never
   // changes its bits.
   const RowSplit split(M, kMR, threads);
+  const int64_t row_block = a_rows == 1 && a_ks != 1 && K * a_ks * int64_t(sizeof(SrcA)) > kSweepBytes
+                                ? kSweepRowBlock
+                                : kRowBlock;
   for_each_worker(split.workers, [&](int64_t t) {
     // A's rows copied into pairs block by block even where they are their
     // own pairs (bf16 rows of even K, as multiply_rows reads in place): read
     // in place from memory, the products ran slower than the copy costs
     // (a bf16 RNN's training call, B=32 T=128 H=256, Zen 5: the products
     // 3.4% of the call longer, the copies 2% of it).
-    std::vector<uint32_t, gemm::UninitAllocator<uint32_t>> rows(static_cast<size_t>(kRowBlock * (kKC / 2)));
-    std::vector<float> block(c16 != nullptr ? static_cast<size_t>(kRowBlock * N) : 0);
+    std::vector<uint32_t, gemm::UninitAllocator<uint32_t>> rows(static_cast<size_t>(row_block * (kKC / 2)));
+    std::vector<float> block(c16 != nullptr ? static_cast<size_t>(row_block * N) : 0);
     const int64_t r1 = split.begin(t + 1);
-    for (int64_t i = split.begin(t); i < r1; i += kRowBlock) {
-      const int64_t m = std::min(kRowBlock, r1 - i);
+    for (int64_t i = split.begin(t); i < r1; i += row_block) {
+      const int64_t m = std::min(row_block, r1 - i);
       float* ci = c16 != nullptr ? block.data() : c + i * ldc;
       const int64_t ldci = c16 != nullptr ? N : ldc;
       for (int64_t ch = 0; ch < chunks; ++ch) {
