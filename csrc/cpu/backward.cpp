@@ -396,7 +396,8 @@ void backward_impl(const BackwardArgs<A>& a, Tensor& d_xproj, Tensor& d_h0, Tens
   // them.
   const uint16_t* gout16 = a.grad_output_bf16.defined() ? pairs::bf16_bits(a.grad_output_bf16) : nullptr;
   const uint16_t* out16 = a.output.defined() ? nullptr : pairs::bf16_bits(a.output_bf16);
-  TORCH_CHECK((gout != nullptr) != (gout16 != nullptr) && (out != nullptr || a.output_bf16.defined()),
+  TORCH_CHECK(a.grad_output.defined() != a.grad_output_bf16.defined() &&
+                  (a.output.defined() || a.output_bf16.defined()),
               "rnnkern internal: grad_output and output in float32 or as bf16");
   // Columns [j0, j0 + n) of row `row` of a [rows, P] tensor, float32 (f) or
   // bf16 (f16), as A; slot 0 or 1 of the thread's buffer (a row kernel reads
