@@ -311,6 +311,47 @@ def test_onnx_export_gives_torch_nn_operators(name, make, shape, aten_op, dynamo
     assert_close(run_onnx(ours_proto, x), m(x).detach(), what=f"{name} onnxruntime")
 
 
+# The sequence modules that torch.nn's ONNX export takes (not an LSTM with a projection).
+BARE = [("lstm-2layers", lambda: rnnkern.LSTM(3, 5, num_layers=2, backend="cpu"), (5, 2, 3),
+         "aten::lstm")] + MODULES[1:4]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-exporter", "dynamo-exporter"])
+@pytest.mark.parametrize("name,make,shape,aten_op", BARE, ids=[m[0] for m in BARE])
+def test_onnx_export_of_a_bare_module_as_torch_nn_s(name, make, shape, aten_op, dynamo):
+    # The module itself exported, not a model holding it: torch's TorchScript
+    # exporter then calls its forward with every defaulted parameter of the
+    # signature as a positional argument, rnnkern's keyword-only ones too
+    # (forward(x, None, None, None, None)), which once raised a TypeError.
+    torch.manual_seed(zlib_key(name))
+    m = make().float().eval()
+    theirs = torch_nn_twin(Model(m, 1, 1)).rnn
+    g = generator("onnx-bare", name)
+    x = randn(g, *shape, dtype=torch.float32)
+    ours_proto, theirs_proto = onnx_model(m, x, dynamo), onnx_model(theirs, x, dynamo)
+    assert [n.op_type for n in ours_proto.graph.node] == [n.op_type for n in theirs_proto.graph.node]
+    import onnxruntime
+    session = onnxruntime.InferenceSession(ours_proto.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    out, state = m(x)
+    want = [out, *(state if isinstance(state, tuple) else (state,))]
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert_close(torch.from_numpy(a), b.detach(), what=f"{name} onnxruntime result {k}")
+
+
+def test_forward_refuses_positional_arguments_past_hx_as_torch_nn_does():
+    x = torch.randn(4, 2, 3)
+    for cls in (rnnkern.LSTM, rnnkern.GRU, rnnkern.RNN, rnnkern.LayerNormLSTM):
+        m = cls(3, 5, backend="cpu")
+        with pytest.raises(TypeError, match=rf"^{cls.__name__}\.forward\(\) takes from 2 to 3 "
+                                            r"positional arguments but 4 were given$"):
+            m(x, None, torch.tensor([4, 4]))
+        # (trailing Nones, as the TorchScript exporter passes them, change nothing)
+        assert_close(m(x, None, None, None, None)[0], m(x)[0], what=f"{cls.__name__} trailing Nones")
+
+
 def run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
     import onnxruntime
 

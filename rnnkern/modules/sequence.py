@@ -966,7 +966,7 @@ class _RecurrentMixin(_RnnkernOptions):
             return resets.unsqueeze(1)
         return resets.t().contiguous() if self.batch_first else resets.contiguous()
 
-    def forward(self, input, hx=None, *, lengths: Optional[Tensor] = None,
+    def forward(self, input, hx=None, *unset, lengths: Optional[Tensor] = None,
                 resets: Optional[Tensor] = None, reset_state=None):
         """As torch.nn's forward.  ``lengths`` ([B] integers) marks the valid steps
         of each sequence of a padded batch: later steps leave the state alone and
@@ -985,6 +985,15 @@ class _RecurrentMixin(_RnnkernOptions):
         stays the state entering position 0.  A reverse direction restarts at
         the step before each boundary, so the episodes on either side of it
         never see each other."""
+        # ``unset``: torch's TorchScript-based ONNX exporter (torch.onnx.export,
+        # dynamo=False) calls a bare module's forward with every parameter its
+        # signature has a default for, keyword-only ones included, as
+        # positional arguments (_decide_input_format): here forward(input,
+        # None, None, None, None).  Those trailing Nones are taken; anything
+        # else past hx is refused as Python refuses it for torch.nn's forward.
+        if any(u is not None for u in unset):
+            raise TypeError(f"{type(self).__name__}.forward() takes from 2 to 3 positional arguments "
+                            f"but {3 + len(unset)} were given")
         if _runs_torch_nn_forward():
             if reset_state is not None:
                 raise _no_torch_nn_twin(f"{type(self).__name__}.forward(reset_state=...)",
