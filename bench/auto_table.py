@@ -94,15 +94,19 @@ last two files measure again, and decide), one-step calls:
 
 An Intel Xeon with AMX's bf16 tiles (class cpu:512bit+bf16+amx, 2026-12-05): the float32 grid at
 1 and 2 threads, the bf16 family and the LSTM against the CPU engines at 35ac72f (the float32
-products' panels prefetched, a step's products past 2 MB panel by panel), the speech stacks at
-a5db55a; one-step calls in bfloat16 and float32 at 1 and 2 threads at 7671b66 (bf16 products on
-AMX's tiles, one-step calls split in blocks of 32 rows):
+products' panels prefetched, a step's products past 2 MB panel by panel), the bf16 family again
+at b64b27a (the bf16 backward's rows widened as read, its weight gradients in larger blocks: its
+rows replace 35ac72f's), the speech stacks at a5db55a; one-step calls in bfloat16 and float32 at
+1 and 2 threads at 7671b66 (bf16 products on AMX's tiles, one-step calls split in blocks of 32
+rows):
 
     python -m bench.auto_table \
         bench/results/cpu-xeonamx-2026-12-05-grid-t1-35ac72f/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-grid-t2-35ac72f/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-bf16-t1-35ac72f/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-bf16-t2-35ac72f/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-bf16-t1-b64b27a/bench.json \
+        bench/results/cpu-xeonamx-2026-12-05-bf16-t2-b64b27a/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-peers-lstm-t1-35ac72f/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-speech-t1-a5db55a/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-speech-t2-a5db55a/bench.json \

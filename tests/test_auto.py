@@ -99,9 +99,11 @@ ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
 # at 1 and 2 threads, the bf16 family (its float32 rows too) and the LSTM against the CPU engines at
 # 35ac72f (float32 panels prefetched, a step's products past 2 MB panel by panel), the speech stacks
 # at a5db55a; one-step calls in bfloat16 and float32 at 1 and 2 threads at 7671b66, rnnkern's bf16
-# products on the tiles.
+# products on the tiles; the bf16 family again at b64b27a (the bf16 backward's costs), whose rows
+# replace 35ac72f's.
 XEON_AMX_RESULTS = tuple(f"bench/results/cpu-xeonamx-2026-12-05-{run}/bench.json" for run in (
-    "grid-t1-35ac72f", "grid-t2-35ac72f", "bf16-t1-35ac72f", "bf16-t2-35ac72f", "peers-lstm-t1-35ac72f",
+    "grid-t1-35ac72f", "grid-t2-35ac72f", "bf16-t1-35ac72f", "bf16-t2-35ac72f", "bf16-t1-b64b27a",
+    "bf16-t2-b64b27a", "peers-lstm-t1-35ac72f",
     "speech-t1-a5db55a", "speech-t2-a5db55a", "step-t1-7671b66", "step-t2-7671b66"))
 CPU = torch.device("cpu")
 
@@ -444,8 +446,8 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     # tell apart: 2026-12-05): every sequence row of the default families at 1 and 2 threads, both
     # dtypes. With rnnkern's bf16 products on the tiles too (f558dfa; the family again at 35ac72f),
     # its bf16 LSTM sequences are rnnkern's (1.01x forward at B=32 T=128 H=256 one thread, 1.36x at
-    # two; 0.16-0.22x on vdpbf16ps), the forward at B=64 T=64 H=512 on two threads level (0.98x,
-    # at or above auto.LEVEL: rnnkern's; 0.97x at f558dfa, torch.nn's; its training 1.53x), its
+    # two; 0.16-0.22x on vdpbf16ps; 1.07x and 1.29x at b64b27a), the forward at B=64 T=64 H=512 on
+    # two threads at the line (0.98x at 35ac72f, 0.97x at f558dfa, 0.96x at b64b27a), its
     # bf16 one-step calls rnnkern's (2.06x at B=1 H=256 one thread), and its
     # float32 LSTM forward at B=64 T=64 H=512 torch.nn's (0.83x at 35ac72f, 0.60x before), where
     # without rows it took the Zen 4's.
@@ -457,10 +459,12 @@ def test_the_shipped_table_is_the_committed_results(tmp_path):
     amx = dict(one_row, device_key="cpu:512bit+bf16+amx", threads=1)
     for threads in (1, 2):
         seq_bf16 = auto.choose(**{**amx, "B": 32, "T": 128, "dtype": torch.bfloat16, "threads": threads})
-        assert seq_bf16.implementation == "cpu" and f"cpu-xeonamx-2026-12-05-bf16-t{threads}-35ac72f" in seq_bf16.reason
+        assert seq_bf16.implementation == "cpu" and f"cpu-xeonamx-2026-12-05-bf16-t{threads}-b64b27a" in seq_bf16.reason
+    # (at b64b27a the forward at B=64 T=64 H=512 on two threads measured 0.96x, below auto.LEVEL:
+    # torch.nn's; its training 1.61x, rnnkern's)
     wide_bf16 = dict(amx, B=64, T=64, H=512, dtype=torch.bfloat16, threads=2)
-    level = auto.choose(**wide_bf16)
-    assert level.implementation == "cpu" and "measured 0.98x" in level.reason
+    below = auto.choose(**wide_bf16)
+    assert below.uses_torch and "measured 0.96x" in below.reason
     assert auto.choose(**{**wide_bf16, "training": True}).implementation == "cpu"
     for threads in (1, 2):
         step_bf16 = auto.choose(**{**amx, "T": 1, "threads": threads, "dtype": torch.bfloat16})
