@@ -137,6 +137,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "cpu"  # the common case first: this runs on every call
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if device.type == "meta":
+        # Shapes only (shape inference, deferred initialisation), as torch.nn's
+        # modules run on meta tensors: the reference's ATen ops give them, for
+        # whichever backend a module was built with.
+        return "reference"
     if backend == "auto":
         if device.type == "cpu":
             return "cpu"

@@ -267,7 +267,7 @@ def test_strided_xproj_and_grad_output(cell):
 
 def test_bad_device_is_a_clear_error():
     with pytest.raises(ValueError, match="cuda_emulated.*CPU tensors"):
-        ops.resolve_backend(EMU, torch.device("meta"))
+        ops.resolve_backend(EMU, torch.device("cuda"))
 
 
 # ------------------------------------------------------- launch bounds ----

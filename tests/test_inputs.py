@@ -159,6 +159,33 @@ def test_gpu_backend_on_cpu_tensors_is_an_error(backend, monkeypatch):
     assert f"backend='{backend}'" in str(e.value)
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference", "cpu", "cuda", "triton", "cuda_emulated"])
+def test_modules_on_meta_tensors_give_torch_nn_s_shapes(backend):
+    """Meta tensors (shape inference, deferred initialisation) carry no data: a
+    module built with any backend runs on them as torch.nn's does, its
+    reference's ATen ops giving the shapes, its gradients' too."""
+    cases = [("LSTM", dict(num_layers=2, bidirectional=True, proj_size=3), (4, 3, 5)),
+             ("GRU", dict(batch_first=True), (3, 4, 5)), ("RNN", {}, (4, 5)),
+             ("LSTMCell", {}, (3, 5)), ("GRUCell", {}, (3, 5)), ("RNNCell", {}, (5,))]
+    for name, kwargs, shape in cases:
+        with torch.device("meta"):
+            theirs = getattr(torch.nn, name)(5, 7, **kwargs)
+            ours = getattr(rnnkern, name)(5, 7, backend=backend, **kwargs)
+            results = []
+            for m in (theirs, ours):
+                x = torch.empty(*shape, requires_grad=True)
+                out = m(x)
+                flat = [out] if isinstance(out, torch.Tensor) else [out[0], *(
+                    out[1] if isinstance(out[1], tuple) else (out[1],))]
+                flat[0].sum().backward()
+                results.append([(t.shape, t.device.type) for t in flat] + [(x.grad.shape, x.grad.device.type)])
+        assert results[1] == results[0], (name, results)
+    with torch.device("meta"):  # rnnkern's own: its CPU shapes
+        m = rnnkern.LayerNormLSTM(5, 7, backend=backend)
+        out, (h, c) = m(torch.empty(4, 3, 5))
+    assert (out.shape, h.shape, c.shape, out.device.type) == ((4, 3, 7), (1, 3, 7), (1, 3, 7), "meta")
+
+
 def test_auto_picks_cpu_for_cpu_tensors():
     assert ops.resolve_backend("auto", torch.device("cpu")) == "cpu"
 
