@@ -13,6 +13,7 @@ other options drawn at random; ``RNNKERN_FULL_GRID=1`` runs the whole product.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import itertools
 import os
@@ -892,6 +893,47 @@ def test_factory_kwargs(theirs_cls, ours_cls, args, kwargs):
     assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in ours.parameters())
     meta = ours_cls(*args, **kwargs, device="meta")
     assert all(p.is_meta for p in meta.parameters())
+
+
+@pytest.mark.parametrize("theirs_cls,ours_cls,args,kwargs", CONSTRUCTIONS, ids=CONSTRUCTION_IDS)
+def test_constructor_signature_and_skip_init_as_torch_nn_s(theirs_cls, ours_cls, args, kwargs):
+    """The constructor's signature is torch.nn's, rnnkern's options keyword-only
+    after it: tools that read it see torch.nn's.  torch.nn.utils.skip_init needs a
+    ``device`` parameter there: the cells have one (and skip_init builds them
+    without initialising), the sequence modules take ``*args`` as torch.nn's do
+    (and skip_init refuses both alike)."""
+    theirs = inspect.signature(theirs_cls).parameters
+    ours = inspect.signature(ours_cls).parameters
+    assert [n for n, p in ours.items() if p.kind is not p.KEYWORD_ONLY] == list(theirs)
+    assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in ours if n not in theirs)
+    assert {n: p.default for n, p in ours.items() if n in theirs} == \
+        {n: p.default for n, p in theirs.items()}
+    if not issubclass(theirs_cls, nn.RNNCellBase):
+        with pytest.raises(RuntimeError, match="must support a 'device' arg"):
+            torch.nn.utils.skip_init(theirs_cls, *args, **kwargs)
+        with pytest.raises(RuntimeError, match="must support a 'device' arg"):
+            torch.nn.utils.skip_init(ours_cls, *args, **kwargs)
+        return
+    theirs_module = theirs_cls(*args, **kwargs).double()
+    ours_module = torch.nn.utils.skip_init(ours_cls, *args, **kwargs, dtype=torch.float64)
+    assert type(ours_module) is ours_cls and ours_module.weight_ih.device.type == "cpu"
+    ours_module.load_state_dict(theirs_module.state_dict())
+    x = torch.randn(4, args[0], dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    for a, b in zip(torch.utils._pytree.tree_leaves(ours_module(x)),
+                    torch.utils._pytree.tree_leaves(theirs_module(x))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", ["RNNCell", "GRUCell", "LSTMCell"])
+def test_cell_constructor_argument_errors_as_torch_nn_s(cls):
+    """Too many positional arguments, or an unknown keyword: torch.nn's TypeError
+    and words (the options beyond torch.nn's are keyword-only)."""
+    for args, kwargs in [((3, 5, True, None, None, "x", "y"), {}), ((3, 5), dict(colour=1))]:
+        with pytest.raises(TypeError) as want:
+            getattr(nn, cls)(*args, **kwargs)
+        with pytest.raises(TypeError) as got:
+            getattr(rnnkern, cls)(*args, **kwargs)
+        assert str(got.value) == str(want.value)
 
 
 def _run_module(m, x):

@@ -217,10 +217,10 @@ class _CellMixin(_RnnkernOptions):
 class RNNCell(_CellMixin, nn.RNNCell):
     """Drop-in for :class:`torch.nn.RNNCell`, plus ``backend=`` and ``zoneout=``."""
 
-    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
-                 zoneout: float = 0.0, **kwargs):
+    def __init__(self, input_size, hidden_size, bias: bool = True, nonlinearity: str = "tanh",
+                 device=None, dtype=None, *, backend: str = "auto", zoneout: float = 0.0):
         input_size, hidden_size = _cell_sizes(input_size, hidden_size)
-        super().__init__(input_size, hidden_size, *args, **kwargs)
+        super().__init__(input_size, hidden_size, bias, nonlinearity, device=device, dtype=dtype)
         self._init_rnnkern(backend, zoneout=zoneout)
 
 
@@ -228,18 +228,18 @@ class GRUCell(_CellMixin, nn.GRUCell):
     """Drop-in for :class:`torch.nn.GRUCell`, plus ``backend=``, ``reset_after=``
     and ``zoneout=``."""
 
-    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
-                 reset_after: bool = True, zoneout: float = 0.0, **kwargs):
+    def __init__(self, input_size, hidden_size, bias: bool = True, device=None, dtype=None, *,
+                 backend: str = "auto", reset_after: bool = True, zoneout: float = 0.0):
         input_size, hidden_size = _cell_sizes(input_size, hidden_size)
-        super().__init__(input_size, hidden_size, *args, **kwargs)
+        super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
         self._init_rnnkern(backend, reset_after, zoneout)
 
 
 class LSTMCell(_CellMixin, nn.LSTMCell):
     """Drop-in for :class:`torch.nn.LSTMCell`, plus ``backend=`` and ``zoneout=``."""
 
-    def __init__(self, input_size, hidden_size, *args, backend: str = "auto",
-                 zoneout: float = 0.0, **kwargs):
+    def __init__(self, input_size, hidden_size, bias: bool = True, device=None, dtype=None, *,
+                 backend: str = "auto", zoneout: float = 0.0):
         input_size, hidden_size = _cell_sizes(input_size, hidden_size)
-        super().__init__(input_size, hidden_size, *args, **kwargs)
+        super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
         self._init_rnnkern(backend, zoneout=zoneout)
