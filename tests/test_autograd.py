@@ -207,6 +207,26 @@ def test_vmap_equals_a_loop(cell, backend):
     assert_close(got, want, what=f"{cell} vmap")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell", TORCH_CELLS)
+def test_batched_grad_outputs_as_torch_nn_s(cell, backend):
+    """A forward outside any transform, its backward under vmap: ``is_grads_batched``
+    (what ``torch.autograd.functional.jacobian(vectorize=True)`` and gradcheck's
+    ``check_batched_grad`` run), through the kernels' registered backward, sequence
+    module and cell, against torch.nn's on the same vectors."""
+    for theirs, ours, x in [(*twins(cell, backend, num_layers=2), randn(generator("bgrad", cell), 4, 3, 5)),
+                            (*cell_twins(cell, backend), randn(generator("bgrad-cell", cell), 3, 5))]:
+        results = []
+        for m in (theirs, ours):
+            xg = x.clone().requires_grad_()
+            y = first(m(xg))
+            vs = randn(generator("bgrad-v", cell), 3, *y.shape)
+            results.append(torch.autograd.grad(y, [xg] + list(m.parameters()), vs, is_grads_batched=True))
+        for (name, _), want, got in zip([("input", None)] + list(theirs.named_parameters()), *results):
+            assert got.shape[0] == 3
+            assert_close(got, want, what=f"{cell} {type(ours).__name__} batched grad of {name}")
+
+
 @pytest.mark.parametrize("cell", TORCH_CELLS)
 def test_vmap_over_an_ensemble_of_modules(cell):
     """An ensemble (torch.func.stack_module_state + functional_call under vmap,
