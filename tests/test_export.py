@@ -10,6 +10,8 @@
   computes the eager numbers and trains.
 - ONNX export (both of torch's exporters) gives the operators torch.nn's own
   export gives (ONNX LSTM / GRU / RNN), and onnxruntime computes our numbers.
+- ``torch.fx.symbolic_trace`` records each module as one ``call_module`` node,
+  as it records torch.nn's; the GraphModule runs the same module objects.
 """
 from __future__ import annotations
 
@@ -350,6 +352,79 @@ def test_forward_refuses_positional_arguments_past_hx_as_torch_nn_does():
             m(x, None, torch.tensor([4, 4]))
         # (trailing Nones, as the TorchScript exporter passes them, change nothing)
         assert_close(m(x, None, None, None, None)[0], m(x)[0], what=f"{cls.__name__} trailing Nones")
+
+
+class _FxModel(nn.Module):
+    """A model FX traces: a projection, a recurrent stack given hx (and, for
+    rnnkern's, lengths=), a cell fed the last output and the top layer's h."""
+
+    def __init__(self, lib, recurrent: str, with_lengths: bool):
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.rnn = getattr(lib, recurrent)(4, 5, num_layers=2, batch_first=True)
+        self.cell = getattr(lib, "LSTMCell" if recurrent == "LSTM" else "GRUCell")(5, 5)
+        self.with_lengths = with_lengths
+        self.lstm = recurrent == "LSTM"  # (decided here: FX runs forward's Python once, on Proxies)
+
+    def forward(self, x, hx, lengths):
+        kwargs = {"lengths": lengths} if self.with_lengths else {}
+        out, state = self.rnn(self.proj(x), hx, **kwargs)
+        last = out[:, -1]
+        if self.lstm:
+            return self.cell(last, (state[0][-1], state[1][-1]))[0]
+        return self.cell(last, state[-1])
+
+
+def _fx_nodes(gm):
+    return [(n.op, str(n.target), len(n.args), sorted(n.kwargs)) for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("recurrent", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("built", ["rnnkern", "converted"])
+def test_fx_symbolic_trace_records_the_modules_as_torch_nn_s(recurrent, built):
+    """torch.fx.symbolic_trace keeps torch.nn's recurrent modules whole (one
+    call_module node each: its tracer's leaves are torch.nn's namespace) and traces
+    into every other module's forward, where rnnkern's checks cannot run on
+    Proxies: rnnkern's modules record themselves as the same leaf.  The graph is
+    torch.nn's node for node (with lengths=, one keyword more), the GraphModule runs
+    the same module objects and trains as the model does."""
+    torch.manual_seed(0)
+    theirs = _FxModel(nn, recurrent, False).double()
+    if built == "converted":
+        ours = rnnkern.convert(copy.deepcopy(theirs), backend="cpu")
+    else:
+        ours = _FxModel(rnnkern, recurrent, False).double()
+        ours.load_state_dict(theirs.state_dict())
+    gm_theirs, gm_ours = torch.fx.symbolic_trace(theirs), torch.fx.symbolic_trace(ours)
+    assert _fx_nodes(gm_ours) == _fx_nodes(gm_theirs)
+    assert gm_ours.rnn is ours.rnn and gm_ours.cell is ours.cell
+    g = generator("fx", recurrent, built)
+    x = randn(g, 2, 6, 3, requires_grad=True)
+    h = randn(g, 2, 2, 5)
+    hx = (h, randn(g, 2, 2, 5)) if recurrent == "LSTM" else h
+    results = []
+    for m in (theirs, gm_ours):
+        y = m(x, hx, None)
+        y = y[0] if isinstance(y, tuple) else y
+        results.append([y, *torch.autograd.grad(y.pow(2).sum(), [x, *m.parameters()])])
+    for k, (a, b) in enumerate(zip(*results)):
+        assert_close(a, b, what=f"{recurrent} {built} GraphModule result {k}")
+    with_lengths = _FxModel(rnnkern, recurrent, True).double()
+    gm = torch.fx.symbolic_trace(with_lengths)
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "rnn"]
+    assert sorted(call.kwargs) == ["lengths"]
+    lengths = torch.tensor([6, 3])
+    assert_close(gm(x, hx, lengths), with_lengths(x, hx, lengths), what=f"{recurrent} GraphModule lengths=")
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRUCell"])
+def test_fx_symbolic_trace_of_a_bare_module_fails_as_torch_nn_s(cls):
+    """Traced as the root, torch.nn's recurrent modules fail (their forward's
+    control flow on Proxies); rnnkern's with FX's error type too."""
+    with pytest.raises(torch.fx.proxy.TraceError):
+        torch.fx.symbolic_trace(getattr(nn, cls)(3, 5))
+    with pytest.raises(torch.fx.proxy.TraceError):
+        torch.fx.symbolic_trace(getattr(rnnkern, cls)(3, 5))
 
 
 def run_onnx(proto, x: torch.Tensor) -> torch.Tensor:

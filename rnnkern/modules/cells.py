@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import ops
 from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
-                     _current, _dtype_mismatch, _promote, _RnnkernOptions,
+                     _current, _dtype_mismatch, _fx_leaf_call, _promote, _RnnkernOptions,
                      _runs_torch_nn_forward, _well_formed_state)
 
 def _cell_sizes(input_size, hidden_size) -> tuple:
@@ -87,6 +87,9 @@ class _CellMixin(_RnnkernOptions):
     def forward(self, input: Tensor, hx=None):
         if _runs_torch_nn_forward():
             return self._torch_nn_forward(input, hx)
+        traced = _fx_leaf_call(self, input, (input,) if hx is None else (input, hx), {})
+        if traced is not None:
+            return traced
         if not isinstance(input, Tensor):
             # (torch.nn: an AttributeError from input.dim(); the sequence modules say this too.)
             raise TypeError(f"{type(self).__name__}: expected input to be a Tensor, got {type(input).__name__}")

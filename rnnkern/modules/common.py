@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.fx import Proxy as _FxProxy
 
 from .. import ops
 
@@ -84,6 +85,32 @@ def _runs_torch_nn_forward() -> bool:
     exporter traces; torch's dynamo-based one runs torch.export, so the costlier
     ONNX check only runs while exporting.)"""
     return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
+
+
+def _fx_leaf_call(module: nn.Module, input, args: tuple, kwargs: dict):
+    """Under ``torch.fx.symbolic_trace`` (``input`` a Proxy): the module's call
+    recorded as one ``call_module`` node, as FX records torch.nn's recurrent
+    modules; None otherwise.
+
+    Why: FX's tracer keeps the modules of torch.nn's namespace whole (its
+    ``is_leaf_module`` reads the class's ``__module__``) and traces into every
+    other module's forward, whose checks and choices of kernel cannot run on
+    Proxies.  Here the module makes the leaf's call itself, so a traced model
+    holding rnnkern's modules (built so, converted or patched) has torch.nn's
+    graph, and the GraphModule calls the same module objects.  Traced as the
+    root itself, torch.nn's modules fail (their forward's control flow); so does
+    this, with FX's error type."""
+    if not isinstance(input, _FxProxy):
+        return None
+    tracer = input.tracer
+    path = tracer.path_of_module(module)
+    if not path:
+        raise torch.fx.proxy.TraceError(
+            f"{type(module).__name__}: torch.fx.symbolic_trace records it as a leaf (one call_module "
+            "node), as torch.nn's recurrent modules; as the traced root itself it has no graph of its "
+            "own: trace the model that holds it")
+    return tracer.create_proxy("call_module", path, args,
+                               {k: v for k, v in kwargs.items() if v is not None})
 
 
 def _no_torch_nn_twin(subject: str, lacks: str) -> NotImplementedError:
