@@ -417,14 +417,41 @@ def test_fx_symbolic_trace_records_the_modules_as_torch_nn_s(recurrent, built):
     assert_close(gm(x, hx, lengths), with_lengths(x, hx, lengths), what=f"{recurrent} GraphModule lengths=")
 
 
+class _WrappedGRU(nn.GRU):
+    """A subclass whose forward wraps torch.nn's (as pytorch-forecasting's do)."""
+
+    def forward(self, x, hx=None):
+        out, h = super().forward(x * 2, hx)
+        return out + 1, h
+
+
+class _HoldsWrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = _WrappedGRU(3, 5)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
 @pytest.mark.parametrize("cls", ["LSTM", "GRUCell"])
 def test_fx_symbolic_trace_of_a_bare_module_fails_as_torch_nn_s(cls):
     """Traced as the root, torch.nn's recurrent modules fail (their forward's
-    control flow on Proxies); rnnkern's with FX's error type too."""
+    control flow on Proxies); rnnkern's with FX's error type too.  So does a
+    subclass whose forward wraps the module's (FX traces into it: its class is not
+    torch.nn's), before and after convert(): a call_module node would run the
+    subclass's forward again around the ops FX recorded from it."""
     with pytest.raises(torch.fx.proxy.TraceError):
         torch.fx.symbolic_trace(getattr(nn, cls)(3, 5))
     with pytest.raises(torch.fx.proxy.TraceError):
         torch.fx.symbolic_trace(getattr(rnnkern, cls)(3, 5))
+    model = _HoldsWrapped()
+    with pytest.raises(torch.fx.proxy.TraceError):
+        torch.fx.symbolic_trace(model)
+    rnnkern.convert(model, backend="cpu")
+    assert isinstance(model.rnn, rnnkern.GRU) and isinstance(model.rnn, _WrappedGRU)
+    with pytest.raises(torch.fx.proxy.TraceError, match="_WrappedGRU.*cannot be traced"):
+        torch.fx.symbolic_trace(model)
 
 
 def run_onnx(proto, x: torch.Tensor) -> torch.Tensor:

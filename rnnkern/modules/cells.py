@@ -87,7 +87,8 @@ class _CellMixin(_RnnkernOptions):
     def forward(self, input: Tensor, hx=None):
         if _runs_torch_nn_forward():
             return self._torch_nn_forward(input, hx)
-        traced = _fx_leaf_call(self, input, (input,) if hx is None else (input, hx), {})
+        traced = _fx_leaf_call(self, _CellMixin.forward, input,
+                               (input,) if hx is None else (input, hx), {})
         if traced is not None:
             return traced
         if not isinstance(input, Tensor):

@@ -87,7 +87,7 @@ def _runs_torch_nn_forward() -> bool:
     return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
-def _fx_leaf_call(module: nn.Module, input, args: tuple, kwargs: dict):
+def _fx_leaf_call(module: nn.Module, own_forward, input, args: tuple, kwargs: dict):
     """Under ``torch.fx.symbolic_trace`` (``input`` a Proxy): the module's call
     recorded as one ``call_module`` node, as FX records torch.nn's recurrent
     modules; None otherwise.
@@ -99,9 +99,17 @@ def _fx_leaf_call(module: nn.Module, input, args: tuple, kwargs: dict):
     holding rnnkern's modules (built so, converted or patched) has torch.nn's
     graph, and the GraphModule calls the same module objects.  Traced as the
     root itself, torch.nn's modules fail (their forward's control flow); so does
-    this, with FX's error type."""
+    this, with FX's error type, and so does a subclass's forward that reaches
+    ``own_forward`` (rnnkern's) through super(), as it does reaching torch.nn's."""
     if not isinstance(input, _FxProxy):
         return None
+    if type(module).forward is not own_forward:
+        # Reached through a subclass's forward (super().forward): a call_module node
+        # would run that forward again around the ops FX recorded from it.
+        raise torch.fx.proxy.TraceError(
+            f"{type(module).__name__}: its forward, which calls rnnkern's (or torch.nn's) on "
+            "Proxies, cannot be traced by torch.fx.symbolic_trace, as torch.nn's cannot: make the "
+            "module a leaf of the tracer (a Tracer whose is_leaf_module says so)")
     tracer = input.tracer
     path = tracer.path_of_module(module)
     if not path:

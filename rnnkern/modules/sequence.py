@@ -15,9 +15,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from .. import auto, ops, reference
 from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
-                     _current, _dtype_mismatch, _first_weight, _flat_weights, _fx_leaf_call, _no_torch_nn_twin,
-                     _plain_weights, _promote, _RnnkernOptions, _runs_torch_nn_forward,
-                     _well_formed_state)
+                     _current, _dtype_mismatch, _first_weight, _flat_weights, _fx_leaf_call,
+                     _no_torch_nn_twin, _plain_weights, _promote, _RnnkernOptions,
+                     _runs_torch_nn_forward, _well_formed_state)
 
 # ------------------------------------------------------ sequence modules ----
 
@@ -999,7 +999,8 @@ class _RecurrentMixin(_RnnkernOptions):
                 raise _no_torch_nn_twin(f"{type(self).__name__}.forward(reset_state=...)",
                                         "has no resets")
             return self._traced_forward(input, hx, lengths, resets)
-        traced = _fx_leaf_call(self, input, (input,) if hx is None else (input, hx),
+        traced = _fx_leaf_call(self, _RecurrentMixin.forward, input,
+                               (input,) if hx is None else (input, hx),
                                dict(lengths=lengths, resets=resets, reset_state=reset_state))
         if traced is not None:
             return traced
