@@ -2,6 +2,8 @@
 unpickle) as rnnkern's modules; after it, torch.nn is as before."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import io
 import pickle
 import subprocess
@@ -70,6 +72,29 @@ def test_every_spelling_is_caught_and_the_exit_restores():
         assert type(LSTM_IMPORTED_BEFORE(2, 3)) is rnnkern.LSTM  # the name is the class itself
     for spelling in (nn.LSTM, torch.nn.modules.rnn.LSTM, LSTM_IMPORTED_BEFORE):
         assert type(spelling(2, 3)) is nn.LSTM
+
+
+@pytest.mark.parametrize("theirs_cls,ours_cls,args,kwargs,shape", BUILDS, ids=IDS)
+def test_signatures_and_skip_init_stay_torch_nn_s_while_patched_and_after(theirs_cls, ours_cls, args,
+                                                                           kwargs, shape):
+    """inspect.signature of torch.nn's class (and of a subclass that inherits its
+    constructor) is its __init__'s while patched and after, not the hook's
+    ``(*args, **kwargs)``: torch.nn.utils.skip_init reads it for ``device`` and
+    refused torch.nn's cells in any process that had ever patched."""
+    init = inspect.signature(theirs_cls.__init__)
+    expected = init.replace(parameters=list(init.parameters.values())[1:])
+
+    class Inherits(theirs_cls):
+        pass
+
+    for patched in (True, False):  # the hook stays installed after the first patch
+        with rnnkern.patch() if patched else contextlib.nullcontext():
+            assert inspect.signature(theirs_cls) == expected
+            assert inspect.signature(Inherits) == expected
+            if "device" in expected.parameters:  # the cells (torch.nn's sequence modules take *args)
+                built = torch.nn.utils.skip_init(theirs_cls, *args, **kwargs)
+                assert type(built) is (ours_cls if patched else theirs_cls)
+                assert built.weight_hh.shape == theirs_cls(*args, **kwargs).weight_hh.shape
 
 
 def test_a_subclass_reaching_torch_nn_is_built_as_convert_makes_it():

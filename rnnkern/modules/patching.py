@@ -25,6 +25,7 @@ The names stay torch.nn's own classes, so:
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 
@@ -52,6 +53,15 @@ def _make_new(torch_cls: type, twin: type):
         if not _depth or issubclass(cls, _RnnkernOptions) or not issubclass(cls, torch_cls):
             return object.__new__(cls)
         return object.__new__(twin if cls is torch_cls else _patched_subclass(cls))
+
+    # inspect.signature(torch_cls) reads a class's own __new__ before its
+    # __init__: without this it would say (*args, **kwargs) from the first
+    # patch() on, and tools that read it (torch.nn.utils.skip_init looks for
+    # ``device``) would refuse torch.nn's cells.  What calling the class takes
+    # is still its __init__'s parameters.
+    init = inspect.signature(torch_cls.__init__)
+    params = list(init.parameters.values())
+    __new__.__signature__ = init.replace(parameters=[params[0].replace(name="cls")] + params[1:])
     return staticmethod(__new__)
 
 
