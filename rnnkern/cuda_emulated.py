@@ -23,17 +23,14 @@ within a real GPU's default rule, with
 """
 from __future__ import annotations
 
-from .library import WITH_CUDA_EMULATION, define_family, register_op_family
+from .library import WITH_CUDA_EMULATION
 
-NAMESPACE = "rnnkern_cuda_emu"
+NAMESPACE = "rnnkern_cuda_emu"  # defined and registered by rnnkern.library
 
 if not WITH_CUDA_EMULATION:
     raise ImportError("rnnkern was built without the emulated CUDA device "
                       "(rebuild with RNNKERN_CUDA_EMULATION=1)")
-_lib = define_family(NAMESPACE)  # rnnkern's own schemas (one source: csrc/ops.cpp)
 from . import _C_cuda_emu  # noqa: E402  (implements the ops for CPU tensors)
-
-register_op_family(NAMESPACE)
 
 set_schedule = _C_cuda_emu.set_schedule
 set_arch = _C_cuda_emu.set_arch

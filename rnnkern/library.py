@@ -9,16 +9,20 @@ and CUDA kernels, defined by rnnkern._C), ``rnnkern_triton`` and
 ``rnnkern_cuda_emu``.  :func:`define_family` defines a family with those schemas;
 :func:`register_op_family` adds what every family shares: the fake (meta)
 implementations, so ``torch.compile(fullgraph=True)`` traces every backend
-without a graph break, and the autograd formulas (C++, csrc/autograd.cpp),
+without a graph break, the autograd formulas (C++, csrc/autograd.cpp),
 whose ``create_graph=True`` backward differentiates the reference
-(``rnnkern::reference_grads``, here).
+(``rnnkern::reference_grads``, here), and the FLOP formulas.  Every family is
+defined and registered when rnnkern is imported (:data:`FAMILIES`); a backend's
+module implements its ops when first used (:func:`implement_family`).
 """
 from __future__ import annotations
 
 import importlib.util
+from math import prod
 from typing import Optional, Sequence
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from . import _C, reference
 from .reference import gate_count, ln_width, workspace_size
@@ -149,39 +153,94 @@ def _reference_grads(op, cell, inputs, grads, constants, reverse, needs):
             for g, t, want in zip(result, inputs, wanted) if want]
 
 
+# --------------------------------------------------------------------------
+# FLOP formulas (torch.utils.flop_counter.FlopCounterMode, which Lightning's
+# measure_flops and MFU counters run): the matrix products, 2 * m * n * k
+# each, as the counter counts torch.nn's cells (their addmm and mm); the gate
+# math is elementwise and not counted, as torch's isn't.  Tensors arrive as
+# their shapes.  Rows: (T, B), or (N,) for packed rows -- the positions that
+# run (an unpacked batch with lengths counts its padded grid, an upper bound
+# as the counter's masked-attention formulas are).
+
+
+def _recurrence_flops(cell, xproj, h0, c0, w_hh, b_ih=None, b_hh=None, w_hr=None, *args,
+                      out_shape=None, **kwargs):
+    return 2 * prod(xproj[:-1]) * (prod(w_hh) + (prod(w_hr) if w_hr is not None else 0))
+
+
+def _recurrence_backward_flops(cell, grad_output, grad_h_n, grad_c_n, h0, c0, w_hh, w_hr, output,
+                               *args, out_shape=None, **kwargs):
+    # per product, the gradient of its input and of its weight
+    return 4 * prod(output[:-1]) * (prod(w_hh) + (prod(w_hr) if w_hr is not None else 0))
+
+
+def _step_flops(cell, x, h, c, w_ih, w_hh, *args, out_shape=None, **kwargs):
+    return 2 * x[0] * (prod(w_ih) + prod(w_hh))
+
+
+def _step_backward_flops(cell, grad_h_new, grad_c_new, x, h, c, w_ih, w_hh, h_new, workspace,
+                         ln=None, needs=255, *, out_shape=None):
+    # needs: grad_x bit 0, grad_h bit 1, grad_w_ih bit 3, grad_w_hh bit 4 (csrc/ops.cpp)
+    wanted = {0: prod(w_ih), 1: prod(w_hh), 3: prod(w_ih), 4: prod(w_hh)}
+    return 2 * x[0] * sum(n for bit, n in wanted.items() if needs >> bit & 1)
+
+
+def _register_flop_formulas(namespace: str) -> None:
+    ops = getattr(torch.ops, namespace)
+    register_flop_formula(ops.recurrence)(_recurrence_flops)
+    register_flop_formula(ops.recurrence_backward)(_recurrence_backward_flops)
+    register_flop_formula(ops.step)(_step_flops)
+    register_flop_formula(ops.step_backward)(_step_backward_flops)
+    # layers_step is made of step; reference_grads (create_graph=True) of
+    # torch's ops, which the counter sees: both composite.
+
+
 def register_op_family(namespace: str) -> None:
-    """Registers the fake implementations and the autograd formulas of
-    ``torch.ops.<namespace>.{recurrence, recurrence_backward, step, step_backward}``
-    (the formulas are C++, csrc/autograd.cpp, one source for every family),
-    and its composite ``layers_step`` (csrc/layers_step.cpp)."""
+    """Registers the fake implementations, the autograd formulas and the FLOP
+    formulas of ``torch.ops.<namespace>.{recurrence, recurrence_backward, step,
+    step_backward}`` (the autograd formulas are C++, csrc/autograd.cpp, one
+    source for every family), and its composite ``layers_step``
+    (csrc/layers_step.cpp)."""
     torch.library.register_fake(f"{namespace}::recurrence")(_recurrence_fake)
     torch.library.register_fake(f"{namespace}::recurrence_backward")(_recurrence_backward_fake)
     torch.library.register_fake(f"{namespace}::step")(_step_fake)
     torch.library.register_fake(f"{namespace}::step_backward")(_step_backward_fake)
     _C.register_autograd(namespace)
     _C.register_layers_step(namespace)
+    _register_flop_formulas(namespace)
 
 
-def define_family(namespace: str, impls: Optional[dict] = None,
-                  keys: Sequence[str] = ()) -> torch.library.Library:
+def define_family(namespace: str) -> torch.library.Library:
     """Defines ``torch.ops.<namespace>.{recurrence, recurrence_backward, step,
     step_backward}`` and the composite ``layers_step`` with the schemas of
-    ``torch.ops.rnnkern`` (one source: csrc/ops.cpp) and implements each op of
-    ``impls`` (name -> function) for the dispatch ``keys``.  The caller keeps the
-    returned library alive and calls :func:`register_op_family` once the
-    implementations are in place."""
+    ``torch.ops.rnnkern`` (one source: csrc/ops.cpp).  The caller keeps the
+    returned library alive and calls :func:`register_op_family`."""
     lib = torch.library.Library(namespace, "DEF")
-    for name in OP_NAMES:
-        schema = str(getattr(torch.ops.rnnkern, name).default._schema)
-        lib.define(schema.split("::", 1)[1])
-        for key in keys:
-            lib.impl(name, (impls or {})[name], key)
-    for name in COMPOSITE_NAMES:
+    for name in OP_NAMES + COMPOSITE_NAMES:
         lib.define(str(getattr(torch.ops.rnnkern, name).default._schema).split("::", 1)[1])
     return lib
 
 
-register_op_family("rnnkern")
+def implement_family(namespace: str, impls: dict, keys: Sequence[str]) -> torch.library.Library:
+    """Implements each op of a defined family from ``impls`` (name -> function)
+    for the dispatch ``keys``; the caller keeps the returned library alive."""
+    lib = torch.library.Library(namespace, "IMPL")
+    for name in OP_NAMES:
+        for key in keys:
+            lib.impl(name, impls[name], key)
+    return lib
+
+
+#: The op families' namespaces: the C++ kernels' (defined by rnnkern._C),
+#: Triton's (implemented by rnnkern.triton.ops) and the emulated CUDA device's
+#: (by rnnkern._C_cuda_emu).  All are defined and registered here, at import,
+#: though Triton's and the emulated device's kernels load on first use:
+#: FlopCounterMode reads the FLOP formulas when it is built, and a family
+#: registered inside one would count nothing on its first calls.
+FAMILIES = ("rnnkern", "rnnkern_triton") + (("rnnkern_cuda_emu",) if WITH_CUDA_EMULATION else ())
+_DEFINED = [define_family(namespace) for namespace in FAMILIES[1:]]
+for _namespace in FAMILIES:
+    register_op_family(_namespace)
 
 
 @torch.library.register_fake("rnnkern::linear")
@@ -212,3 +271,18 @@ def _relayout_fake(x, order):
 def _linear_backward_fake(grad_y, x, weight, need_x, need_weight):
     return (x.new_empty(x.shape) if need_x else x.new_empty((0,)),
             weight.new_empty(weight.shape) if need_weight else x.new_empty((0,)))
+
+
+@register_flop_formula(torch.ops.rnnkern.linear)
+def _linear_flops(x, weight, *, out_shape=None):
+    return 2 * prod(x[:-1]) * prod(weight)
+
+
+@register_flop_formula(torch.ops.rnnkern.recurrence_from_input)
+def _recurrence_from_input_flops(cell, x, w_ih, h0, c0, w_hh, *args, out_shape=None, **kwargs):
+    return 2 * prod(x[:-1]) * (prod(w_ih) + prod(w_hh))
+
+
+@register_flop_formula(torch.ops.rnnkern.linear_backward)
+def _linear_backward_flops(grad_y, x, weight, need_x, need_weight, *, out_shape=None):
+    return 2 * prod(x[:-1]) * prod(weight) * (int(need_x) + int(need_weight))

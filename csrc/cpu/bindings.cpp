@@ -360,6 +360,9 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_cpu(
 
 // Its autograd kernel: no formula (the modules call it without gradients);
 // inputs that need one get an error, not results autograd would not see.
+// It redispatches below autograd rather than calling the CPU kernel: a Python
+// dispatch mode (torch.utils.flop_counter.FlopCounterMode, profilers' modes)
+// then sees the op itself, not only the rnnkern::linear it may make inside.
 std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_autograd(
     c10::string_view cell, const Tensor& x, const Tensor& w_ih, const Tensor& h0, const OptTensor& c0,
     const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh, bool reverse) {
@@ -372,7 +375,14 @@ std::tuple<Tensor, Tensor, Tensor> recurrence_from_input_autograd(
                 "under torch.no_grad() or with inputs that do not require grad, else call "
                 "rnnkern.linear then rnnkern.recurrence");
   }
-  return recurrence_from_input_cpu(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("rnnkern::recurrence_from_input", "")
+          .typed<std::tuple<Tensor, Tensor, Tensor>(c10::string_view, const Tensor&, const Tensor&,
+                                                    const Tensor&, const OptTensor&, const Tensor&,
+                                                    const OptTensor&, const OptTensor&, bool)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(cell, x, w_ih, h0, c0, w_hh, b_ih, b_hh, reverse);
 }
 
 RecurrenceSizes step_as_recurrence(const StepSizes& s) {

@@ -3,10 +3,11 @@
 The four ops have the schemas of the C++ ops (csrc/ops.cpp), read from
 ``torch.ops.rnnkern`` so there is one source, and the same semantics: outputs,
 workspace layout and dtype (float32 for half inputs), lengths, reverse, the
-LSTM projection, both GRU forms, empty ``[0]`` placeholders.  They are defined
-with ``torch.library.Library`` and implemented for CUDA and, under
-``TRITON_INTERPRET=1``, for CPU tensors; :func:`rnnkern.library.register_op_family`
-adds the fake implementations and the autograd formulas shared with the C++ ops.
+LSTM projection, both GRU forms, empty ``[0]`` placeholders.  rnnkern.library
+defines them (with the fake implementations, autograd and FLOP formulas shared
+with the C++ ops: :func:`rnnkern.library.register_op_family`) when rnnkern is
+imported; this module implements them for CUDA and, under
+``TRITON_INTERPRET=1``, for CPU tensors.
 
 Each wrapper checks its arguments (:mod:`.checks`), then picks how to run the
 recurrence:
@@ -47,7 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..library import acc_dtype, define_family, has_cell_state, register_op_family
+from ..library import acc_dtype, has_cell_state, implement_family
 from .. import reference
 from ..reference import gate_count, workspace_size
 from . import sequence, spread, step as step_kernels
@@ -868,8 +869,7 @@ def step_backward(cell: str, grad_h_new: Tensor, grad_c_new: Optional[Tensor], x
 
 # ----------------------------------------------------------- registration ----
 
-# The four ops with the schemas of torch.ops.rnnkern (one source), implemented
-# for CUDA and CPU (the interpreter).
-_lib = define_family(NAMESPACE, dict(recurrence=recurrence, recurrence_backward=recurrence_backward,
-                                     step=step, step_backward=step_backward), ("CUDA", "CPU"))
-register_op_family(NAMESPACE)
+# The four ops (defined and registered by rnnkern.library with the schemas of
+# torch.ops.rnnkern), implemented for CUDA and CPU (the interpreter).
+_lib = implement_family(NAMESPACE, dict(recurrence=recurrence, recurrence_backward=recurrence_backward,
+                                        step=step, step_backward=step_backward), ("CUDA", "CPU"))
