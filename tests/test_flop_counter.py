@@ -132,3 +132,26 @@ def test_inference_counts_the_products_it_fuses(dtype, batch):
     assert set(by_op) == {"rnnkern.recurrence_from_input"}
     # per position: layer 0 W_ih [24, 5] and W_hh [24, 6], layer 1 both [24, 6]
     assert counter.get_total_flops() == counter64.get_total_flops() == 2 * 20 * batch * 24 * (5 + 3 * 6)
+
+
+def test_counts_are_attributed_to_the_module_as_torch_nn_s():
+    """The counter's per-module rows (ModuleTracker: forward and backward) put
+    the module's FLOPs under its name in the model, as for torch.nn's."""
+    class Model(nn.Module):
+        def __init__(self, rnn):
+            super().__init__()
+            self.rnn = rnn
+            self.head = nn.Linear(6, 2, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])
+
+    theirs, ours = twins(nn.GRUCell, rnnkern.GRUCell, "cpu")
+    x = randn(generator("flops-attribution"), 4, 5)
+    rows = []
+    for cell in (theirs, ours):
+        with FlopCounterMode(display=False) as counter:
+            Model(cell)(x.clone().requires_grad_()).sum().backward()
+        rows.append({name: sum(by_op.values()) for name, by_op in counter.get_flop_counts().items()})
+    assert rows[0]["Model.rnn"] > 0
+    assert rows[1] == rows[0]
