@@ -153,7 +153,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "Bytes the persistent kernels asked to prefetch so far (common.cuh: prefetch_l2)");
   module.def("set_device_model", &rnnkern::emu::set_device_model,
              "Multiprocessors, registers per thread and the dynamic shared memory a block may opt "
-             "in to, of the occupancy model (132, 64 and 232448 bytes by default)",
+             "in to, of the occupancy model (132, 64 and 232448 bytes by default); the kernels' attributes "
+             "(dynamic shared memory opted in to) go back to their defaults",
              pybind11::arg("multiprocessors"), pybind11::arg("registers_per_thread") = 64,
              pybind11::arg("shared_per_block") = 227 * 1024);
   module.def("shared_per_block", &rnnkern::emu::shared_per_block_optin);

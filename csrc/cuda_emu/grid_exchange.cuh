@@ -69,8 +69,15 @@ inline cudaError_t grid_exchange(const float* w, float* x0, float* x1, int block
                                     grid_exchange_kernel)(w, x0, x1, per_block, shift, steps, fault);
 }
 
-// How many blocks of `threads` the device holds at once (the grid a cooperative launch may use).
+// How many blocks of `threads` the device holds at once (the grid a cooperative launch may use),
+// after the opt-in a launch beyond 48 KiB makes (the occupancy of a kernel without it is 0
+// there, as on hardware; persistent_fits does the same).
 inline int grid_exchange_capacity(int threads, int per_block) {
+  const size_t smem = grid_exchange_smem(per_block);
+  if (smem > 48 * 1024 && cudaFuncSetAttribute(grid_exchange_kernel,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)) != cudaSuccess)
+    return 0;
   int per_sm = 0, sms = 0, device = 0;
   RNNKERN_CUDA_CHECK(cudaGetDevice(&device));
   RNNKERN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

@@ -464,6 +464,10 @@ RNNKERN_EMU_OWN void set_device_model(int sms, int registers_per_thread, int sha
   sched().multiprocessors = sms;
   sched().registers_per_thread = registers_per_thread;
   sched().shared_per_block_optin = size_t(shared_per_block);
+  // A new device model is a fresh context: the kernels' attributes (the dynamic
+  // shared memory opted in to) are back at their defaults, so what one test
+  // opted in to cannot make another's launch or occupancy query pass.
+  sched().max_dynamic_smem.clear();
 }
 
 RNNKERN_EMU_OWN int shared_per_block_optin() { return int(sched().shared_per_block_optin); }
