@@ -13,7 +13,7 @@
 // instead differentiates the reference formulation recomputed from the saved
 // inputs: rnnkern::reference_grads, implemented in Python (rnnkern/ops.py) as
 // plain torch ops that autograd records.  That is why the forward saves xproj
-// and the biases.
+// and the biases (the biases outside save_for_backward: save_bias below).
 //
 // Outputs the backward reads are saved as copy-on-write aliases
 // (at::_lazy_clone): saving the output itself would make an in-place edit of it
@@ -98,6 +98,37 @@ Tensor saved_output(const Tensor& output) {
     // itself (an in-place edit then raises torch's error).
     return output;
   }
+}
+
+// The biases enter only the create_graph=True backward (the reference
+// recomputes the gates from them), never the first-order one, and torch.nn's
+// graph saves no bias at all: an optimizer step on a bias between forward and
+// backward trains there.  So they are kept out of save_for_backward, whose
+// unpack version-checks every saved tensor, and their versions are checked
+// here, by the one backward that reads them.
+void save_bias(AutogradContext* ctx, const std::string& name, const OptTensor& b) {
+  if (!b) return;
+  ctx->saved_data[name] = *b;
+  if (!b->is_inference())  // (inference tensors have no version counter)
+    ctx->saved_data[name + "_version"] = static_cast<int64_t>(b->_version());
+}
+
+Tensor saved_bias(AutogradContext* ctx, const std::string& name) {
+  const auto it = ctx->saved_data.find(name);
+  if (it == ctx->saved_data.end()) return Tensor();
+  Tensor b = it->second.toTensor();
+  const auto version = ctx->saved_data.find(name + "_version");
+  if (version != ctx->saved_data.end()) {
+    const int64_t expected = version->second.toInt();
+    TORCH_CHECK(b._version() == expected,
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace operation: the bias ", name, " [", b.toString(), " ", b.sizes(),
+                "] is at version ", b._version(), "; expected version ", expected,
+                " instead. (rnnkern's double backward, create_graph=True, recomputes the gates "
+                "from the biases as the forward read them; a first-order backward does not read "
+                "them.)");
+  }
+  return b;
 }
 
 // The gradients of the reference formulation with respect to `inputs` (those
@@ -200,9 +231,11 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     ctx->saved_data["cell_steps"] = cell_steps;
     ctx->saved_data["cell"] = cell;
     ctx->saved_data["reverse"] = reverse;
-    ctx->save_for_backward({xproj, h0, def(c0), w_hh, def(b_ih), def(b_hh), def(w_hr),
-                            saved_output(out), ws, def(lengths), def(resets), def(zoneout),
-                            def(ln), def(reset_h), def(reset_c)});
+    ctx->save_for_backward({xproj, h0, def(c0), w_hh, def(w_hr), saved_output(out), ws,
+                            def(lengths), def(resets), def(zoneout), def(ln), def(reset_h),
+                            def(reset_c)});
+    save_bias(ctx, "b_ih", b_ih);
+    save_bias(ctx, "b_hh", b_hh);
     ctx->mark_non_differentiable({ws});
     // Unused outputs get no zero-filled gradient (the workspace alone would
     // cost a pass over T*B*W*H values); missing ones are made in backward.
@@ -218,10 +251,9 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     const variable_list s = ctx->get_saved_variables();  // (torch's checks: in-place edits, freed graph)
     if (!at::GradMode::is_enabled())
       if (auto ran = take_behind(ctx, grads)) return *std::move(ran);
-    const Tensor &xproj = s[0], &h0 = s[1], &c0 = s[2], &w_hh = s[3], &b_ih = s[4],
-                 &b_hh = s[5], &w_hr = s[6], &out = s[7], &ws = s[8], &lengths = s[9],
-                 &resets = s[10], &zoneout = s[11], &ln = s[12], &reset_h = s[13],
-                 &reset_c = s[14];
+    const Tensor &xproj = s[0], &h0 = s[1], &c0 = s[2], &w_hh = s[3], &w_hr = s[4],
+                 &out = s[5], &ws = s[6], &lengths = s[7], &resets = s[8], &zoneout = s[9],
+                 &ln = s[10], &reset_h = s[11], &reset_c = s[12];
     const Tensor &g_out = grads[0], &g_hn = grads[1];
     // With cell_steps c_n is every step's state: its missing gradient is [T, B, H] zeros.
     const Tensor g_cn = grads[2].defined() || !ctx->saved_data["cell_steps"].toBool()
@@ -231,6 +263,7 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     // reverse, train, resets, zoneout, ln, reset_h, reset_c, cell_steps.
     variable_list result(18);
     if (at::GradMode::is_enabled()) {  // create_graph=True
+      const Tensor b_ih = saved_bias(ctx, "b_ih"), b_hh = saved_bias(ctx, "b_hh");
       const auto g = reference_grads(
           "recurrence", cell, {xproj, h0, c0, w_hh, b_ih, b_hh, w_hr, ln, reset_h, reset_c},
           {g_out, g_hn, lstm ? g_cn : Tensor()}, {lengths, resets, zoneout}, reverse);
@@ -247,8 +280,8 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
     result[3] = gh0;
     if (lstm) result[4] = gc0;
     result[5] = gw;
-    if (b_ih.defined()) result[6] = gbi;
-    if (b_hh.defined()) result[7] = gbh;
+    if (ctx->saved_data.count("b_ih")) result[6] = gbi;
+    if (ctx->saved_data.count("b_hh")) result[7] = gbh;
     if (w_hr.defined()) result[8] = gwr;
     if (ln.defined()) result[14] = gln;
     if (reset_h.defined()) result[15] = grh;
@@ -273,8 +306,9 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
     for (int64_t i = 0; i < 8; ++i)
       if (requires_grad(inputs[i])) needs |= int64_t(1) << i;
     ctx->saved_data["needs"] = needs;
-    ctx->save_for_backward(
-        {x, h, def(c), w_ih, w_hh, def(b_ih), def(b_hh), saved_output(h_new), ws, def(ln)});
+    ctx->save_for_backward({x, h, def(c), w_ih, w_hh, saved_output(h_new), ws, def(ln)});
+    save_bias(ctx, "b_ih", b_ih);
+    save_bias(ctx, "b_hh", b_hh);
     ctx->mark_non_differentiable({ws});
     ctx->set_materialize_grads(false);
     return {h_new, c_new, ws};
@@ -285,12 +319,13 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
     const std::string cell = ctx->saved_data["cell"].toStringRef();
     const bool lstm = c10::string_view(cell).substr(0, 4) == "lstm";  // lstm, lstm_ln: a cell state
     const variable_list s = ctx->get_saved_variables();
-    const Tensor &x = s[0], &h = s[1], &c = s[2], &w_ih = s[3], &w_hh = s[4], &b_ih = s[5],
-                 &b_hh = s[6], &h_new = s[7], &ws = s[8], &ln = s[9];
+    const Tensor &x = s[0], &h = s[1], &c = s[2], &w_ih = s[3], &w_hh = s[4], &h_new = s[5],
+                 &ws = s[6], &ln = s[7];
     const Tensor &g_h = grads[0], &g_c = grads[1];
     // Gradients per forward argument: family, cell, the 7 inputs, ln.
     variable_list result(10);
     if (at::GradMode::is_enabled()) {  // create_graph=True
+      const Tensor b_ih = saved_bias(ctx, "b_ih"), b_hh = saved_bias(ctx, "b_hh");
       const auto g = reference_grads("step", cell, {x, h, c, w_ih, w_hh, b_ih, b_hh, ln},
                                      {g_h, lstm ? g_c : Tensor()}, {}, false);
       std::copy(g.begin(), g.end(), result.begin() + 2);

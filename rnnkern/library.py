@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from math import prod
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
