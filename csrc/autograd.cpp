@@ -236,9 +236,11 @@ struct RecurrenceFunction : torch::autograd::Function<RecurrenceFunction> {
                             def(reset_c)});
     save_bias(ctx, "b_ih", b_ih);
     save_bias(ctx, "b_hh", b_hh);
-    ctx->mark_non_differentiable({ws});
-    // Unused outputs get no zero-filled gradient (the workspace alone would
-    // cost a pass over T*B*W*H values); missing ones are made in backward.
+    // The workspace is not marked non-differentiable (compiled autograd's
+    // CppNode refuses nodes that mark any): no op reads it differentiably, so
+    // its gradient is never produced.  Unused outputs get no zero-filled
+    // gradient (the workspace alone would cost a pass over T*B*W*H values);
+    // missing ones are made in backward.
     ctx->set_materialize_grads(false);
     return {out, h_n, c_n, ws};
   }
@@ -309,7 +311,7 @@ struct StepFunction : torch::autograd::Function<StepFunction> {
     ctx->save_for_backward({x, h, def(c), w_ih, w_hh, saved_output(h_new), ws, def(ln)});
     save_bias(ctx, "b_ih", b_ih);
     save_bias(ctx, "b_hh", b_hh);
-    ctx->mark_non_differentiable({ws});
+    // (The workspace stays differentiable, as in RecurrenceFunction: compiled autograd.)
     ctx->set_materialize_grads(false);
     return {h_new, c_new, ws};
   }

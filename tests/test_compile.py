@@ -20,7 +20,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import rnnkern
-from conftest import HAS_GPU, assert_close, generator, randn
+from conftest import HAS_GPU, TRITON_INTERPRET, assert_close, generator, randn
 
 
 @pytest.fixture(autouse=True)
@@ -210,3 +210,65 @@ def test_cells_compile_without_the_flag(cls):
         got = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
     for a, b in zip(leaves(got), leaves(m(x))):
         assert_close(a, b, what=cls.__name__)
+
+
+# ------------------------------------------------------ compiled autograd ----
+
+def _compiled_autograd_cases():
+    from rnnkern import ops
+    modules = ["LSTM-proj-bi-lengths", "GRU-2", "RNNCell", "LSTMCell"]
+    cases = [(m, "cpu") for m in modules]
+    if ops.WITH_CUDA_EMULATION:
+        cases += [(m, "cuda_emulated") for m in modules]
+    # The reference is plain torch ops (unrolled by the trace: one small case); the
+    # Triton kernels under the interpreter take seconds a launch.
+    cases.append(("RNNCell", "reference"))
+    if TRITON_INTERPRET and not HAS_GPU:
+        cases.append(("GRU-2", "triton"))
+    return cases
+
+
+@pytest.mark.parametrize("module,backend", _compiled_autograd_cases())
+def test_compiled_autograd_runs_the_kernels_backward(module, backend):
+    """torch.compile's compiled autograd (``torch._dynamo.config.compiled_autograd``,
+    what torchtitan-style training turns on) traces the backward graph through each
+    node: rnnkern's C++ nodes go in as opaque calls of their backward, and the
+    gradients of the input and every parameter equal eager's.  (Its
+    CppNode refuses nodes that mark outputs non-differentiable: the workspace output
+    is left differentiable, its gradient never produced.)  Packed input is left out:
+    torch's own PackPaddedSequenceBackward0 fails under compiled autograd (fake
+    tensors without data), with torch.nn's modules as with rnnkern's."""
+    name, *variant = module.split("-")
+    kwargs = {"LSTM": dict(proj_size=3, bidirectional=True, num_layers=2),
+              "GRU": dict(num_layers=2)}.get(name, {})
+    torch.manual_seed(3)
+    m = getattr(rnnkern, name)(5, 4, backend=backend, dtype=torch.float64, **kwargs)
+    g = generator("compiled-autograd", module)
+    x = randn(g, 3, 5) if name.endswith("Cell") else randn(g, 6, 3, 5)
+    call_kwargs = {}
+    if "lengths" in variant:
+        call_kwargs["lengths"] = torch.tensor([6, 2, 4])
+    cotangent = None
+
+    def train_step(x):
+        out = leaves(m(x, **call_kwargs))[0]
+        (out * cotangent).sum().backward()
+        return out.detach()
+
+    results = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        xi = x.clone().requires_grad_()
+        with torch.no_grad():
+            shape = leaves(m(xi, **call_kwargs))[0].shape
+        cotangent = randn(generator("compiled-autograd-cotangent", module), *shape)
+        if compiled:
+            with torch._dynamo.config.patch(compiled_autograd=True):
+                out = torch.compile(train_step, backend="aot_eager")(xi)
+        else:
+            out = train_step(xi)
+        results.append([out, xi.grad] + [p.grad for p in m.parameters()])
+        m.zero_grad(set_to_none=True)
+    for i, (got, want) in enumerate(zip(*results)):
+        assert got is not None and want is not None, i
+        assert_close(got, want, what=f"{module} {backend}: result {i}")
