@@ -549,9 +549,27 @@ def test_bad_input_clear_errors(cls, name, bad, exc, words, backend):
 
 
 def test_lstm_hx_must_be_a_pair():
-    _, ours = _pair("LSTM")
+    """A tensor for hx: TypeError (torch.nn indexes it and raises IndexError).  A tuple
+    of another length: torch.nn's RuntimeError, "expects two hidden states" (torch.nn
+    raises an IndexError for a 1-tuple of a sequence module, by indexing it), for the
+    sequence module and the cell alike."""
+    theirs, ours = _pair("LSTM")
+    x, h = torch.randn(3, 2, 4), torch.randn(1, 2, 5)
     with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\)"):
-        ours(torch.randn(3, 2, 4), torch.randn(1, 2, 5))
+        ours(x, h)
+    for hx in ((h,), (h, h, h), [h, h, h]):
+        with pytest.raises(RuntimeError, match=rf"LSTM: lstm expects two hidden states.*got {len(hx)}"):
+            ours(x, hx)
+    with pytest.raises(RuntimeError, match="lstm expects two hidden states"):
+        theirs(x, (h, h, h))
+    for cls in (nn.LSTMCell, rnnkern.LSTMCell):
+        cell = cls(4, 5)
+        x1, h1 = torch.randn(2, 4), torch.randn(2, 5)
+        for hx in ((h1,), (h1, h1, h1)):
+            with pytest.raises(RuntimeError, match="lstm_cell expects two hidden states"):
+                cell(x1, hx)
+        with pytest.raises(TypeError):
+            cell(x1, h1)
 
 
 # Cells: (name, call(cell, cls), words); torch.nn raises the same type.

@@ -65,8 +65,11 @@ class _CellMixin(_RnnkernOptions):
         front)."""
         name = type(self).__name__
         lstm = self.cell in ("lstm", "lstm_ln")
-        if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+        if lstm and not isinstance(hx, (tuple, list)):
             raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
+        if lstm and len(hx) != 2:  # torch.nn: aten's RuntimeError
+            raise RuntimeError(f"{name}: lstm_cell expects two hidden states: hx must be a tuple (h, c) "
+                               f"of two tensors, got {len(hx)}")
         parts = tuple(hx) if lstm else (hx,)
         # torch.nn names a state "hidden" (RNNCell, GRUCell) or "hx[i]" (LSTMCell)
         # in its rank checks and "hidden<i>" in aten's size checks.

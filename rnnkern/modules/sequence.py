@@ -852,9 +852,12 @@ class _RecurrentMixin(_RnnkernOptions):
         """hx as a tuple of tensors, its type checked."""
         name = type(self).__name__
         if self.mode == "LSTM":
-            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            if not isinstance(hx, (tuple, list)):  # (torch.nn: an IndexError from indexing it)
                 raise TypeError(f"{name}: hx must be a tuple (h_0, c_0) of two tensors, got "
                                 f"{type(hx).__name__}")
+            if len(hx) != 2:  # torch.nn: aten's RuntimeError (or an IndexError for one)
+                raise RuntimeError(f"{name}: lstm expects two hidden states: hx must be a tuple "
+                                   f"(h_0, c_0) of two tensors, got {len(hx)}")
             parts = tuple(hx)
         else:
             parts = (hx,)
