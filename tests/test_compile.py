@@ -20,6 +20,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import rnnkern
+from rnnkern import ops
 from conftest import HAS_GPU, TRITON_INTERPRET, assert_close, generator, randn
 
 
@@ -215,7 +216,6 @@ def test_cells_compile_without_the_flag(cls):
 # ------------------------------------------------------ compiled autograd ----
 
 def _compiled_autograd_cases():
-    from rnnkern import ops
     modules = ["LSTM-proj-bi-lengths", "GRU-2", "RNNCell", "LSTMCell"]
     cases = [(m, "cpu") for m in modules]
     if ops.WITH_CUDA_EMULATION:
@@ -263,10 +263,10 @@ def test_compiled_autograd_runs_the_kernels_backward(module, backend):
             shape = leaves(m(xi, **call_kwargs))[0].shape
         cotangent = randn(generator("compiled-autograd-cotangent", module), *shape)
         if compiled:
+            ops._C.clear_recurrence_backwards_ahead()  # (what earlier tests in this thread left)
             with torch._dynamo.config.patch(compiled_autograd=True):
                 out = torch.compile(train_step, backend="aot_eager")(xi)
             if backend == "cpu":  # no backward run ahead of a node (bidirectional layers) left untaken
-                from rnnkern import ops
                 assert ops._C.clear_recurrence_backwards_ahead() == 0
         else:
             out = train_step(xi)
