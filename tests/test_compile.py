@@ -248,7 +248,9 @@ def test_compiled_autograd_runs_the_kernels_backward(module, backend):
     call_kwargs = {}
     if "lengths" in variant:
         call_kwargs["lengths"] = torch.tensor([6, 2, 4])
-    cotangent = None
+    with torch.no_grad():
+        shape = leaves(m(x, **call_kwargs))[0].shape
+    cotangent = randn(generator("compiled-autograd-cotangent", module), *shape)
 
     def train_step(x):
         out = leaves(m(x, **call_kwargs))[0]
@@ -259,9 +261,6 @@ def test_compiled_autograd_runs_the_kernels_backward(module, backend):
     for compiled in (True, False):
         torch._dynamo.reset()
         xi = x.clone().requires_grad_()
-        with torch.no_grad():
-            shape = leaves(m(xi, **call_kwargs))[0].shape
-        cotangent = randn(generator("compiled-autograd-cotangent", module), *shape)
         if compiled:
             ops._C.clear_recurrence_backwards_ahead()  # (what earlier tests in this thread left)
             with torch._dynamo.config.patch(compiled_autograd=True):
