@@ -81,48 +81,53 @@ def test_modes_and_switch():
 
 
 # Auto's bounds (csrc/cuda/params.h: persistent_auto_staged): B x K values of h
-# (forward, K = H) or da (backward, K = 4H for the LSTM) staged per step, at most
-# 4096 in float64, 12288 in float32, 65536 in the half types; at least 32 steps.
-# (dtype, H, B at which both phases are within the bound, B at which the forward is.)
-AUTO_BOUNDS = {"fp64": (torch.float64, 8, 128, 512), "fp32": (torch.float32, 8, 384, 1536),
-               "bf16": (torch.bfloat16, 16, 1024, 4096)}
-AUTO_CASES = [("both-at-the-bound", 0, 2), ("forward-only", 1, 1), ("forward-at-the-bound", 0, 1),
-              ("neither", 1, 0)]
+# (forward, K = H) or da (backward, K = G x H: 4H for the LSTM) staged per step, at
+# most 4096 in float64 and 12288 in float32; in the half types 65536 values x gates,
+# the forward's values counted once per gate (G dot products each), so that both
+# phases meet the bound at the same B (the LSTM's a quarter of the tanh RNN's); at
+# least 32 steps.  (dtype, cell, H, the largest B of the backward, of the forward.)
+AUTO_BOUNDS = {"fp64-lstm": (torch.float64, "lstm", 8, 128, 512),
+               "fp32-lstm": (torch.float32, "lstm", 8, 384, 1536),
+               "bf16-lstm": (torch.bfloat16, "lstm", 16, 1024, 1024),
+               "bf16-rnn_tanh": (torch.bfloat16, "rnn_tanh", 16, 4096, 4096)}
+# B: at the backward's bound, one past it, at the forward's, one past it.
+AUTO_CASES = {"backward-bound": lambda bw, fw: bw, "past-backward": lambda bw, fw: bw + 1,
+              "forward-bound": lambda bw, fw: fw, "past-forward": lambda bw, fw: fw + 1}
 
 
-@pytest.mark.parametrize("dtype_name", list(AUTO_BOUNDS))
-@pytest.mark.parametrize("case", [c[0] for c in AUTO_CASES] + ["too-few-steps"])
-def test_auto_takes_small_batches_of_long_sequences(case, dtype_name):
-    """"auto" runs the persistent kernel for a phase exactly when B x K is within
-    the bound of the element size and T >= 32: the LSTM's forward stages K = H
-    values a row, its backward K = 4H; the phase it declines runs the host loop,
-    and either way the values are the reference's (half types: no worse than the
-    reference's own error in that dtype)."""
-    dtype, H, both, forward = AUTO_BOUNDS[dtype_name]
+@pytest.mark.parametrize("bounds", list(AUTO_BOUNDS))
+@pytest.mark.parametrize("case", list(AUTO_CASES) + ["too-few-steps"])
+def test_auto_takes_small_batches_of_long_sequences(case, bounds):
+    """"auto" runs the persistent kernel for a phase exactly when B x K (x G for the
+    half types' forward) is within the bound of the element size and T >= 32: the
+    LSTM's forward stages K = H values a row, its backward K = 4H; the phase it
+    declines runs the host loop, and either way the values are the reference's
+    (half types: no worse than the reference's own error in that dtype)."""
+    dtype, cell, H, backward, forward = AUTO_BOUNDS[bounds]
     if case == "too-few-steps":
         T, B, launches = 31, 4, 0
     else:
-        past, launches = {c: (p, n) for c, p, n in AUTO_CASES}[case]
-        T, B = 32, (both if case in ("both-at-the-bound", "forward-only") else forward) + past
+        T, B = 32, AUTO_CASES[case](backward, forward)
+        launches = int(B <= forward) + int(B <= backward)
     cuda_emulated.set_persistent("auto")
     assert cuda_emulated.persistent() == "auto"
-    args = recurrence_inputs("lstm", T, B, H, dtype=dtype, requires_grad=True, key=("persistent-auto", B))
+    args = recurrence_inputs(cell, T, B, H, dtype=dtype, requires_grad=True, key=("persistent-auto", B))
     key = ("auto", B)
-    got, n = counted(lambda: outputs_and_grads(EMU, "lstm", args, key=key))
+    got, n = counted(lambda: outputs_and_grads(EMU, cell, args, key=key))
     assert n == launches
     if dtype == torch.float64:
-        want = outputs_and_grads("reference", "lstm", args, key=key)
+        want = outputs_and_grads("reference", cell, args, key=key)
         for name in want:
             assert_close(got[name], want[name], what=name)
         return
     a64 = {k: None if v is None else v.detach().double().requires_grad_() for k, v in args.items()}
-    want = outputs_and_grads("reference", "lstm", a64, key=key)
+    want = outputs_and_grads("reference", cell, a64, key=key)
     if dtype == torch.float32:
         for name in want:
             assert got[name].dtype == dtype, name
             assert_close(got[name], want[name].float(), what=name)
         return
-    ref_low = outputs_and_grads("reference", "lstm", args, key=key)
+    ref_low = outputs_and_grads("reference", cell, args, key=key)
     for name in want:
         assert got[name].dtype == dtype, name
         assert_low_precision(got[name], ref_low[name], want[name].float(), what=name)

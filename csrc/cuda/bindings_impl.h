@@ -191,7 +191,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> run_forward(
   const Tensor lengths_dev = device_lengths<Dev>(lengths, opt, ctx.stream);
   const std::vector<int64_t> live = live_rows(lengths, T);
   const Tensor live_dev = device_live_rows<Dev>(
-      live, !z.cell_steps && persistent_chosen(ctx, T, B, P, xproj.element_size()), opt, ctx.stream);
+      live, !z.cell_steps && persistent_chosen(ctx, T, B, P, xproj.element_size(), G), opt, ctx.stream);
   // The state lives in ping-pong slots with lengths and with resets.
   const bool slots = lengths.has_value() || resets.has_value();
   // Scratch of the time loop (params.h).
@@ -343,7 +343,7 @@ BackwardResult run_backward(const RecurrenceSizes& z, const Tensor& grad_output,
   }
   const Tensor da = Dev::empty({B, reset_before ? 2 * H : G * H}, opt);
   // (every step's c gradient, cell_steps, is the host loop's)
-  const Tensor da_other = !z.cell_steps && persistent_chosen(ctx, T, B, da.size(1), output.element_size())
+  const Tensor da_other = !z.cell_steps && persistent_chosen(ctx, T, B, da.size(1), output.element_size(), 1)
                               ? Dev::empty(da.sizes(), opt)
                               : Tensor();
   const Tensor live_dev = device_live_rows<Dev>(live, da_other.defined(), opt, ctx.stream);

@@ -63,14 +63,22 @@ struct Context {
 // bench/results/gpu-h200-2026-12-04, staging in 16-byte chunks, 8 in flight).
 // A step there cost about 3.5 us + 0.045 us per half-type value a thread of the
 // CTA's 256 staged (the fifth H100 session, one element at a time: 0.26 us).
-//   half types: 65536 (B=64 H=1024 forward: LSTM 0.99-1.04x the host loop,
+//   half types: 65536 values x gates (B=64 H=1024 forward: LSTM 0.99-1.04x the host loop,
 //               GRU 1.35x, RNN 1.37-1.82x; backward, the tanh RNN: 2.0x).  Past it
 //               the GRU's backward at 196608 was 0.87-1.03x, the B=256 forward
-//               0.32-0.62x.
-//   float32:    12288 (B=16 H=768 forward 1.55-2.46x, the RNN's backward ~1.9x);
+//               0.32-0.62x.  The forward counts each staged value once per gate:
+//               each feeds G dot products per unit, the backward's one (its K,
+//               G x H, counts the gates already).  On the H100 of 2026-12-06, both
+//               modes in one call (bench/results/gpu-h100-2026-12-06), the gated
+//               cells' forward at B=64 H=1024 (196608 and 262144) was 0.65-0.94x
+//               the host loop (LSTM bf16 0.81x, fp16 0.65x; GRU 0.94x, 0.77x),
+//               the RNN's (65536) 1.39x bf16, 0.86x fp16; at B=16 H=768 (LSTM
+//               49152) every cell 1.8-2.4x.
+//   float32:    12288 values, gates not counted (B=16 H=768 forward 1.55-2.46x, the
+//               LSTM's at 49152 values x gates among them; the RNN's backward ~1.9x);
 //               its register-tile products fall behind from there: the LSTM's
 //               backward at 49152 ~0.7x, every B=64 forward 0.14-0.27x.
-//   float64:    4096, the bound of the H100's first timing (never timed itself).
+//   float64:    4096 values, the bound of the H100's first timing (never timed itself).
 constexpr int64_t kPersistentAutoStagedHalf = 65536;
 constexpr int64_t kPersistentAutoStagedFloat = 12288;
 constexpr int64_t kPersistentAutoStagedDouble = 4096;
@@ -82,22 +90,26 @@ constexpr int64_t kPersistentAutoStagedDouble = 4096;
 // step at a time -- keep the host loop until a GPU times them.
 constexpr int64_t kPersistentAutoMinSteps = 32;
 
-// Auto's bound on the values staged per step for elements of `element_bytes`.
-constexpr int64_t persistent_auto_staged(int64_t element_bytes) {
-  return element_bytes <= 2   ? kPersistentAutoStagedHalf
+// Auto's bound on the values staged per step for elements of `element_bytes`,
+// each feeding `gates` dot products per unit (the forward: the cell's G; the
+// backward: 1).
+constexpr int64_t persistent_auto_staged(int64_t element_bytes, int64_t gates) {
+  return element_bytes <= 2   ? kPersistentAutoStagedHalf / gates
          : element_bytes == 4 ? kPersistentAutoStagedFloat
                               : kPersistentAutoStagedDouble;
 }
 
 // Whether the persistent kernel is to be tried for a layer of T steps and B rows
-// staging K values a row per step, in elements of `element_bytes` (it still
-// declines what does not fit).
-inline bool persistent_chosen(const Context& ctx, int64_t T, int64_t B, int64_t K, int64_t element_bytes) {
+// staging K values a row per step, in elements of `element_bytes`, each value
+// feeding `gates` dot products per unit (it still declines what does not fit).
+inline bool persistent_chosen(const Context& ctx, int64_t T, int64_t B, int64_t K, int64_t element_bytes,
+                              int64_t gates) {
   switch (ctx.persistent) {
     case PersistentMode::Never: return false;
     case PersistentMode::Always: return true;
     case PersistentMode::Auto:
-      return !ctx.capturing && T >= kPersistentAutoMinSteps && B * K <= persistent_auto_staged(element_bytes);
+      return !ctx.capturing && T >= kPersistentAutoMinSteps &&
+             B * K <= persistent_auto_staged(element_bytes, gates);
   }
   return false;
 }

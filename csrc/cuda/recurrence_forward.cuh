@@ -156,7 +156,7 @@ void recurrence_forward(const RecurrenceForwardParams& p, const Context& ctx) {
   }
 
   // (every step's c, cell_steps, is the host loop's)
-  if (p.c_steps == nullptr && persistent_chosen(ctx, T, B, P, sizeof(S)) &&
+  if (p.c_steps == nullptr && persistent_chosen(ctx, T, B, P, sizeof(S), G) &&
       (p.live_rows == nullptr || p.live_rows_dev != nullptr) &&
       persistent_forward<S>(st, cell, w_hh, slots ? h_state : nullptr, c_state, p.live_rows_dev,
                             resets, zoneout, ctx.stream))
