@@ -7,11 +7,14 @@ torch.nn in the same process), the entry keeps rnnkern's speed ratios
 replaced by those of the files given for it; other devices' entries stay.  So
 one GPU run updates the GPU's rows.  Files measuring the same case merge: the
 later file's ratios replace the earlier's backend by backend, so a Triton run
-adds its column to a CUDA grid:
+adds its column to a CUDA grid (and its own CUDA ratios replace the grid's: the
+third H100 run's Triton files come first, the seventh run's CUDA grid after them,
+then its latency sizes measured again after 345262f):
 
-    python -m bench.auto_table bench/results/gpu-h100-2026-11-27-session4/bench-cuda-grid/bench_gpu.json \
-        bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json \
+    python -m bench.auto_table bench/results/gpu-h100-2026-11-27-session3/bench-triton-headline/bench_gpu.json \
         bench/results/gpu-h100-2026-11-27-session3/bench-triton-latency/bench_gpu.json \
+        bench/results/gpu-h100-2026-12-06/bench-cuda-grid/bench_gpu.json \
+        bench/results/gpu-h100-2026-12-06/bench-cuda-latency-345262f/bench_gpu.json \
         bench/results/cpu-zen3-2026-11-27-default/bench.json \
         bench/results/cpu-zen3-2026-11-27-auto-t1/bench.json \
         bench/results/cpu-zen3-2026-11-27-peers-step-t1/bench.json \
