@@ -430,14 +430,17 @@ def test_pairs_same_bits_at_1_2_and_3_threads(pair_mode):
 
 
 # rnnkern::recurrence_from_input on pairs: at a batch of 16 rows or more (W_ih
-# and W_hh within 1 MB as pairs, I <= 512) each step makes its x_t W_ih^T, a
+# and W_hh within 4 MB as pairs, I <= 512) each step makes its x_t W_ih^T, a
 # product of its own rounded to bf16 (ForwardArgs::x_rows), the bits of
 # linear then recurrence; other batches are that composition.  Odd I (the
 # rows' pairs not in place), I past 512 and B under 16 (the composition), at
 # 1, 2 and 3 threads: split by rows, and at H=600 (W_hh past 2 MB as pairs for
-# the LSTM and GRU) by units.
+# the LSTM and GRU) by units.  At I=512 H=400 the LSTM's and GRU's two
+# weights pass 2 MB as pairs: on tiles a worker makes x W_ih^T for four steps
+# at a time (x_steps_per_product), six steps in blocks of four and two, its
+# rows gathered where it has part of the batch (two and three threads).
 FROM_INPUT_SIZES = [(5, 16, 16, 16), (13, 17, 41, 24), (9, 33, 256, 70), (6, 20, 520, 20),
-                    (7, 15, 32, 32), (4, 40, 64, 160), (2, 32, 64, 600)]
+                    (7, 15, 32, 32), (4, 40, 64, 160), (2, 32, 64, 600), (6, 20, 512, 400)]
 
 
 @pytest.mark.parametrize("T,B,I,H", FROM_INPUT_SIZES, ids=[f"T{t}-B{b}-I{i}-H{h}" for t, b, i, h in FROM_INPUT_SIZES])
