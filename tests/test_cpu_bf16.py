@@ -174,6 +174,37 @@ def test_weight_gradient_blocks_past_2mb_sum_as_smaller_ones(pair_mode):
     assert torch.equal(gw[:300], part)
 
 
+def test_linear_blocks_of_columns_past_1mb_sum_as_the_blocks_alone(pair_mode):
+    """x W^T where a chunk of W as pairs passes 1 MB (N=1100 at K=600: 35
+    panels of 32 KB) runs in blocks of 1024 columns for all of a worker's
+    rows (pairs.cpp, column_block).  Each column sums its pairs chunk by
+    chunk whatever its block: the bits of the product with W's rows of each
+    block alone, and of a product of 96 rows or fewer (one block of rows,
+    never split by columns); within the float32 sums' error of the exact
+    product (two chunks of K, an odd N past the last panel)."""
+    M, K, N = 200, 600, 1100
+    g = generator("pairs-column-blocks", M, K, N)
+    x, w = bf16_values(g, M, K), bf16_values(g, N, K)
+    y = torch.ops.rnnkern.linear(x, w)
+    exact = x.double() @ w.double().t()
+    bound = 2.0 ** -8 * exact.abs() + K * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    assert ((y.double() - exact).abs() <= bound).all(), (y.double() - exact).abs().max()
+    assert torch.equal(y[:, :1024], torch.ops.rnnkern.linear(x, w[:1024]))
+    assert torch.equal(y[:, 1024:], torch.ops.rnnkern.linear(x, w[1024:]))
+    assert torch.equal(y[:96], torch.ops.rnnkern.linear(x[:96], w))
+    # The float32 sums themselves (a cell's x W_ih^T, kept float32 for its
+    # gate math): an LSTM cell of 200 rows with 4H = 1200 gate rows of K=600,
+    # whose rows are those of its first 96 alone.
+    H = 300
+    w_ih, w_hh = bf16_values(g, 4 * H, K, scale=K ** -0.5), bf16_values(g, 4 * H, H, scale=H ** -0.5)
+    h, c, b = bf16_values(g, M, H), bf16_values(g, M, H), bf16_values(g, 4 * H)
+    whole = torch.ops.rnnkern.step("lstm", x, h, c, w_ih, w_hh, b, b, None)
+    rows = torch.ops.rnnkern.step("lstm", x[:96], h[:96], c[:96], w_ih, w_hh, b, b, None)
+    for a, r in zip(whole, rows):
+        assert not a.isnan().any() and torch.equal(a[:96], r)
+
+
 @pytest.mark.parametrize("B,H", [(1, 37), (2, 70), (9, 70), (20, 16)])
 def test_recurrence_product_reads_the_state_as_bf16(B, H):
     """The tanh RNN's step, teacher-forced: h_t = tanh(xproj_t + b +

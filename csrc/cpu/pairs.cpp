@@ -566,6 +566,30 @@ constexpr int64_t kRowBlock = 12 * kMR;
 // K=1024) 5% slower: there the sweeps stay in L2.
 constexpr int64_t kSweepBytes = int64_t(2) << 20;
 constexpr int64_t kSweepRowBlock = 32 * kMR;
+// B's columns in blocks of kColumnBlockBytes where a chunk of B as pairs
+// takes more: each block of rows streams all of a chunk's panels, which came
+// from L3 for every block of rows; a block of columns stays in L2 for all the
+// rows of a worker, at the price of converting A's rows once per block of
+// columns.  rnnkern::linear on this Xeon (AMX, L2 2 MB; the same process,
+// interleaved, the fastest of 11, one thread, whole chunk -> blocks of 1 MB):
+// M=4096 K=512 N=2048 (an LSTM's input projection at B=64 T=64 H=512: a 2 MB
+// chunk) 12.3 -> 10.4 ms, M=2048 K=512 N=3072 10.3 -> 8.2, M=8192 K=512
+// N=2048 25.5 -> 20.7, M=4096 K=1024 N=3072 38.7 -> 35.8; blocks of 256 and
+// 512 KB converted A's rows more often and gained less or lost.  Two
+// threads: 12.9 -> 12.5, 10.4 -> 9.9, 27.5 -> 23.0, and 39.1 -> 41.2 ms.
+constexpr int64_t kColumnBlockBytes = int64_t(1) << 20;
+
+// Columns per block of B (a multiple of kNR, so that its panels are the
+// whole B's: the same sums), N where a chunk of B is within
+// kColumnBlockBytes or A has one block of rows.
+int64_t column_block(int64_t M, int64_t N, int64_t K, int64_t row_block) {
+  const int64_t chunk_pairs = (std::min(K, kKC) + 1) / 2;
+  const int64_t panel_bytes =
+      (chunk_pairs + kTilePairs - 1) / kTilePairs * kTilePairs * kNR * int64_t(sizeof(uint32_t));
+  const int64_t panels = (N + kNR - 1) / kNR;
+  if (M <= row_block || panels * panel_bytes <= kColumnBlockBytes) return N;
+  return std::max<int64_t>(1, kColumnBlockBytes / panel_bytes) * kNR;
+}
 
 }  // namespace
 
@@ -674,20 +698,24 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, i
   const int64_t worker_rows = mode() == Mode::Tiles ? kTileRows : kMR;
   const int64_t threads =
       std::min(product_threads(M * N * K), std::max(chunks, (M + worker_rows - 1) / worker_rows));
-  std::vector<PackedPairs> packed(static_cast<size_t>(chunks));
-  for_each_worker(std::min(threads, chunks), [&](int64_t t) {
-    for (int64_t ch = t; ch < chunks; ch += std::min(threads, chunks)) {
-      const int64_t k0 = ch * kKC;
-      packed[ch].pack(b + k0 * b_ks, b_ks, b_ns, std::min(kKC, K - k0), N);
-    }
-  });
   // Whole blocks of kMR rows per thread (parallel.h).  Each element of C sums
-  // its pairs chunk by chunk in order, each chunk's in order: the split never
-  // changes its bits.
+  // its pairs chunk by chunk in order, each chunk's in order: neither the
+  // split nor the blocks of columns change its bits.
   const RowSplit split(M, kMR, threads);
   const int64_t row_block = a_rows == 1 && a_ks != 1 && K * a_ks * int64_t(sizeof(SrcA)) > kSweepBytes
                                 ? kSweepRowBlock
                                 : kRowBlock;
+  const int64_t cols = column_block(M, N, K, row_block);
+  const int64_t col_blocks = (N + cols - 1) / cols;
+  // packed[ch * col_blocks + cb]: chunk ch of K, block cb of N.
+  const int64_t pieces = chunks * col_blocks;
+  std::vector<PackedPairs> packed(static_cast<size_t>(pieces));
+  for_each_worker(std::min(threads, pieces), [&](int64_t t) {
+    for (int64_t q = t; q < pieces; q += std::min(threads, pieces)) {
+      const int64_t k0 = q / col_blocks * kKC, n0 = q % col_blocks * cols;
+      packed[q].pack(b + k0 * b_ks + n0 * b_ns, b_ks, b_ns, std::min(kKC, K - k0), std::min(cols, N - n0));
+    }
+  });
   for_each_worker(split.workers, [&](int64_t t) {
     // A's rows copied into pairs block by block even where they are their
     // own pairs (bf16 rows of even K, as multiply_rows reads in place): read
@@ -695,19 +723,22 @@ void gemm_impl(int64_t M, int64_t N, int64_t K, const SrcA* a, int64_t a_rows, i
     // (a bf16 RNN's training call, B=32 T=128 H=256, Zen 5: the products
     // 3.4% of the call longer, the copies 2% of it).
     std::vector<uint32_t, gemm::UninitAllocator<uint32_t>> rows(static_cast<size_t>(row_block * (kKC / 2)));
-    std::vector<float> block(c16 != nullptr ? static_cast<size_t>(row_block * N) : 0);
+    std::vector<float> block(c16 != nullptr ? static_cast<size_t>(row_block * cols) : 0);
     const int64_t r1 = split.begin(t + 1);
-    for (int64_t i = split.begin(t); i < r1; i += row_block) {
-      const int64_t m = std::min(row_block, r1 - i);
-      float* ci = c16 != nullptr ? block.data() : c + i * ldc;
-      const int64_t ldci = c16 != nullptr ? N : ldc;
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        const PackedPairs& bc = packed[ch];
-        rows_to_pairs(m, bc.K, a + i * a_rows + ch * kKC * a_ks, a_rows, a_ks, rows.data());
-        run_mode(m, rows.data(), bc.pairs(), bc, ci, ldci, accumulate || ch > 0);
+    for (int64_t cb = 0; cb < col_blocks; ++cb) {
+      const int64_t n0 = cb * cols, nc = std::min(cols, N - n0);
+      for (int64_t i = split.begin(t); i < r1; i += row_block) {
+        const int64_t m = std::min(row_block, r1 - i);
+        float* ci = c16 != nullptr ? block.data() : c + i * ldc + n0;
+        const int64_t ldci = c16 != nullptr ? nc : ldc;
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          const PackedPairs& bc = packed[ch * col_blocks + cb];
+          rows_to_pairs(m, bc.K, a + i * a_rows + ch * kKC * a_ks, a_rows, a_ks, rows.data());
+          run_mode(m, rows.data(), bc.pairs(), bc, ci, ldci, accumulate || ch > 0);
+        }
+        if (c16 != nullptr)
+          for (int64_t r = 0; r < m; ++r) narrow_bf16(nc, ci + r * nc, c16 + (i + r) * ldc + n0);
       }
-      if (c16 != nullptr)
-        for (int64_t r = 0; r < m; ++r) narrow_bf16(N, ci + r * N, c16 + (i + r) * ldc);
     }
   });
 }
