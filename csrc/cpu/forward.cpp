@@ -29,8 +29,9 @@ namespace rnnkern::cpu {
 // thread, the median of 11-21 interleaved rounds' ratios to torch.nn, one
 // step a product -> kx = 4: LSTM B=64 T=64 H=512 (4 MB) 1.01 -> 1.17x, B=16
 // T=128 H=512 1.17 -> 1.29x, B=32 T=64 H=384 (2.4 MB) 1.14 -> 1.30x, GRU B=64
-// H=512 (3 MB) 1.82 -> 2.01x).  Within L2 it lost 1-6% (LSTM H=256, 2 MB:
-// the block's C outgrows L1 beside the weights), and past 256 rows a product
+// H=512 (3 MB) 1.82 -> 2.01x).  Within L2 it lost 1-8% (LSTM B=32 H=256, 1 MB
+// of weights: likely the block's float32 C, 512 KB at kx = 4, crowding the
+// cache), and past 256 rows a product
 // (B=128 H=512: kx = 4 0.96x of kx = 1, kx = 2 1.01x).  Each row of a
 // product on tiles has the bits it has alone (pairs.h), so kx moves no bit.
 constexpr int64_t kXStepsWeightBytes = int64_t(2) << 20;

@@ -581,8 +581,11 @@ constexpr int64_t kColumnBlockBytes = int64_t(1) << 20;
 
 // Columns per block of B (a multiple of kNR, so that its panels are the
 // whole B's: the same sums), N where a chunk of B is within
-// kColumnBlockBytes or A has one block of rows.
+// kColumnBlockBytes, A has one block of rows, or A's rows are a strided
+// sweep (kSweepRowBlock: converting them again per block of columns would
+// repeat the sweeps from memory; not measured).
 int64_t column_block(int64_t M, int64_t N, int64_t K, int64_t row_block) {
+  if (row_block == kSweepRowBlock) return N;
   const int64_t chunk_pairs = (std::min(K, kKC) + 1) / 2;
   const int64_t panel_bytes =
       (chunk_pairs + kTilePairs - 1) / kTilePairs * kTilePairs * kNR * int64_t(sizeof(uint32_t));
