@@ -127,14 +127,18 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
   // x_own: each worker's rows of x_t W_ih^T, for kx steps at a time (x_steps_per_product).
   const int64_t kx = x_own ? x_steps_per_product(a, split, w_x_slice, w_slice) : 1;
   std::vector<Tensor> xq;
-  std::vector<int64_t> xq_first;  // the first time position of each worker's kx steps
   std::vector<std::vector<uint16_t, gemm::UninitAllocator<uint16_t>>> xg;  // their rows of x, gathered
   for (size_t t = 0; x_own && t < split.unit_workers(); ++t) {
     const auto [r, u, sl] = split.unit_work(t);
     xq.push_back(at::empty({kx * r.nb, w_slice[u].cols()}, opt));
-    xq_first.push_back(0);
     xg.emplace_back(kx > 1 && r.nb < B ? static_cast<size_t>(kx * r.nb * a.x_rows.size(1)) : 0);
   }
+  // The first time position of the kx steps whose x W_ih^T step s reads from
+  // xq (x_inside: no lengths, every row at one position).
+  auto x_block_first = [&](int64_t s) {
+    const int64_t s0 = s - s % kx, m = std::min(kx, T - s0);
+    return a.pos.reverse ? T - s0 - m : s0;
+  };
   for (size_t t = 0; t < split.out_workers(); ++t)
     hq.push_back(at::empty({split.out_work(t).r.nb, split.out_work(t).sl.n}, opt));
   // lstm_ln: the rows' workers (all of them split by rows, one split by
@@ -266,19 +270,18 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
     // x_t W_ih^T (every row at one position): the h_{t-1} W_hh^T below added
     // to it, or (x_own) its own.
     const bool add_h = x_inside && !x_own;
-    if (x_inside && kx > 1) {
-      // Steps s .. s + m - 1 at once (their time positions p0 .. p0 + m - 1,
-      // in either direction; no lengths here): the worker's rows of them, in
-      // place where it has the whole batch, else gathered.
+    if (x_inside && a.bf16_products) {
+      // x_own on pairs: steps s .. s + m - 1 at once (time positions p0 ..
+      // p0 + m - 1, in either direction), the worker's rows of them in place
+      // where it has the whole batch, else gathered.
       if constexpr (std::is_same_v<A, float>) {
         if (s % kx == 0) {
           const int64_t I = a.x_rows.size(1);
           const int64_t m = std::min(kx, T - s);
-          const int64_t p0 = a.pos.reverse ? T - s - m : s;
-          xq_first[t] = p0;
+          const int64_t p0 = x_block_first(s);
           const uint16_t* xb = pairs::bf16_bits(a.x_rows);
           const uint16_t* rows = xb + (p0 * B + r.b0) * I;
-          if (r.nb < B) {
+          if (m > 1 && r.nb < B) {
             for (int64_t i = 0; i < m; ++i)
               std::memcpy(xg[t].data() + i * r.nb * I, xb + ((p0 + i) * B + r.b0) * I,
                           sizeof(uint16_t) * r.nb * I);
@@ -288,17 +291,9 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
         }
       }
     } else if (x_inside) {
-      const int64_t I = a.x_rows.size(1);
-      const int64_t x0 = a.pos.row(a.pos.at(r.b0, s), r.b0) * I;
-      A* c = ptr<A>(x_own ? xq[t] : hproj[t]);
-      bool multiplied_x = false;
-      if constexpr (std::is_same_v<A, float>) {
-        if (a.bf16_products) {
-          step_gemm(nl, pairs::bf16_bits(a.x_rows) + x0, I, w_x_slice[u], c, false);
-          multiplied_x = true;
-        }
-      }
-      if (!multiplied_x) step_gemm<A>(nl, cptr<A>(a.x_rows) + x0, I, w_x_slice[u], c, false);
+      const int64_t x0 = a.pos.row(a.pos.at(r.b0, s), r.b0) * a.x_rows.size(1);
+      step_gemm<A>(nl, cptr<A>(a.x_rows) + x0, a.x_rows.size(1), w_x_slice[u],
+                   ptr<A>(x_own ? xq[t] : hproj[t]), false);
     }
     bool multiplied = false;
     if constexpr (std::is_same_v<A, float>) {
@@ -316,6 +311,7 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
       step_gemm<A>(r.nb, reset_hp + r.b0 * P, P, w_slice[u], ptr<A>(hproj0[t]), false);
     else if (resets && s == 0)
       copy_row(ptr<A>(hproj0[t]), hp, nl * hrow);  // h0 W_hh^T
+    const int64_t x_p0 = x_block_first(s);  // xq's first time position (x_own)
     for (int64_t b = r.b0; b < r.b0 + r.nb; ++b) {
       const int64_t p = a.pos.at(b, s);
       if (p < 0) {
@@ -331,8 +327,8 @@ void forward_impl(const ForwardArgs<A>& a, Tensor& output, Tensor& h_n, Tensor& 
         continue;
       }
       const int64_t row = a.pos.row(p, b);
-      const int64_t xq_row = kx > 1 ? (p - xq_first[t]) * r.nb + (b - r.b0) : b - r.b0;
-      const A* x = x_own ? x_own_of(ptr<A>(xq[t]) + xq_row * G * n, j0, n) : x_of(row, j0, n);
+      const A* x = x_own ? x_own_of(ptr<A>(xq[t]) + ((p - x_p0) * r.nb + b - r.b0) * G * n, j0, n)
+                         : x_of(row, j0, n);
       A* hh = hp + (b - r.b0) * hrow;
       A* w = save ? wsp + row * W + j0 : nullptr;
       A* h = z.has_proj ? ptr<A>(h_full) + b * H + j0 : h_next + b * P + j0;
