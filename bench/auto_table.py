@@ -101,7 +101,9 @@ products' panels prefetched, a step's products past 2 MB panel by panel), the bf
 at b64b27a (the bf16 backward's rows widened as read, its weight gradients in larger blocks: its
 rows replace 35ac72f's), the speech stacks at a5db55a; one-step calls in bfloat16 and float32 at
 1 and 2 threads at 7671b66 (bf16 products on AMX's tiles, one-step calls split in blocks of 32
-rows):
+rows); on 2026-12-06 the bf16 calls of the latency, throughput and short sizes at 1 and 2 threads
+(35a0d9b, after the forward's blocked x W_ih^T), and the bf16 family again with its new size,
+B=16 T=128 H=512 (aa7ca5d: its rows replace b64b27a's):
 
     python -m bench.auto_table \
         bench/results/cpu-xeonamx-2026-12-05-grid-t1-35ac72f/bench.json \
@@ -114,7 +116,13 @@ rows):
         bench/results/cpu-xeonamx-2026-12-05-speech-t1-a5db55a/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-speech-t2-a5db55a/bench.json \
         bench/results/cpu-xeonamx-2026-12-05-step-t1-7671b66/bench.json \
-        bench/results/cpu-xeonamx-2026-12-05-step-t2-7671b66/bench.json
+        bench/results/cpu-xeonamx-2026-12-05-step-t2-7671b66/bench.json \
+        bench/results/cpu-xeonamx-2026-12-06-bf16-grid-t1-35a0d9b/bench.json \
+        bench/results/cpu-xeonamx-2026-12-06-bf16-grid-t2-35a0d9b/bench.json \
+        bench/results/cpu-xeonamx-2026-12-06-bf16-short-t1-35a0d9b/bench.json \
+        bench/results/cpu-xeonamx-2026-12-06-bf16-short-t2-35a0d9b/bench.json \
+        bench/results/cpu-xeonamx-2026-12-06-bf16-t1-aa7ca5d/bench.json \
+        bench/results/cpu-xeonamx-2026-12-06-bf16-t2-aa7ca5d/bench.json
 """
 from __future__ import annotations
 
