@@ -549,19 +549,24 @@ def test_bad_input_clear_errors(cls, name, bad, exc, words, backend):
 
 
 def test_lstm_hx_must_be_a_pair():
-    """A tensor for hx: TypeError (torch.nn indexes it and raises IndexError).  A tuple
-    of another length: torch.nn's RuntimeError, "expects two hidden states" (torch.nn
-    raises an IndexError for a 1-tuple of a sequence module, by indexing it), for the
-    sequence module and the cell alike."""
+    """A batched call's hx that is not a pair: torch.nn's exception types (it indexes
+    hx[0] and hx[1] first), messages saying what was expected.  A tensor without a
+    second state or a 1-tuple: IndexError; a tensor whose states are not 3-D:
+    torch.nn's RuntimeError; a stacked [2, L, B, H] tensor: TypeError (aten's); a
+    tuple of three: RuntimeError, "expects two hidden states"."""
     theirs, ours = _pair("LSTM")
     x, h = torch.randn(3, 2, 4), torch.randn(1, 2, 5)
-    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\)"):
-        ours(x, h)
-    for hx in ((h,), (h, h, h), [h, h, h]):
-        with pytest.raises(RuntimeError, match=rf"LSTM: lstm expects two hidden states.*got {len(hx)}"):
+    cases = [(h, IndexError, r"hx must be a tuple \(h_0, c_0\).*shape \[1, 2, 5\]"),
+             ((h,), IndexError, r"hx must be a tuple \(h_0, c_0\).*tuple of 1"),
+             (torch.randn(2, 2, 5), RuntimeError, r"hx and cx should also be 3-D but got \(2-D, 2-D\)"),
+             (torch.randn(2, 1, 2, 5), TypeError, r"hx must be a tuple \(h_0, c_0\)"),
+             ((h, h, h), RuntimeError, r"LSTM: lstm expects two hidden states.*got 3"),
+             ([h, h, h], RuntimeError, r"LSTM: lstm expects two hidden states.*got 3")]
+    for hx, exc, words in cases:
+        with pytest.raises(exc):
+            theirs(x, hx)
+        with pytest.raises(exc, match=words):
             ours(x, hx)
-    with pytest.raises(RuntimeError, match="lstm expects two hidden states"):
-        theirs(x, (h, h, h))
     for cls in (nn.LSTMCell, rnnkern.LSTMCell):
         cell = cls(4, 5)
         x1, h1 = torch.randn(2, 4), torch.randn(2, 5)
@@ -570,6 +575,71 @@ def test_lstm_hx_must_be_a_pair():
                 cell(x1, hx)
         with pytest.raises(TypeError):
             cell(x1, h1)
+        with pytest.raises(IndexError):  # unbatched: indexed, no second state
+            cell(x1[0], (h1[0],))
+
+
+def _stacked_hx_calls():
+    """(name, module class, kwargs, make inputs) of the calls where torch.nn makes
+    an LSTM's pair of states by indexing hx, so that a stacked tensor (or a longer
+    tuple) works there."""
+    def unbatched(g):
+        return torch.randn(3, 4, generator=g, dtype=torch.float64), \
+            torch.randn(2, 2, 5, generator=g, dtype=torch.float64)
+
+    def unbatched_three(g):
+        x, hx = unbatched(g)
+        return x, [hx[0], hx[1], torch.randn(2, 5, generator=g, dtype=torch.float64)]
+
+    def packed_unsorted(g):
+        x = torch.randn(3, 3, 4, generator=g, dtype=torch.float64)
+        return pack_padded_sequence(x, [2, 3, 1], enforce_sorted=False), \
+            torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64)
+
+    def cell_unbatched(g):
+        return torch.randn(4, generator=g, dtype=torch.float64), \
+            torch.randn(2, 5, generator=g, dtype=torch.float64)
+
+    def cell_unbatched_three(g):
+        return torch.randn(4, generator=g, dtype=torch.float64), \
+            torch.randn(3, 5, generator=g, dtype=torch.float64)
+
+    return [("lstm-unbatched-stacked", "LSTM", dict(num_layers=2), unbatched),
+            ("lstm-unbatched-three", "LSTM", dict(num_layers=2), unbatched_three),
+            ("lstm-packed-unsorted-stacked", "LSTM", dict(num_layers=2, bidirectional=True),
+             packed_unsorted),
+            ("cell-unbatched-stacked", "LSTMCell", {}, cell_unbatched),
+            ("cell-unbatched-three", "LSTMCell", {}, cell_unbatched_three)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "auto"])
+@pytest.mark.parametrize("name,cls,kwargs,make", _stacked_hx_calls(), ids=[c[0] for c in _stacked_hx_calls()])
+def test_lstm_hx_indexed_where_torch_nn_indexes_it(name, cls, kwargs, make, backend):
+    """Where torch.nn's forward makes the LSTM's pair itself, (hx[0], hx[1]) (an
+    unbatched call, a PackedSequence with a permutation), a stacked tensor or a
+    longer tuple works there: the same outputs and gradients here, in float64,
+    the gradient reaching the stacked tensor."""
+    torch.manual_seed(0)
+    theirs = getattr(nn, cls)(4, 5, **kwargs).double()
+    ours = getattr(rnnkern, cls)(4, 5, backend=backend, **kwargs).double()
+    ours.load_state_dict(theirs.state_dict())
+    results = []
+    for m in (theirs, ours):
+        x, hx = make(generator(1))
+        leaves = [hx.requires_grad_()] if isinstance(hx, torch.Tensor) else [h.requires_grad_() for h in hx]
+        out, state = m(x, hx) if cls == "LSTMCell" else (lambda r: (r[0], r[1]))(m(x, hx))
+        outs = [out.data if isinstance(out, PackedSequence) else out, *state]
+        w = [torch.randn(o.shape, generator=generator(2), dtype=o.dtype) for o in outs]
+        grads = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(outs, w)),
+                                    leaves + list(m.parameters()), allow_unused=True)
+        results.append((outs, grads))
+    (want_out, want_grad), (got_out, got_grad) = results
+    for a, b in zip(want_out, got_out):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    for a, b in zip(want_grad, got_grad):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
 # Cells: (name, call(cell, cls), words); torch.nn raises the same type.

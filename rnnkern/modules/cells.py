@@ -65,6 +65,17 @@ class _CellMixin(_RnnkernOptions):
         front)."""
         name = type(self).__name__
         lstm = self.cell in ("lstm", "lstm_ln")
+        if lstm and input.dim() == 1 and isinstance(hx, (Tensor, tuple, list)):
+            # torch.nn checks the rank of every state it iterates over, then makes
+            # an unbatched call's pair by indexing (hx[0], hx[1]): a stacked [2, H]
+            # tensor works there, as does a longer tuple (its first two states).
+            for i, h in enumerate(hx):
+                if isinstance(h, Tensor) and h.dim() not in (1, 2):
+                    raise ValueError(f"{name}: Expected hx[{i}] to be 1D or 2D, got {h.dim()}D instead")
+            if len(hx) < 2:
+                raise IndexError(f"{name}: hx must be a tuple (h, c) of two tensors (torch.nn indexes "
+                                 f"hx[0] and hx[1]), got a {type(hx).__name__} of {len(hx)}")
+            hx = (hx[0], hx[1])
         if lstm and not isinstance(hx, (tuple, list)):
             raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
         if lstm and len(hx) != 2:  # torch.nn: aten's RuntimeError

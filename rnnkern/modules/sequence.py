@@ -848,6 +848,30 @@ class _RecurrentMixin(_RnnkernOptions):
             return (h,)
         return (h, torch.zeros(LD, batch, self.hidden_size, dtype=like.dtype, device=like.device))
 
+    def _as_torch_nn_indexes(self, hx, makes_pair: bool):
+        """An LSTM's hx as torch.nn's forward indexes it (hx[0], hx[1]) before
+        aten sees it: an IndexError where there is no second state; where
+        torch.nn makes its own pair of it (``makes_pair``: an unbatched call, a
+        PackedSequence with a permutation) a stacked [2, L*D, ...] tensor works,
+        as does a longer tuple (its first two states), and code relying on it
+        must keep working; a batched tensor's states must be 3-D
+        (RuntimeError), then aten refuses the tensor itself (TypeError, in
+        _hx_parts).  torch.nn's exception types, messages saying what was
+        expected."""
+        if self.mode != "LSTM" or not isinstance(hx, (Tensor, tuple, list)):
+            return hx
+        name = type(self).__name__
+        if len(hx) < 2 if not isinstance(hx, Tensor) else (hx.dim() == 0 or hx.size(0) < 2):
+            got = f"shape {list(hx.shape)}" if isinstance(hx, Tensor) else f"{len(hx)} state"
+            raise IndexError(f"{name}: hx must be a tuple (h_0, c_0) of two tensors (torch.nn "
+                             f"indexes hx[0] and hx[1]), got a {type(hx).__name__} of {got}")
+        if makes_pair:
+            return (hx[0], hx[1])
+        if isinstance(hx, Tensor) and hx.dim() != 4:
+            raise RuntimeError(f"For batched 3-D input, hx and cx should also be 3-D but got "
+                               f"({hx.dim() - 1}-D, {hx.dim() - 1}-D) tensors")
+        return hx
+
     def _hx_parts(self, hx) -> tuple:
         """hx as a tuple of tensors, its type checked."""
         name = type(self).__name__
@@ -1057,6 +1081,7 @@ class _RecurrentMixin(_RnnkernOptions):
             hx = self._zeros_hidden(B, input)
             self.check_input(input, None)
         else:
+            hx = self._as_torch_nn_indexes(hx, makes_pair=not batched)
             parts = self._hx_parts(hx)
             want = 3 if batched else 2
             if any(h.dim() != want for h in parts):
@@ -1167,6 +1192,8 @@ class _RecurrentMixin(_RnnkernOptions):
         if hx is None:
             hx = self._zeros_hidden(B, data)
         else:
+            if sorted_indices is not None:  # (else torch.nn hands hx to aten as it is)
+                hx = self._as_torch_nn_indexes(hx, makes_pair=True)
             parts = self._hx_parts(hx)
             self._check_hidden(parts, B, data)
             hx = self.permute_hidden(hx, sorted_indices)
