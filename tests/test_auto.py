@@ -106,12 +106,16 @@ ZEN5_RESULTS = ("bench/results/cpu-zen5-2026-12-03-grid-t1-ac1877c/bench.json",
 # products on the tiles; the bf16 family again at b64b27a (the bf16 backward's costs), whose rows
 # replace 35ac72f's; 2026-12-06: bf16 at the latency, throughput and short sizes at 1 and 2 threads
 # (35a0d9b), and the bf16 family with B=16 T=128 H=512 (aa7ca5d), whose rows replace b64b27a's.
-XEON_AMX_RESULTS = tuple(f"bench/results/cpu-xeonamx-2026-12-0{run}/bench.json" for run in (
-    "5-grid-t1-35ac72f", "5-grid-t2-35ac72f", "5-bf16-t1-35ac72f", "5-bf16-t2-35ac72f", "5-bf16-t1-b64b27a",
-    "5-bf16-t2-b64b27a", "5-peers-lstm-t1-35ac72f",
-    "5-speech-t1-a5db55a", "5-speech-t2-a5db55a", "5-step-t1-7671b66", "5-step-t2-7671b66",
-    "6-bf16-grid-t1-35a0d9b", "6-bf16-grid-t2-35a0d9b", "6-bf16-short-t1-35a0d9b",
-    "6-bf16-short-t2-35a0d9b", "6-bf16-t1-aa7ca5d", "6-bf16-t2-aa7ca5d"))
+XEON_AMX_RESULTS = tuple(f"bench/results/{run}/bench.json" for run in (
+    "cpu-xeonamx-2026-12-05-grid-t1-35ac72f", "cpu-xeonamx-2026-12-05-grid-t2-35ac72f",
+    "cpu-xeonamx-2026-12-05-bf16-t1-35ac72f", "cpu-xeonamx-2026-12-05-bf16-t2-35ac72f",
+    "cpu-xeonamx-2026-12-05-bf16-t1-b64b27a", "cpu-xeonamx-2026-12-05-bf16-t2-b64b27a",
+    "cpu-xeonamx-2026-12-05-peers-lstm-t1-35ac72f", "cpu-xeonamx-2026-12-05-speech-t1-a5db55a",
+    "cpu-xeonamx-2026-12-05-speech-t2-a5db55a", "cpu-xeonamx-2026-12-05-step-t1-7671b66",
+    "cpu-xeonamx-2026-12-05-step-t2-7671b66", "cpu-xeonamx-2026-12-06-bf16-grid-t1-35a0d9b",
+    "cpu-xeonamx-2026-12-06-bf16-grid-t2-35a0d9b", "cpu-xeonamx-2026-12-06-bf16-short-t1-35a0d9b",
+    "cpu-xeonamx-2026-12-06-bf16-short-t2-35a0d9b", "cpu-xeonamx-2026-12-06-bf16-t1-aa7ca5d",
+    "cpu-xeonamx-2026-12-06-bf16-t2-aa7ca5d"))
 CPU = torch.device("cpu")
 
 
