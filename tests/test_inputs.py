@@ -627,8 +627,9 @@ def test_lstm_hx_indexed_where_torch_nn_indexes_it(name, cls, kwargs, make, back
     for m in (theirs, ours):
         x, hx = make(generator(1))
         leaves = [hx.requires_grad_()] if isinstance(hx, torch.Tensor) else [h.requires_grad_() for h in hx]
-        out, state = m(x, hx) if cls == "LSTMCell" else (lambda r: (r[0], r[1]))(m(x, hx))
-        outs = [out.data if isinstance(out, PackedSequence) else out, *state]
+        result = m(x, hx)  # LSTMCell: (h, c); LSTM: (output, (h_n, c_n))
+        outs = list(result) if cls == "LSTMCell" else [result[0], *result[1]]
+        outs = [o.data if isinstance(o, PackedSequence) else o for o in outs]
         w = [torch.randn(o.shape, generator=generator(2), dtype=o.dtype) for o in outs]
         grads = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(outs, w)),
                                     leaves + list(m.parameters()), allow_unused=True)

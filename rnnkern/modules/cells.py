@@ -11,8 +11,8 @@ from torch import Tensor
 
 from .. import ops
 from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
-                     _current, _dtype_mismatch, _fx_leaf_call, _promote, _RnnkernOptions,
-                     _runs_torch_nn_forward, _well_formed_state)
+                     _current, _dtype_mismatch, _fx_leaf_call, _indexed_pair, _promote,
+                     _RnnkernOptions, _runs_torch_nn_forward, _well_formed_state)
 
 def _cell_sizes(input_size, hidden_size) -> tuple:
     """The sizes as ints, as torch.nn's cells take them: anything that is an
@@ -72,10 +72,7 @@ class _CellMixin(_RnnkernOptions):
             for i, h in enumerate(hx):
                 if isinstance(h, Tensor) and h.dim() not in (1, 2):
                     raise ValueError(f"{name}: Expected hx[{i}] to be 1D or 2D, got {h.dim()}D instead")
-            if len(hx) < 2:
-                raise IndexError(f"{name}: hx must be a tuple (h, c) of two tensors (torch.nn indexes "
-                                 f"hx[0] and hx[1]), got a {type(hx).__name__} of {len(hx)}")
-            hx = (hx[0], hx[1])
+            hx = _indexed_pair(hx, name, "(h, c)")
         if lstm and not isinstance(hx, (tuple, list)):
             raise TypeError(f"{name}: hx must be a tuple (h, c) of two tensors, got {type(hx).__name__}")
         if lstm and len(hx) != 2:  # torch.nn: aten's RuntimeError

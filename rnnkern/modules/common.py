@@ -162,6 +162,18 @@ def _autocast_dtype(device_type: str, weight: Tensor) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
+def _indexed_pair(hx, name: str, pair: str) -> tuple:
+    """(hx[0], hx[1]) of a tensor, tuple or list, as torch.nn's LSTM forward indexes
+    hx: an IndexError where there is no second state (torch.nn's type), saying what
+    was expected.  ``pair``: how the module names its states, "(h_0, c_0)"."""
+    short = (hx.dim() == 0 or hx.size(0) < 2) if isinstance(hx, Tensor) else len(hx) < 2
+    if short:
+        got = f"shape {list(hx.shape)}" if isinstance(hx, Tensor) else f"{len(hx)} state"
+        raise IndexError(f"{name}: hx must be a tuple {pair} of two tensors (torch.nn indexes "
+                         f"hx[0] and hx[1]), got a {type(hx).__name__} of {got}")
+    return hx[0], hx[1]
+
+
 def _well_formed_state(hx, lstm: bool, shape: tuple, dtype: torch.dtype):
     """``hx`` (not None) as ``(h, c)`` (c None without a cell state) when it is a
     tensor -- a pair of them for an LSTM -- of exactly ``shape`` and ``dtype``;

@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from .. import auto, ops, reference
 from .common import (UNSUPPORTED, _any_autocast, _autocast_dtype, _cast, _check_supported,
                      _current, _dtype_mismatch, _first_weight, _flat_weights, _fx_leaf_call,
-                     _no_torch_nn_twin, _plain_weights, _promote, _RnnkernOptions,
+                     _indexed_pair, _no_torch_nn_twin, _plain_weights, _promote, _RnnkernOptions,
                      _runs_torch_nn_forward, _well_formed_state)
 
 # ------------------------------------------------------ sequence modules ----
@@ -860,13 +860,9 @@ class _RecurrentMixin(_RnnkernOptions):
         expected."""
         if self.mode != "LSTM" or not isinstance(hx, (Tensor, tuple, list)):
             return hx
-        name = type(self).__name__
-        if len(hx) < 2 if not isinstance(hx, Tensor) else (hx.dim() == 0 or hx.size(0) < 2):
-            got = f"shape {list(hx.shape)}" if isinstance(hx, Tensor) else f"{len(hx)} state"
-            raise IndexError(f"{name}: hx must be a tuple (h_0, c_0) of two tensors (torch.nn "
-                             f"indexes hx[0] and hx[1]), got a {type(hx).__name__} of {got}")
+        pair = _indexed_pair(hx, type(self).__name__, "(h_0, c_0)")
         if makes_pair:
-            return (hx[0], hx[1])
+            return pair
         if isinstance(hx, Tensor) and hx.dim() != 4:
             raise RuntimeError(f"For batched 3-D input, hx and cx should also be 3-D but got "
                                f"({hx.dim() - 1}-D, {hx.dim() - 1}-D) tensors")
